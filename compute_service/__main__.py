@@ -1,0 +1,337 @@
+"""`python -m compute_service`: serve one inference worker until SIGTERM/SIGINT, then drain and
+exit 0.
+
+Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
+line on stdout is `listening on HOST:PORT` (the real port when --port 0 was given): the server
+answers health checks (readiness NOT_SERVING) while the model loads, and turns ready once the
+model is loaded and its pool is registered with the cache service. A failed start exits 1.
+
+--tls-cert/--tls-key make the gRPC port TLS, and --tls-ca mutual TLS; the same files secure the
+channel to a remote cache service. --health-port serves health on a port of its own, plaintext
+even then, for Kubernetes `grpc:` probes (which cannot present a client certificate).
+
+L3 (Redis): --redis-url turns it on: this worker writes its pages there (--l3-write-policy,
+write-through by default) and loads pages other workers wrote (--l3-lookup, on by default). The
+lookup is the cache service's: with --cache-service embedded it shares this worker's Redis
+client; a remote cache service needs its own --redis-url (same Redis, same key prefix), or the
+worker's registration is refused and it exits 1 (pass --no-l3-lookup to only write).
+
+LoRA: --max-loaded-adapters slots (memory for --max-lora-rank reserved up front), at most
+--max-loras distinct adapters per engine step; --adapter NAME=PATH (repeatable) loads PEFT
+adapters at start, LoadAdapter / UnloadAdapter at run time.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from cache_service.client import CacheClient, CacheClientError
+from cache_service.core import CacheCore
+from cache_service.errors import CacheError, ErrorCode
+from cache_service.l3 import L3Client, L3Config
+from compute_service.engine import Engine, EngineConfig
+from compute_service.lora import validate_adapter_name
+from compute_service.tiers import WRITE_POLICIES
+from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, Tokenizer, build_preset,
+                                   load_model, load_tokenizer)
+from compute_service.server import ComputeServer, ServerConfig
+from prefixcache.v1 import cache_service_pb2 as cpb
+from service_shell import (ShutdownSignal, TlsConfig, add_flag, add_server_flags,
+                           configure_logging, kv, tls_from_args)
+
+log = logging.getLogger("compute_service")
+
+EMBEDDED = "embedded"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _env_bool(parser: argparse.ArgumentParser, name: str) -> bool | None:
+    """$PREFIXCACHE_<name> as a boolean, None when unset; anything else is a usage error."""
+    value = os.environ.get(f"PREFIXCACHE_{name}")
+    if value is None:
+        return None
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    parser.error(f"PREFIXCACHE_{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+    return None
+
+
+def parse_adapter_specs(parser: argparse.ArgumentParser, specs: list[str]) -> list[tuple[str, str]]:
+    """NAME=PATH pairs, names valid and distinct."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not path:
+            parser.error(f"--adapter {spec!r}: expected NAME=PATH")
+        try:
+            validate_adapter_name(name)
+        except ValueError as exc:
+            parser.error(f"--adapter {spec!r}: {exc}")
+        if name in (n for n, _ in out):
+            parser.error(f"--adapter {spec!r}: adapter {name!r} given twice")
+        out.append((name, path))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    server, engine = ServerConfig(), EngineConfig()
+    p = argparse.ArgumentParser(prog="python -m compute_service", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    flag = functools.partial(add_flag, p)
+    flag("--model", "MODEL", None, f"a preset ({', '.join(PRESETS)}) or a directory with "
+         "config.json + *.safetensors (+ tokenizer.json, else the byte tokenizer)")
+    flag("--model-id", "MODEL_ID", None, "model id in cache namespaces; default: "
+         "PRESET-seedSEED, or the checkpoint directory's name")
+    flag("--seed", "SEED", 0, "seed of a preset's random weights", type=int)
+    flag("--cache-service", "CACHE_SERVICE", EMBEDDED,
+         f"HOST:PORT of the cache service, or '{EMBEDDED}' for an in-process one")
+    flag("--cache-wait-s", "CACHE_WAIT_S", 60.0,
+         "seconds to wait for a remote cache service at startup", type=float)
+    flag("--pool-id", "POOL_ID", None, "this worker's pool id; default: HOSTNAME-PORT")
+    flag("--device-pages", "DEVICE_PAGES", engine.device_pages, "KV pages on the device", type=int)
+    flag("--host-pages", "HOST_PAGES", engine.host_pages, "KV pages in host memory (L2)", type=int)
+    flag("--checkpoint-slots", "CHECKPOINT_SLOTS", engine.checkpoint_slots,
+         "Mamba checkpoint slots (hybrid and Mamba models)", type=int)
+    flag("--page-size", "PAGE_SIZE", engine.page_size, "tokens per KV page", type=int)
+    flag("--token-budget", "TOKEN_BUDGET", engine.token_budget,
+         "tokens computed per engine step", type=int)
+    flag("--max-running", "MAX_RUNNING", engine.max_running,
+         "requests running at once", type=int)
+    flag("--max-context", "MAX_CONTEXT", None,
+         "prompt + output tokens per request; default: the model's max positions", type=int)
+    flag("--device", "DEVICE", "cuda" if torch.cuda.is_available() else "cpu",
+         "where the model runs", choices=["cpu", "cuda"])
+    flag("--dtype", "DTYPE", None, "weights and KV dtype; default bfloat16 on cuda, float32 on "
+         "cpu", choices=list(_DTYPES))
+    flag("--threads", "THREADS", 0, "torch CPU threads, 0 = torch's default", type=int)
+    add_server_flags(p, env_prefix="COMPUTE", host=server.host, port=server.port,
+                     max_message_mb=server.max_message_mb)
+    flag("--max-streams", "MAX_STREAMS", server.max_streams,
+         "concurrent Generate streams", type=int)
+    flag("--grace-s", "GRACE_S", server.grace_s,
+         "seconds running requests get to finish on SIGTERM before they are aborted", type=float)
+    flag("--drain-delay-s", "DRAIN_DELAY_S", server.drain_delay_s,
+         "seconds between readiness NOT_SERVING and refusing new requests on SIGTERM",
+         type=float)
+    flag("--lease-ttl-s", "LEASE_TTL_S", engine.lease_ttl_s, "seconds a request's lease in the "
+         "cache service lives without a step naming it; must exceed the slowest engine step; "
+         "0 = the cache service's default (30)", type=float)
+    # L3 (Redis).
+    l3 = L3Config(url="")
+    flag("--redis-url", "REDIS_URL", "", "L3 page store shared by the workers, "
+         "redis://[:password@]host:port/db or rediss:// for TLS; empty = no L3")
+    flag("--l3-write-policy", "L3_WRITE_POLICY", None, "which pages this worker writes to L3: "
+         "none, write-through (every page once published), write-back (a page when it leaves "
+         "this worker's last local tier), hot (a page once hit --l3-min-hits times); default "
+         "write-through "
+         "with --redis-url, else none", choices=list(WRITE_POLICIES))
+    flag("--l3-min-hits", "L3_MIN_HITS", engine.l3_min_hits,
+         "hot policy: hits before a page is written", type=int)
+    p.add_argument("--l3-lookup", action=argparse.BooleanOptionalAction,
+                   default=_env_bool(p, "L3_LOOKUP"),
+                   help="the cache service probes L3 at every match and this worker loads the "
+                        "pages it finds (env PREFIXCACHE_L3_LOOKUP=1/0; default on with "
+                        "--redis-url). A remote cache service needs its own --redis-url")
+    flag("--l3-timeout-s", "L3_TIMEOUT_S", l3.timeout_s,
+         "per-call Redis timeout; a slower Redis is a miss", type=float)
+    # A shared ConfigMap may set the cache service's name for the prefix; both must agree.
+    flag("--l3-key-prefix", "L3_KEY_PREFIX", os.environ.get("PREFIXCACHE_L3_PREFIX", l3.prefix),
+         "Redis key prefix (keys are PREFIX:MODEL_ID:PAGE_HASH); must equal the cache "
+         "service's --l3-prefix (falls back to PREFIXCACHE_L3_PREFIX)")
+    flag("--l3-ttl-s", "L3_TTL_S", l3.ttl_s, "expiry of written pages, seconds; 0 = none "
+         "(Redis's maxmemory-policy allkeys-lru still evicts)", type=int)
+    flag("--l3-write-queue-mb", "L3_WRITE_QUEUE_MB", engine.l3_write_queue_bytes >> 20,
+         "page bytes waiting for Redis; writes beyond it are dropped, never waited for",
+         type=int)
+    flag("--l3-batch-pages", "L3_BATCH_PAGES", engine.l3_batch_pages,
+         "pages per Redis round trip (writes and loads)", type=int)
+    # LoRA.
+    flag("--max-loaded-adapters", "MAX_LOADED_ADAPTERS", engine.max_loaded_adapters,
+         "LoRA adapter slots, memory reserved at start; 0 = no adapters", type=int)
+    flag("--max-lora-rank", "MAX_LORA_RANK", engine.max_lora_rank,
+         "largest adapter rank accepted", type=int)
+    flag("--max-loras", "MAX_LORAS", engine.max_loras,
+         "distinct adapters one engine step may run; requests for others wait", type=int)
+    p.add_argument("--adapter", action="append", metavar="NAME=PATH", default=None,
+                   help="a PEFT adapter directory to load at start under NAME; repeatable "
+                        "(env PREFIXCACHE_ADAPTERS: NAME=PATH,NAME=PATH)")
+    args = p.parse_args(argv)
+    # One TLS config for both sides: this worker's server and its channel to the cache service.
+    args.tls = tls_from_args(p, args)
+    if args.model is None:
+        p.error("--model (or PREFIXCACHE_MODEL) is required")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    check_l3_args(p, args)
+    check_lora_args(p, args)
+    return args
+
+
+def check_l3_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills the L3 defaults that depend on --redis-url and refuses inconsistent settings."""
+    has_l3 = bool(args.redis_url)
+    if args.l3_write_policy is None:
+        args.l3_write_policy = "write-through" if has_l3 else "none"
+    if args.l3_lookup is None:
+        args.l3_lookup = has_l3
+    if not has_l3 and (args.l3_write_policy != "none" or args.l3_lookup):
+        p.error("--l3-write-policy / --l3-lookup need --redis-url (or PREFIXCACHE_REDIS_URL)")
+    if args.l3_min_hits < 1:
+        p.error("--l3-min-hits: must be >= 1")
+    for name in ("l3_timeout_s", "l3_write_queue_mb", "l3_batch_pages"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')}: must be > 0")
+    if args.l3_ttl_s < 0 or args.lease_ttl_s < 0:
+        p.error("--l3-ttl-s / --lease-ttl-s: must be >= 0")
+    if not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", args.l3_key_prefix):
+        p.error(f"--l3-key-prefix {args.l3_key_prefix!r}: 1..64 characters of [A-Za-z0-9._:-]")
+
+
+def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.adapter is None:
+        env = os.environ.get("PREFIXCACHE_ADAPTERS", "")
+        args.adapter = [s.strip() for s in env.split(",") if s.strip()]
+    args.adapters = parse_adapter_specs(p, args.adapter)
+    if args.max_loaded_adapters < 0:
+        p.error("--max-loaded-adapters: must be >= 0")
+    if args.max_loaded_adapters and (args.max_lora_rank < 1 or args.max_loras < 1):
+        p.error("--max-lora-rank / --max-loras: must be >= 1 (requests naming an adapter would "
+                "never run with --max-loras 0)")
+    if len(args.adapters) > args.max_loaded_adapters:
+        p.error(f"--adapter: {len(args.adapters)} adapters but --max-loaded-adapters "
+                f"{args.max_loaded_adapters}")
+
+
+def l3_client(args: argparse.Namespace) -> L3Client | None:
+    if not args.redis_url:
+        return None
+    default = L3Config(args.redis_url)
+    return L3Client(L3Config(args.redis_url, prefix=args.l3_key_prefix, ttl_s=args.l3_ttl_s,
+                             timeout_s=args.l3_timeout_s,
+                             connect_timeout_s=max(default.connect_timeout_s, args.l3_timeout_s)))
+
+
+def default_pool_id(port: int) -> str:
+    """HOSTNAME-PORT, reduced to the characters a pool id may hold: unique per pod, and per
+    process on one host."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", f"{socket.gethostname()}-{port}")[-128:]
+
+
+def load(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, str]:
+    """The model, its tokenizer and its model id."""
+    dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    if args.model in PRESETS:
+        model = build_preset(args.model, args.seed, dtype, args.device)
+        # The seed is part of the id: two seeds are two models and must not share cache.
+        return model, ByteTokenizer(), args.model_id or f"{args.model}-seed{args.seed}"
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)}) "
+                                "nor a directory with config.json")
+    model = load_model(path, dtype, args.device).eval()
+    return model, load_tokenizer(path, model.config), args.model_id or path.resolve().name
+
+
+def open_cache(spec: str, wait_s: float, tls: TlsConfig | None,
+               l3: L3Client | None = None) -> CacheCore | CacheClient:
+    """The embedded cache service (probing `l3` for remote lookups), or a client of a remote
+    one (which has its own L3 client, if any)."""
+    if spec == EMBEDDED:
+        return CacheCore(remote=l3)
+    client = CacheClient(spec, tls=tls)
+    try:
+        client.wait_until_ready(wait_s)
+    except CacheClientError:
+        client.close()
+        raise
+    return client
+
+
+def engine_config(args: argparse.Namespace, model: CausalLM, model_id: str, port: int,
+                  l3: L3Client | None) -> EngineConfig:
+    return EngineConfig(
+        pool_id=args.pool_id or default_pool_id(port), model_id=model_id,
+        page_size=args.page_size, device_pages=args.device_pages, host_pages=args.host_pages,
+        checkpoint_slots=args.checkpoint_slots, max_running=args.max_running,
+        token_budget=args.token_budget,
+        max_context=args.max_context or model.config.max_position_embeddings,
+        lease_ttl_s=args.lease_ttl_s, l3=l3, l3_write_policy=args.l3_write_policy,
+        l3_min_hits=args.l3_min_hits, l3_lookup=args.l3_lookup,
+        l3_write_queue_bytes=args.l3_write_queue_mb << 20, l3_batch_pages=args.l3_batch_pages,
+        max_loaded_adapters=args.max_loaded_adapters, max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shutdown = ShutdownSignal(log)
+    config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port or None,
+                          health_port=args.health_port or None, tls=args.tls,
+                          max_message_mb=args.max_message_mb, max_streams=args.max_streams,
+                          grace_s=args.grace_s, drain_delay_s=args.drain_delay_s)
+    server = ComputeServer(config).start()
+    print(f"listening on {server.address}", flush=True)
+    if server.metrics_port is not None:
+        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
+    if server.health_port is not None:
+        print(f"health on {args.host}:{server.health_port}", flush=True)
+
+    cache: CacheCore | CacheClient | None = None
+    engine: Engine | None = None
+    try:
+        model, tokenizer, model_id = load(args)
+        l3 = l3_client(args)
+        cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3)
+        try:
+            engine = Engine(model, tokenizer, cache, engine_config(args, model, model_id,
+                                                                   server.port, l3))
+        except CacheError as exc:
+            if exc.code == ErrorCode.FAILED_PRECONDITION and "remote_lookup" in exc.message:
+                raise RuntimeError(
+                    f"the cache service at {args.cache_service} has no L3: start it with "
+                    "--redis-url (the same Redis), or start this worker with --no-l3-lookup "
+                    "(L3 writes only)") from exc
+            raise
+        for name, path in args.adapters:
+            info = engine.load_adapter(name, path)
+            log.info(kv("adapter_loaded", name=name, path=path, rank=info.rank, slot=info.slot,
+                        targets=",".join(info.target_modules)))
+    except Exception:  # bad model or adapter, unreachable cache service, rejected pool: exit 1
+        log.exception(kv("startup_failed", model=args.model, cache_service=args.cache_service))
+        server.drain(grace_s=0)
+        if engine is not None:
+            engine.close()
+        if isinstance(cache, CacheClient):
+            cache.close()
+        return 1
+    server.attach(engine)
+    shutdown.wait()
+    server.drain()
+    if isinstance(cache, CacheClient):
+        # The cache service frees the pool now instead of waiting for its leases to expire, and
+        # its subscribers (the gateway) learn that this worker is gone.
+        try:
+            cache.unregister_pool(cpb.UnregisterPoolRequest(pool_id=engine.cfg.pool_id,
+                                                            epoch=engine.epoch))
+        except CacheClientError as exc:
+            log.warning(kv("unregister_failed", pool=engine.cfg.pool_id, error=exc))
+        cache.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""One request inside the engine, and what it streams back."""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compute_service.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not matched (new, or preempted)
+    RUNNING = "running"  # holds a lease, a Mamba slot and pages
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Output:
+    """What a request streams: new tokens and their text; `stats` set on the last message."""
+    token_ids: list[int]
+    text: str
+    stats: RequestStats | None = None
+
+
+@dataclass(slots=True)
+class RequestStats:
+    request_id: str
+    worker: str
+    prompt_tokens: int
+    cached_tokens_device: int = 0
+    cached_tokens_host: int = 0
+    cached_tokens_remote: int = 0
+    shared_tokens_in_flight: int = 0
+    computed_prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: FinishReason | None = None
+    preemptions: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Invariants while RUNNING: `pages` cover at least `computed` tokens of `tokens`; the first
+    `published` pages are in the cache service's tree; the Mamba slot `slot` holds the state at
+    `computed` when `has_state`."""
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    sink: Callable[[Output], None]
+    adapter: str = ""
+    salt: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    lease: str | None = None
+    lease_tokens: int = 0  # tokens of `tokens` the lease has been told about
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0
+    published: int = 0
+    slot: int = -1
+    lora_slot: int = -1  # adapter registry slot while running, -1 = base model
+    has_state: bool = False
+    aborted: bool = False
+    finish: FinishReason | None = None
+    waited_on_sibling: bool = False
+    resumed: bool = False  # matched before: do not count its hits again
+    # page index -> per-Mamba-layer (ssm, conv) states to store as a checkpoint, or None for
+    # "the running slot" (a decode step ended on that page).
+    checkpoints: dict[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=dict)
+    generator: torch.Generator | None = None
+    text_sent: int = 0
+    first_token_at: float | None = None
+    stats: RequestStats | None = None
+    _packed: bytes = field(default=b"", repr=False)  # token_bytes() so far
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    def token_bytes(self) -> bytes:
+        """The tokens as little-endian u32 (the cache service's packed form and page keys).
+        Kept between calls (every step compares waiting requests with their siblings) and
+        extended as tokens are appended: they are never changed in place."""
+        if len(self._packed) != 4 * self.num_tokens:
+            known = len(self._packed) // 4
+            self._packed += np.asarray(self.tokens[known:], dtype="<u4").tobytes()
+        return self._packed

@@ -1,0 +1,321 @@
+"""Triton paged attention: split-KV decode and causal varlen extend over a paged prefix.
+
+Same signatures and semantics as `attention_ref` (the decode kernel also takes `num_splits`).
+Both kernels look a token's page up in the block table per token, so any page size works with
+any tile size, and every K/V load is masked to the positions the program is entitled to: the
+sequence's length and, with a sliding window, the window. Pages outside that range, which may
+already be recycled (DESIGN.md lesson 2), are never read.
+
+Softmax runs in base 2 (scores pre-multiplied by sm_scale * log2(e)) with fp32 accumulators.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["extend_attention", "paged_decode_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    part_out_ptr, part_lse_ptr,
+    scale_log2, window,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HQ: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (sequence, kv head, split): the GROUP query heads sharing that kv head over one
+    contiguous range of the attended positions. Writes the normalised partial output and its
+    base-2 log-sum-exp (-inf for an empty split) to part_out [B, HQ, S, D] / part_lse [B, HQ, S].
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = tl.cdiv(seq_len - lo, NUM_SPLITS)
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE_SIZE, mask=p_mask, other=0)
+        slot = pos % PAGE_SIZE
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + page.to(tl.int64)[:, None] * stride_kp + slot[:, None] * stride_ks
+            + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + page.to(tl.int64)[:, None] * stride_vp + slot[:, None] * stride_vs
+            + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        # Every tile holds at least one valid position, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    row = (b * HQ + heads) * NUM_SPLITS + split
+    tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    tl.store(
+        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh,
+    HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Combine the splits of one (sequence, query head) by their log-sum-exp weights.
+    Split 0 is never empty (seq_len >= 1), so the maximum lse is finite."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (b * HQ + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    out = tl.sum(weights[:, None] * parts, 0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def _default_num_splits(q: torch.Tensor, num_kv_heads: int) -> int:
+    """Enough (sequence, kv head, split) programs to fill the GPU about twice over."""
+    if not q.is_cuda:
+        return 2
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return max(1, min(16, triton.cdiv(2 * sms, q.shape[0] * num_kv_heads)))
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_cache.shape[2]})"
+        )
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache must be contiguous in the head dimension")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    window: int = 0,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """See `attention_ref.paged_decode_attention`; `num_splits` KV ranges per (seq, kv head)
+    are computed in parallel and merged. No host synchronisation (graph-capturable)."""
+    _check_cache(q, k_cache, v_cache)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    splits = num_splits or _default_num_splits(q, num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+
+    part_out = torch.empty(
+        num_seqs, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device
+    )
+    part_lse = torch.empty(num_seqs, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        part_out, part_lse,
+        sm_scale * _LOG2E, window,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HQ=num_q_heads, PAGE_SIZE=k_cache.shape[1],
+        NUM_SPLITS=splits, HEAD_DIM=head_dim,
+        # tl.dot needs at least 16 rows: the GQA group is padded up with masked heads.
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if block_d <= 64 else 32,
+        BLOCK_D=block_d,
+    )
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        part_out, part_lse, out,
+        out.stride(0), out.stride(1),
+        HQ=num_q_heads, NUM_SPLITS=splits, HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+    )
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, cu_seqlens_ptr, prefix_lens_ptr,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (query block, sequence, query head): flash attention over the key positions any of
+    the block's queries may see, [lo, hi), loaded straight from the paged cache."""
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    prefix = tl.load(prefix_lens_ptr + b)
+    kvh = h // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len
+    q_pos = prefix + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+        + offs_d[None, :],
+        mask=r_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    # Causal: nothing past the block's last query. Window: nothing before the first query's
+    # window, so out-of-window (possibly recycled) pages are excluded from the loads.
+    hi = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+    lo = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE_SIZE, mask=p_mask, other=0)
+        slot = pos % PAGE_SIZE
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + page.to(tl.int64)[:, None] * stride_kp + slot[:, None] * stride_ks
+            + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + page.to(tl.int64)[:, None] * stride_vp + slot[:, None] * stride_vs
+            + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        allowed = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        allowed = tl.where(window > 0, allowed & (pos[None, :] > q_pos[:, None] - window), allowed)
+        s = tl.where(allowed, s, float("-inf"))
+        # A row may have no allowed key in this tile (window start, padding rows): keep its
+        # running max finite so exp2 never sees -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+        + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=r_mask[:, None] & d_mask[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    sm_scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """See `attention_ref.extend_attention`. Reads the longest query length on the host once
+    to size the grid."""
+    _check_cache(q, k_cache, v_cache)
+    total, num_q_heads, head_dim = q.shape
+    num_seqs = prefix_lens.shape[0]
+    out = torch.empty_like(q)
+    if total == 0:
+        return out
+    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    block_d = triton.next_power_of_2(head_dim)
+    block_m = 64 if block_d <= 64 else 32
+    grid = (math.ceil(max_q_len / block_m), num_seqs, num_q_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out,
+        block_tables, cu_seqlens_q, prefix_lens,
+        sm_scale * _LOG2E, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_q_heads // k_cache.shape[2], PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d,
+    )
+    return out

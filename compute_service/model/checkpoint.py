@@ -1,0 +1,202 @@
+"""Hugging Face format checkpoints: config.json + *.safetensors (single file or sharded with
+model.safetensors.index.json), read into `CausalLM` and written back.
+
+Tensor names are mapped per family between HF's modules and ours (see `CausalLM`):
+
+    llama/qwen2/mistral  model.embed_tokens | model.layers.i.{input_layernorm, self_attn,
+                         post_attention_layernorm, mlp} | model.norm | lm_head
+    bamba                model.embed_tokens | model.layers.i.{input_layernorm, self_attn | mamba,
+                         pre_ff_layernorm, feed_forward} | model.final_layernorm | lm_head
+    mamba2               backbone.embeddings (or .embedding) | backbone.layers.i.{norm, mixer} |
+                         backbone.norm_f | lm_head
+
+Mamba's conv1d.weight [C, 1, W] becomes conv_weight [C, W]. With tied embeddings an `lm_head`
+tensor in the file is ignored (HF ties it to the embedding too).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compute_service.model.config import ModelConfig
+from compute_service.model.hf_config import config_from_hf
+from compute_service.model.hf_export import config_to_hf
+from compute_service.model.model import CausalLM
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# Buffers some exporters wrote next to the weights; recomputed here, so skipped.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class _NameMap:
+    prefix: str
+    top: tuple[tuple[str, str], ...]  # (hf name without prefix, our name)
+    layer: tuple[tuple[str, str], ...]  # (hf sub-module prefix, our sub-module prefix)
+
+
+_TRANSFORMER = _NameMap(
+    "model.",
+    (("embed_tokens.weight", "embed.weight"), ("norm.weight", "final_norm.weight")),
+    (
+        ("input_layernorm.", "norm1."),
+        ("self_attn.", "attn."),
+        ("post_attention_layernorm.", "norm2."),
+        ("mlp.", "mlp."),
+    ),
+)
+_NAME_MAPS = {
+    "llama": _TRANSFORMER,
+    "qwen2": _TRANSFORMER,
+    "mistral": _TRANSFORMER,
+    "bamba": _NameMap(
+        "model.",
+        (("embed_tokens.weight", "embed.weight"), ("final_layernorm.weight", "final_norm.weight")),
+        (
+            ("input_layernorm.", "norm1."),
+            ("self_attn.", "attn."),
+            ("mamba.", "mamba."),
+            ("pre_ff_layernorm.", "norm2."),
+            ("feed_forward.", "mlp."),
+        ),
+    ),
+    "mamba2": _NameMap(
+        "backbone.",
+        (
+            ("embeddings.weight", "embed.weight"),
+            ("embedding.weight", "embed.weight"),  # older exports
+            ("norm_f.weight", "final_norm.weight"),
+        ),
+        (("norm.", "norm1."), ("mixer.", "mamba.")),
+    ),
+}
+_MIXER_RENAMES = (
+    ("mamba.conv1d.weight", "mamba.conv_weight"),
+    ("mamba.conv1d.bias", "mamba.conv_bias"),
+)
+
+
+def hf_to_ours(name: str, model_type: str) -> str | None:
+    """Our parameter name for HF tensor `name`, None for tensors that are skipped."""
+    if name == "lm_head.weight":
+        return name
+    if name.endswith(_IGNORED_SUFFIXES):
+        return None
+    m = _NAME_MAPS[model_type]
+    rest = name.removeprefix(m.prefix)
+    for hf, ours in m.top:
+        if rest == hf:
+            return ours
+    match = _LAYER.match(rest)
+    if match:
+        sub = match.group(2)
+        for hf, ours in m.layer:
+            if sub.startswith(hf):
+                sub = ours + sub[len(hf) :]
+                for old, new in _MIXER_RENAMES:
+                    sub = sub.replace(old, new)
+                return f"layers.{match.group(1)}.{sub}"
+    raise ValueError(f"tensor {name!r}: not a known {model_type} weight")
+
+
+def ours_to_hf(name: str, model_type: str) -> str:
+    """HF tensor name of our parameter `name` (the first HF spelling where there are several)."""
+    if name == "lm_head.weight":
+        return name
+    m = _NAME_MAPS[model_type]
+    for hf, ours in m.top:
+        if name == ours:
+            return m.prefix + hf
+    match = _LAYER.match(name)
+    if match is None:
+        raise ValueError(f"parameter {name!r}: no HF name")
+    sub = match.group(2)
+    for old, new in _MIXER_RENAMES:
+        sub = sub.replace(new, old)
+    for hf, ours in m.layer:
+        if sub.startswith(ours):
+            return f"{m.prefix}layers.{match.group(1)}.{hf}{sub[len(ours):]}"
+    raise ValueError(f"parameter {name!r}: no HF name")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """Parse `path/config.json` (raises UnsupportedConfigError naming an unsupported field)."""
+    return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return files
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """Build a CausalLM from an HF-format directory. Every parameter must be present in the
+    files (except `lm_head` with tied embeddings); extra unknown tensors are an error too, since
+    they usually mean a variant this code does not implement."""
+    path = Path(path)
+    cfg = read_config(path)
+    model = CausalLM.empty(cfg, dtype, device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                name = hf_to_ours(hf_name, cfg.model_type)
+                if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if name not in params:
+                    raise ValueError(
+                        f"tensor {hf_name!r} in {file.name}: no such parameter in this config"
+                    )
+                tensor = f.get_tensor(hf_name)
+                target = params[name]
+                if name.endswith("conv_weight"):
+                    tensor = tensor.reshape(tensor.shape[0], -1)
+                if tensor.shape != target.shape:
+                    raise ValueError(
+                        f"tensor {hf_name!r}: shape {tuple(tensor.shape)}, "
+                        f"want {tuple(target.shape)}"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(
+            f"{path}: missing tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+    return model.eval()
+
+
+def save_model(model: CausalLM, path: str | Path) -> None:
+    """Write `model` as an HF checkpoint of its `config.model_type` (config.json +
+    model.safetensors) that both `load_model` and transformers can load. Raises
+    UnsupportedConfigError when the config uses a feature the family cannot express."""
+    cfg = model.config
+    hf_config = config_to_hf(cfg)
+    hf_config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if name.endswith("conv_weight"):
+            t = t[:, None, :]
+        tensors[ours_to_hf(name, cfg.model_type)] = t.contiguous().cpu()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,166 @@
+"""ModelConfig: the one description of every decoder this package runs.
+
+A model is a stack of `num_layers` decoder layers. Each layer is
+
+    h = h + mixer(norm1(h))          mixer = attention or Mamba2, per `layer_types[i]`
+    h = h + mlp(norm2(h))            only when `intermediate_size > 0` (pure Mamba2 has no MLP)
+
+followed by a final RMSNorm and the LM head. Attention is GQA with RoPE (optionally partial,
+i.e. only the first `rotary_dim` channels of each head rotate) and an optional per-layer sliding
+window. Mamba2 is the SSD mixer of the Mamba2 paper (in_proj -> causal depthwise conv1d -> SSD
+scan with dt/A/D -> gated group RMSNorm -> out_proj).
+
+Invariants (checked by `validate()`):
+- `len(layer_types) == len(sliding_windows) == num_layers`;
+- `num_heads % num_kv_heads == 0`; `rotary_dim` is even and `<= head_dim`;
+- `mamba_num_heads * mamba_head_dim == mamba_intermediate_size` and
+  `mamba_num_heads % mamba_n_groups == 0`;
+- a sliding window is only set on attention layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+LayerType = Literal["attention", "mamba"]
+ATTENTION: LayerType = "attention"
+MAMBA: LayerType = "mamba"
+
+
+@dataclass(slots=True, frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `kind` is "linear" (positions divided by `factor`) or "llama3"
+    (the Llama 3.1 wavelength-dependent interpolation, which also uses the three other fields)."""
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shapes and options of one decoder. Sizes are in elements; ids are token ids."""
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[LayerType, ...]
+    # Feed-forward (SwiGLU). 0 means "no MLP sub-layer" (Mamba2 blocks).
+    intermediate_size: int = 0
+    mlp_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    # Keep the residual stream in fp32 whatever the weight dtype (HF Mamba2 `residual_in_fp32`).
+    residual_in_fp32: bool = False
+    # --- attention layers ---
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope_theta: float = 10000.0
+    # Number of leading channels per head that RoPE rotates (NeoX "rotate half" layout within
+    # them); the remaining head_dim - rotary_dim channels pass through unchanged.
+    rotary_dim: int = 0
+    rope_scaling: RopeScaling | None = None
+    # Per layer; 0 = full causal attention, W > 0 = attend to key positions > pos - W.
+    sliding_windows: tuple[int, ...] = ()
+    max_position_embeddings: int = 4096
+    # --- Mamba2 layers ---
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_n_groups: int = 1
+    mamba_conv_kernel: int = 4
+    mamba_intermediate_size: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_chunk_size: int = 256
+    mamba_norm_eps: float = 1e-6
+    # --- tokens / provenance ---
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    # The HF family this config was read from / is written as: llama, qwen2, mistral, mamba2, bamba.
+    model_type: str = "llama"
+
+    # ---- derived views -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """Model layer indices of the attention layers, in order. The k-th entry's KV cache is
+        `ForwardBatch.kv_caches[k]`."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+
+    @property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        """Model layer indices of the Mamba2 layers, in order. The k-th entry's state pool is
+        `ForwardBatch.mamba_states[k]`."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels that go through the conv1d: x, B and C concatenated."""
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_state_size
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> ModelConfig:
+        """Raise ValueError naming the first inconsistent field; return self for chaining."""
+        n = self.num_layers
+        if n == 0:
+            raise ValueError("layer_types: a model needs at least one layer")
+        for t in self.layer_types:
+            if t not in (ATTENTION, MAMBA):
+                raise ValueError(f"layer_types: unknown layer type {t!r}")
+        if len(self.sliding_windows) != n:
+            raise ValueError(f"sliding_windows: has {len(self.sliding_windows)} entries, want {n}")
+        for i, (t, w) in enumerate(zip(self.layer_types, self.sliding_windows)):
+            if w < 0 or (w > 0 and t != ATTENTION):
+                raise ValueError(f"sliding_windows[{i}]: {w} is invalid for a {t} layer")
+        if self.vocab_size <= 0 or self.hidden_size <= 0:
+            raise ValueError("vocab_size/hidden_size: must be positive")
+        if self.attention_layer_ids:
+            if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+                raise ValueError("num_heads/num_kv_heads/head_dim: must be positive")
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError("num_kv_heads: must divide num_heads")
+            if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+                raise ValueError(f"rotary_dim: {self.rotary_dim} must be even and in (0, head_dim]")
+        if self.mamba_layer_ids:
+            if self.mamba_num_heads * self.mamba_head_dim != self.mamba_intermediate_size:
+                raise ValueError(
+                    "mamba_intermediate_size: must equal mamba_num_heads * mamba_head_dim"
+                )
+            if self.mamba_n_groups <= 0 or self.mamba_num_heads % self.mamba_n_groups:
+                raise ValueError("mamba_n_groups: must divide mamba_num_heads")
+            if self.mamba_state_size <= 0 or self.mamba_conv_kernel < 2:
+                raise ValueError("mamba_state_size/mamba_conv_kernel: must be >0 and >=2")
+        return self
+
+    def num_parameters(self) -> int:
+        """Parameter count implied by the shapes (tied embeddings counted once)."""
+        h = self.hidden_size
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for t in self.layer_types:
+            total += h  # norm1
+            if t == ATTENTION:
+                q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+                total += h * (q + 2 * kv) + q * h
+                total += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+            else:
+                nh, di, cd = self.mamba_num_heads, self.mamba_intermediate_size, self.mamba_conv_dim
+                total += h * (di + cd + nh) + (di + cd + nh) * self.mamba_proj_bias
+                total += cd * self.mamba_conv_kernel + cd * self.mamba_conv_bias
+                total += 3 * nh + di + di * h + h * self.mamba_proj_bias
+            if self.intermediate_size:
+                total += h + 3 * h * self.intermediate_size
+                total += (2 * self.intermediate_size + h) * self.mlp_bias
+        return total

@@ -1,0 +1,185 @@
+"""ModelConfig -> Hugging Face `config.json` of its `model_type` family (the inverse of
+`hf_config.config_from_hf`), refusing configs the family cannot express."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compute_service.model.config import ATTENTION, MAMBA, ModelConfig
+from compute_service.model.hf_config import SUPPORTED_MODEL_TYPES, UnsupportedConfigError
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "bamba": "BambaForCausalLM",
+}
+
+
+def _unrepresentable(field: str, model_type: str, why: str) -> UnsupportedConfigError:
+    return UnsupportedConfigError(field, f"cannot be written as model_type {model_type!r}: {why}")
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    legacy: dict[str, Any] = {"rope_theta": cfg.rope_theta}
+    if cfg.rotary_dim != cfg.head_dim:
+        params["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        scaling: dict[str, Any] = {"rope_type": s.kind, "factor": s.factor}
+        if s.kind == "llama3":
+            scaling |= {
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }
+        params |= scaling
+        legacy["rope_scaling"] = scaling
+    # v5 reads rope_parameters; v4 reads the legacy top-level keys. Writing both serves both.
+    return {"rope_parameters": params, **legacy}
+
+
+def _attention_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "intermediate_size": cfg.intermediate_size,
+        **_rope_to_hf(cfg),
+    }
+
+
+def _check_writable(cfg: ModelConfig) -> None:
+    mt = cfg.model_type
+    kinds = set(cfg.layer_types)
+    windows = {w for w in cfg.sliding_windows if w}
+    if mt in ("llama", "qwen2", "mistral"):
+        if kinds != {ATTENTION}:
+            raise _unrepresentable("layer_types", mt, "needs attention layers only")
+        if cfg.intermediate_size <= 0:
+            raise _unrepresentable("intermediate_size", mt, "needs an MLP")
+        if cfg.rotary_dim != cfg.head_dim:
+            raise _unrepresentable("rotary_dim", mt, "needs rotary_dim == head_dim")
+    if mt == "llama" and (windows or cfg.qkv_bias != cfg.o_bias):
+        raise _unrepresentable(
+            "sliding_windows/qkv_bias", mt, "no sliding window, one attention_bias"
+        )
+    if mt == "mistral" and (
+        cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or len(set(cfg.sliding_windows)) != 1
+    ):
+        raise _unrepresentable(
+            "sliding_windows/qkv_bias", mt, "no biases, one window for all layers"
+        )
+    if mt == "qwen2" and (not cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or len(windows) > 1):
+        raise _unrepresentable(
+            "qkv_bias/o_bias/sliding_windows", mt, "qkv bias only, one window value"
+        )
+    if mt == "mamba2":
+        if kinds != {MAMBA} or cfg.intermediate_size:
+            raise _unrepresentable("layer_types", mt, "needs Mamba2 layers only and no MLP")
+        if cfg.mamba_intermediate_size % cfg.hidden_size or cfg.mamba_norm_eps != cfg.rms_norm_eps:
+            raise _unrepresentable(
+                "mamba_intermediate_size/mamba_norm_eps", mt, "integer expand, one eps"
+            )
+    if mt == "bamba":
+        if cfg.intermediate_size <= 0 or windows or cfg.qkv_bias != cfg.o_bias:
+            raise _unrepresentable(
+                "intermediate_size/sliding_windows", mt, "MLP everywhere, no window"
+            )
+        if cfg.attention_layer_ids and (
+            cfg.head_dim * cfg.num_heads != cfg.hidden_size or cfg.rotary_dim != cfg.head_dim // 2
+        ):
+            raise _unrepresentable(
+                "head_dim/rotary_dim", mt, "head_dim = hidden/heads, rotary = head_dim/2"
+            )
+        if cfg.mamba_intermediate_size % cfg.hidden_size or cfg.mamba_norm_eps != cfg.rms_norm_eps:
+            raise _unrepresentable(
+                "mamba_intermediate_size/mamba_norm_eps", mt, "integer expand, one eps"
+            )
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            "model_type", f"{mt!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+        )
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json dict of `cfg` in its `model_type` family; raises UnsupportedConfigError if
+    `cfg` uses a feature that family cannot express."""
+    _check_writable(cfg)
+    mt = cfg.model_type
+    eos: int | list[int] | None = (
+        list(cfg.eos_token_ids)
+        if len(cfg.eos_token_ids) > 1
+        else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    )
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[mt]],
+        "model_type": mt,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    if mt in ("llama", "qwen2", "mistral"):
+        out |= _attention_to_hf(cfg)
+        windows = sorted({w for w in cfg.sliding_windows if w})
+        if mt == "llama":
+            out |= {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+        elif mt == "mistral":
+            out["sliding_window"] = windows[0] if windows else None
+        else:
+            sliding = [w > 0 for w in cfg.sliding_windows]
+            out |= {
+                "use_sliding_window": bool(windows),
+                "sliding_window": windows[0] if windows else None,
+                "max_window_layers": sliding.index(True) if windows else cfg.num_layers,
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            }
+    elif mt == "mamba2":
+        out |= {
+            "num_heads": cfg.mamba_num_heads,
+            "head_dim": cfg.mamba_head_dim,
+            "state_size": cfg.mamba_state_size,
+            "n_groups": cfg.mamba_n_groups,
+            "conv_kernel": cfg.mamba_conv_kernel,
+            "expand": cfg.mamba_intermediate_size // cfg.hidden_size,
+            "use_bias": cfg.mamba_proj_bias,
+            "use_conv_bias": cfg.mamba_conv_bias,
+            "chunk_size": cfg.mamba_chunk_size,
+            "layer_norm_epsilon": cfg.rms_norm_eps,
+            "residual_in_fp32": cfg.residual_in_fp32,
+        }
+    else:
+        if cfg.attention_layer_ids:
+            out |= _attention_to_hf(cfg)
+        else:
+            out |= {
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "intermediate_size": cfg.intermediate_size,
+            }
+        out.pop("head_dim", None)  # BambaConfig derives it from hidden_size / num_attention_heads.
+        out |= {
+            "attention_bias": cfg.qkv_bias,
+            "mlp_bias": cfg.mlp_bias,
+            "attn_layer_indices": list(cfg.attention_layer_ids),
+            "mamba_n_heads": cfg.mamba_num_heads,
+            "mamba_d_head": cfg.mamba_head_dim,
+            "mamba_n_groups": cfg.mamba_n_groups,
+            "mamba_d_state": cfg.mamba_state_size,
+            "mamba_d_conv": cfg.mamba_conv_kernel,
+            "mamba_expand": cfg.mamba_intermediate_size // cfg.hidden_size,
+            "mamba_chunk_size": cfg.mamba_chunk_size,
+            "mamba_conv_bias": cfg.mamba_conv_bias,
+            "mamba_proj_bias": cfg.mamba_proj_bias,
+        }
+    return out

@@ -1,0 +1,124 @@
+"""Stateless building blocks: RMSNorm, gated group RMSNorm, SwiGLU MLP and rotary embedding.
+
+Numerics follow the Hugging Face implementations of the supported families: norms compute in
+fp32 and cast back to the input dtype *before* multiplying by the weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute_service.model.config import ModelConfig, RopeScaling
+from compute_service.model.lora_batch import LayerLora, project
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dim."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """Mamba2's output norm: y = weight * group_rms_norm(x * silu(z)).
+
+    The gate is applied *before* normalising (mamba_ssm `norm_before_gate=False`, which is what
+    HF Mamba2 and Bamba run), and the RMS statistic is taken per group of `size // n_groups`
+    channels, i.e. per SSM group, not over the whole width.
+    """
+
+    def __init__(self, size: int, n_groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.n_groups = n_groups
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x, z: [T, size] -> [T, size] in x's dtype."""
+        dtype = x.dtype
+        x = x.float() * F.silu(z.float())
+        g = x.view(*x.shape[:-1], self.n_groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view_as(x).to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `lora` adds per-token adapter updates of the three
+        projections."""
+        h = F.silu(project(self.gate_proj, x, lora, "gate_proj")) * project(
+            self.up_proj, x, lora, "up_proj"
+        )
+        return project(self.down_proj, h, lora, "down_proj")
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] (fp32), with linear or Llama-3.1 scaling."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    )
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for the first `rotary_dim` channels of each head (see `apply_rope`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int -> cos, sin [T, 1, rotary_dim] in `dtype` (computed in fp32)."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, head_dim] -> same shape, RoPE in the NeoX ("rotate half") layout applied to the
+    first rotary_dim = cos.shape[-1] channels; the rest (partial rotary, e.g. Bamba's 0.5) pass
+    through unchanged."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

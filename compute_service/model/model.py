@@ -1,0 +1,166 @@
+"""CausalLM: the decoder stack and its paged forward pass (the serving engine's entry point)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compute_service.model.attention import PagedAttention
+from compute_service.model.batch import (
+    ForwardBatch,
+    ForwardMode,
+    ForwardOutput,
+    MambaBoundaryStates,
+)
+from compute_service.model.config import ATTENTION, ModelConfig
+from compute_service.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from compute_service.model.mamba import BoundarySelection, Mamba2Mixer, select_boundaries
+
+# Parameters kept in fp32 whatever the model dtype (see CausalLM.cast).
+FP32_PARAMS = ("A_log", "D", "dt_bias")
+
+
+class DecoderLayer(nn.Module):
+    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when intermediate_size > 0)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn: PagedAttention | None = None
+        self.mamba: Mamba2Mixer | None = None
+        if cfg.layer_types[layer_id] == ATTENTION:
+            self.attn = PagedAttention(cfg, cfg.sliding_windows[layer_id])
+        else:
+            self.mamba = Mamba2Mixer(cfg)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.intermediate_size else None
+        self.mlp = (
+            SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+            if cfg.intermediate_size
+            else None
+        )
+
+
+class CausalLM(nn.Module):
+    """Embedding -> DecoderLayer x num_layers -> final RMSNorm -> LM head (tied or not).
+
+    Parameter names (the `state_dict` keys, see `checkpoint.py` for the HF mapping):
+    `embed.weight`, `layers.{i}.norm1.weight`, `layers.{i}.attn.{q,k,v,o}_proj.{weight,bias}`,
+    `layers.{i}.mamba.{in_proj,out_proj}.{weight,bias}`, `layers.{i}.mamba.{conv_weight,
+    conv_bias,dt_bias,A_log,D}`, `layers.{i}.mamba.norm.weight`, `layers.{i}.norm2.weight`,
+    `layers.{i}.mlp.{gate,up,down}_proj.{weight,bias}`, `final_norm.weight`, `lm_head.weight`
+    (absent when tied).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(cfg) if cfg.attention_layer_ids else None
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+        """A model with uninitialised parameters (to be loaded into), built without running the
+        default initialisers, with parameter dtypes as `cast` gives them."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        # to_empty leaves non-persistent buffers uninitialised: rebuild the RoPE table.
+        if model.rotary is not None:
+            model.rotary = RotaryEmbedding(cfg).to(device)
+        return model.cast(dtype)
+
+    def cast(self, dtype: torch.dtype) -> CausalLM:
+        """Convert parameters to `dtype`, except the Mamba A_log, D and dt_bias, which stay fp32
+        (they feed exponentials of the recurrence; HF keeps them in the model dtype, a
+        difference of rounding only)."""
+        for name, p in self.named_parameters():
+            target = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else dtype
+            p.data = p.data.to(target)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> ForwardOutput:
+        """Run T new tokens of B sequences through the paged caches.
+
+        input_ids [T] int64, positions [T] int64 (positions[cu_seqlens_q[b] + j] must equal
+        prefix_lens[b] + j). Writes the new tokens' K/V into `batch.kv_caches` and advances the
+        Mamba slots `batch.state_indices` in `batch.mamba_states`. Returns fp32 logits of
+        `batch.selected_indices()` and, when `batch.mamba_checkpoint_interval > 0` in EXTEND mode
+        and the model has Mamba layers, the states at every page boundary inside the call.
+        """
+        cfg = self.config
+        n_attn, n_mamba = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
+        if len(batch.kv_caches) != n_attn:
+            raise ValueError(
+                f"kv_caches: {len(batch.kv_caches)} pairs for {n_attn} attention layers"
+            )
+        if len(batch.mamba_states) != n_mamba:
+            raise ValueError(
+                f"mamba_states: {len(batch.mamba_states)} pairs for {n_mamba} Mamba layers"
+            )
+        if batch.mode is ForwardMode.DECODE and input_ids.shape[0] != batch.batch_size:
+            raise ValueError("DECODE mode needs exactly one new token per sequence")
+        if batch.lora is not None and len(batch.lora.layers) != cfg.num_layers:
+            raise ValueError(f"lora: {len(batch.lora.layers)} layers for {cfg.num_layers} layers")
+
+        stream_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
+        h = self.embed(input_ids).to(stream_dtype)
+        cos_sin = self.rotary(positions, self.dtype) if self.rotary is not None else None
+        seq_lens = batch.seq_lens() if batch.mode is ForwardMode.DECODE else None
+        boundaries: BoundarySelection | None = None
+        if (
+            batch.mode is ForwardMode.EXTEND
+            and batch.mamba_checkpoint_interval > 0
+            and cfg.mamba_layer_ids
+        ):
+            boundaries = select_boundaries(batch, cfg.mamba_chunk_size)
+        ssm_out: list[torch.Tensor] = []
+        conv_out: list[torch.Tensor] = []
+        attn_i = mamba_i = 0
+        for i, layer in enumerate(self.layers):
+            lora = batch.lora.layers[i] if batch.lora is not None else None
+            x = layer.norm1(h.to(self.dtype))
+            if layer.attn is not None:
+                x = layer.attn(x, cos_sin, batch, batch.kv_caches[attn_i], seq_lens, lora)
+                attn_i += 1
+            else:
+                x, states = layer.mamba(x, batch, batch.mamba_states[mamba_i], boundaries, lora)
+                mamba_i += 1
+                if states is not None:
+                    ssm_out.append(states[0])
+                    conv_out.append(states[1])
+            h = h + x
+            if layer.mlp is not None:
+                h = h + layer.mlp(layer.norm2(h.to(self.dtype)), lora)
+
+        selected = h[batch.selected_indices()]
+        logits = self.logits(self.final_norm(selected))
+        mamba_boundaries = None
+        if boundaries is not None:
+            mamba_boundaries = MambaBoundaryStates(
+                boundaries.seq_index, boundaries.positions, ssm_out, conv_out
+            )
+        return ForwardOutput(logits=logits, mamba_boundaries=mamba_boundaries)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab]."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(normed.to(weight.dtype), weight).float()

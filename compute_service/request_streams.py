@@ -1,0 +1,76 @@
+"""Requests between the engine thread and their Generate handlers: each request's queue of
+outputs, and the registry of running requests by id."""
+from __future__ import annotations
+
+import queue
+import threading
+
+from compute_service.engine import Output
+
+
+class RequestStream:
+    """One request between the engine thread (which puts its outputs) and its Generate handler
+    (which takes them). The engine never blocks on a slow client: outputs queue up here and the
+    handler sends everything queued as one message."""
+
+    __slots__ = ("request_id", "cancel_requested", "_outputs")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        # Set when the client left or Abort named the request: from then on the engine is asked
+        # to abort it again at every token, until it does (see ComputeServicer._sink).
+        self.cancel_requested = False
+        self._outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
+
+    def put(self, out: Output) -> None:
+        self._outputs.put(out)
+
+    def take(self, timeout_s: float) -> list[Output]:
+        """The next outputs (through the final one at most); [] when none came in time."""
+        try:
+            outs = [self._outputs.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while outs[-1].stats is None:
+            try:
+                outs.append(self._outputs.get_nowait())
+            except queue.Empty:
+                break
+        return outs
+
+
+class RunningRequests:
+    """Requests submitted and not finished, by id: ids are unique among them, and Abort and drain
+    find them here."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+        self._changed = threading.Condition()
+
+    def add(self, stream: RequestStream) -> bool:
+        """False (and nothing added) when a request by that id is running."""
+        with self._changed:
+            if stream.request_id in self._streams:
+                return False
+            self._streams[stream.request_id] = stream
+            return True
+
+    def remove(self, request_id: str) -> None:
+        with self._changed:
+            self._streams.pop(request_id, None)
+            self._changed.notify_all()
+
+    def get(self, request_id: str) -> RequestStream | None:
+        with self._changed:
+            return self._streams.get(request_id)
+
+    def snapshot(self) -> list[RequestStream]:
+        with self._changed:
+            return list(self._streams.values())
+
+    def wait_empty(self, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._streams, timeout_s)
+
+    def __len__(self) -> int:
+        return len(self._streams)

@@ -1,0 +1,490 @@
+"""The gRPC shell over `Engine`: ComputeService, health, reflection, metrics and drain.
+
+The engine decides everything (scheduling, caching, sampling); this module translates between
+gRPC and the engine and adds what every production server needs (DESIGN §8). The server starts
+before the model is loaded (liveness SERVING, readiness NOT_SERVING, Generate UNAVAILABLE) and
+becomes ready when `attach` hands it an engine whose pool is registered.
+
+Status codes; every message starts with the field it is about:
+- INVALID_ARGUMENT: malformed input: `request_id` over 128 bytes, `prompt` unset or empty,
+  `prompt.token_ids` outside the vocabulary, `sampling.*` out of range (temperature, top_k, top_p,
+  min_tokens > max_tokens, stop_token_ids outside the vocabulary), an `x-prefixcache-salt`
+  metadata value over 256 bytes or sent twice.
+- OUT_OF_RANGE: a well-formed request that does not fit this worker's context
+  (`max_context_tokens` of GetModelInfo): the prompt alone (`prompt`) or prompt + max_tokens
+  (`sampling.max_tokens`). Not INVALID_ARGUMENT because the same request may fit a worker with a
+  longer context; gRPC defines OUT_OF_RANGE for exactly that ("may be fixed if the system state
+  changes"), so a gateway can route it elsewhere instead of failing it.
+- NOT_FOUND: `adapter` not loaded on this worker (Generate); `name` not loaded (UnloadAdapter).
+- ALREADY_EXISTS: `request_id` names a request still running here; LoadAdapter of a `name`
+  already loaded (unload it first: a name always means one set of weights).
+- RESOURCE_EXHAUSTED: more concurrent Generate streams than `max_streams`; LoadAdapter with
+  every adapter slot in use (`--max-loaded-adapters`; an unloaded adapter's slot is free once
+  the requests still using it ended).
+- INVALID_ARGUMENT for LoadAdapter: `name` not 1..256 characters of [A-Za-z0-9._-], `path`
+  empty or not a readable PEFT adapter directory, or the adapter's own field that this worker
+  cannot serve (`r` above `--max-lora-rank`, `target_modules`, `use_dora`, ...).
+- UNAVAILABLE: the model is still loading, or the server is draining: retry on another worker;
+  UnloadAdapter when the cache service could not be reached to evict the adapter's namespace
+  (the adapter itself is unloaded; its cached pages age out by LRU).
+
+LoadAdapter reads a directory on the worker's own file system, so it is an operator's call:
+expose the compute port to clients only through the gateway.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from cache_service.client import CacheClientError
+from cache_service.core import MAX_NAME_BYTES
+from cache_service.errors import CacheError
+from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
+from compute_service.lora import (AdapterConfigError, AdapterExistsError, AdapterNotFoundError,
+                                  NoFreeSlotError, validate_adapter_name)
+from compute_service.request_streams import RequestStream, RunningRequests
+from compute_service.server_metrics import ComputeMetrics
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from service_shell import (SALT_METADATA_KEY, ServiceShell, ShellPorts, TlsConfig, kv,
+                           server_options, tls_mode)
+
+log = logging.getLogger("compute_service.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
+DEFAULT_MAX_TOKENS = 16  # what max_tokens = 0 means (the proto's contract)
+MAX_REQUEST_ID_BYTES = 128
+# How often a stream waiting for its next token checks that its client is still there (the
+# done-callback is the main path; this bounds a handler thread's life if it was missed).
+_POLL_S = 1.0
+# After the last request of a drain ended, how long its final message gets to reach the client.
+_FLUSH_S = 2.0
+_FINISH_REASON = {FinishReason.STOP: pb.FINISH_REASON_STOP,
+                  FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                  FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "[::]"
+    # 0 = any free port (the bound one is `ComputeServer.port`).
+    port: int = 50052
+    # None = no metrics endpoint; 0 = any free port (the bound one is `ComputeServer.metrics_port`).
+    metrics_port: int | None = None
+    # None = health on `port` only; else also on this plaintext port, for kubelet probes
+    # (0 = any free port; the bound one is `ComputeServer.health_port`).
+    health_port: int | None = None
+    # None = plaintext; else TLS on `port` (mTLS when it has a CA).
+    tls: TlsConfig | None = None
+    max_message_mb: int = 64
+    # Each Generate stream holds a server thread for its whole life; the pool has a few more so
+    # that Abort, GetModelInfo and health checks always find one.
+    max_streams: int = 256
+    # Drain: readiness goes NOT_SERVING; `drain_delay_s` later new Generate calls are refused;
+    # running requests get `grace_s` to finish, then the rest are aborted and get `abort_wait_s`
+    # to send their last message.
+    grace_s: float = 20.0
+    drain_delay_s: float = 0.0
+    abort_wait_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+
+    @property
+    def max_workers(self) -> int:
+        return self.max_streams + 16
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(code, message)
+        self.code, self.message = code, message
+
+
+def model_info(engine: Engine) -> pb.GetModelInfoResponse:
+    """What GetModelInfo answers; `adapters` is as of this call (they come and go)."""
+    mc = engine.model.config
+    return pb.GetModelInfoResponse(
+        model_id=engine.cfg.model_id, architecture=mc.model_type, vocab_size=engine.vocab_size,
+        max_context_tokens=engine.context_limit, page_size=engine.cfg.page_size,
+        num_attention_layers=len(mc.attention_layer_ids),
+        num_mamba_layers=len(mc.mamba_layer_ids), eos_token_ids=engine.eos,
+        worker=engine.cfg.pool_id, adapters=engine.adapter_names())
+
+
+def _stats_pb(s: RequestStats) -> pb.GenerateStats:
+    return pb.GenerateStats(
+        request_id=s.request_id, worker=s.worker, prompt_tokens=s.prompt_tokens,
+        cached_tokens_device=s.cached_tokens_device, cached_tokens_host=s.cached_tokens_host,
+        cached_tokens_remote=s.cached_tokens_remote,
+        shared_tokens_in_flight=s.shared_tokens_in_flight,
+        computed_prompt_tokens=s.computed_prompt_tokens, output_tokens=s.output_tokens,
+        ttft_s=s.ttft_s, total_s=s.total_s, finish_reason=_FINISH_REASON[s.finish_reason],
+        preemptions=s.preemptions)
+
+
+def _response(outs: list[Output]) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(token_ids=[t for o in outs for t in o.token_ids],
+                               text="".join(o.text for o in outs))
+    if outs[-1].stats is not None:
+        resp.stats.CopyFrom(_stats_pb(outs[-1].stats))
+    return resp
+
+
+def _sampling(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    ).validate(vocab_size)
+
+
+def _salt(context: grpc.ServicerContext) -> str:
+    values = [v for k, v in context.invocation_metadata() or () if k == SALT_METADATA_KEY]
+    if len(values) > 1:  # two tenants claimed for one request: never guess which one
+        raise ValueError(f"{SALT_METADATA_KEY}: sent {len(values)} times; a request has one tenant")
+    salt = values[0] if values else ""
+    if len(salt.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"{SALT_METADATA_KEY}: must be at most {MAX_NAME_BYTES} bytes, "
+                         f"got {len(salt.encode())}")
+    return salt
+
+
+class ComputeServicer(pb_grpc.ComputeServiceServicer):
+    """Maps Generate onto `Engine.submit` and its sink, Abort onto `Engine.abort`."""
+
+    def __init__(self, metrics: ComputeMetrics, running: RunningRequests, max_streams: int,
+                 draining: threading.Event):
+        self.engine: Engine | None = None  # set by ComputeServer.attach
+        self.info: pb.GetModelInfoResponse | None = None
+        self._metrics = metrics
+        self._running = running
+        self._stream_slots = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
+        self._draining = draining
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            stream = self._submit(request, context)
+        except _Rejected as exc:
+            self._metrics.rpcs.labels("Generate", exc.code.name).inc()
+            log.info(kv("request_rejected", code=exc.code.name, message=exc.message,
+                        peer=context.peer()))
+            context.abort(exc.code, exc.message)
+        code = grpc.StatusCode.CANCELLED
+        try:
+            while True:
+                outs = stream.take(_POLL_S)
+                if not outs:
+                    if not context.is_active():
+                        return  # the done-callback already asked the engine to abort
+                    continue
+                yield _response(outs)
+                if outs[-1].stats is not None:
+                    code = grpc.StatusCode.OK
+                    return
+        finally:  # also when gRPC drops this generator after the client left
+            self._stream_slots.release()
+            self._metrics.rpcs.labels("Generate", code.name).inc()
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        def abort() -> pb.AbortResponse:
+            if not request.request_id:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            stream = self._running.get(request.request_id)
+            if stream is None:
+                return pb.AbortResponse(aborted=False)
+            self.cancel(stream)
+            log.info(kv("request_abort_requested", request=request.request_id,
+                        peer=context.peer()))
+            return pb.AbortResponse(aborted=True)
+        return self._unary("Abort", abort, context)
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                     context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
+        def info() -> pb.GetModelInfoResponse:
+            resp = pb.GetModelInfoResponse()
+            resp.CopyFrom(self.info)
+            resp.adapters[:] = self.engine.adapter_names()
+            return resp
+        return self._unary("GetModelInfo", info, context)
+
+    def LoadAdapter(self, request: pb.LoadAdapterRequest,
+                    context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
+        def load() -> pb.LoadAdapterResponse:
+            name, path = request.name, request.path
+            try:
+                # The name first, whatever the worker's adapter support: a bad name is bad input.
+                validate_adapter_name(name)
+                if not path:
+                    raise AdapterConfigError("path", "must not be empty")
+                started = time.monotonic()
+                info = self.engine.load_adapter(name, path)
+            except AdapterExistsError as exc:  # an AdapterConfigError: test it first
+                raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            except AdapterConfigError as exc:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            except NoFreeSlotError as exc:
+                raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"name: {exc}") from None
+            except Exception as exc:  # unreadable files: not a server fault, nothing loaded
+                if not _is_read_error(exc):
+                    raise
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"path: cannot read the adapter at {path}: "
+                                f"{type(exc).__name__}: {exc}") from None
+            log.info(kv("adapter_loaded", name=name, path=path, rank=info.rank, slot=info.slot,
+                        targets=",".join(info.target_modules), peer=context.peer(),
+                        seconds=round(time.monotonic() - started, 3)))
+            return pb.LoadAdapterResponse(rank=info.rank, target_modules=info.target_modules)
+        return self._unary("LoadAdapter", load, context)
+
+    def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
+                      context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
+        def unload() -> pb.UnloadAdapterResponse:
+            name = request.name
+            try:
+                validate_adapter_name(name)
+                removed, deferred = self.engine.unload_adapter(name)
+            except AdapterConfigError as exc:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            except AdapterNotFoundError as exc:
+                raise _Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            except (CacheError, CacheClientError) as exc:
+                # The weights are unloaded (new requests get NOT_FOUND); only the eviction of
+                # its cached pages failed, and they can never be hit again: LRU takes them.
+                log.warning(kv("adapter_evict_failed", name=name, error=exc))
+                raise _Rejected(grpc.StatusCode.UNAVAILABLE,
+                                f"name: adapter '{name}' is unloaded, but the cache service "
+                                f"could not evict its cached pages ({exc})") from None
+            log.info(kv("adapter_unloaded", name=name, removed_pages=removed,
+                        deferred_pages=deferred, peer=context.peer()))
+            return pb.UnloadAdapterResponse(removed_pages=removed, deferred_pages=deferred)
+        return self._unary("UnloadAdapter", unload, context)
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Asks the engine to abort `stream`'s request; never blocks (runs in gRPC callbacks)."""
+        stream.cancel_requested = True
+        try:
+            self.engine.abort(stream.request_id)
+        except RuntimeError:
+            # Engine.abort scans the engine's queues without the engine thread holding the lock,
+            # so a concurrent step can break the scan ("deque mutated during iteration") or make
+            # it miss the request. The sink repeats the abort at the next token (engine thread).
+            pass
+
+    def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestStream:
+        engine = self.engine
+        if self._draining.is_set():
+            raise _Rejected(grpc.StatusCode.UNAVAILABLE,
+                            "server is draining; retry on another worker")
+        if engine is None:
+            raise _Rejected(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry later")
+        if not self._stream_slots.acquire(blocking=False):
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"too many concurrent Generate streams (limit {self._max_streams}); "
+                            "retry later")
+        stream: RequestStream | None = None
+        try:
+            request_id = request.request_id or uuid.uuid4().hex
+            if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+                raise ValueError(f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
+            salt = _salt(context)
+            prompt = self._prompt(request, engine)
+            sampling = _sampling(request.sampling, engine.vocab_size)
+            self._check_fits(len(prompt), sampling.max_tokens)
+            stream = RequestStream(request_id)
+            if not self._running.add(stream):
+                stream = None  # the running one is not ours to remove
+                raise _Rejected(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: '{request_id}' is already running")
+            engine.submit(prompt, sampling, lambda out: self._sink(stream, out),
+                          request_id=request_id, adapter=request.adapter, salt=salt)
+        except BaseException as exc:
+            if stream is not None:
+                self._running.remove(stream.request_id)
+            self._stream_slots.release()
+            if isinstance(exc, ValueError):
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if isinstance(exc, LookupError):
+                raise _Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            raise
+        if not context.add_callback(lambda: self._on_rpc_done(stream)):
+            self._on_rpc_done(stream)  # the client left before the callback was registered
+        log.debug(kv("request_started", request=request_id, prompt_tokens=len(prompt),
+                     max_tokens=sampling.max_tokens, adapter=request.adapter, salted=bool(salt),
+                     peer=context.peer()))
+        return stream
+
+    def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "text" and request.text:
+            # Start with BOS when the tokenizer has one, as HF tokenizers' post-processors do for
+            # the llama/mistral families; token-id prompts are taken exactly as sent.
+            tok = engine.tokenizer
+            return tok.encode(request.text, add_bos=tok.bos_token_id is not None)
+        return []  # unset or empty text: Engine.submit names the field
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.info.max_context_tokens
+        if prompt_tokens >= limit:
+            raise _Rejected(grpc.StatusCode.OUT_OF_RANGE,
+                            f"prompt: {prompt_tokens} tokens leave no room for output in this "
+                            f"worker's context of {limit} tokens")
+        if prompt_tokens + max_tokens > limit:
+            raise _Rejected(grpc.StatusCode.OUT_OF_RANGE,
+                            f"sampling.max_tokens: {max_tokens} exceeds the "
+                            f"{limit - prompt_tokens} tokens left in this worker's context of "
+                            f"{limit} after the {prompt_tokens}-token prompt")
+
+    def _sink(self, stream: RequestStream, out: Output) -> None:
+        """Engine thread. Bookkeeping first, so that a client that saw the last message can reuse
+        the request id and reads metrics that include its request."""
+        if out.stats is None:
+            if stream.cancel_requested:
+                # Race-free here: the engine thread is between its queue updates and does not
+                # hold its lock while it calls sinks.
+                self.engine.abort(stream.request_id)
+        else:
+            s = out.stats
+            self._running.remove(stream.request_id)
+            self._metrics.request_finished(s)
+            log.info(kv("request_finished", request=s.request_id, reason=s.finish_reason.value,
+                        prompt_tokens=s.prompt_tokens, cached_device=s.cached_tokens_device,
+                        cached_host=s.cached_tokens_host, cached_remote=s.cached_tokens_remote,
+                        shared=s.shared_tokens_in_flight,
+                        computed=s.computed_prompt_tokens, output_tokens=s.output_tokens,
+                        ttft_s=s.ttft_s, total_s=s.total_s, preemptions=s.preemptions))
+        stream.put(out)
+
+    def _on_rpc_done(self, stream: RequestStream) -> None:
+        """gRPC callback when the call ends for any reason: a request still running lost its
+        client (cancelled, deadline, connection gone), so it is aborted."""
+        if self._running.get(stream.request_id) is stream:
+            log.info(kv("request_cancelled_by_client", request=stream.request_id))
+            self.cancel(stream)
+
+    def _unary(self, method: str, call: Callable[[], object], context: grpc.ServicerContext):
+        code = grpc.StatusCode.OK
+        try:
+            if self.engine is None:
+                raise _Rejected(grpc.StatusCode.UNAVAILABLE,
+                                "the model is still loading; retry later")
+            return call()
+        except _Rejected as exc:
+            code = exc.code
+            log.info(kv("rpc_rejected", method=method, code=code.name, message=exc.message))
+            context.abort(code, exc.message)
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception(kv("rpc_failed", method=method))
+            context.abort(code, f"internal error in {method}; see the compute service log")
+        finally:
+            self._metrics.rpcs.labels(method, code.name).inc()
+
+
+
+def _is_read_error(exc: Exception) -> bool:
+    """An adapter directory whose files cannot be read or parsed (permissions, a truncated
+    safetensors file, a config that is not UTF-8): bad input, not a fault of the server."""
+    return (isinstance(exc, OSError | UnicodeDecodeError)
+            or type(exc).__name__ == "SafetensorError")
+
+
+class ComputeServer(ShellPorts):
+    """A running compute service: gRPC server, health, reflection and metrics over one engine."""
+
+    def __init__(self, config: ServerConfig | None = None):
+        self.config = cfg = config or ServerConfig()
+        self.running = RunningRequests()
+        self.metrics = ComputeMetrics(lambda: self._servicer.engine, lambda: len(self.running))
+        self._shell = ServiceShell(
+            SERVICE_NAME, host=cfg.host, port=cfg.port, max_workers=cfg.max_workers,
+            thread_name_prefix="compute-rpc", options=server_options(cfg.max_message_mb),
+            registry=self.metrics.registry, metrics_port=cfg.metrics_port,
+            health_port=cfg.health_port, tls=cfg.tls)
+        self.health = self._shell.health
+        self._draining = threading.Event()
+        self._drain_started = False
+        self._stopped = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._servicer = ComputeServicer(self.metrics, self.running, cfg.max_streams,
+                                         self._draining)
+        pb_grpc.add_ComputeServiceServicer_to_server(self._servicer, self._shell.server)
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._servicer.engine
+
+    def start(self) -> ComputeServer:
+        """Binds and serves health (ready only once an engine is attached)."""
+        cfg = self.config
+        self._shell.start()
+        log.info(kv("server_started", address=self.address, metrics_port=self.metrics_port,
+                    health_port=self.health_port, tls=tls_mode(cfg.tls),
+                    max_message_mb=cfg.max_message_mb, max_streams=cfg.max_streams))
+        return self
+
+    def attach(self, engine: Engine) -> ComputeServer:
+        """Starts serving `engine` (its pool is registered by its constructor): starts its loop
+        thread and turns readiness SERVING. The server owns the loop from here; drain stops it."""
+        self._servicer.info = model_info(engine)
+        self._servicer.engine = engine
+        engine.start()
+        self.health.set_ready(True)
+        info = self._servicer.info
+        log.info(kv("worker_ready", worker=info.worker, model=info.model_id,
+                    architecture=info.architecture, max_context=info.max_context_tokens,
+                    page_size=info.page_size))
+        return self
+
+    def drain(self, grace_s: float | None = None) -> None:
+        """Graceful stop; idempotent and safe from any thread. Returns once fully stopped."""
+        with self._drain_lock:
+            first, self._drain_started = not self._drain_started, True
+        if not first:
+            self._stopped.wait()
+            return
+        cfg = self.config
+        grace = cfg.grace_s if grace_s is None else grace_s
+        log.info(kv("drain_started", grace_s=grace, drain_delay_s=cfg.drain_delay_s,
+                    open_requests=len(self.running)))
+        # Readiness first, so load balancers stop sending work while it is still served.
+        self.health.set_ready(False)
+        if cfg.drain_delay_s > 0:
+            time.sleep(cfg.drain_delay_s)
+        self._draining.set()  # Generate answers UNAVAILABLE from here on
+        if not self.running.wait_empty(grace):
+            left = self.running.snapshot()
+            log.info(kv("drain_aborting", requests=len(left)))
+            for stream in left:
+                self._servicer.cancel(stream)
+            if not self.running.wait_empty(cfg.abort_wait_s):
+                log.warning(kv("drain_abort_timeout", requests=len(self.running)))
+        self.health.shutdown()
+        self._shell.stop(_FLUSH_S).wait()
+        if self.engine is not None:
+            # Every request has finished or been aborted: stop the loop, then the L3 writer
+            # once it attempted what it queued (pages others may load).
+            self.engine.close()
+        self._shell.close()
+        self._stopped.set()
+        log.info(kv("server_stopped", address=self.address))
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until drained; True when stopped."""
+        return self._stopped.wait(timeout_s)
+
+
+def serve(engine: Engine, config: ServerConfig | None = None) -> ComputeServer:
+    """Builds, starts and attaches a server over an engine (whose loop it then runs)."""
+    return ComputeServer(config).start().attach(engine)

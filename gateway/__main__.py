@@ -1,0 +1,140 @@
+"""`python -m gateway`: route Generate calls to the worker that holds their prefix, until
+SIGTERM/SIGINT, then drain and exit 0.
+
+Workers come from --workers (`COMPUTE_ADDR[@CACHE_ADDR]`, comma separated; the cache address
+defaults to the compute host with --cache-port) or --workers-dns (a headless Kubernetes Service,
+re-resolved every --resolve-interval-s). Callers authenticate with `authorization: Bearer TOKEN`
+metadata, mapped to a tenant and its cache salt by --tenants-file
+(`{"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}`); with --allow-anonymous, calls
+without a token are the tenant "anonymous" with salt "".
+
+Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
+line on stdout is `listening on HOST:PORT`. Readiness turns SERVING once a worker is known and
+its event stream is live. A failed start exits 1, bad flags exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+
+from cache_service.hash import NS_DOMAIN
+from gateway.discovery import DnsWorkers, parse_static, static_workers
+from gateway.policies import POLICY_NAMES
+from gateway.server import GatewayConfig, GatewayServer
+from gateway.tenants import TenantDirectory
+from gateway.tokenize import BYTE
+from gateway.workers import WorkerSettings
+from service_shell import (ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
+                           tls_from_args)
+
+log = logging.getLogger("gateway")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(f"PREFIXCACHE_{name}", "").lower() in ("1", "true", "yes", "on")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cfg, workers = GatewayConfig(), WorkerSettings()
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    flag = functools.partial(add_flag, p)
+    add_server_flags(p, env_prefix="GATEWAY", host=cfg.host, port=cfg.port,
+                     max_message_mb=cfg.max_message_mb)
+    flag("--workers", "WORKERS", None, "static workers: COMPUTE_ADDR[@CACHE_ADDR],...")
+    flag("--workers-dns", "WORKERS_DNS", None, "HOST:PORT of a headless Service whose A/AAAA "
+         "records are the workers' compute addresses")
+    flag("--resolve-interval-s", "RESOLVE_INTERVAL_S", cfg.resolve_interval_s,
+         "seconds between DNS resolutions of --workers-dns", type=float)
+    flag("--cache-port", "CACHE_PORT", 50051, "cache service port of a worker whose address "
+         "names none (its sidecar, at the worker's host)", type=int)
+    flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
+    flag("--tenants-file", "TENANTS_FILE", None,
+         'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
+    p.add_argument("--allow-anonymous", action="store_true",
+                   default=_env_flag("ALLOW_ANONYMOUS"),
+                   help='calls without a token are tenant "anonymous", salt "" (env '
+                        "PREFIXCACHE_ALLOW_ANONYMOUS=1); otherwise UNAUTHENTICATED")
+    flag("--tokenizer", "TOKENIZER", BYTE, "'byte' or a checkpoint directory with "
+         "tokenizer.json: text prompts are tokenized here, as the workers would")
+    flag("--model-id", "MODEL_ID", None, "model id of the fleet; default: the first worker's")
+    flag("--page-size", "PAGE_SIZE", None, "tokens per page; default: the first worker's",
+         type=int)
+    flag("--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
+         "expects; anything but this build's is refused")
+    flag("--stale-after-s", "STALE_AFTER_S", cfg.stale_after_s, "seconds of silence after "
+         "which a worker's index entries count less", type=float)
+    flag("--dead-after-s", "DEAD_AFTER_S", cfg.dead_after_s, "seconds of silence after which "
+         "a worker is not routed to", type=float)
+    flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
+         "seconds between readiness probes of each worker", type=float)
+    flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
+         "heartbeat interval asked of the cache services", type=float)
+    flag("--max-streams", "MAX_STREAMS", cfg.max_streams, "concurrent Generate streams",
+         type=int)
+    flag("--generate-timeout-s", "GENERATE_TIMEOUT_S", cfg.generate_timeout_s,
+         "deadline of a worker call when the client set none", type=float)
+    flag("--grace-s", "GRACE_S", cfg.grace_s, "seconds running streams get to finish on "
+         "SIGTERM before they are aborted", type=float)
+    flag("--drain-delay-s", "DRAIN_DELAY_S", cfg.drain_delay_s, "seconds between readiness "
+         "NOT_SERVING and refusing new calls on SIGTERM", type=float)
+    args = p.parse_args(argv)
+    args.tls = tls_from_args(p, args)
+    if (args.workers is None) == (args.workers_dns is None):
+        p.error("give exactly one of --workers (PREFIXCACHE_WORKERS) and --workers-dns "
+                "(PREFIXCACHE_WORKERS_DNS)")
+    if args.hash_spec != NS_DOMAIN.decode():
+        p.error(f"--hash-spec {args.hash_spec!r}: this gateway implements "
+                f"{NS_DOMAIN.decode()!r} only")
+    if args.tenants_file is None and not args.allow_anonymous:
+        p.error("--tenants-file or --allow-anonymous is required: without either every call "
+                "would be UNAUTHENTICATED")
+    try:
+        args.source = (static_workers(parse_static(args.workers, args.cache_port))
+                       if args.workers is not None
+                       else DnsWorkers(args.workers_dns, args.cache_port))
+        args.tenants = TenantDirectory.from_file(args.tenants_file, args.allow_anonymous)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        workers=args.source, host=args.host, port=args.port,
+        metrics_port=args.metrics_port or None, health_port=args.health_port or None,
+        tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
+        policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
+        model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
+        dead_after_s=args.dead_after_s, resolve_interval_s=args.resolve_interval_s,
+        worker=WorkerSettings(tls=args.tls, max_message_mb=args.max_message_mb,
+                              probe_interval_s=args.probe_interval_s,
+                              heartbeat_interval_s=args.heartbeat_interval_s),
+        generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
+        drain_delay_s=args.drain_delay_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    shutdown = ShutdownSignal(log)
+    try:
+        server = GatewayServer(config_from_args(args)).start()
+    except Exception:  # an unreadable tokenizer, a port in use, a bad certificate
+        log.exception(kv("startup_failed"))
+        return 1
+    print(f"listening on {server.address}", flush=True)
+    if server.metrics_port is not None:
+        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
+    if server.health_port is not None:
+        print(f"health on {args.host}:{server.health_port}", flush=True)
+    shutdown.wait()
+    server.drain()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

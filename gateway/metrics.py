@@ -1,0 +1,64 @@
+"""Prometheus metrics of the gateway. Counters are updated as things happen; the index and
+worker gauges are read from the router at scrape time, so they are never stale."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+MEDIA = ("device", "host", "remote")
+# Routing decisions take tens of microseconds to a few milliseconds (long prompts, many workers).
+_DECISION_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+class _Gauges(Collector):
+    """`snapshot()` -> (index pages per (worker, medium), workers per state), read per scrape."""
+
+    def __init__(self, snapshot: Callable[[], tuple[dict[tuple[str, str], int], dict[str, int]]]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[prometheus_client.Metric]:
+        pages, states = self._snapshot()
+        index = GaugeMetricFamily("prefixcache_gateway_index_pages",
+                                  "Pages the gateway's index holds, by worker and medium.",
+                                  labels=["worker", "medium"])
+        for (worker, medium), n in sorted(pages.items()):
+            index.add_metric([worker, medium], n)
+        workers = GaugeMetricFamily("prefixcache_gateway_workers",
+                                    "Workers the gateway knows, by state (eligible: routed to).",
+                                    labels=["state"])
+        for state, n in sorted(states.items()):
+            workers.add_metric([state], n)
+        yield index
+        yield workers
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = prometheus_client.CollectorRegistry()
+        self.requests = prometheus_client.Counter(
+            "prefixcache_gateway_requests", "Generate calls by the worker that served them and "
+            "outcome (ok, abort, cancelled, or the gRPC status code).",
+            ["worker", "outcome"], registry=r)
+        self.retries = prometheus_client.Counter(
+            "prefixcache_gateway_retries", "Generate calls moved to another worker after this one "
+            "failed before the first token.", ["worker"], registry=r)
+        self.decision_seconds = prometheus_client.Histogram(
+            "prefixcache_gateway_routing_decision_seconds", "Time the routing policy took to "
+            "choose a worker.", buckets=_DECISION_BUCKETS, registry=r)
+        self.prompt_tokens = prometheus_client.Counter(
+            "prefixcache_gateway_prompt_tokens", "Prompt tokens of routed requests.", registry=r)
+        self.matched_tokens = prometheus_client.Counter(
+            "prefixcache_gateway_matched_tokens", "Prompt tokens the chosen worker held by the "
+            "index when it was chosen, by medium.", ["medium"], registry=r)
+        self.cached_tokens = prometheus_client.Counter(
+            "prefixcache_gateway_cached_tokens", "Prompt tokens the workers reported served from "
+            "cache, by medium.", ["medium"], registry=r)
+        self.resyncs = prometheus_client.Counter(
+            "prefixcache_gateway_resyncs", "Event stream resubscriptions after a gap, a new epoch "
+            "or a broken snapshot.", ["worker"], registry=r)
+
+    def watch(self, snapshot: Callable[[], tuple[dict[tuple[str, str], int], dict[str, int]]]) -> None:
+        self.registry.register(_Gauges(snapshot))

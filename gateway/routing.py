@@ -1,0 +1,267 @@
+"""The routing state of the gateway behind one lock: the workers it may route to, the global KV
+index their event streams feed, the policy, and the load tracker (DESIGN §6).
+
+Event feeds (one thread per worker), Generate calls and the preview RPCs all meet here, and
+`KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access to them holds
+`Router.lock`. Hashing a prompt is done by the caller, outside the lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from compute_service.client import ComputeClient
+from gateway.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
+from gateway.metrics import MEDIA, GatewayMetrics
+from gateway.policies import LoadTracker, Policy, RouteDecision, RouteRequest
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache.v1 import gateway_pb2 as gpb
+from service_shell import kv
+
+log = logging.getLogger("gateway.routing")
+
+
+@dataclass(slots=True, eq=False)
+class Worker:
+    """A worker the gateway accepted (its model matches the fleet's)."""
+    name: str  # its pool id
+    address: str
+    cache_address: str
+    client: ComputeClient
+    info: pb.GetModelInfoResponse
+    # Its readiness probe answers SERVING and no call failed on it since.
+    up: bool = True
+    # Its event stream delivered a complete view (a snapshot, or an epoch from seq 0).
+    synced: bool = False
+    # Calls routed to it and not finished. A worker that left keeps its client open for them
+    # (a pod draining after its DNS record went); the last one closes it.
+    calls: int = 0
+    removed: bool = False
+
+
+@dataclass(slots=True)
+class Route:
+    worker: Worker
+    decision: RouteDecision
+    # True when no worker was eligible and the choice ignored the event streams.
+    blind: bool = False
+
+
+class Router:
+    def __init__(self, policy: Policy, metrics: GatewayMetrics,
+                 index_config: IndexConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lock = threading.Lock()
+        self.index = KvIndex(index_config, clock)
+        self.policy = policy
+        self.load = LoadTracker(clock)
+        self.metrics = metrics
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._calls: dict[str, Worker] = {}  # routed request id -> its worker
+        metrics.watch(self._gauges)
+
+    # ----- workers -----------------------------------------------------------------------------
+
+    def add(self, worker: Worker) -> None:
+        with self.lock:
+            self.index.add_worker(worker.name)
+            self._workers[worker.name] = worker
+
+    def remove(self, name: str) -> None:
+        """Forgets a worker: its index entries, its policy state, its load. Its client is
+        closed once no call uses it."""
+        with self.lock:
+            worker = self._workers.pop(name, None)
+            self.index.remove_worker(name)
+            self.policy.remove_worker(name)
+            self.load.remove_worker(name)
+            if worker is not None:
+                worker.removed = True
+            idle = worker is not None and worker.calls == 0
+        if idle:
+            worker.client.close()
+
+    def get(self, name: str) -> Worker | None:
+        with self.lock:
+            return self._workers.get(name)
+
+    def set_up(self, name: str, up: bool) -> bool:
+        """Marks a worker (un)reachable; True when that changed its state."""
+        with self.lock:
+            worker = self._workers.get(name)
+            if worker is None or worker.up == up:
+                return False
+            worker.up = up
+            return True
+
+    def ready(self) -> bool:
+        """At least one worker may be routed to."""
+        with self.lock:
+            now = self._clock()
+            return any(self._eligible(w, now) for w in self._workers.values())
+
+    def max_context_tokens(self) -> int:
+        with self.lock:
+            return min((w.info.max_context_tokens for w in self._workers.values()), default=0)
+
+    def _staleness(self, name: str, now: float) -> float:
+        info = self.index.info(name)
+        return max(0.0, now - info.last_seen) if info is not None else float("inf")
+
+    def _eligible(self, w: Worker, now: float) -> bool:
+        return (w.up and w.synced
+                and self._staleness(w.name, now) <= self.index.config.dead_after_s)
+
+    # ----- event streams -----------------------------------------------------------------------
+
+    def on_stream_item(self, name: str, item: cpb.SubscribeResponse) -> ApplyResult | None:
+        """Applies one item of a worker's event stream; a RESYNC result says where to resume.
+        None when the worker is no longer routed to."""
+        with self.lock:
+            worker = self._workers.get(name)
+            if worker is None:
+                return None
+            if item.WhichOneof("item") == "batch":
+                result = self.index.apply(item.batch)
+            else:
+                result = self.index.heartbeat(item.heartbeat)
+                self.load.report(name, item.heartbeat.load)
+            if result.status is ApplyStatus.RESYNC:
+                worker.synced = False
+            elif result.status is ApplyStatus.APPLIED:
+                info = self.index.info(name)
+                worker.synced = info is not None and not info.in_snapshot
+        if result.status is ApplyStatus.RESYNC:
+            self.metrics.resyncs.labels(name).inc()
+        return result
+
+    # ----- routing -----------------------------------------------------------------------------
+
+    def _candidates(self, exclude: Collection[str]) -> tuple[list[str], bool]:
+        now = self._clock()
+        usable = [w for n, w in sorted(self._workers.items()) if n not in exclude]
+        eligible = [w.name for w in usable if self._eligible(w, now)]
+        if eligible:
+            return eligible, False
+        # No worker has a live stream (the cache services are unreachable, say): route without
+        # cache knowledge rather than refuse work the workers may still do.
+        return [w.name for w in usable if w.up], True
+
+    def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> Route | None:
+        """Chooses a worker and counts the request on it (`finish` undoes that). None when no
+        worker can take it."""
+        with self.lock:
+            candidates, blind = self._candidates(exclude)
+            if not candidates:
+                return None
+            start = time.perf_counter()
+            decision = self.policy.choose(request, candidates, self.index, self.load)
+            self.metrics.decision_seconds.observe(time.perf_counter() - start)
+            self.load.on_route(decision.worker, request.request_id, decision.prefill_tokens)
+            worker = self._workers[decision.worker]
+            worker.calls += 1
+            self._calls[request.request_id] = worker
+        chosen = next((s for s in decision.scores if s.worker == decision.worker), None)
+        self.metrics.prompt_tokens.inc(request.prompt_tokens)
+        if chosen is not None:
+            for medium, tokens in zip(MEDIA, (chosen.device_tokens, chosen.host_tokens,
+                                              chosen.remote_tokens)):
+                self.metrics.matched_tokens.labels(medium).inc(tokens)
+        return Route(worker, decision, blind)
+
+    def first_token(self, request_id: str) -> None:
+        with self.lock:
+            self.load.on_first_token(request_id)
+
+    def finish(self, request_id: str) -> None:
+        """The routed call ended (finished, failed or cancelled)."""
+        with self.lock:
+            self.load.on_finish(request_id)
+            worker = self._calls.pop(request_id, None)
+            if worker is None:
+                return
+            worker.calls -= 1
+            close = worker.removed and worker.calls == 0
+        if close:
+            worker.client.close()
+
+    # ----- introspection -----------------------------------------------------------------------
+
+    def preview(self, request: RouteRequest) -> gpb.RoutePreviewResponse:
+        """What `route` would choose now, and every worker's numbers, changing nothing."""
+        with self.lock:
+            now = self._clock()
+            candidates, blind = self._candidates(())
+            decision = None
+            if candidates:
+                decision = self.policy.preview(request, candidates, self.index, self.load)
+            matches = self.index.lookup(request.page_hashes, now)
+            scores = {s.worker: s for s in decision.scores} if decision else {}
+            rows = []
+            for name, w in sorted(self._workers.items()):
+                m, s, wl = matches.get(name), scores.get(name), self.load.get(name, now)
+                page = request.page_size
+                device, host, remote = ((m.device_pages * page, m.host_pages * page,
+                                         m.remote_pages * page) if m else (0, 0, 0))
+                if s is not None:  # the policy's view (it may count pages it routed lately)
+                    device, host, remote = s.device_tokens, s.host_tokens, s.remote_tokens
+                rows.append(gpb.WorkerScore(
+                    worker=name, address=w.address, device_tokens=device, host_tokens=host,
+                    remote_tokens=remote, in_flight=wl.inflight_requests,
+                    queued_prefill_tokens=wl.queued_prefill_tokens,
+                    score=s.score if s is not None else 0.0,
+                    staleness_s=self._staleness(name, now), eligible=name in candidates))
+        out = gpb.RoutePreviewResponse(policy=self.policy.name, prompt_tokens=request.prompt_tokens,
+                                       candidates=rows)
+        if decision is None:
+            out.reason = "no worker is up"
+            return out
+        out.worker = decision.worker
+        row = next(r for r in rows if r.worker == decision.worker)
+        held = row.device_tokens + row.host_tokens + row.remote_tokens
+        out.reason = (f"holds {held} of {request.prompt_tokens} prompt tokens (device "
+                      f"{row.device_tokens}, host {row.host_tokens}, remote {row.remote_tokens}); "
+                      f"{decision.reason}")
+        if blind:
+            out.reason += "; no worker has a live event stream: routed without cache knowledge"
+        return out
+
+    def list_workers(self) -> gpb.ListWorkersResponse:
+        with self.lock:
+            now = self._clock()
+            out = gpb.ListWorkersResponse()
+            for name, w in sorted(self._workers.items()):
+                info = self.index.info(name)
+                out.workers.add(
+                    worker=name, address=w.address, cache_address=w.cache_address,
+                    epoch=info.epoch if info else 0, last_seq=info.last_seq if info else -1,
+                    device_pages=info.pages[0] if info else 0,
+                    host_pages=info.pages[1] if info else 0,
+                    staleness_s=self._staleness(name, now),
+                    in_flight=self.load.get(name, now).inflight_requests)
+            return out
+
+    def _gauges(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        with self.lock:
+            now = self._clock()
+            pages: dict[tuple[str, str], int] = {}
+            for name in self._workers:
+                info = self.index.info(name)
+                for medium, n in zip(MEDIA, info.pages if info else (0, 0, 0)):
+                    pages[name, medium] = n
+            eligible = sum(self._eligible(w, now) for w in self._workers.values())
+            return pages, {"known": len(self._workers), "eligible": eligible}
+
+    def names(self) -> Sequence[str]:
+        with self.lock:
+            return sorted(self._workers)
+
+
+def log_resync(name: str, result: ApplyResult) -> None:
+    log.info(kv("stream_resync", worker=name, reason=result.reason, epoch=result.resume_epoch,
+                after_seq=result.resume_after_seq))

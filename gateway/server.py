@@ -1,0 +1,204 @@
+"""The gateway server: prefixcache.v1.ComputeService (the workers' API, routed) and
+GatewayService (RoutePreview, ListWorkers) on one port, with health, reflection, metrics, TLS
+and drain from `service_shell` (DESIGN §6, §8).
+
+Generate: authenticate the caller (tenants.py), tokenize a text prompt as the worker would
+(tokenize.py), hash the prompt's pages in the request's namespace (model id, adapter, tenant
+salt), let the policy pick a worker, and proxy the stream with the token ids and the tenant's
+salt as `x-prefixcache-salt` metadata. Salt metadata sent by the client is never forwarded. The
+client's deadline becomes the worker call's; a client that leaves cancels the worker call, which
+aborts the request there. A worker that fails before the first token (UNAVAILABLE: refused,
+dead, draining) is retried once on the next best one; after the first token the client gets
+UNAVAILABLE naming the worker, never a silently truncated stream.
+
+Status codes: UNAUTHENTICATED names the `authorization` header; INVALID_ARGUMENT names the field
+(`prompt`, `request_id`); ALREADY_EXISTS: the tenant already runs `request_id`; UNAVAILABLE: no
+worker can take the request, the gateway is draining, or the worker failed; the workers' own
+codes (INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND, ...) pass through unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.discovery import WorkerAddress
+from gateway.index import IndexConfig
+from gateway.metrics import GatewayMetrics
+from gateway.policies import make_policy
+from gateway.proxy import GenerateProxy, RunningCalls
+from gateway.routing import Router
+from gateway.tenants import TenantDirectory
+from gateway.tokenize import BYTE, load_tokenizer
+from gateway.workers import Fleet, WorkerSet, WorkerSettings
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from prefixcache.v1 import gateway_pb2 as gpb
+from prefixcache.v1 import gateway_pb2_grpc as gpb_grpc
+from service_shell import (ServiceShell, ShellPorts, TlsConfig, enable_reflection, kv,
+                           server_options, tls_mode)
+
+log = logging.getLogger("gateway.server")
+
+COMPUTE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
+GATEWAY_SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["GatewayService"].full_name
+# The shell registers one service name for health; readiness covers the whole server.
+_HEALTH_NAME = GATEWAY_SERVICE_NAME
+# How often readiness is re-evaluated (a worker's stream going live or stale flips it).
+_READINESS_TICK_S = 0.25
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    # Where the workers are: called every `resolve_interval_s` (discovery.parse_static /
+    # DnsWorkers, or a test's own list).
+    workers: Callable[[], list[WorkerAddress]] = list
+    host: str = "[::]"
+    port: int = 50050
+    metrics_port: int | None = None
+    health_port: int | None = None
+    tls: TlsConfig | None = None
+    max_message_mb: int = 64
+    # Each Generate stream holds a server thread for its whole life.
+    max_streams: int = 512
+    policy: str = "affinity"
+    tenants: TenantDirectory = field(default_factory=lambda: TenantDirectory({}, True))
+    tokenizer: str = BYTE
+    # None: from the first worker; workers with another value are refused.
+    model_id: str | None = None
+    page_size: int | None = None
+    # A worker's event stream silent for `stale_after_s` loses routing confidence; after
+    # `dead_after_s` the worker is not routed to.
+    stale_after_s: float = 5.0
+    dead_after_s: float = 30.0
+    resolve_interval_s: float = 10.0
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    # Worker-call deadline when the client set none.
+    generate_timeout_s: float = 600.0
+    # Drain: readiness NOT_SERVING; `drain_delay_s` later new calls are refused; running streams
+    # get `grace_s`, then are aborted on their workers and get `abort_wait_s` to end.
+    grace_s: float = 20.0
+    drain_delay_s: float = 0.0
+    abort_wait_s: float = 5.0
+
+    @property
+    def max_workers(self) -> int:
+        return self.max_streams + 16
+
+
+class GatewayServicer(gpb_grpc.GatewayServiceServicer):
+    def __init__(self, proxy: GenerateProxy, router: Router):
+        self._proxy, self._router = proxy, router
+
+    def RoutePreview(self, request: gpb.RoutePreviewRequest,
+                     context: grpc.ServicerContext) -> gpb.RoutePreviewResponse:
+        tenant = self._proxy.authenticate(context)
+        route_request = self._proxy.route_request(request.request, tenant, context,
+                                                  request.request.request_id or "preview")
+        return self._router.preview(route_request)
+
+    def ListWorkers(self, request: gpb.ListWorkersRequest,
+                    context: grpc.ServicerContext) -> gpb.ListWorkersResponse:
+        self._proxy.authenticate(context)
+        return self._router.list_workers()
+
+
+class GatewayServer(ShellPorts):
+    """A running gateway. `start()`, then `drain()` (idempotent, any thread)."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = cfg = config
+        self.metrics = GatewayMetrics()
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        self.router = Router(make_policy(cfg.policy), self.metrics,
+                             IndexConfig(stale_after_s=cfg.stale_after_s,
+                                         dead_after_s=cfg.dead_after_s))
+        self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer.vocab_size)
+        self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker)
+        self.running = RunningCalls()
+        self._draining = threading.Event()
+        self.proxy = GenerateProxy(self.router, self.fleet, cfg.tenants, tokenizer, self.metrics,
+                                   self.running, self._draining, cfg.generate_timeout_s)
+        self._shell = ServiceShell(
+            _HEALTH_NAME, host=cfg.host, port=cfg.port, max_workers=cfg.max_workers,
+            thread_name_prefix="gateway-rpc", options=server_options(cfg.max_message_mb),
+            registry=self.metrics.registry, metrics_port=cfg.metrics_port,
+            health_port=cfg.health_port, tls=cfg.tls)
+        self.health = self._shell.health
+        pb_grpc.add_ComputeServiceServicer_to_server(self.proxy, self._shell.server)
+        gpb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self.proxy, self.router),
+                                                      self._shell.server)
+        # The shell's reflection names one service; this registration (the later one wins)
+        # lists both. TODO(service_shell): take several service names.
+        enable_reflection(self._shell.server, COMPUTE_SERVICE_NAME, GATEWAY_SERVICE_NAME)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._drain_started = False
+        self._loop = threading.Thread(target=self._watch, name="gateway-watch", daemon=True)
+
+    def start(self) -> GatewayServer:
+        cfg = self.config
+        self._shell.start()
+        self.workers.refresh()
+        self._loop.start()
+        log.info(kv("server_started", address=self.address, metrics_port=self.metrics_port,
+                    health_port=self.health_port, tls=tls_mode(cfg.tls), policy=cfg.policy,
+                    tokenizer=cfg.tokenizer, tenants=len(cfg.tenants),
+                    anonymous=cfg.tenants.allow_anonymous))
+        return self
+
+    def _watch(self) -> None:
+        """Readiness (a worker with a live stream) and periodic discovery."""
+        next_resolve = time.monotonic() + self.config.resolve_interval_s
+        ready = False
+        while not self._stop.wait(_READINESS_TICK_S):
+            if time.monotonic() >= next_resolve:
+                next_resolve = time.monotonic() + self.config.resolve_interval_s
+                try:
+                    self.workers.refresh()
+                except Exception:  # a bad answer must not end discovery for good
+                    log.exception(kv("discovery_failed"))
+            now_ready = self.router.ready() and not self._draining.is_set()
+            if now_ready != ready and not self._drain_started:
+                ready = now_ready
+                self.health.set_ready(ready)
+                log.info(kv("readiness", ready=ready, workers=len(self.router.names())))
+
+    def drain(self, grace_s: float | None = None) -> None:
+        with self._drain_lock:
+            first, self._drain_started = not self._drain_started, True
+        if not first:
+            self._stopped.wait()
+            return
+        cfg = self.config
+        grace = cfg.grace_s if grace_s is None else grace_s
+        log.info(kv("drain_started", grace_s=grace, open_requests=len(self.running)))
+        self.health.set_ready(False)
+        if cfg.drain_delay_s > 0:
+            time.sleep(cfg.drain_delay_s)
+        self._draining.set()
+        if not self.running.wait_empty(grace):
+            log.info(kv("drain_aborting", requests=len(self.running)))
+            self.proxy.abort_all()
+            if not self.running.wait_empty(cfg.abort_wait_s):
+                log.warning(kv("drain_abort_timeout", requests=len(self.running)))
+        self.health.shutdown()
+        self._shell.stop(1.0).wait()
+        self._stop.set()
+        self._loop.join(5)
+        self.workers.close()
+        self._shell.close()
+        self._stopped.set()
+        log.info(kv("server_stopped", address=self.address))
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._stopped.wait(timeout_s)
+
+
+def serve(config: GatewayConfig) -> GatewayServer:
+    return GatewayServer(config).start()

@@ -1,0 +1,24 @@
+"""The service shell every gRPC server of this project wires the same way (DESIGN §8): server
+and channel options, health probes (also on a dedicated plaintext port), reflection, TLS/mTLS
+from files, the Prometheus endpoint, the SIGTERM wait, structured logs and flags that fall back
+to PREFIXCACHE_* environment variables.
+
+torch-free, so the cache service, the compute service's client and the gateway can all use it.
+"""
+from service_shell.flags import (add_flag, add_server_flags, add_tls_flags, env_default,
+                                 tls_from_args)
+from service_shell.grpc_server import bind, enable_reflection, new_server
+from service_shell.health import HealthPort, HealthProbes
+from service_shell.logs import LOG_LEVELS, configure_logging, kv
+from service_shell.metadata import SALT_METADATA_KEY
+from service_shell.metrics import MetricsEndpoint
+from service_shell.options import channel_options, server_options
+from service_shell.shell import ServiceShell, ShellPorts
+from service_shell.signals import ShutdownSignal
+from service_shell.tls import TlsConfig, open_channel, tls_mode
+
+__all__ = ["LOG_LEVELS", "SALT_METADATA_KEY", "HealthPort", "HealthProbes", "MetricsEndpoint",
+           "ServiceShell", "ShellPorts", "ShutdownSignal", "TlsConfig", "add_flag",
+           "add_server_flags", "add_tls_flags", "bind", "channel_options", "configure_logging",
+           "enable_reflection", "env_default", "kv", "new_server", "open_channel",
+           "server_options", "tls_from_args", "tls_mode"]

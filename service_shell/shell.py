@@ -1,0 +1,106 @@
+"""`ServiceShell`: the gRPC server of one service with everything DESIGN §8 puts around it, so a
+service adds only its servicer and its drain."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import prometheus_client
+
+from service_shell.grpc_server import bind, enable_reflection, new_server
+from service_shell.health import HealthPort, HealthProbes
+from service_shell.metrics import MetricsEndpoint
+from service_shell.tls import TlsConfig
+
+
+class ServiceShell:
+    """A gRPC server (`server`: add the service's servicer to it before `start`) with health
+    probes (`health`) and reflection on its port, TLS when `tls` is given, and optionally the
+    Prometheus endpoint of `registry` and a dedicated plaintext health port.
+
+    Ports: `port` 0 binds any free one, and so do `metrics_port` / `health_port`, where None
+    means none at all. The bound ports are the attributes of the same names after `start`.
+
+    A drain is the service's own: it turns `health` not ready, waits as it sees fit, calls
+    `health.shutdown()`, then `stop(grace)`, and `close()` once the server stopped.
+    """
+
+    def __init__(self, service_name: str, *, host: str, port: int, max_workers: int,
+                 thread_name_prefix: str, options: list[tuple[str, int | str]],
+                 registry: prometheus_client.CollectorRegistry,
+                 metrics_port: int | None = None, health_port: int | None = None,
+                 tls: TlsConfig | None = None):
+        self.host = host
+        self.health = HealthProbes(service_name)
+        self.server = new_server(max_workers, thread_name_prefix, options)
+        self.health.add_to(self.server)
+        enable_reflection(self.server, service_name)
+        self.tls = tls
+        self.port = 0
+        self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self._requested = (port, metrics_port, health_port)
+        self._registry = registry
+        self._metrics: MetricsEndpoint | None = None
+        self._health_port: HealthPort | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Binds every port and starts serving; OSError (and nothing left open) when a port
+        cannot be bound."""
+        port, metrics_port, health_port = self._requested
+        # Credentials first: a bad certificate fails the start before any port is taken.
+        credentials = self.tls.server_credentials() if self.tls is not None else None
+        try:
+            self.port = bind(self.server, self.host, port, credentials)
+            if metrics_port is not None:
+                self._metrics = MetricsEndpoint(self.host, metrics_port, self._registry)
+                self.metrics_port = self._metrics.port
+            if health_port is not None:
+                self._health_port = HealthPort(self.health, self.host, health_port)
+                self.health_port = self._health_port.port
+        except BaseException:
+            self.server.stop(None)
+            self.close()
+            raise
+        self.server.start()
+
+    def stop(self, grace_s: float | None) -> threading.Event:
+        """Refuses new calls and gives running ones `grace_s`; the event is set once stopped."""
+        return self.server.stop(grace_s)
+
+    def close(self) -> None:
+        """Closes the metrics endpoint and the health port: the last step of a drain, so that
+        probes see NOT_SERVING (not a refused connection) for as long as the drain lasts."""
+        if self._health_port is not None:
+            self._health_port.close()
+            self._health_port = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+
+class ShellPorts:
+    """`port`, `metrics_port`, `health_port` and `address` of a service server that keeps its
+    `ServiceShell` in `self._shell` (bound values after `start`)."""
+
+    _shell: ServiceShell
+
+    @property
+    def port(self) -> int:
+        return self._shell.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._shell.metrics_port
+
+    @property
+    def health_port(self) -> int | None:
+        return self._shell.health_port
+
+    @property
+    def address(self) -> str:
+        return self._shell.address

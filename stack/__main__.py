@@ -1,0 +1,123 @@
+"""The main job: the whole stack on this machine, a demo workload through it, a readable summary.
+
+    python -m stack [--keep-running] [--model tiny-hybrid] [--workers 2]
+
+Starts, each health-checked before the next: Redis (the local redis-server, as the L3 page store;
+without one the stack runs without L3 and says so), the cache service, N compute workers on a tiny
+preset on CPU, and the gateway. Logs go to runs/<time>/<service>.log. Then it sends the demo
+workload through the gateway (stack/workload.py), prints per request the TTFT, the tokens found in
+cache by medium, the worker chosen and why, and the totals, and stops everything cleanly (also on
+Ctrl-C). With --keep-running the stack stays up for outside clients until Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import sys
+import time
+
+from stack import workload
+from stack.launcher import Stack, free_port, python_module, redis_server_binary
+
+TOKENS = {"alice": "demo-token-alice", "bob": "demo-token-bob"}
+ADAPTER = "demo-lora"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-hybrid", help="preset every worker serves")
+    parser.add_argument("--workers", type=int, default=2, help="compute workers (default 2)")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="after the demo, keep the stack up until Ctrl-C")
+    args = parser.parse_args(argv)
+    run_dir = pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(run_dir)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+    try:
+        gateway = start_stack(stack, run_dir, args)
+        client = workload.Client(gateway, TOKENS)
+        print("\nrunning the demo workload through the gateway...", flush=True)
+        workload.run(client, ADAPTER, drain_worker=(lambda: drain_busiest(stack, client))
+                     if args.workers > 1 and stack.has("redis") else None)
+        print()
+        print(workload.summary(client.rows))
+        client.close()
+        if args.keep_running:
+            print(f"\nthe stack is up: gateway {gateway} (tokens: {', '.join(TOKENS.values())}); "
+                  f"logs in {run_dir}. Try:\n  grpcurl -plaintext -H 'authorization: Bearer "
+                  f"{TOKENS['alice']}' -d '{{\"text\": \"Hello\"}}' {gateway} "
+                  f"prefixcache.v1.ComputeService/Generate\nCtrl-C stops it.", flush=True)
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the stack", flush=True)
+    except RuntimeError as exc:
+        print(f"\nstack failed: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    codes = stack.stop()
+    bad = [(name, code) for name, code in codes if code not in (0, -signal.SIGTERM)]
+    print("all services stopped cleanly" if not bad else f"services exited badly: {bad}")
+    return 0 if not bad else 1
+
+
+def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> str:
+    redis_url = ""
+    if redis_server_binary():
+        port = free_port()
+        stack.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--maxmemory", "256mb",
+                              "--maxmemory-policy", "allkeys-lru"],
+                    f"127.0.0.1:{port}", grpc_health=False)
+        redis_url = f"redis://127.0.0.1:{port}/0"
+        print(f"redis (L3)        127.0.0.1:{port}")
+    else:
+        print("redis-server is not installed: running WITHOUT the L3 tier (scripts/setup.sh "
+              "installs it with apt-get where it can)")
+    l3 = ["--redis-url", redis_url] if redis_url else []
+    cache = f"127.0.0.1:{free_port()}"
+    stack.start("cache_service", python_module("cache_service", "--host", "127.0.0.1", "--port",
+                                               cache.rsplit(":", 1)[1], *l3), cache)
+    print(f"cache service     {cache}")
+    adapter_dir = run_dir / ADAPTER
+    write_demo_adapter(adapter_dir, args.model)
+    workers = []
+    for i in range(1, args.workers + 1):
+        address = f"127.0.0.1:{free_port()}"
+        stack.start(f"worker-{i}", python_module(
+            "compute_service", "--model", args.model, "--cache-service", cache,
+            "--pool-id", f"worker-{i}", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+            "--threads", "1", "--device-pages", "512", "--adapter", f"{ADAPTER}={adapter_dir}",
+            *(l3 + ["--l3-write-policy", "write-through", "--l3-lookup"] if l3 else [])), address)
+        workers.append(f"{address}@{cache}")
+        print(f"worker-{i}          {address} ({args.model}, adapter {ADAPTER})")
+    tenants = run_dir / "tenants.json"
+    tenants.write_text(json.dumps({"tokens": {tok: {"tenant": name, "salt": f"salt-{name}"}
+                                              for name, tok in TOKENS.items()}}))
+    gateway = f"127.0.0.1:{free_port()}"
+    stack.start("gateway", python_module("gateway", "--host", "127.0.0.1", "--port",
+                                         gateway.rsplit(":", 1)[1], "--workers", ",".join(workers),
+                                         "--tenants-file", str(tenants)), gateway)
+    print(f"gateway           {gateway} (logs: {run_dir})")
+    return gateway
+
+
+def drain_busiest(stack: Stack, client: workload.Client) -> None:
+    """Stops (SIGTERM: drain, exit 0) the worker that served the conversations."""
+    name = next(r.worker for r in client.rows if r.name.startswith("chat"))
+    print(f"\ndraining {name} (a rolling update); the conversations continue elsewhere...", flush=True)
+    stack.stop_one(name)
+    time.sleep(1.0)  # the gateway notices on its next probe; a request that races it is retried
+
+
+def write_demo_adapter(path: pathlib.Path, preset: str) -> None:
+    """A random PEFT adapter for the preset (torch is only imported here, for this)."""
+    from compute_service.lora import write_random_adapter
+    write_random_adapter(path, preset, rank=8, seed=11)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

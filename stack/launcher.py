@@ -1,0 +1,110 @@
+"""Start the services of a local stack as child processes, one log each, health-checked in order,
+and stop them cleanly (SIGTERM, then SIGKILL after a grace period), also on Ctrl-C."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    argv: list[str]
+    log_path: pathlib.Path
+    address: str = ""
+    proc: subprocess.Popen | None = None
+    log: object = None
+
+
+@dataclass
+class Stack:
+    """The processes of one local run; `stop()` ends them in reverse start order."""
+    run_dir: pathlib.Path
+    services: list[Service] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], address: str, ready_timeout_s: float = 120.0,
+              grpc_health: bool = True) -> Service:
+        svc = Service(name, argv, self.run_dir / f"{name}.log", address)
+        svc.log = open(svc.log_path, "w")
+        svc.proc = subprocess.Popen(argv, stdout=svc.log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # Ctrl-C reaches us, not them
+        self.services.append(svc)
+        wait_ready(svc, ready_timeout_s, grpc_health)
+        return svc
+
+    def has(self, name: str) -> bool:
+        return any(svc.name == name for svc in self.services)
+
+    def stop_one(self, name: str, grace_s: float = 20.0) -> int | None:
+        svc = next(svc for svc in self.services if svc.name == name)
+        if svc.proc.poll() is None:
+            svc.proc.send_signal(signal.SIGTERM)
+            try:
+                svc.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                svc.proc.kill()
+                svc.proc.wait()
+        return svc.proc.returncode
+
+    def stop(self, grace_s: float = 20.0) -> list[tuple[str, int | None]]:
+        codes = []
+        for svc in reversed(self.services):
+            codes.append((svc.name, self.stop_one(svc.name, grace_s)))
+            if not svc.log.closed:
+                svc.log.close()
+        return codes
+
+
+def wait_ready(svc: Service, timeout_s: float, grpc_health: bool) -> None:
+    """Until the gRPC readiness check answers SERVING (or, for Redis, a PING answers)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if svc.proc.poll() is not None:
+            raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode}; see {svc.log_path}")
+        if (grpc_health and _serving(svc.address)) or (not grpc_health and _redis_ping(svc.address)):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{svc.name} not ready after {timeout_s:.0f} s; see {svc.log_path}")
+
+
+def _serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=1.0)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _redis_ping(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5) as c:
+            c.sendall(b"PING\r\n")
+            return c.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,129 @@
+"""Tiny random-weight Hugging Face models of every supported family, written in HF format.
+
+Each model is built by transformers itself from a tiny config with a fixed seed, then its norm
+weights, biases and Mamba D are perturbed (HF initialises them to constants, which would hide a
+mix-up between them) and saved with save_pretrained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+_ATTN = {"num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2}
+_MAMBA2 = {
+    "num_heads": 8,
+    "head_dim": 16,
+    "state_size": 16,
+    "n_groups": 2,
+    "expand": 2,
+    "conv_kernel": 4,
+    "chunk_size": 8,
+    "initializer_range": 0.2,
+}
+_BAMBA = {
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 8,
+    "initializer_range": 0.2,
+}
+
+# name -> (config class name, config kwargs). The names are the test ids.
+HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        {**_ATTN, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
+    ),
+    "llama-llama3rope-tied-bias": (
+        "LlamaConfig",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "head_dim": 8,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "qwen2-sliding-layer": (
+        "Qwen2Config",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "use_sliding_window": True,
+            "sliding_window": 6,
+            "max_window_layers": 1,
+        },
+    ),
+    "mistral-sliding": (
+        "MistralConfig",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "sliding_window": 7,
+        },
+    ),
+    "mamba2": ("Mamba2Config", {**_MAMBA2, "hidden_size": 64, "num_hidden_layers": 2}),
+    "bamba": (
+        "BambaConfig",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 3,
+            "attn_layer_indices": [1],
+        },
+    ),
+}
+
+
+def _perturb_(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.ndim == 1 and leaf in ("weight", "bias", "D"):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+def build_hf_model(case: str, path: Path, seed: int = 0, **save_kwargs: Any) -> torch.nn.Module:
+    """Build HF model `case` with `seed`, save it to `path` in HF format, return it (eval, fp32)."""
+    cls_name, kwargs = HF_CASES[case]
+    config = getattr(transformers, cls_name)(vocab_size=VOCAB, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    _perturb_(model, seed)
+    model.eval()
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] fp32 logits of one uncached forward over the whole sequence."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=False)
+    return out.logits[0].float()

@@ -1,0 +1,149 @@
+"""config.json parsing: supported layouts, and errors that name the unsupported field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from compute_service.model import (
+    ATTENTION,
+    MAMBA,
+    UnsupportedConfigError,
+    config_from_hf,
+    config_to_hf,
+    preset_config,
+)
+
+LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+}
+MAMBA2: dict[str, Any] = {
+    "model_type": "mamba2",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_heads": 8,
+    "head_dim": 16,
+    "state_size": 16,
+    "n_groups": 2,
+    "expand": 2,
+}
+
+
+def test_transformers_v4_layout_with_linear_rope_scaling() -> None:
+    cfg = config_from_hf(
+        {
+            **LLAMA,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+            "eos_token_id": [2, 7],
+        }
+    )
+    assert (
+        cfg.rope_theta == 500000.0
+        and cfg.rope_scaling.kind == "linear"
+        and cfg.rope_scaling.factor == 2.0
+    )
+    assert cfg.head_dim == 16 and cfg.rotary_dim == 16 and cfg.eos_token_ids == (2, 7)
+    assert cfg.layer_types == (ATTENTION, ATTENTION) and cfg.sliding_windows == (0, 0)
+
+
+def test_mistral_window_and_qwen2_per_layer_window() -> None:
+    mistral = config_from_hf({**LLAMA, "model_type": "mistral", "sliding_window": 64})
+    assert mistral.sliding_windows == (64, 64)
+    assert config_from_hf(
+        {**LLAMA, "model_type": "mistral", "sliding_window": None}
+    ).sliding_windows == (0, 0)
+    qwen = config_from_hf(
+        {
+            **LLAMA,
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        }
+    )
+    assert qwen.sliding_windows == (0, 8) and qwen.qkv_bias and not qwen.o_bias
+    # use_sliding_window false disables the window, as in transformers.
+    assert config_from_hf(
+        {**LLAMA, "model_type": "qwen2", "sliding_window": 8}
+    ).sliding_windows == (0, 0)
+
+
+def test_bamba_pattern_and_partial_rotary() -> None:
+    cfg = config_from_hf(
+        {
+            **LLAMA,
+            "model_type": "bamba",
+            "num_hidden_layers": 4,
+            "attn_layer_indices": [1, 3],
+            "mamba_n_heads": 8,
+            "mamba_d_state": 16,
+            "mamba_d_head": "auto",
+            "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        }
+    )
+    assert cfg.layer_types == (MAMBA, ATTENTION, MAMBA, ATTENTION)
+    assert cfg.rotary_dim == 8 and cfg.mamba_head_dim == 16 and cfg.mamba_norm_eps == 1e-5
+
+
+def test_mamba2_accepts_a_bare_infinity_limit() -> None:
+    cfg = config_from_hf({**MAMBA2, "time_step_limit": [0.0, math.inf]})
+    assert (
+        cfg.residual_in_fp32 and cfg.intermediate_size == 0 and cfg.mamba_intermediate_size == 128
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({**LLAMA, "model_type": "gpt2"}, "model_type"),
+        ({**LLAMA, "hidden_act": "gelu"}, "hidden_act"),
+        (
+            {**LLAMA, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            "rope_parameters.rope_type",
+        ),
+        ({**LLAMA, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({**LLAMA, "quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({k: v for k, v in LLAMA.items() if k != "intermediate_size"}, "intermediate_size"),
+        ({**MAMBA2, "time_step_limit": [0.0, 0.1]}, "time_step_limit"),
+        ({**MAMBA2, "norm_before_gate": True}, "norm_before_gate"),
+        (
+            {
+                **MAMBA2,
+                "model_type": "bamba",
+                "intermediate_size": 64,
+                "attn_layer_indices": [5],
+                "num_attention_heads": 4,
+                "mamba_n_heads": 8,
+            },
+            "attn_layer_indices",
+        ),
+    ],
+)
+def test_unsupported_field_is_named(config: dict[str, Any], field: str) -> None:
+    with pytest.raises(UnsupportedConfigError) as err:
+        config_from_hf(config)
+    assert err.value.field == field and str(err.value).startswith(field)
+
+
+@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"])
+def test_config_round_trips_through_hf_dict(name: str) -> None:
+    cfg = preset_config(name)
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+def test_invalid_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        preset_config("tiny-transformer").replace(num_kv_heads=3).validate()
+    with pytest.raises(ValueError, match=r"sliding_windows\[0\]"):
+        preset_config("tiny-hybrid").replace(sliding_windows=(8, 0, 0, 0)).validate()

@@ -1,0 +1,66 @@
+"""Suite-wide settings that must be in place before any test module imports torch or triton."""
+import os
+import shutil
+
+# Triton kernels run on CPU through the interpreter when there is no GPU. It must be set before
+# triton is first imported, so it lives here, at the root of the suite.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port, which tests may stop, pause or flush."""
+
+    def __init__(self, tmp_path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = tmp_path
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir), "--maxmemory", "256mb",
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        self.proc.send_signal(19)  # SIGSTOP: accepts connections, answers nothing
+
+    def resume(self) -> None:
+        self.proc.send_signal(18)  # SIGCONT
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    try:
+        yield server
+    finally:
+        server.resume() if server.proc and server.proc.poll() is None else None
+        server.stop()

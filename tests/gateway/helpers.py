@@ -1,0 +1,46 @@
+"""Builders of prefixcache.v1 event messages for the gateway tests."""
+from __future__ import annotations
+
+from prefixcache.v1 import common_pb2, events_pb2
+
+DEVICE, HOST, REMOTE = common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE
+
+
+def stored(hashes: list[bytes], medium: int = DEVICE, parent: bytes = b"") -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(stored=events_pb2.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                                            block_size=16, model_id="m", medium=medium))
+
+
+def removed(hashes: list[bytes], medium: int = DEVICE) -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(removed=events_pb2.BlockRemoved(block_hashes=hashes, medium=medium))
+
+
+def cleared() -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(cleared=events_pb2.AllBlocksCleared())
+
+
+def batch(pool: str, seq: int, *events: events_pb2.KvEvent, epoch: int = 1, snapshot: bool = False,
+          snapshot_end: bool = False) -> events_pb2.EventBatch:
+    return events_pb2.EventBatch(pool_id=pool, epoch=epoch, seq=seq, events=list(events), snapshot=snapshot,
+                                 snapshot_end=snapshot_end)
+
+
+def heartbeat(pool: str, head_seq: int, epoch: int = 1) -> events_pb2.Heartbeat:
+    return events_pb2.Heartbeat(pool_id=pool, epoch=epoch, head_seq=head_seq)
+
+
+def page(i: int) -> bytes:
+    """A distinct 16-byte stand-in page hash."""
+    return i.to_bytes(16, "little")
+
+
+def pages(start: int, stop: int) -> list[bytes]:
+    return [page(i) for i in range(start, stop)]
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
