@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGE_SIZE = 16  # the stack's workers
 
 
 def rows(out: str) -> dict[str, list[str]]:
@@ -20,9 +21,14 @@ def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
     assert "all services stopped cleanly" in res.stdout
     r = rows(res.stdout)
     # columns: request tenant prompt device host L3 shared computed ttft worker why...
-    device, remote, shared = 3, 5, 6
+    device, remote, computed, worker = 3, 5, 7, 9
     assert int(r["chat0-turn1"][device]) > 0  # the next turn reuses the conversation
-    assert sum(int(v[shared]) for k, v in r.items() if k.startswith("burst")) > 0  # in flight
+    # The burst's new prompt is computed once per worker that got part of it: every other sample
+    # either waited for its sibling's publishes (shared) or arrived after them (device hit), so
+    # it computes only its last partial page. (Which of the two happens depends on timing.)
+    burst = [v for k, v in r.items() if k.startswith("burst")]
+    computing = [v for v in burst if int(v[computed]) >= PAGE_SIZE]
+    assert len(burst) == 6 and len(computing) == len({v[worker] for v in burst}), burst
     assert r["bob-sunday"][device] == "0"  # another tenant never shares a page
     assert r["lora-hours"][device] == "0"  # an adapter never shares the base model's pages
     assert int(r["lora-hours-2"][device]) > 0
