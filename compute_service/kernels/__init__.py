@@ -1,5 +1,5 @@
 """Compute kernels of the model layers: paged attention, Mamba2 SSM scan/update, causal conv1d,
-batched multi-adapter LoRA.
+batched multi-adapter LoRA, and the projections' `linear`.
 
 Each public function has the signature of its PyTorch reference (`*_ref` modules) plus two
 keywords that pick the implementation serving the call:
@@ -14,6 +14,9 @@ one (`attention_torch`: paged decode and extend attention; `mamba_torch`: the si
 update) and the reference otherwise. The references stay minimal and obviously correct: they
 are the oracle every other implementation is tested against. The Triton modules are imported
 on first use, so a CPU-only process never needs triton.
+
+`linear` has no Triton version: cuBLAS serves it on a GPU, oneDNN with pre-packed weights on CPU
+(`linear_cpu` says why).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from compute_service.kernels import (
     attention_ref,
     attention_torch,
     conv_ref,
+    linear_cpu,
     lora_ref,
     mamba_ref,
     mamba_torch,
@@ -40,6 +44,8 @@ __all__ = [
     "causal_conv1d_update",
     "extend_attention",
     "lora_apply",
+    "linear",
+    "linear_group",
     "lora_segments",
     "mamba_chunk_layout",
     "mamba_chunk_scan",
@@ -71,6 +77,24 @@ def _impl(
     return importlib.import_module(f"compute_service.kernels.{triton_module}")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias, as `torch.nn.functional.linear`: `linear_cpu.linear` for CPU
+    tensors, F.linear otherwise."""
+    if x.is_cuda:
+        return torch.nn.functional.linear(x, weight, bias)
+    return linear_cpu.linear(x, weight, bias)
+
+
+def linear_group(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """[linear(x, w, b) for each pair]: on CPU one GEMM over the stacked weights (outputs are
+    column views of one tensor, see `linear_cpu.linear_group`), elsewhere one call each."""
+    if x.is_cuda:
+        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    return linear_cpu.linear_group(x, weights, biases)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -78,8 +102,9 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """See `attention_ref.write_kv` (a single indexed copy; there is no Triton version)."""
-    attention_ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    """See `attention_ref.write_kv`: `attention_torch.write_kv` on every device (an indexed copy;
+    there is no Triton version)."""
+    attention_torch.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(

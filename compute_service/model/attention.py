@@ -9,7 +9,7 @@ from compute_service import kernels
 from compute_service.model.batch import ForwardBatch, ForwardMode
 from compute_service.model.config import ModelConfig
 from compute_service.model.layers import apply_rope
-from compute_service.model.lora_batch import LayerLora, project
+from compute_service.model.lora_batch import LayerLora, project, project_group
 
 
 class PagedAttention(nn.Module):
@@ -46,9 +46,12 @@ class PagedAttention(nn.Module):
         q/k/v/o (before RoPE, as PEFT does)."""
         t = x.shape[0]
         cos, sin = cos_sin
-        q = project(self.q_proj, x, lora, "q_proj").view(t, self.num_heads, self.head_dim)
-        k = project(self.k_proj, x, lora, "k_proj").view(t, self.num_kv_heads, self.head_dim)
-        v = project(self.v_proj, x, lora, "v_proj").view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_group(
+            (self.q_proj, self.k_proj, self.v_proj), x, lora, ("q_proj", "k_proj", "v_proj")
+        )
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = cache
         kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute_service.model.config import ModelConfig, RopeScaling
-from compute_service.model.lora_batch import LayerLora, project
+from compute_service.model.lora_batch import LayerLora, project, project_group
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            # The same arithmetic as below (nothing to cast), as one fused op.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,9 +69,10 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `lora` adds per-token adapter updates of the three
         projections."""
-        h = F.silu(project(self.gate_proj, x, lora, "gate_proj")) * project(
-            self.up_proj, x, lora, "up_proj"
+        gate, up = project_group(
+            (self.gate_proj, self.up_proj), x, lora, ("gate_proj", "up_proj")
         )
+        h = F.silu(gate) * up
         return project(self.down_proj, h, lora, "down_proj")
 
 

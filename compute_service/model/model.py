@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from compute_service import kernels
 from compute_service.model.attention import PagedAttention
 from compute_service.model.batch import (
     ForwardBatch,
@@ -163,4 +164,4 @@ class CausalLM(nn.Module):
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab]."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(normed.to(weight.dtype), weight).float()
+        return kernels.linear(normed.to(weight.dtype), weight).float()
