@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from compute_service.kernels import attention_ref, attention_triton
+from compute_service.kernels import attention_ref, attention_torch, attention_triton
 
 from .helpers import DEVICE, assert_close, cu_seqlens, int32, requires_cuda
 
@@ -98,7 +98,11 @@ def dense_attention(
     return out
 
 
-def test_write_kv_stores_each_token_at_its_slot_only() -> None:
+@pytest.mark.parametrize("impl", ["reference", "torch", "torch-strided-cache"])
+def test_write_kv_stores_each_token_at_its_slot_only(impl: str) -> None:
+    """Each token lands in its slot and nothing else is written, for the reference, the
+    serving path, and the serving path on a cache whose page and slot dims do not merge (it
+    falls back to the reference, never writing into a temporary copy)."""
     gen = torch.Generator().manual_seed(0)
     cache_shape = (6, 16, NUM_KV_HEADS, 64)
     k_cache = torch.full(cache_shape, float("nan"))
@@ -106,7 +110,16 @@ def test_write_kv_stores_each_token_at_its_slot_only() -> None:
     slots = torch.tensor([17, 3, 95, 40])
     k = torch.randn(4, NUM_KV_HEADS, 64, generator=gen)
     v = torch.randn(4, NUM_KV_HEADS, 64, generator=gen)
-    attention_ref.write_kv(k, v, k_cache, v_cache, slots)
+    if impl == "reference":
+        attention_ref.write_kv(k, v, k_cache, v_cache, slots)
+    elif impl == "torch":
+        attention_torch.write_kv(k, v, k_cache, v_cache, slots)
+    else:  # the same caches seen through page-major storage of another layout
+        k_base = k_cache.transpose(0, 1).contiguous()
+        v_base = v_cache.transpose(0, 1).contiguous()
+        k_view, v_view = k_base.transpose(0, 1), v_base.transpose(0, 1)
+        attention_torch.write_kv(k, v, k_view, v_view, slots)
+        k_cache, v_cache = k_view.contiguous(), v_view.contiguous()
     flat_k, flat_v = k_cache.view(-1, NUM_KV_HEADS, 64), v_cache.view(-1, NUM_KV_HEADS, 64)
     assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
