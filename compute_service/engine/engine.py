@@ -28,6 +28,7 @@ the same pages; it then matches them as a cache hit (`shared_tokens_in_flight`).
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -122,7 +123,9 @@ class Engine:
         # Running slots first, then the cache service's checkpoint slots.
         self.states = (allocate_mamba_states(mc, cfg.max_running + self.ckpt_slots, model.dtype,
                                              model.device) if self.mamba else [])
-        self.free_slots = list(range(cfg.max_running - 1, -1, -1))
+        # A min-heap: the lowest free slot first, so that a steady batch's slots tend to form one
+        # run, which the CPU Mamba update serves in place (kernels.mamba_torch).
+        self.free_slots = list(range(cfg.max_running))
         layout = PageLayout.of_model(mc, cfg.page_size, model.dtype)
         self.l3 = (RemoteTier(cfg.l3, cfg.model_id, layout, RemoteTierConfig(
             cfg.l3_write_queue_bytes, cfg.l3_batch_pages)) if cfg.l3 is not None else None)
@@ -376,7 +379,7 @@ class Engine:
         r.pages = list(m.device_pages) + list(m.remote_pages)
         remote_tokens = len(remote) * self.cfg.page_size
         r.computed, r.published = m.cached_tokens + remote_tokens, len(m.device_pages)
-        r.slot = self.free_slots.pop()
+        r.slot = heapq.heappop(self.free_slots)
         r.has_state = False
         if r.adapter:
             try:
@@ -449,7 +452,7 @@ class Engine:
     def _free_slots_of(self, r: Request) -> None:
         """Gives back the request's running Mamba slot and its adapter pin."""
         if r.slot >= 0:
-            self.free_slots.append(r.slot)
+            heapq.heappush(self.free_slots, r.slot)
             r.slot = -1
         if r.lora_slot >= 0:
             self.adapters.release(r.lora_slot)

@@ -222,16 +222,21 @@ SSM_SHAPES = [(4, 2, 16, 16), (4, 1, 16, 16), (4, 4, 8, 8), (2, 2, 24, 16), (16,
     ids=["fp32", "fp16-fp32state", "fp16", "bf16-fp32state"],
 )
 @pytest.mark.parametrize("shape", SSM_SHAPES, ids=lambda s: "H{}G{}P{}N{}".format(*s))
+@pytest.mark.parametrize("layout", ["scattered", "run", "shuffled-run"])
 def test_selective_state_update_matches_reference(
-    shape: tuple[int, int, int, int], dtype: torch.dtype, state_dtype: torch.dtype
+    shape: tuple[int, int, int, int], dtype: torch.dtype, state_dtype: torch.dtype, layout: str
 ) -> None:
     """Several steps of 3 sequences in a pool of 7 slots: outputs and states as the reference's,
-    slots not named never read (NaN) nor written."""
+    slots not named never read (NaN) nor written. The slots are scattered, or a run of
+    consecutive slots in order or shuffled (the in-place path for fp32 states)."""
     H, G, P, N = shape
     steps, batch, pool = 4, 3, 7
     inp = make_inputs(steps * batch, H, G, P, N, dtype, "cpu", seed=11)
     gen = torch.Generator().manual_seed(12)
-    slots = distinct_slots(batch, pool, gen)
+    slots = {"scattered": distinct_slots(batch, pool, gen), "run": [2, 3, 4],
+             "shuffled-run": [4, 2, 3]}[layout]
+    if layout == "scattered":
+        assert mamba_torch.slot_run(int32(slots)) is None, "the scattered case must not be a run"
     ours = torch.full((pool, H, P, N), float("nan"), dtype=state_dtype)
     ours[slots] = torch.randn(batch, H, P, N, generator=gen).to(state_dtype)
     theirs = ours.clone()
