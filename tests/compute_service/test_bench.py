@@ -40,6 +40,7 @@ PRESET_KEYS = [
     "burst_prefill_ratio", "burst_ideal_ratio", "burst_wall_s", "burst_shared_in_flight_tokens",
     "burst_computed_prompt_tokens", "burst_preemptions",
     "decode_tok_s", "decode_steady_tok_s", "hf_decode_tok_s", "throughput_vs_hf",
+    "throughput_vs_hf_end_to_end",
     "greedy_match_frac", "greedy_exact_requests", "goals",
     "lora_tok_s_base", "lora_tok_s_1", "lora_tok_s_4", "lora_tok_s_8",
     "lora_ratio_1", "lora_ratio_4", "lora_ratio_8",
@@ -105,6 +106,9 @@ def test_decode_values(results):
         r = data["presets"][name]
         assert r["decode_generated_tokens"] == 3 * 6
         assert r["decode_tok_s"] > 0 and r["hf_decode_tok_s"] > 0 and r["throughput_vs_hf"] > 0
+        assert r["throughput_vs_hf"] == pytest.approx(
+            r["decode_steady_tok_s"] / r["hf_decode_steady_tok_s"], rel=1e-3)
+        assert r["throughput_vs_hf_end_to_end"] > 0
         assert 0 <= r["greedy_match_frac"] <= 1
     transformer = data["presets"]["tiny-transformer"]
     assert transformer["greedy_match_frac"] == 1.0 and transformer["greedy_exact_requests"] == 3
