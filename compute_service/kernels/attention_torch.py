@@ -9,7 +9,9 @@ sequences, its repeat_interleave of K/V per query head, or its [Hq, Lq, Lk] scor
   precision); on CPU that is a flash kernel, which tiles the scores and reads K/V through their
   strides. Query head h reads kv head h // (Hq // Hkv) without K/V being repeated per head.
 - Decode pads a batch to its longest context, after grouping rows by context length so that a
-  short row never pays for much more than twice its own keys (`_length_groups`).
+  short row never pays for much more than twice its own keys (`_length_groups`). The groups and
+  the slots of their keys are worked out once per decode step and shared by its layers
+  (`_DecodeLayouts`): per layer only the gathers and the attention itself remain.
 - Extend attends a prompt in query blocks of QUERY_BLOCK tokens, each over the keys up to its
   own last query: the causal triangle is skipped at block granularity, and the largest
   score-shaped tensor is a block's [QUERY_BLOCK, keys] mask (none for a cold block, which uses
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +123,97 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor
     return _WORKSPACE.take(f"{name}.fp32", shape, torch.float32, cache.device).copy_(out)
 
 
+@dataclass(slots=True)
+class _KeyLayout:
+    """Where the keys of rows of n queries each sit in the cache, padded to the longest row.
+
+    Row b's keys are positions first[b] .. total[b] - 1 (total = prefix + n; first > 0 only
+    where a window cuts); key_pos [B, L] holds those positions, padded past the row's end;
+    slots [B * L] int64 the cache slots to read for them (a padding lane re-reads the row's
+    newest key: see the module docstring); padded: whether any row has padding lanes.
+    """
+
+    total: torch.Tensor
+    key_pos: torch.Tensor
+    slots: torch.Tensor
+    padded: bool
+
+    @property
+    def length(self) -> int:
+        return self.key_pos.shape[1]
+
+
+def _key_layout(
+    block_tables: torch.Tensor, prefix: torch.Tensor, n: int, window: int, page_size: int
+) -> _KeyLayout:
+    """The `_KeyLayout` of rows with `prefix` [B] int64 cached tokens and n new queries each."""
+    total = prefix + n
+    # First key any query of the row may see: earlier positions are never read.
+    first = (prefix - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(prefix)
+    span_min, span_max = (total - first).aminmax()
+    L = int(span_max)
+    key_pos = first[:, None] + torch.arange(L, device=prefix.device)  # [B, L]
+    read_pos = torch.minimum(key_pos, (total - 1)[:, None])
+    slots = block_tables.gather(1, read_pos // page_size).long() * page_size + read_pos % page_size
+    return _KeyLayout(total, key_pos, slots.flatten(), int(span_min) != L)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+class _DecodeLayouts(threading.local):
+    """The key layouts of the current decode step, shared by its layers.
+
+    Every attention layer of one forward call passes the same `block_tables` and `seq_lens`
+    tensors (the model computes them once per call), so the positions and slots of their keys
+    are the same in every layer (per window size). Cached layouts are reused while both tensors
+    are those very objects, unchanged: they are held here (so that their ids cannot pass to new
+    tensors) and their version counters are compared. (Tensors made under inference_mode have
+    no version counter; nothing changes these in place during a call.)
+    """
+
+    def __init__(self) -> None:
+        self.tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.versions: tuple[int, int] = (0, 0)
+        self.plans: dict[tuple[int, int], list[tuple[list[int] | None, _KeyLayout]]] = {}
+
+    def plan(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int, page_size: int
+    ) -> list[tuple[list[int] | None, _KeyLayout]]:
+        """[(the group's rows, or None for all rows; its key layout)] of one decode call."""
+        versions = (_version(block_tables), _version(seq_lens))
+        if (self.tensors is None or self.tensors[0] is not block_tables
+                or self.tensors[1] is not seq_lens or self.versions != versions):
+            self.tensors, self.versions, self.plans = (block_tables, seq_lens), versions, {}
+        plan = self.plans.get((window, page_size))
+        if plan is None:
+            plan = self.plans[(window, page_size)] = _decode_plan(
+                block_tables, seq_lens, window, page_size
+            )
+        return plan
+
+
+_DECODE_LAYOUTS = _DecodeLayouts()
+
+
+def _decode_plan(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int, page_size: int
+) -> list[tuple[list[int] | None, _KeyLayout]]:
+    """Rows grouped by context length (`_length_groups`), each group with its key layout."""
+    groups = _length_groups([min(n, window) if window > 0 else n for n in seq_lens.tolist()])
+    prefix = seq_lens.long() - 1
+    if len(groups) == 1:
+        return [(None, _key_layout(block_tables, prefix, 1, window, page_size))]
+    return [
+        (rows, _key_layout(block_tables[rows], prefix[rows], 1, window, page_size))
+        for rows in groups
+    ]
+
+
 def _padded_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -128,20 +222,20 @@ def _padded_attention(
     prefix: torch.Tensor,
     sm_scale: float,
     window: int,
+    layout: _KeyLayout | None = None,
 ) -> torch.Tensor:
     """Causal attention of rows of n queries each over their paged keys, padded to the longest.
 
     q: [B, n, Hq, D], row b's query i at position prefix[b] + i; block_tables: [B, M] int32;
     prefix: [B] int64. Row b's keys are its positions < prefix[b] + n, all in the cache; query
-    P attends to p <= P and, with window W > 0, p > P - W. Returns [B, n, Hq, D] fp32.
+    P attends to p <= P and, with window W > 0, p > P - W. `layout` is these rows'
+    `_key_layout` when the caller has it. Returns [B, n, Hq, D] fp32.
     """
     B, n, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    total = prefix + n
-    # First key any query of the row may see: earlier positions are never read.
-    first = (prefix - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(prefix)
-    span_min, span_max = (total - first).aminmax()
-    L = int(span_max)
+    if layout is None:
+        layout = _key_layout(block_tables, prefix, n, window, page_size)
+    L = layout.length
 
     row_bytes = L * (2 * num_kv_heads * head_dim * 4 + n * 5)
     chunk_rows = max(1, CHUNK_BYTES // row_bytes)
@@ -154,19 +248,16 @@ def _padded_attention(
             for i in range(0, B, chunk_rows)
         ])
 
-    key_pos = first[:, None] + torch.arange(L, device=q.device)  # [B, L]
-    # Lanes past a row's end re-read its newest key (and are masked): see the module docstring.
-    read_pos = torch.minimum(key_pos, (total - 1)[:, None])
-    slots = block_tables.gather(1, read_pos // page_size).long() * page_size + read_pos % page_size
+    key_pos, total = layout.key_pos, layout.total
     # [B, Hkv, L, D] views of [B, L, Hkv, D]: SDPA reads through the strides.
-    k = _gather(k_cache, slots.flatten(), "k").view(B, L, num_kv_heads, head_dim).transpose(1, 2)
-    v = _gather(v_cache, slots.flatten(), "v").view(B, L, num_kv_heads, head_dim).transpose(1, 2)
+    k = _gather(k_cache, layout.slots, "k").view(B, L, num_kv_heads, head_dim).transpose(1, 2)
+    v = _gather(v_cache, layout.slots, "v").view(B, L, num_kv_heads, head_dim).transpose(1, 2)
 
     if n == 1:
         # One query per row and head ([B, Hq, 1, D]), the kv head shared through enable_gqa:
         # SDPA's CPU kernel runs this 1.3-1.5x faster than the same product with the query
         # heads of a kv head folded into the query axis ([B, Hkv, group, D]).
-        mask = None if int(span_min) == L else (key_pos < total[:, None])[:, None, None, :]
+        mask = (key_pos < total[:, None])[:, None, None, :] if layout.padded else None
         out = F.scaled_dot_product_attention(
             q.float().transpose(1, 2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True
         )  # query head h reads kv head h // (Hq // Hkv), as in the reference
@@ -220,19 +311,19 @@ def paged_decode_attention(
     tokens including the current one. Hq % Hkv == 0. window = 0: full attention; W > 0: only
     the last W positions. Returns [B, Hq, D] in q's dtype (see `attention_ref`).
     """
-    lens = seq_lens.tolist()
-    groups = _length_groups([min(n, window) if window > 0 else n for n in lens])
     prefix = seq_lens.long() - 1
-    if len(groups) == 1:
+    plan = _DECODE_LAYOUTS.plan(block_tables, seq_lens, window, k_cache.shape[1])
+    if len(plan) == 1:
         out = _padded_attention(
-            q[:, None], k_cache, v_cache, block_tables, prefix, sm_scale, window
+            q[:, None], k_cache, v_cache, block_tables, prefix, sm_scale, window, plan[0][1]
         )
         return out[:, 0].to(q.dtype)
     out = torch.empty_like(q)  # with B == 0 there is no group and nothing to fill
-    for rows in groups:
+    for rows, layout in plan:
         idx = torch.tensor(rows, device=q.device)
         attn = _padded_attention(
-            q[idx, None], k_cache, v_cache, block_tables[idx], prefix[idx], sm_scale, window
+            q[idx, None], k_cache, v_cache, block_tables[idx], prefix[idx], sm_scale, window,
+            layout,
         )
         out[idx] = attn[:, 0].to(q.dtype)
     return out

@@ -207,6 +207,32 @@ def test_gather_workspace_serves_inside_and_outside_inference_mode() -> None:
         assert_close(attention_torch.paged_decode_attention(*args), expected, torch.float32)
 
 
+
+def test_decode_key_layouts_are_shared_by_layers_and_never_stale() -> None:
+    """The layers of one decode step (same block_tables and seq_lens tensors) reuse one key
+    layout per window; a new tensor, or the same tensor changed in place, gets a fresh one."""
+    args, _ = _decode_batch(2, 64, 16, [40, 7, 33], 0, torch.float32)
+    q, k_cache, v_cache, tables, lens, scale, _ = args
+    layouts = attention_torch._DECODE_LAYOUTS
+
+    def decode(tables, lens, window=0):
+        out = attention_torch.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                     window)
+        expected = attention_ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                        window)
+        assert_close(out, expected, torch.float32)
+        return layouts.plans
+
+    plans = decode(tables, lens)
+    assert decode(tables, lens) is plans  # the next layer: reused
+    assert (16, 16) not in plans
+    decode(tables, lens, window=16)
+    assert set(plans) == {(0, 16), (16, 16)}  # one layout per window
+    assert decode(tables, lens.clone()) is not plans  # a new tensor: computed again
+    plans = layouts.plans
+    lens[1] = 5  # in place (a shorter row: its last key moves)
+    assert decode(tables, lens) is not plans
+
 # (H, G, P, N): groups of 1, 2 and all heads, P/N off powers of two, and small-hybrid's shape.
 SSM_SHAPES = [(4, 2, 16, 16), (4, 1, 16, 16), (4, 4, 8, 8), (2, 2, 24, 16), (16, 1, 64, 64)]
 
