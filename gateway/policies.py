@@ -4,22 +4,56 @@ the prompt as routed or advancing a rotation (RoutePreview uses it). For every p
 `choose(...) == preview(...)` followed by the state change `choose` makes; a preview never
 changes a later choice.
 
-- `affinity` (default): score = the prompt tokens a worker would still compute (not on its
-  device, by the index, confidence-weighted; host and remote hits priced at their load cost)
+- `affinity` (default): score = P x (1 + overload_weight x overload, for a mostly new prompt)
   + queue_weight x its queued prefill tokens + balance_weight x its recent routed prefill above
-  the least recent worker + inflight_weight_tokens x its requests in flight; lowest wins, and
-  near-ties go to the least work, then the least loaded, then round robin.
+  the least recent worker + inflight_weight_tokens x its requests in flight. P = the prompt
+  tokens the worker would still compute (not on its device, by the index, confidence-weighted;
+  host and remote hits priced at their load cost); overload = how far its recent routed prefill
+  is above the candidates' mean, as a fraction of that mean (0 at or below it); a prompt is
+  mostly new when its longest cached prefix anywhere is shorter than the rest. Lowest wins, and
+  near-ties go to the least work, then the least queued, then the least recent work, then round
+  robin.
 - `approx`: the same score without events: the gateway remembers what it routed where.
 - baselines: `round_robin`, `least_loaded`, and `sglang` (SGLang router's cache_aware rule).
 
-Why the default weights (tuned on the Mooncake conversation trace and two synthetic traces with
-gateway.simulate; see the report of that run): a queued token weighs 0.05 of a prompt token to
-compute, because moving a conversation off the worker that holds it to dodge a queue saves
-this request's wait but makes the cluster recompute the prefix and loses it for the next turns
-(with weight 1, the TTFT-greedy choice, the hit ratio fell from 0.265 to 0.233 and mean TTFT
-rose). The balance term (0.02) keeps a hot shared prefix from pulling every new conversation to
-the one worker that holds it; the in-flight term (50 tokens per request) sees decode load,
-which slows a worker's prefill and that queued prefill tokens do not show.
+Why the default weights (gateway.simulate, 8 workers x 1M tokens, on the Mooncake conversation
+trace and the synthetic chat and rollout traces of gateway.trace, seeds 0-5; tables in
+docs/results/gateway/):
+- queue_weight 0.05: a queued token weighs 0.05 of a prompt token to compute, because moving a
+  conversation off the worker that holds it to dodge a queue saves this request's wait but makes
+  the cluster recompute the prefix and loses it for the next turns (with weight 1, the
+  TTFT-greedy choice, the conversation trace's hit ratio fell from 0.265 to 0.233).
+- overload_weight 4, for mostly new prompts only: where a prompt's new work goes is a balance
+  decision, where a mostly cached prompt goes is a cache decision (the split Preble's E2
+  scheduler makes). Without it a shared header decided the balance: in the rollout trace (RL
+  samples: ~6% of tokens computed) every new prompt went to the one worker holding its few-shot
+  header, so the header -> worker partition set each worker's share (max/mean prefill 1.24,
+  goal <= 1.1; 1.12-1.32 over seeds 0-5), and a hot system prompt did the same in the chat
+  trace (1.24). The factor multiplies only the tokens a worker would compute, so an overloaded
+  holder still wins a prompt when the header saves more than the overload costs, a cheap header
+  gets replicated sooner than a long one, and the term is relative (a fraction of the mean, times
+  the work at stake): it means the same at any throughput and averaging window, which an
+  absolute token difference does not: balance_weight alone could not be tuned (0.05 left the
+  rollout trace at 1.23; 0.1 brought it to 1.09 but left five of six rollout seeds above 1.1 and
+  cost the conversation trace 0.5 points of hit ratio, below sglang's). Next turns and a
+  burst's later samples (cached by the index or by recent_pages_per_worker) are never moved by
+  it, so a busy worker keeps its conversations and a burst still computes its prompt once.
+  Measured: rollout 1.24 -> 1.04 (1.02-1.12 over seeds 0-5) and mean TTFT 0.153 -> 0.145 s
+  (least_loaded 0.149 s); chat 1.24 -> 1.01; conversation hit ratio 0.2655 -> 0.2668. Weight 2
+  left two of six rollout traces above 1.1; 6 replicated headers more often for no better
+  balance and a lower hit ratio. The cost: replicating a header computes it again, so on three
+  rollout seeds of six the hit ratio ends up to 0.1 percentage point below sglang's (0.9419 vs
+  0.9424 on seed 0), sglang being itself within 0.1 point of the pooled bound there; see
+  docs/results/gateway/rollout.txt.
+- balance_weight 0.02: the absolute term, which also acts on mostly cached prompts (it moves a
+  short history off a busy worker). Without it: conversation hit ratio 0.2657 vs 0.2668 (mean
+  TTFT 0.561 vs 0.573 s) and rollout imbalance 1.06 vs 1.04.
+- LoadTracker.recent_halflife_s 600 s: the window of "recent" prefill. A relative load needs
+  enough prompts in the window to be an estimate: the rollout trace computes ~200 tokens/s per
+  worker, so a 120 s half-life held about a dozen bursts per worker and chased noise. With
+  120 s: rollout imbalance 1.07, chat 1.05, conversation hit ratio 0.2644.
+- inflight_weight_tokens 50: sees decode load, which slows a worker's prefill and that queued
+  prefill tokens do not show.
 
 Load (`LoadTracker`) = what this gateway has in flight per worker combined with the worker's own
 LoadReport. Policies are not thread-safe; the gateway calls them under its routing lock.
@@ -65,6 +99,8 @@ class WorkerScore:
     recent_prefill_tokens: float = 0.0
     # Prompt tokens this worker would still compute (confidence-weighted, load costs included).
     prefill_tokens: float = 0.0
+    # Recent routed prefill above the candidates' mean, as a fraction of the mean (>= 0).
+    overload: float = 0.0
     score: float = 0.0
 
 
@@ -94,6 +130,10 @@ class Policy(Protocol):
     def remove_worker(self, worker: str) -> None: ...
 
 
+# Half-life of LoadTracker.recent_prefill_tokens (see the module docstring).
+RECENT_HALFLIFE_S = 600.0
+
+
 class LoadTracker:
     """Per-worker load as the gateway sees it.
 
@@ -104,7 +144,7 @@ class LoadTracker:
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, report_ttl_s: float = 5.0,
-                 recent_halflife_s: float = 120.0) -> None:
+                 recent_halflife_s: float = RECENT_HALFLIFE_S) -> None:
         self._clock = clock
         self.report_ttl_s = report_ttl_s
         self.recent_halflife_s = recent_halflife_s
@@ -168,6 +208,12 @@ class AffinityConfig:
     remote_cost: float = 0.35
     prefill_weight: float = 1.0
     queue_weight: float = 0.05
+    # For a mostly new prompt (its longest cached prefix shorter than its uncached rest), the
+    # prefill a worker would compute counts (1 + overload_weight x overload) times, where
+    # overload = its recent routed prefill above the candidates' mean, as a fraction of the mean:
+    # new work goes to workers at or below the mean unless one holds enough of it to be worth the
+    # imbalance. Prompts that are mostly cached somewhere are routed as before.
+    overload_weight: float = 4.0
     # Per token of recent routed prefill (LoadTracker.recent_prefill_tokens) above the least
     # such worker among the candidates: the long-horizon balance that makes a hot prefix
     # replicate instead of pulling every request to the one worker that holds it.
@@ -236,11 +282,14 @@ class AffinityPolicy:
         matches = self._matches(request, candidates, index)
         loads = [load.get(worker) for worker in candidates]
         least_recent = min(wl.recent_prefill_tokens for wl in loads)
+        mean_recent = sum(wl.recent_prefill_tokens for wl in loads) / len(loads)
         scores = []
         for worker, wl in zip(candidates, loads):
             s = WorkerScore(worker, queued_prefill_tokens=wl.queued_prefill_tokens,
                             inflight_requests=wl.inflight_requests,
                             recent_prefill_tokens=wl.recent_prefill_tokens)
+            if mean_recent > 0.0:
+                s.overload = max(wl.recent_prefill_tokens / mean_recent - 1.0, 0.0)
             m = matches.get(worker)
             saved = 0.0
             if m is not None:
@@ -249,15 +298,25 @@ class AffinityPolicy:
                 saved = m.confidence * (s.device_tokens + s.host_tokens * (1.0 - cfg.host_cost)
                                         + s.remote_tokens * (1.0 - cfg.remote_cost))
             s.prefill_tokens = max(total - saved, 0.0)
-            s.score = (cfg.prefill_weight * s.prefill_tokens + cfg.queue_weight * s.queued_prefill_tokens
+            scores.append(s)
+        # A prompt whose best cached prefix is shorter than the work it brings anyway is mostly
+        # new: where that work goes is a balance decision, so overloaded workers pay for it. A
+        # prompt that is mostly cached somewhere (a next turn, a burst's later samples) is a
+        # cache decision: the overload term leaves it alone.
+        new = min(s.prefill_tokens for s in scores)
+        overload_weight = cfg.overload_weight if total - new < new else 0.0
+        for s in scores:
+            s.score = (cfg.prefill_weight * s.prefill_tokens * (1.0 + overload_weight * s.overload)
+                       + cfg.queue_weight * s.queued_prefill_tokens
                        + cfg.balance_weight * (s.recent_prefill_tokens - least_recent)
                        + cfg.inflight_weight_tokens * s.inflight_requests)
-            scores.append(s)
         best = min(s.score for s in scores)
         band = best + max(cfg.tie_abs_tokens, cfg.tie_rel * total)
         tied = [i for i, s in enumerate(scores) if s.score <= band]
         if len(tied) == 1:
-            pick, reason = tied[0], "lowest score (uncached prefill + queued prefill tokens)"
+            pick = tied[0]
+            reason = ("lowest score (uncached prefill weighted by overload, new prompt + load)"
+                      if overload_weight else "lowest score (uncached prefill + load)")
         else:
             # Among near-ties the least work wins (a burst of one prompt stays where it is being
             # computed), then the least queued, then the least recent work (so new prefixes even

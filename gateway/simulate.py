@@ -35,7 +35,7 @@ import json
 import sys
 import time
 
-from gateway.policies import POLICY_NAMES, AffinityConfig, make_policy
+from gateway.policies import POLICY_NAMES, RECENT_HALFLIFE_S, AffinityConfig, make_policy
 from gateway.sim.bench import run_bench
 from gateway.sim.engine import (CostModel, SimConfig, bound_hit_ratio, l3_bound_hit_ratio, run_policy,
                                 stderr_progress, unbounded_hit_ratio)
@@ -75,7 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-s", type=float, default=cost.tpot_s, help="time per output token while decoding")
     aff = AffinityConfig()
     p.add_argument("--queue-weight", type=float, default=aff.queue_weight, help="affinity/approx")
+    p.add_argument("--overload-weight", type=float, default=aff.overload_weight, help="affinity/approx")
     p.add_argument("--balance-weight", type=float, default=aff.balance_weight, help="affinity/approx")
+    p.add_argument("--recent-halflife-s", type=float, default=RECENT_HALFLIFE_S,
+                   help="half-life of the recent routed prefill the balance terms use")
     p.add_argument("--inflight-weight-tokens", type=float, default=aff.inflight_weight_tokens,
                    help="affinity/approx")
     p.add_argument("--host-cost", type=float, default=aff.host_cost, help="affinity/approx")
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers must be in [1, 4096], --page-size >= 1, --capacity-tokens >= --page-size")
     if args.l3_capacity_tokens < 0 or 0 < args.l3_capacity_tokens < args.page_size:
         parser.error("--l3-capacity-tokens must be 0 (no L3) or >= --page-size")
+    if args.recent_halflife_s <= 0:
+        parser.error("--recent-halflife-s must be > 0")
     progress = None if args.quiet else stderr_progress
     out: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "png", "quiet")}}
     if args.trace:
@@ -129,7 +134,7 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
                                    decode_s_per_token=args.decode_s_per_token, tpot_s=args.tpot_s,
                                    l3_load_s_per_token=args.l3_load_s_per_token),
                     l3_capacity_tokens=args.l3_capacity_tokens, l3_write_through=args.l3_write_through,
-                    l3_events=not args.no_l3_events)
+                    l3_events=not args.no_l3_events, recent_halflife_s=args.recent_halflife_s)
     blocks = BlockTokens(args.vocab_size, args.seed)
     t0 = time.perf_counter()
     blobs = []
@@ -140,7 +145,8 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
     bound = bound_hit_ratio(requests, blobs, cfg)
     l3_bound = l3_bound_hit_ratio(requests, blobs, cfg) if cfg.l3_capacity_tokens else None
     unbounded = unbounded_hit_ratio(requests, blobs, cfg.page_size)
-    affinity = AffinityConfig(queue_weight=args.queue_weight, balance_weight=args.balance_weight,
+    affinity = AffinityConfig(queue_weight=args.queue_weight, overload_weight=args.overload_weight,
+                              balance_weight=args.balance_weight,
                               inflight_weight_tokens=args.inflight_weight_tokens, host_cost=args.host_cost,
                               remote_cost=args.remote_cost, tie_rel=args.tie_rel)
     names = POLICY_NAMES if args.policy == "all" else (args.policy,)
@@ -168,8 +174,9 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
     if result["goals"]:
         print("goals: " + ", ".join(f"{k}={v}" for k, v in result["goals"].items()))
     if args.png:
+        speed = f", time scale {args.time_scale:g}x" if args.time_scale != 1 else ""
         plot(policies, bound, args.png, f"{args.trace.rsplit('/', 1)[-1]}: {cfg.workers} workers x "
-             f"{cfg.capacity_tokens:,} tokens{tiers}", l3_bound)
+             f"{cfg.capacity_tokens:,} tokens{tiers}{speed}", l3_bound)
     return result
 
 

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.index import IndexConfig, KvIndex
-from gateway.policies import LoadTracker, Policy, RouteRequest
+from gateway.policies import RECENT_HALFLIFE_S, LoadTracker, Policy, RouteRequest
 from gateway.sim.cache import PageCache, SharedL3
 from gateway.trace import TraceRequest
 from prefixcache.v1 import common_pb2, events_pb2
@@ -96,6 +96,8 @@ class SimConfig:
     l3_write_through: bool = False
     # The L3 publishes REMOTE events to the index (else the policies never hear of it).
     l3_events: bool = True
+    # The gateway's LoadTracker: half-life of its recent routed prefill.
+    recent_halflife_s: float = RECENT_HALFLIFE_S
 
 
 @dataclass(slots=True)
@@ -192,7 +194,7 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
     index_pages = (cfg.workers * (cfg.capacity_tokens + cfg.host_capacity_tokens) + cfg.l3_capacity_tokens) // page
     # Sized above everything the workers can hold, so the bound never drops live entries here.
     index = KvIndex(IndexConfig(max_entries=2 * index_pages + 1024), clock=clock)
-    load = LoadTracker(clock=clock)
+    load = LoadTracker(clock=clock, recent_halflife_s=cfg.recent_halflife_s)
     workers = [_Worker(f"worker-{i:03d}", cfg) for i in range(cfg.workers)]
     names = [w.name for w in workers]
     by_name = {w.name: w for w in workers}

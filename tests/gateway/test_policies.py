@@ -89,6 +89,62 @@ def test_a_burst_of_one_prompt_stays_on_the_worker_computing_it():
         assert decision.worker == first.worker
 
 
+def _load_with_recent(recent: dict[str, int]) -> LoadTracker:
+    """A tracker whose workers have this much recent routed prefill and nothing queued or in flight."""
+    load = LoadTracker(clock=FakeClock())
+    for worker, tokens in recent.items():
+        load.on_route(worker, f"past-{worker}", tokens)
+        load.on_finish(f"past-{worker}")
+    return load
+
+
+def test_a_hot_shared_header_does_not_pull_every_new_prompt_to_its_overloaded_holder():
+    """A new prompt that shares only a few-shot header goes by balance; its burst then follows it."""
+    header, task = pages(0, 32), pages(1000, 1200)  # 512 shared tokens, 3200 new ones
+    index = _index_with({"w3": header})
+    recent = {w: 8000 for w in WORKERS} | {"w3": 20_000, "w5": 1000}
+    # Without the overload term, the header's 512 tokens outweigh w3's recent excess.
+    flat = AffinityPolicy(AffinityConfig(overload_weight=0.0))
+    assert flat.choose(_request(header + task, "0"), WORKERS, index, _load_with_recent(recent)).worker == "w3"
+    policy, load = AffinityPolicy(), _load_with_recent(recent)
+    first = policy.choose(_request(header + task, "0"), WORKERS, index, load)
+    by_worker = {s.worker: s for s in first.scores}
+    assert by_worker["w3"].overload > 1.0 and by_worker["w5"].overload == 0.0
+    # The least recent prefill among the workers at or below the mean: not the header's holder.
+    assert first.worker == "w5" and first.prefill_tokens == len(header + task) * PAGE
+    load.on_route(first.worker, "0", first.prefill_tokens)
+    # The other samples of the burst go where the prompt is being computed, overloaded or not.
+    for i in range(1, 8):
+        decision = policy.choose(_request(header + task, str(i)), WORKERS, index, load)
+        load.on_route(decision.worker, str(i), decision.prefill_tokens)
+        assert decision.worker == "w5" and decision.prefill_tokens == 0
+
+
+def test_an_overloaded_worker_keeps_the_requests_whose_prefix_it_holds():
+    """The overload term weighs only the work a worker would compute: a conversation's next turn
+    stays on the worker holding its history however loaded that worker is."""
+    index = _index_with({"w3": pages(0, 200)})
+    load = _load_with_recent({w: 8000 for w in WORKERS} | {"w3": 40_000})
+    decision = AffinityPolicy().choose(_request(pages(0, 202)), WORKERS, index, load)
+    assert decision.worker == "w3" and decision.prefill_tokens == 2 * PAGE
+    # Cached 200 pages, new 160: mostly cached, so a cache decision, whatever w3's overload.
+    decision = AffinityPolicy().choose(_request(pages(0, 200) + pages(5000, 5160)), WORKERS, index, load)
+    assert decision.worker == "w3" and "overload" not in decision.reason
+    # Cached 200, new 240: mostly new, so w3 (2.3 above the mean) pays for its 240 pages and loses.
+    decision = AffinityPolicy().choose(_request(pages(0, 200) + pages(5000, 5240)), WORKERS, index, load)
+    w3 = next(s for s in decision.scores if s.worker == "w3")
+    assert decision.worker != "w3" and w3.overload == pytest.approx(40_000 / 12_000 - 1)
+    assert w3.score > 240 * PAGE * (1 + 4 * w3.overload)
+    # The same relative overload weighs the same at any throughput: scaled loads, same choice.
+    header, task = pages(0, 32), pages(1000, 1200)
+    index = _index_with({"w3": header})
+    for scale in (1, 100):
+        recent = {w: 8000 * scale for w in WORKERS} | {"w3": 12_000 * scale, "w5": 7000 * scale}
+        chosen = AffinityPolicy(AffinityConfig(balance_weight=0.0)).choose(
+            _request(header + task), WORKERS, index, _load_with_recent(recent))
+        assert chosen.worker == "w5"
+
+
 @pytest.mark.parametrize("other", [{"adapter": "lora-1"}, {"salt": "tenant-b"}, {"model_id": "other-model"}])
 def test_namespaces_never_match_each_other(other):
     tokens = [random.Random(1).randrange(50_000) for _ in range(40 * PAGE)]
