@@ -551,10 +551,7 @@ class Engine:
         if r.first_token_at is None:
             r.first_token_at = now
             r.stats.ttft_s = now - r.arrival
-        text = self.tokenizer.decode(r.output)
-        # Hold back an incomplete multi-byte character until its last byte arrives.
-        stable = len(text.rstrip("\ufffd"))
-        delta, r.text_sent = text[r.text_sent:stable], max(r.text_sent, stable)
+        delta = r.text.next(self.tokenizer, r.output)  # held back: an incomplete character
         sp = r.sampling
         reason = None
         if len(r.output) >= sp.min_tokens and (tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos)):
@@ -573,8 +570,7 @@ class Engine:
         s = r.stats
         s.output_tokens, s.finish_reason = len(r.output), reason
         s.total_s = time.monotonic() - r.arrival
-        text = self.tokenizer.decode(r.output)[r.text_sent:]
-        r.sink(Output([], text, stats=s))
+        r.sink(Output([], r.text.flush(self.tokenizer, r.output), stats=s))
 
     # ---- the loop ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from compute_service.engine.detokenize import TextStream
 from compute_service.engine.sampling import SamplingParams
 
 
@@ -79,7 +80,7 @@ class Request:
     # "the running slot" (a decode step ended on that page).
     checkpoints: dict[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=dict)
     generator: torch.Generator | None = None
-    text_sent: int = 0
+    text: TextStream = field(default_factory=TextStream)  # what of the output has streamed
     first_token_at: float | None = None
     stats: RequestStats | None = None
     _packed: bytes = field(default=b"", repr=False)  # token_bytes() so far
