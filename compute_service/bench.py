@@ -17,7 +17,7 @@ Per preset (random weights from a fixed seed, fp32 on CPU, the embedded CacheCor
           AutoModelForCausalLM), same prompts, in the same run. `throughput_vs_hf` compares
           decode throughput: tokens per second once every request is decoding, i.e. after the
           prompts' prefill (the engine: tokens after the last first token over the time after
-          it; HF: the batch's remaining tokens over generate(n) minus generate(1)). Goal:
+          it; HF: the same, from the step times a timestamping `streamer` records). Goal:
           >= 1.5. `throughput_vs_hf_end_to_end` is the ratio of whole runs, prefill included
           (both prefill the same 8 x 64 tokens at about the same speed). Also the agreement of
           the engine's greedy tokens with HF's.
@@ -357,22 +357,44 @@ def load_hf(model: CausalLM, path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).eval()
 
 
-def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+class _StepClock:
+    """A `generate` streamer that only timestamps: `put` is called once with the prompt, then once
+    per decoding step with that step's new tokens (of every row)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int
+                ) -> tuple[list[list[int]], float, float | None]:
     """Greedy generation of the whole batch (equal-length prompts: no padding); only
     `generate` is timed. EOS is disabled so that, like the engine's ignore_eos, every row
-    produces `new_tokens` (an EOS would otherwise turn the rest of a row into padding)."""
+    produces `new_tokens` (an EOS would otherwise turn the rest of a row into padding).
+    Returns the new tokens, the wall time, and the steady decode rate in tokens/s: the tokens
+    after the first step's over the time after it (None below two tokens), as the engine's."""
     from transformers import GenerationConfig
 
     hf.generation_config = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
         pad_token_id=ByteTokenizer.PAD, bos_token_id=ByteTokenizer.BOS)
     ids = torch.tensor(prompts, dtype=torch.int64)
+    clock = _StepClock()
     with torch.inference_mode():
         started = time.perf_counter()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids),
-                          generation_config=hf.generation_config)
+                          generation_config=hf.generation_config, streamer=clock)
         wall = time.perf_counter() - started
-    return out[:, ids.shape[1]:].tolist(), wall
+    steps = clock.times[1:]  # after each step; times[0] is the prompt, before the prefill
+    steady = None
+    if len(steps) >= 2 and steps[-1] > steps[0]:
+        steady = len(prompts) * (len(steps) - 1) / (steps[-1] - steps[0])
+    return out[:, ids.shape[1]:].tolist(), wall, steady
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]], n: int) -> tuple[float, int]:
@@ -389,7 +411,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]], n: int) -> tuple[f
 class HFRun:
     tokens: list[list[int]]
     wall_s: float
-    prefill_wall_s: float  # generate() of one token: what the steady rate subtracts
+    steady_tok_s: float | None  # after the first step, as DecodeRun.decode_tok_s
 
 
 def timed_decode_runs(model: CausalLM, name: str, p: Params,
@@ -410,9 +432,9 @@ def timed_decode_runs(model: CausalLM, name: str, p: Params,
             log(f"  decode rep {rep}/{p.decode_reps}: engine "
                 f"{generated / runs[-1].wall_s:.1f} tok/s")
             if hf is not None:
-                tokens, wall = hf_generate(hf, prompts, p.decode_new_tokens)
-                hf_runs.append(HFRun(tokens, wall, hf_generate(hf, prompts, 1)[1]))
-                log(f"  decode rep {rep}/{p.decode_reps}: HF {generated / wall:.1f} tok/s")
+                hf_runs.append(HFRun(*hf_generate(hf, prompts, p.decode_new_tokens)))
+                log(f"  decode rep {rep}/{p.decode_reps}: HF "
+                    f"{generated / hf_runs[-1].wall_s:.1f} tok/s")
     return runs, hf_runs
 
 
@@ -434,11 +456,8 @@ def bench_decode(model: CausalLM, name: str, p: Params) -> dict:
         return out | {"hf_decode_tok_s": None, "throughput_vs_hf": None, "greedy_match_frac": None,
                       "greedy_exact_requests": None, "hf_skipped_reason": "disabled (--no-hf)"}
     hf_wall = statistics.median(r.wall_s for r in hf_runs)
-    # HF's steady rate: the batch's remaining tokens over generate(n) minus generate(1).
-    hf_decode_s = hf_wall - statistics.median(r.prefill_wall_s for r in hf_runs)
-    hf_steady = (generated - p.decode_requests) / hf_decode_s if hf_decode_s > 0 else None
-    if p.decode_new_tokens < 2:
-        hf_steady = None
+    hf_rates = [r.steady_tok_s for r in hf_runs if r.steady_tok_s]
+    hf_steady = statistics.median(hf_rates) if hf_rates else None
     ours_steady = out["decode_steady_tok_s"]
     frac, exact = agreement(runs[0].tokens, hf_runs[0].tokens, p.decode_new_tokens)
     return out | {
