@@ -369,7 +369,10 @@ def test_worker_restart_and_gateway_restart_keep_routing():
                 caller.close()
             with running_gateway(lambda: addresses) as gw2:
                 caller = Caller(gw2.address)
-                wait_until(lambda: gw2.router.ready() and len(list_workers(caller)) == 2)
+                # Ready once any worker is routable: wait for w1's snapshot itself.
+                wait_until(lambda: gw2.router.ready() and len(list_workers(caller)) == 2
+                           and list_workers(caller)["w1"].epoch == 2
+                           and list_workers(caller)["w1"].device_pages == 15, what="snapshots")
                 after = preview(caller, tokens)
                 assert after.worker == before.worker == "w1"
                 assert after.reason == before.reason
