@@ -38,7 +38,9 @@ _AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
-    except RuntimeError:  # an inference tensor has no version counter, and cannot change later
+    except RuntimeError:
+        # An inference tensor has no version counter, so an in-place change of one goes unseen
+        # (model weights are made outside inference_mode; a replaced one has a new pointer).
         return -1
 
 
