@@ -78,11 +78,8 @@ def _impl(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias, as `torch.nn.functional.linear`: `linear_cpu.linear` for CPU
-    tensors, F.linear otherwise."""
-    if x.is_cuda:
-        return torch.nn.functional.linear(x, weight, bias)
-    return linear_cpu.linear(x, weight, bias)
+    """y = x @ weight.T + bias, as `torch.nn.functional.linear` (see `linear_group`)."""
+    return linear_group(x, [weight], [bias])[0]
 
 
 def linear_group(

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_service.kernels import attention_ref
+from compute_service.kernels.tensor_version import tensor_version
 
 __all__ = ["extend_attention", "paged_decode_attention", "write_kv"]
 
@@ -158,13 +159,6 @@ def _key_layout(
     return _KeyLayout(total, key_pos, slots.flatten(), int(span_min) != L)
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
 class _DecodeLayouts(threading.local):
     """The key layouts of the current decode step, shared by its layers.
 
@@ -185,7 +179,7 @@ class _DecodeLayouts(threading.local):
         self, block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int, page_size: int
     ) -> list[tuple[list[int] | None, _KeyLayout]]:
         """[(the group's rows, or None for all rows; its key layout)] of one decode call."""
-        versions = (_version(block_tables), _version(seq_lens))
+        versions = (tensor_version(block_tables), tensor_version(seq_lens))
         if (self.tensors is None or self.tensors[0] is not block_tables
                 or self.tensors[1] is not seq_lens or self.versions != versions):
             self.tensors, self.versions, self.plans = (block_tables, seq_lens), versions, {}

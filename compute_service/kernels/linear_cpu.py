@@ -1,4 +1,4 @@
-"""`linear` for CPU tensors: projections through oneDNN with pre-packed weights.
+"""`linear_group` for CPU tensors: projections through oneDNN with pre-packed weights.
 
 Why: the plain `torch.nn.functional.linear` on CPU hands a few-row GEMM (a decode step: one row
 per running sequence) to a BLAS that runs it on one thread in the weight's plain layout. oneDNN's
@@ -25,7 +25,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "linear_group"]
+from compute_service.kernels.tensor_version import tensor_version
+
+__all__ = ["linear_group"]
 
 # Rows the packing is tuned for (a decode step of a few sequences); any row count works.
 PACK_ROWS_HINT = 8
@@ -35,22 +37,13 @@ _AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
 )
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:
-        # An inference tensor has no version counter, so an in-place change of one goes unseen
-        # (model weights are made outside inference_mode; a replaced one has a new pointer).
-        return -1
-
-
 def _packed(
     weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The oneDNN-packed stack of `weights` and the concatenated bias (None without biases),
     made now unless the cached pair is still current."""
     tensors = [*weights, *(b for b in biases if b is not None)]
-    key = tuple((t.data_ptr(), _version(t)) for t in tensors)
+    key = tuple((t.data_ptr(), tensor_version(t)) for t in tensors)
     cached = getattr(weights[0], "_onednn_packed", None)
     if cached is None or cached[0] != key:
         stacked = weights[0] if len(weights) == 1 else torch.cat(list(weights))
@@ -70,11 +63,6 @@ def _takes_packed(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     return _AVAILABLE and x.dim() == 2 and all(
         t.dtype == torch.float32 for t in (x, *weights)
     )
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in], weight [out, in], bias [out] | None -> [T, out] (F.linear's values)."""
-    return linear_group(x, [weight], [bias])[0]
 
 
 def linear_group(
