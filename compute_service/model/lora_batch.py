@@ -70,9 +70,7 @@ class LoraBatch:
 def project(linear: nn.Linear, x: torch.Tensor, lora: LayerLora | None, name: str) -> torch.Tensor:
     """linear(x) [T, out], plus the LoRA update of projection `name` when `lora` targets it.
     (`kernels.linear` rather than the module's forward: on CPU it runs on pre-packed weights.)"""
-    y = kernels.linear(x, linear.weight, linear.bias)
-    _add_lora(y, x, lora, name)
-    return y
+    return project_group((linear,), x, lora, (name,))[0]
 
 
 def project_group(
@@ -82,10 +80,6 @@ def project_group(
     where the kernels can (`kernels.linear_group`); each LoRA update lands in its own output."""
     ys = kernels.linear_group(x, [l.weight for l in linears], [l.bias for l in linears])
     for y, name in zip(ys, names, strict=True):
-        _add_lora(y, x, lora, name)
+        if lora is not None and (w := lora.weights.get(name)) is not None:
+            kernels.lora_apply(y, x, w.A, w.B, w.scaling, lora.token_slot, lora.segments)
     return ys
-
-
-def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: LayerLora | None, name: str) -> None:
-    if lora is not None and (w := lora.weights.get(name)) is not None:
-        kernels.lora_apply(y, x, w.A, w.B, w.scaling, lora.token_slot, lora.segments)
