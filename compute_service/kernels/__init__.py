@@ -15,8 +15,9 @@ update) and the reference otherwise. The references stay minimal and obviously c
 are the oracle every other implementation is tested against. The Triton modules are imported
 on first use, so a CPU-only process never needs triton.
 
-`linear` has no Triton version: cuBLAS serves it on a GPU, oneDNN with pre-packed weights on CPU
-(`linear_cpu` says why).
+`linear` has no Triton version: cuBLAS serves it on a GPU; on CPU, fp32 projections run on
+pre-packed weights through our own GEMM (`cpu_gemm`, C built for the machine on first use) or
+oneDNN where no compiler is present (`linear_cpu` says why).
 """
 from __future__ import annotations
 

@@ -1,68 +1,93 @@
-"""`linear_group` for CPU tensors: projections through oneDNN with pre-packed weights.
+"""`linear_group` for CPU tensors: fp32 projections on weights packed once for a faster GEMM.
 
 Why: the plain `torch.nn.functional.linear` on CPU hands a few-row GEMM (a decode step: one row
-per running sequence) to a BLAS that runs it on one thread in the weight's plain layout. oneDNN's
-inner product reads a weight re-laid-out once for its micro-kernels (the packing that inductor's
-CPU backend uses) and threads small problems too. Measured on the 2-core benchmark machine
-(fp32, 1536 x 512 weight): 2.0x faster at 8 rows, 1.2-1.4x at 32-2,048 rows; never slower.
+per running sequence) to a BLAS that runs it on one thread in the weight's plain layout, at a
+quarter of the memory bandwidth. Two faster GEMMs read a copy of the weight laid out for them:
+
+- `native` (the default where a C compiler is present): our own loop, `cpu_gemm`, built for this
+  CPU on first use. At 8 rows it streams the weights at 80-90% of the memory bandwidth, about 2x
+  oneDNN, and it matches oneDNN up to 2,048 rows (figures in `cpu_gemm`).
+- `onednn`: oneDNN's inner product on its own packed layout (the packing inductor's CPU backend
+  uses); 2x F.linear at 8 rows, 1.2-1.4x at 32-2,048 rows. The fallback without a compiler.
+
+`PREFIXCACHE_CPU_GEMM=native|onednn|torch` forces one (`torch` = F.linear); the default `auto`
+takes native, else oneDNN, else torch. Values equal F.linear's up to fp32 rounding (the
+reduction order differs).
 
 Projections of one input (q/k/v, gate/up) go through `linear_group`: their weights are packed
-as one stacked matrix, so a decode step makes one larger GEMM instead of several small ones
-(at 8 rows: q/k/v 1.5x, gate/up 1.15x faster than three and two packed calls).
+as one stacked matrix, so a decode step makes one larger GEMM instead of several small ones.
 
 The packed copy is made on first use and kept on the (first) weight tensor as the attribute
-`_onednn_packed`, with the data pointers and version counters it was made from, so that a weight
-replaced or changed in place is re-packed. It costs one more copy of every projection weight in
-host memory: the price of the speed on a CPU worker. Values equal F.linear's up to fp32 rounding
-(the reduction order differs).
+`_cpu_packed`, with the backend, data pointers and version counters it was made from, so that a
+weight replaced or changed in place is re-packed. It costs one more copy of every projection
+weight in host memory: the price of the speed on a CPU worker.
 
-Only fp32 takes this path; other dtypes, and builds without oneDNN, use F.linear.
+Only fp32 takes this path; other dtypes use F.linear.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from compute_service.kernels import cpu_gemm
 from compute_service.kernels.tensor_version import tensor_version
 
-__all__ = ["linear_group"]
+__all__ = ["BACKENDS", "backend", "linear_group"]
 
-# Rows the packing is tuned for (a decode step of a few sequences); any row count works.
-PACK_ROWS_HINT = 8
+BACKENDS = ("native", "onednn", "torch")
 
-_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_linear_pointwise"
-)
+# oneDNN's packing is tuned for this many rows (a decode step of a few sequences); any works.
+ONEDNN_PACK_ROWS_HINT = 8
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+_chosen: list[str] = []
+
+
+def backend() -> str:
+    """The GEMM behind fp32 CPU projections in this process (chosen once, see the module doc)."""
+    if not _chosen:
+        want = os.environ.get("PREFIXCACHE_CPU_GEMM", "auto")
+        if want not in ("auto", *BACKENDS):
+            raise ValueError(f"PREFIXCACHE_CPU_GEMM={want!r}: expected auto or one of {BACKENDS}")
+        if want == "auto":
+            want = "native" if cpu_gemm.available() else "onednn" if _ONEDNN else "torch"
+        elif want == "native" and not cpu_gemm.available():
+            raise RuntimeError("PREFIXCACHE_CPU_GEMM=native, but cpu_gemm cannot be built here")
+        elif want == "onednn" and not _ONEDNN:
+            raise RuntimeError("PREFIXCACHE_CPU_GEMM=onednn, but this torch has no oneDNN")
+        _chosen.append(want)
+    return _chosen[0]
+
+
+def _pack(name: str, stacked: torch.Tensor, bias: torch.Tensor | None):
+    if name == "native":
+        return cpu_gemm.pack(stacked, bias)
+    return torch.ops.mkldnn._reorder_linear_weight(stacked, ONEDNN_PACK_ROWS_HINT), bias
 
 
 def _packed(
-    weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+    name: str, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The oneDNN-packed stack of `weights` and the concatenated bias (None without biases),
-    made now unless the cached pair is still current."""
+    """Backend `name`'s packed stack of `weights` and their concatenated bias (None without
+    biases), made now unless the cached pair is still current."""
     tensors = [*weights, *(b for b in biases if b is not None)]
-    key = tuple((t.data_ptr(), tensor_version(t)) for t in tensors)
-    cached = getattr(weights[0], "_onednn_packed", None)
+    key = (name, *((t.data_ptr(), tensor_version(t)) for t in tensors))
+    cached = getattr(weights[0], "_cpu_packed", None)
     if cached is None or cached[0] != key:
         stacked = weights[0] if len(weights) == 1 else torch.cat(list(weights))
-        packed = torch.ops.mkldnn._reorder_linear_weight(stacked.detach(), PACK_ROWS_HINT)
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([
                 b.detach() if b is not None else w.new_zeros(w.shape[0])
                 for w, b in zip(weights, biases, strict=True)
             ])
-        cached = (key, (packed, bias))
-        weights[0]._onednn_packed = cached
+        cached = (key, _pack(name, stacked.detach(), bias))
+        weights[0]._cpu_packed = cached
     return cached[1]
-
-
-def _takes_packed(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    return _AVAILABLE and x.dim() == 2 and all(
-        t.dtype == torch.float32 for t in (x, *weights)
-    )
 
 
 def linear_group(
@@ -71,10 +96,14 @@ def linear_group(
     """[linear(x, w, b) for each weight and bias], computed as one GEMM: the outputs are column
     slices of one [T, sum(out)] tensor. Pass the same weights in the same order on every call
     (the packed stack is cached for them)."""
-    if not _takes_packed(x, weights):
+    name = backend()
+    if name == "torch" or x.dim() != 2 or any(t.dtype != torch.float32 for t in (x, *weights)):
         return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
-    packed, bias = _packed(weights, biases)
-    y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    packed, bias = _packed(name, weights, biases)
+    if name == "native":
+        y = cpu_gemm.gemm(x, packed, bias, sum(w.shape[0] for w in weights))
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if len(weights) == 1:
         return [y]
     return list(y.split([w.shape[0] for w in weights], dim=1))

@@ -1,4 +1,5 @@
-"""`kernels.linear` / `linear_group` on CPU (oneDNN with pre-packed weights) against F.linear."""
+"""`kernels.linear` / `linear_group` on CPU (each packed-weight backend) against F.linear, and the
+`cpu_gemm` kernel itself."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from compute_service import kernels
-from compute_service.kernels import linear_cpu
+from compute_service.kernels import cpu_gemm, linear_cpu
 
 ROWS = [1, 8, 33, 300]
+
+
+@pytest.fixture(params=["native", "onednn"])
+def gemm_backend(request, monkeypatch) -> str:
+    """The test runs once per packed backend (the process default is `native`)."""
+    monkeypatch.setattr(linear_cpu, "_chosen", [request.param])
+    return request.param
 
 
 def _weights(outs: list[int], d_in: int, bias: bool, seed: int = 0):
@@ -20,7 +28,7 @@ def _weights(outs: list[int], d_in: int, bias: bool, seed: int = 0):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
+def test_linear_matches_f_linear(rows: int, bias: bool, gemm_backend: str) -> None:
     (w,), (b,) = _weights([96], 64, bias)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -28,7 +36,7 @@ def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("biases", ["none", "all", "some"])
-def test_linear_group_is_each_projection(rows: int, biases: str) -> None:
+def test_linear_group_is_each_projection(rows: int, biases: str, gemm_backend: str) -> None:
     """One GEMM over the stacked weights gives each projection's output, with the biases of
     the projections that have one (q/k/v with qkv_bias, or a mix)."""
     ws, bs = _weights([64, 32, 32], 48, biases != "none")
@@ -41,7 +49,7 @@ def test_linear_group_is_each_projection(rows: int, biases: str) -> None:
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_a_weight_changed_in_place_or_replaced_is_packed_again() -> None:
+def test_a_weight_changed_in_place_or_replaced_is_packed_again(gemm_backend: str) -> None:
     lin = torch.nn.Linear(32, 16)
     x = torch.randn(4, 32)
     with torch.no_grad():
@@ -55,7 +63,7 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again() -> None:
     assert not torch.equal(first, lin(x))
 
 
-def test_inference_tensors_and_other_dtypes() -> None:
+def test_inference_tensors_and_other_dtypes(gemm_backend: str) -> None:
     """Weights made under inference_mode (no version counter) are served; fp16/bf16 fall back to
     F.linear and give exactly its values."""
     with torch.inference_mode():
@@ -66,9 +74,72 @@ def test_inference_tensors_and_other_dtypes() -> None:
         assert torch.equal(kernels.linear(x, w), F.linear(x, w))
 
 
-def test_uses_onednn_on_this_build() -> None:
-    """The fast path is really taken here (a build without oneDNN would silently be slower)."""
-    assert linear_cpu._AVAILABLE
+def test_the_packed_path_is_taken(gemm_backend: str) -> None:
+    """Both fast paths are available on this machine and really taken (a missing compiler or a
+    build without oneDNN would silently be slower)."""
+    assert linear_cpu._ONEDNN and cpu_gemm.available()
     w = torch.randn(8, 8)
     kernels.linear(torch.randn(2, 8), w)
-    assert hasattr(w, "_onednn_packed")
+    assert w._cpu_packed[0][0] == gemm_backend
+
+
+def test_switching_backend_repacks(monkeypatch) -> None:
+    w, x = torch.randn(40, 24), torch.randn(5, 24)
+    for name in ("native", "onednn", "native"):
+        monkeypatch.setattr(linear_cpu, "_chosen", [name])
+        torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert w._cpu_packed[0][0] == name
+
+
+def test_default_backend_is_native_here(monkeypatch) -> None:
+    monkeypatch.setattr(linear_cpu, "_chosen", [])
+    monkeypatch.delenv("PREFIXCACHE_CPU_GEMM", raising=False)
+    assert linear_cpu.backend() == "native"
+    monkeypatch.setattr(linear_cpu, "_chosen", [])
+    monkeypatch.setenv("PREFIXCACHE_CPU_GEMM", "blas")
+    with pytest.raises(ValueError, match="PREFIXCACHE_CPU_GEMM"):
+        linear_cpu.backend()
+
+
+# ---- the cpu_gemm kernel on its own: every row-tile size, ragged column blocks, threads -------
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16, 17, 70])
+@pytest.mark.parametrize("n, k", [(32, 16), (33, 7), (100, 64), (5, 130)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_gemm_matches_f_linear(rows: int, n: int, k: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (None, b):
+            packed, pbias = cpu_gemm.pack(w, bias)
+            assert packed.shape == (-(-n // cpu_gemm.BLOCK), k, cpu_gemm.BLOCK)
+            y = cpu_gemm.gemm(x, packed, pbias, n)
+            torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_gemm_reads_strided_rows_and_rejects_a_wrong_shape() -> None:
+    w = torch.randn(48, 16)
+    packed, _ = cpu_gemm.pack(w, None)
+    x = torch.randn(16, 6).t()  # [6, 16], not contiguous
+    torch.testing.assert_close(cpu_gemm.gemm(x, packed, None, 48), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert cpu_gemm.gemm(torch.empty(0, 16), packed, None, 48).shape == (0, 48)
+    with pytest.raises(ValueError, match="packed weight"):
+        cpu_gemm.gemm(torch.randn(2, 15), packed, None, 48)
+
+
+def test_cpu_gemm_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path, monkeypatch) -> None:
+    """A cold cache builds (and a second build reuses the file); without a compiler the build
+    says why instead of failing later."""
+    monkeypatch.setenv("PREFIXCACHE_KERNEL_CACHE", str(tmp_path / "k"))
+    built = cpu_gemm._build()
+    assert built.exists() and built.parent == tmp_path / "k"
+    assert cpu_gemm._build() == built
+    assert [p.name for p in (tmp_path / "k").iterdir()] == [built.name]  # no temporaries left
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_gemm._build()
