@@ -11,7 +11,8 @@ keywords that pick the implementation serving the call:
 
 The PyTorch path, which serves CPU tensors, is the vectorised `*_torch` module where there is
 one (`attention_torch`: paged decode and extend attention; `mamba_torch`: the single-step SSM
-update) and the reference otherwise. The references stay minimal and obviously correct: they
+update) and the reference otherwise; fp32 paged decode attention takes a C kernel built for the
+machine on first use (`attention_cpu`, `cpu_native`) in front of `attention_torch`. The references stay minimal and obviously correct: they
 are the oracle every other implementation is tested against. The Triton modules are imported
 on first use, so a CPU-only process never needs triton.
 
@@ -27,6 +28,7 @@ from types import ModuleType
 import torch
 
 from compute_service.kernels import (
+    attention_cpu,
     attention_ref,
     attention_torch,
     conv_ref,
@@ -118,7 +120,7 @@ def paged_decode_attention(
     reference: bool = False,
 ) -> torch.Tensor:
     """See `attention_ref.paged_decode_attention`."""
-    impl = _impl(attention_ref, attention_torch, "attention_triton", q, use_triton, reference)
+    impl = _impl(attention_ref, attention_cpu, "attention_triton", q, use_triton, reference)
     return impl.paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, sm_scale, window
     )

@@ -4,15 +4,15 @@ Why: the plain `torch.nn.functional.linear` on CPU hands a few-row GEMM (a decod
 per running sequence) to a BLAS that runs it on one thread in the weight's plain layout, at a
 quarter of the memory bandwidth. Two faster GEMMs read a copy of the weight laid out for them:
 
-- `native` (the default where a C compiler is present): our own loop, `cpu_gemm`, built for this
-  CPU on first use. At 8 rows it streams the weights at 80-90% of the memory bandwidth, about 2x
-  oneDNN, and it matches oneDNN up to 2,048 rows (figures in `cpu_gemm`).
+- `native`: our own loop, `cpu_gemm`, built for this CPU on first use (`cpu_native`). At 8 rows
+  it streams the weights at 80-90% of the memory bandwidth, about 2x oneDNN, and it matches
+  oneDNN up to 2,048 rows (figures in `cpu_gemm`).
 - `onednn`: oneDNN's inner product on its own packed layout (the packing inductor's CPU backend
-  uses); 2x F.linear at 8 rows, 1.2-1.4x at 32-2,048 rows. The fallback without a compiler.
+  uses); 2x F.linear at 8 rows, 1.2-1.4x at 32-2,048 rows. Where the C kernels are off
+  (`PREFIXCACHE_CPU_NATIVE=off`) or cannot be built.
+- `torch`: F.linear, for a torch build without oneDNN.
 
-`PREFIXCACHE_CPU_GEMM=native|onednn|torch` forces one (`torch` = F.linear); the default `auto`
-takes native, else oneDNN, else torch. Values equal F.linear's up to fp32 rounding (the
-reduction order differs).
+Values equal F.linear's up to fp32 rounding (the reduction order differs).
 
 Projections of one input (q/k/v, gate/up) go through `linear_group`: their weights are packed
 as one stacked matrix, so a decode step makes one larger GEMM instead of several small ones.
@@ -26,13 +26,12 @@ Only fp32 takes this path; other dtypes use F.linear.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from compute_service.kernels import cpu_gemm
+from compute_service.kernels import cpu_gemm, cpu_native
 from compute_service.kernels.tensor_version import tensor_version
 
 __all__ = ["BACKENDS", "backend", "linear_group"]
@@ -50,16 +49,7 @@ _chosen: list[str] = []
 def backend() -> str:
     """The GEMM behind fp32 CPU projections in this process (chosen once, see the module doc)."""
     if not _chosen:
-        want = os.environ.get("PREFIXCACHE_CPU_GEMM", "auto")
-        if want not in ("auto", *BACKENDS):
-            raise ValueError(f"PREFIXCACHE_CPU_GEMM={want!r}: expected auto or one of {BACKENDS}")
-        if want == "auto":
-            want = "native" if cpu_gemm.available() else "onednn" if _ONEDNN else "torch"
-        elif want == "native" and not cpu_gemm.available():
-            raise RuntimeError("PREFIXCACHE_CPU_GEMM=native, but cpu_gemm cannot be built here")
-        elif want == "onednn" and not _ONEDNN:
-            raise RuntimeError("PREFIXCACHE_CPU_GEMM=onednn, but this torch has no oneDNN")
-        _chosen.append(want)
+        _chosen.append("native" if cpu_native.enabled() else "onednn" if _ONEDNN else "torch")
     return _chosen[0]
 
 

@@ -1,5 +1,5 @@
-"""The public kernel API picks the PyTorch path for CPU tensors (the vectorised `*_torch` module
-where there is one, else the reference), Triton when forced or on CUDA, and the reference when
+"""The public kernel API picks the PyTorch path for CPU tensors (`attention_cpu` for decode
+attention, the vectorised `*_torch` module where there is one, else the reference), Triton when forced or on CUDA, and the reference when
 asked for it."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from compute_service import kernels
 from compute_service.kernels import (
+    attention_cpu,
     attention_ref,
     attention_torch,
     attention_triton,
@@ -25,7 +26,7 @@ _Q = torch.randn(1, 2, 16)
 _CACHE = torch.randn(2, 4, 1, 16)
 _CASES = [
     (
-        "paged_decode_attention", attention_ref, attention_torch, attention_triton,
+        "paged_decode_attention", attention_ref, attention_cpu, attention_triton,
         (_Q, _CACHE, _CACHE, int32([[1, 0]]), int32([6]), 0.25),
     ),
     (

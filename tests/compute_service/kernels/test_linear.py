@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_service import kernels
-from compute_service.kernels import cpu_gemm, linear_cpu
+from compute_service.kernels import cpu_gemm, cpu_native, linear_cpu
 
 ROWS = [1, 8, 33, 300]
 
@@ -77,7 +77,7 @@ def test_inference_tensors_and_other_dtypes(gemm_backend: str) -> None:
 def test_the_packed_path_is_taken(gemm_backend: str) -> None:
     """Both fast paths are available on this machine and really taken (a missing compiler or a
     build without oneDNN would silently be slower)."""
-    assert linear_cpu._ONEDNN and cpu_gemm.available()
+    assert linear_cpu._ONEDNN and cpu_native.enabled()
     w = torch.randn(8, 8)
     kernels.linear(torch.randn(2, 8), w)
     assert w._cpu_packed[0][0] == gemm_backend
@@ -91,14 +91,13 @@ def test_switching_backend_repacks(monkeypatch) -> None:
         assert w._cpu_packed[0][0] == name
 
 
-def test_default_backend_is_native_here(monkeypatch) -> None:
+def test_backend_follows_the_c_kernels(monkeypatch) -> None:
+    """native where the C kernels build (here), oneDNN where they are off."""
     monkeypatch.setattr(linear_cpu, "_chosen", [])
-    monkeypatch.delenv("PREFIXCACHE_CPU_GEMM", raising=False)
     assert linear_cpu.backend() == "native"
     monkeypatch.setattr(linear_cpu, "_chosen", [])
-    monkeypatch.setenv("PREFIXCACHE_CPU_GEMM", "blas")
-    with pytest.raises(ValueError, match="PREFIXCACHE_CPU_GEMM"):
-        linear_cpu.backend()
+    monkeypatch.setattr(cpu_native, "_state", {"lib": None})
+    assert linear_cpu.backend() == "onednn"
 
 
 # ---- the cpu_gemm kernel on its own: every row-tile size, ragged column blocks, threads -------
@@ -132,14 +131,22 @@ def test_cpu_gemm_reads_strided_rows_and_rejects_a_wrong_shape() -> None:
         cpu_gemm.gemm(torch.randn(2, 15), packed, None, 48)
 
 
-def test_cpu_gemm_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path, monkeypatch) -> None:
-    """A cold cache builds (and a second build reuses the file); without a compiler the build
-    says why instead of failing later."""
+def test_kernels_build_into_a_fresh_cache_and_report_a_missing_compiler(tmp_path, monkeypatch,
+                                                                      caplog) -> None:
+    """A cold cache builds (and a second build reuses the file); without a compiler `auto` falls
+    back and says why, `on` fails, `off` never builds."""
     monkeypatch.setenv("PREFIXCACHE_KERNEL_CACHE", str(tmp_path / "k"))
-    built = cpu_gemm._build()
+    built = cpu_native.build()
     assert built.exists() and built.parent == tmp_path / "k"
-    assert cpu_gemm._build() == built
+    assert cpu_native.build() == built
     assert [p.name for p in (tmp_path / "k").iterdir()] == [built.name]  # no temporaries left
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(RuntimeError, match="no C compiler"):
-        cpu_gemm._build()
+        cpu_native.build()
+    assert cpu_native._load() is None and "no C compiler" in caplog.text
+    monkeypatch.setenv("PREFIXCACHE_CPU_NATIVE", "on")
+    with pytest.raises(RuntimeError, match="PREFIXCACHE_CPU_NATIVE=on"):
+        cpu_native._load()
+    monkeypatch.setenv("PREFIXCACHE_CPU_NATIVE", "off")
+    monkeypatch.delenv("CC")
+    assert cpu_native._load() is None

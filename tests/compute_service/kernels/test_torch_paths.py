@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from compute_service import kernels
-from compute_service.kernels import attention_ref, attention_torch, mamba_ref, mamba_torch
+from compute_service.kernels import (
+    attention_cpu,
+    attention_ref,
+    attention_torch,
+    mamba_ref,
+    mamba_torch,
+)
 
 from .helpers import assert_close, cu_seqlens, distinct_slots, int32
 from .test_attention import DECODE_CASES, EXTEND_CASES, NUM_KV_HEADS, PagedBatch, make_paged_batch
@@ -80,8 +86,11 @@ def _check_extend(args: tuple, dtype: torch.dtype) -> None:
 
 
 def _check_decode(args: tuple, dtype: torch.dtype) -> None:
-    out = attention_torch.paged_decode_attention(*args)
-    assert_close(out, attention_ref.paged_decode_attention(*args), dtype)
+    """The PyTorch path and, for fp32, the C kernel (`attention_cpu`) against the reference."""
+    expected = attention_ref.paged_decode_attention(*args)
+    assert_close(attention_torch.paged_decode_attention(*args), expected, dtype)
+    assert attention_cpu.native_takes(*args[:3]) == (dtype == torch.float32)
+    assert_close(attention_cpu.paged_decode_attention(*args), expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
@@ -186,9 +195,9 @@ def test_pages_outside_the_attended_range_are_never_indexed() -> None:
     _check_decode(decode_args, torch.float32)
 
 
-def test_public_api_serves_cpu_tensors_with_the_torch_path() -> None:
+def test_public_api_serves_cpu_tensors_with_the_cpu_path() -> None:
     args, _ = _decode_batch(4, 64, 16, [40, 7], 0, torch.float32)
-    expected = attention_torch.paged_decode_attention(*args)
+    expected = attention_cpu.paged_decode_attention(*args)
     assert torch.equal(kernels.paged_decode_attention(*args), expected)
     assert torch.equal(
         kernels.paged_decode_attention(*args, reference=True),
@@ -278,3 +287,30 @@ def test_selective_state_update_matches_reference(
         assert_close(ours[slots], theirs[slots], state_dtype)
     untouched = [s for s in range(pool) if s not in slots]
     assert ours[untouched].isnan().all()
+
+
+# The C decode kernel's own edges: a page longer than its 64-key run, a head dim that is not a
+# multiple of its 16-float vectors, odd GQA groups, both thread counts, and scores spread over
+# hundreds (online-softmax rescaling, exp underflow to the clamp).
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "group,head_dim,page_size,seq_lens,window,q_scale",
+    [
+        (3, 40, 128, [300, 1, 129], 0, 1.0),
+        (16, 24, 16, [65, 64, 63], 0, 1.0),
+        (2, 64, 128, [250, 70], 100, 1.0),
+        (4, 64, 16, [200, 31], 0, 40.0),
+    ],
+)
+def test_c_decode_kernel_edges(group, head_dim, page_size, seq_lens, window, q_scale,
+                               threads) -> None:
+    args, _ = _decode_batch(group, head_dim, page_size, seq_lens, window, torch.float32)
+    args = (args[0] * q_scale, *args[1:])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert attention_cpu.native_takes(*args[:3])
+        out = attention_cpu.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out, attention_ref.paged_decode_attention(*args), torch.float32)

@@ -18,12 +18,10 @@
  */
 #include <string.h>
 
+#include "vec.h"
+
 #define BLOCK 32
 #define MAX_ROWS 8
-
-typedef float vec16 __attribute__((vector_size(64)));
-/* The same vector, read from memory aligned only to a float. */
-typedef float vec16_u __attribute__((vector_size(64), aligned(4)));
 
 static inline __attribute__((always_inline)) void tile(
     const int rows, const float *x, long ldx, int k_dim, const float *w, const float *bias,
