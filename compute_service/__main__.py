@@ -37,6 +37,7 @@ from cache_service.client import CacheClient, CacheClientError
 from cache_service.core import CacheCore
 from cache_service.errors import CacheError, ErrorCode
 from cache_service.l3 import L3Client, L3Config
+from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig
 from compute_service.lora import validate_adapter_name
 from compute_service.tiers import WRITE_POLICIES
@@ -294,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     engine: Engine | None = None
     try:
         model, tokenizer, model_id = load(args)
+        if model.device.type == "cpu":  # builds the C kernels now, not on the first request
+            log.info(kv("cpu_kernels", **cpu_native.status()))
         l3 = l3_client(args)
         cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3)
         try:

@@ -64,6 +64,7 @@ import torch
 
 from cache_service.bench import maybe_profile
 from cache_service.core import CacheCore
+from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig, Output, RequestStats, SamplingParams
 from compute_service.lora import write_random_adapter
 from compute_service.model import ByteTokenizer, CausalLM, build_preset, save_model
@@ -736,6 +737,7 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu_kernels": cpu_native.status(),
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
     }
     with contextlib.suppress(Exception):
