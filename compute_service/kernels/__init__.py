@@ -33,6 +33,7 @@ from compute_service.kernels import (
     attention_torch,
     conv_ref,
     linear_cpu,
+    lora_cpu,
     lora_ref,
     mamba_ref,
     mamba_torch,
@@ -233,9 +234,14 @@ def lora_apply(
     token_slot: torch.Tensor,
     segments: LoraSegments | None = None,
     *,
+    B_t: torch.Tensor | None = None,
     use_triton: bool | None = None,
     reference: bool = False,
 ) -> None:
-    """See `lora_ref.lora_apply`."""
-    impl = _impl(lora_ref, lora_ref, "lora_triton", x, use_triton, reference)
-    impl.lora_apply(y, x, A_stack, B_stack, scaling, token_slot, segments)
+    """See `lora_ref.lora_apply`. `B_t`, B_stack transposed to [S, r_max, out], lets fp32 CPU
+    tensors take the C kernel (`lora_cpu`); the other paths ignore it."""
+    impl = _impl(lora_ref, lora_cpu, "lora_triton", x, use_triton, reference)
+    if impl is lora_cpu:
+        lora_cpu.lora_apply(y, x, A_stack, B_stack, scaling, token_slot, segments, B_t)
+    else:
+        impl.lora_apply(y, x, A_stack, B_stack, scaling, token_slot, segments)

@@ -1,4 +1,4 @@
-"""The C kernels of `csrc/` (the fp32 CPU GEMM and paged decode attention), built on first use
+"""The C kernels of `csrc/` (the fp32 CPU GEMM, paged decode attention, the LoRA update), built on first use
 with the system C compiler for this machine's CPU, loaded through ctypes.
 
 Why C: on CPU a decode step is a few rows through every weight and every cached key, so its
@@ -42,6 +42,8 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "paged_decode_attention": (_c_int, [_c_void_p, _c_void_p, _c_void_p, _c_void_p, _c_long,
                                         _c_void_p, _c_int, _c_int, _c_int, _c_int, _c_int,
                                         _c_float, _c_int, _c_void_p, _c_int]),
+    "lora_apply": (_c_int, [_c_void_p, _c_long, _c_void_p, _c_long, _c_int, _c_int, _c_int,
+                            _c_void_p, _c_void_p, _c_void_p, _c_void_p, _c_int, _c_int, _c_int]),
 }
 
 _lock = threading.Lock()

@@ -96,6 +96,9 @@ class AdapterRegistry:
                 A=torch.zeros(max_loaded, max_rank, linear.in_features, **kw),
                 B=torch.zeros(max_loaded, linear.out_features, max_rank, **kw),
                 scaling=torch.zeros(max_loaded, dtype=torch.float32, device=model.device),
+                # The CPU kernel reads B transposed (contiguous along out); GPUs need no copy.
+                B_t=(torch.zeros(max_loaded, max_rank, linear.out_features, **kw)
+                     if model.device.type == "cpu" else None),
             )
         self._slots: list[_Slot | None] = [None] * max_loaded
         self._by_name: dict[str, int] = {}
@@ -147,6 +150,8 @@ class AdapterRegistry:
         for target, w in self._weights.items():
             w.A[slot].zero_()
             w.B[slot].zero_()
+            if w.B_t is not None:
+                w.B_t[slot].zero_()
             module = adapter.modules.get(target)
             if module is None:
                 w.scaling[slot] = 0.0
@@ -154,6 +159,8 @@ class AdapterRegistry:
             r = module.rank
             w.A[slot, :r].copy_(module.A)
             w.B[slot, :, :r].copy_(module.B)
+            if w.B_t is not None:
+                w.B_t[slot, :r].copy_(module.B.T)
             w.scaling[slot] = module.scaling
 
     def unload(self, name: str) -> AdapterInfo:

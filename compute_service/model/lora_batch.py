@@ -37,11 +37,13 @@ LORA_TARGETS: dict[str, str] = {
 class LoraWeights:
     """One projection's adapters, one per slot: A [S, r_max, in], B [S, out, r_max] in the model
     dtype, scaling [S] fp32. An adapter of rank r < r_max (or one that does not target this
-    projection) has the unused rows of A / columns of B zero."""
+    projection) has the unused rows of A / columns of B zero. B_t: B transposed to
+    [S, r_max, out], kept beside B on CPU for the C kernel (`kernels.lora_cpu`), else None."""
 
     A: torch.Tensor
     B: torch.Tensor
     scaling: torch.Tensor
+    B_t: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -81,5 +83,6 @@ def project_group(
     ys = kernels.linear_group(x, [l.weight for l in linears], [l.bias for l in linears])
     for y, name in zip(ys, names, strict=True):
         if lora is not None and (w := lora.weights.get(name)) is not None:
-            kernels.lora_apply(y, x, w.A, w.B, w.scaling, lora.token_slot, lora.segments)
+            kernels.lora_apply(y, x, w.A, w.B, w.scaling, lora.token_slot, lora.segments,
+                               B_t=w.B_t)
     return ys

@@ -22,15 +22,6 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 512
 
-static inline float dot(const float *a, const float *b, int n) {
-  vec16 acc = {0};
-  int i = 0;
-  for (; i + 16 <= n; i += 16) acc += *(const vec16_u *)(a + i) * *(const vec16_u *)(b + i);
-  float s = vsum(acc);
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
 static void attend_group(const float *q, const float *k_cache, const float *v_cache,
                          const int *block_table, int seq_len, int lo, int group, int kv_head,
                          int num_kv_heads, int head_dim, int page_size, float scale, float *out) {
@@ -54,7 +45,7 @@ static void attend_group(const float *q, const float *k_cache, const float *v_ca
     for (int g = 0; g < group; g++) {
       float run_max = -INFINITY;
       for (int j = 0; j < run; j++) {
-        const float s = scale * dot(q + (long)g * head_dim, k + j * row, head_dim);
+        const float s = scale * vdot(q + (long)g * head_dim, k + j * row, head_dim);
         p[g][j] = s;
         run_max = s > run_max ? s : run_max;
       }

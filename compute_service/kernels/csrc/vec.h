@@ -24,6 +24,16 @@ static inline float vsum(vec16 v) {
   return v[0];
 }
 
+/* a . b over n floats. */
+static inline float vdot(const float *a, const float *b, int n) {
+  vec16 acc = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) acc += *(const vec16_u *)(a + i) * *(const vec16_u *)(b + i);
+  float s = vsum(acc);
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
 /* exp(x) to about 2 ulp for x in [-87, 88] (clamped there: below, results are ~1e-38 rather than
  * 0, which callers never sum with an unclamped weight), as Cephes' expf: x = n ln2 + r with
  * |r| <= ln2 / 2, exp(r) by a degree-6 polynomial, 2^n by the exponent bits. */

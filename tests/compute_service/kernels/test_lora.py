@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compute_service import kernels
-from compute_service.kernels import lora_ref, lora_triton
+from compute_service.kernels import lora_cpu, lora_ref, lora_triton
 
 from .helpers import DEVICE, assert_close, int32, requires_cuda
 
@@ -145,7 +145,7 @@ def test_shape_and_dtype_errors() -> None:
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors use the reference unless Triton is forced."""
+    """CPU tensors use the reference unless Triton is forced, or the C kernel given B_t."""
     calls: list[str] = []
     for tag, module in IMPLS.items():
         monkeypatch.setattr(module, "lora_apply", lambda *a, _tag=tag: calls.append(_tag))
@@ -153,3 +153,42 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels.lora_apply(*args)
     kernels.lora_apply(*args, use_triton=True)
     assert calls == ["ref", "triton"]
+    y, x, A, B = args[:4]
+    before = y.clone()
+    kernels.lora_apply(*args, B_t=B.transpose(1, 2).contiguous())
+    assert calls == ["ref", "triton"] and not torch.equal(y, before)  # the C kernel ran
+
+
+# ---- the C kernel (CPU, fp32, B kept transposed by the registry) -------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_cpu_kernel_matches_reference(case: tuple, threads: int) -> None:
+    """fp32 takes the C kernel (fp16 falls back to the reference), into a y that is a column
+    view of a wider output as project_group's are; unused slots are NaN and never read."""
+    y, x, A, B, scaling, token_slot = _inputs(case, "cpu", case[4])
+    wide = torch.randn(y.shape[0], y.shape[1] + 24, dtype=y.dtype)
+    wide[:, 8 : 8 + y.shape[1]] = y
+    view = wide[:, 8 : 8 + y.shape[1]]
+    B_t = B.transpose(1, 2).contiguous()
+    assert lora_cpu.native_takes(view, x, A, B_t) == (case[4] == torch.float32)
+    expected = y.clone()
+    lora_ref.lora_apply(expected, x, A, B, scaling, token_slot)
+    outside = wide.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lora_cpu.lora_apply(view, x, A, B, scaling, token_slot, None, B_t)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(view, expected, case[4])
+    assert torch.equal(wide[:, :8], outside[:, :8]) and torch.equal(wide[:, -16:], outside[:, -16:])
+    base = token_slot == -1
+    assert torch.equal(view[base], outside[:, 8 : 8 + y.shape[1]][base])
+
+
+def test_cpu_kernel_rejects_a_b_t_of_the_wrong_shape() -> None:
+    y, x, A, B, scaling, token_slot = _inputs(CASES[0], "cpu", torch.float32)
+    with pytest.raises(ValueError, match="B_t"):
+        lora_cpu.lora_apply(y, x, A, B, scaling, token_slot, None, B.contiguous().view(
+            B.shape[0], B.shape[2], B.shape[1])[:, :, :-1].contiguous())

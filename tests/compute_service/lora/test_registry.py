@@ -102,6 +102,8 @@ def test_reused_slot_keeps_nothing_of_its_previous_adapter(
     reg.unload("a")
     slot = reg.load("b", adapter_dirs["b"]).slot
     small = random_adapter(PRESET, rank=4, targets=["q_proj", "v_proj"], seed=1)
+    for w in reg._weights.values():  # the CPU kernel's transposed copy follows B exactly
+        assert w.B_t is not None and torch.equal(w.B_t, w.B.transpose(1, 2))
     want = _logits(merged_model(model, small))
     torch.testing.assert_close(_logits(model, reg, slot), want, atol=2e-4, rtol=1e-4)
 
