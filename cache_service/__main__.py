@@ -16,7 +16,7 @@ import sys
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from cache_service.server import CacheServer, ServerConfig
-from service_shell import (ShutdownSignal, add_flag, add_server_flags, configure_logging,
+from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging,
                            tls_from_args)
 
 log = logging.getLogger("cache_service")
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"health on {args.host}:{server.health_port}", flush=True)
     # Drain runs here, on the main thread, not inside the signal handler, so that it may block.
     shutdown.wait()
+    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
     server.drain()
+    guard.drained()
     return 0
 
 

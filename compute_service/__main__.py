@@ -45,7 +45,7 @@ from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, Tokenizer, 
                                    load_model, load_tokenizer)
 from compute_service.server import ComputeServer, ServerConfig
 from prefixcache.v1 import cache_service_pb2 as cpb
-from service_shell import (ShutdownSignal, TlsConfig, add_flag, add_server_flags,
+from service_shell import (ExitGuard, ShutdownSignal, TlsConfig, add_flag, add_server_flags,
                            configure_logging, kv, tls_from_args)
 
 log = logging.getLogger("compute_service")
@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server.attach(engine)
     shutdown.wait()
+    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
     server.drain()
     if isinstance(cache, CacheClient):
         # The cache service frees the pool now instead of waiting for its leases to expire, and
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         except CacheClientError as exc:
             log.warning(kv("unregister_failed", pool=engine.cfg.pool_id, error=exc))
         cache.close()
+    guard.drained()
     return 0
 
 

@@ -27,7 +27,7 @@ from gateway.server import GatewayConfig, GatewayServer
 from gateway.tenants import TenantDirectory
 from gateway.tokenize import BYTE
 from gateway.workers import WorkerSettings
-from service_shell import (ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
+from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
                            tls_from_args)
 
 log = logging.getLogger("gateway")
@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if server.health_port is not None:
         print(f"health on {args.host}:{server.health_port}", flush=True)
     shutdown.wait()
+    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
     server.drain()
+    guard.drained()
     return 0
 
 

@@ -1,9 +1,14 @@
-"""SIGTERM/SIGINT as an event the main thread waits on."""
+"""SIGTERM/SIGINT as an event the main thread waits on, and a bound on how long the process may
+take to end after it."""
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import signal
+import sys
 import threading
+import time
 
 from service_shell.logs import kv
 
@@ -33,3 +38,39 @@ class ShutdownSignal:
 
     def wait(self) -> None:
         self._event.wait()
+
+
+class ExitGuard:
+    """Makes sure a draining process ends. Started when the drain starts, with the time running
+    calls get (`grace_s`) plus `slack_s` for the rest (aborts, closing ports, unregistering);
+    `drained()` then gives the interpreter `exit_within_s` more to exit. Past either deadline
+    it logs which, writes every thread's stack to stderr (so the hang can be found), and ends
+    the process: exit code 1 if the drain itself overran, 0 if only the interpreter's exit did
+    (a non-daemon thread, such as a gRPC handler stuck in a call, holds it open). Without it
+    such a process lingers until Kubernetes kills it at terminationGracePeriodSeconds."""
+
+    POLL_S = 0.1
+
+    def __init__(self, log: logging.Logger, grace_s: float, slack_s: float = 30.0):
+        self._log = log
+        self._deadline = time.monotonic() + grace_s + slack_s
+        self._drained = False
+        threading.Thread(target=self._watch, name="exit-guard", daemon=True).start()
+
+    def drained(self, exit_within_s: float = 5.0) -> None:
+        self._drained = True
+        self._deadline = time.monotonic() + exit_within_s
+
+    def _watch(self) -> None:
+        while time.monotonic() < self._deadline:
+            time.sleep(self.POLL_S)
+        alive = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        event = "exit_overran" if self._drained else "drain_overran"
+        self._log.warning(kv(event, threads=",".join(alive)))
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0 if self._drained else 1)

@@ -520,15 +520,17 @@ def test_cli_serves_until_sigterm(fleet, tmp_path):
             proc.wait()
 
 
-def test_cli_discovers_workers_by_dns(fleet):
+def test_cli_discovers_workers_by_dns(fleet, tmp_path):
     _, cache, workers, _ = fleet
     port = workers["w1"].address.rsplit(":", 1)[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", "0",
-         "--allow-anonymous", "--resolve-interval-s", "0.2"], cwd=REPO, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PREFIXCACHE_WORKERS_DNS": f"127.0.0.1:{port}",
-             "PREFIXCACHE_CACHE_PORT": str(cache.port)})
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "gateway", "--host", "127.0.0.1",
+             "--port", "0", "--allow-anonymous", "--resolve-interval-s", "0.2"],
+            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=log_file,
+            env={**os.environ, "PREFIXCACHE_WORKERS_DNS": f"127.0.0.1:{port}",
+                 "PREFIXCACHE_CACHE_PORT": str(cache.port)})
     try:
         caller = Caller(proc.stdout.readline().split()[-1])
         wait_until(lambda: len(list_workers(caller, None)) == 1, timeout_s=20)
@@ -536,7 +538,14 @@ def test_cli_discovers_workers_by_dns(fleet):
         assert (w1.address, w1.cache_address) == (f"127.0.0.1:{port}", f"127.0.0.1:{cache.port}")
         caller.close()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
+            proc.wait(10)
+            raise AssertionError("the gateway did not exit 30 s after SIGTERM; its log:\n"
+                                 + log_path.read_text()[-6000:]) from None
+        assert code == 0, log_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
