@@ -3,8 +3,10 @@
 
 Why (see the C file): the PyTorch path gathers every row's K and V into a padded copy and runs
 SDPA on it, so K/V cross memory three times; the kernel reads each key once, in place. Measured
-on the 2-core benchmark machine (8 sequences, 8 query / 4 kv heads, head dim 64, page 16,
-2 threads): see `python -m compute_service.bench` and the closing note of issue 3.
+on the 2-core benchmark machine (one call = one layer: 8 sequences, 8 query / 4 kv heads, head
+dim 64, page 16, fp32, 2 threads, caches warm): 31 vs 134 us at 64 keys per sequence, 74 vs 217
+at 192, 464 vs 2,353 at 1,024, 5.7 vs 8.9 ms at 4,096 (where SDPA alone over an already
+contiguous copy takes 3.4 ms: the kernel's per-key dot products are the next thing to speed up).
 """
 from __future__ import annotations
 
