@@ -5,8 +5,8 @@ per running sequence) to a BLAS that runs it on one thread in the weight's plain
 quarter of the memory bandwidth. Two faster GEMMs read a copy of the weight laid out for them:
 
 - `native`: our own loop, `cpu_gemm`, built for this CPU on first use (`cpu_native`). At 8 rows
-  it streams the weights at 80-90% of the memory bandwidth, about 2x oneDNN, and it matches
-  oneDNN up to 2,048 rows (figures in `cpu_gemm`).
+  it streams the weights at the memory bandwidth, 1.3x oneDNN on an idle machine and 2x with
+  another process on the second core, and it matches oneDNN up to 2,048 rows (see `cpu_gemm`).
 - `onednn`: oneDNN's inner product on its own packed layout (the packing inductor's CPU backend
   uses); 2x F.linear at 8 rows, 1.2-1.4x at 32-2,048 rows. Where the C kernels are off
   (`PREFIXCACHE_CPU_NATIVE=off`) or cannot be built.
@@ -34,9 +34,7 @@ import torch.nn.functional as F
 from compute_service.kernels import cpu_gemm, cpu_native
 from compute_service.kernels.tensor_version import tensor_version
 
-__all__ = ["BACKENDS", "backend", "linear_group"]
-
-BACKENDS = ("native", "onednn", "torch")
+__all__ = ["backend", "linear_group"]
 
 # oneDNN's packing is tuned for this many rows (a decode step of a few sequences); any works.
 ONEDNN_PACK_ROWS_HINT = 8
