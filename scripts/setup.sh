@@ -15,6 +15,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "setup: redis-server not found and apt-get unavailable: no L3 in the local stack" >&2
   fi
 fi
+# A C compiler builds the compute service's CPU kernels (compute_service/kernels/csrc) on first
+# use; without one they fall back to oneDNN and PyTorch (slower) and their tests say so.
+if ! command -v cc >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing gcc with apt-get (for the CPU kernels)" >&2
+    (apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null) \
+      || echo "setup: could not install gcc: the CPU kernels fall back to oneDNN" >&2
+  else
+    echo "setup: no C compiler and apt-get unavailable: the CPU kernels fall back to oneDNN" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv" >&2
   "$PY" -m venv .venv

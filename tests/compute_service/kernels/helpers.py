@@ -1,8 +1,11 @@
-"""Shared pieces of the kernel tests: tolerances, the GPU skip marker, small constructors."""
+"""Shared pieces of the kernel tests: tolerances, the GPU and C-compiler skip markers, small
+constructors."""
 from __future__ import annotations
 
 import pytest
 import torch
+
+from compute_service.kernels import cpu_native
 
 # Where the Triton kernels run: compiled on a GPU when there is one, else interpreted on CPU
 # (tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported).
@@ -20,6 +23,14 @@ _REL_TOL = {
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU: compiled Triton kernels in bf16 are only checked on a GPU",
+)
+
+
+# The CPU C kernels are built with the system C compiler (scripts/setup.sh installs gcc where it
+# can); without one the service falls back to oneDNN and PyTorch, which are tested everywhere.
+requires_c_kernels = pytest.mark.skipif(
+    not cpu_native.enabled(),
+    reason="no C compiler here: the CPU C kernels (compute_service/kernels/csrc) cannot be built",
 )
 
 

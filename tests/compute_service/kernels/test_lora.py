@@ -9,7 +9,7 @@ import torch
 from compute_service import kernels
 from compute_service.kernels import lora_cpu, lora_ref, lora_triton
 
-from .helpers import DEVICE, assert_close, int32, requires_cuda
+from .helpers import DEVICE, assert_close, int32, requires_c_kernels, requires_cuda
 
 IMPLS = {"ref": lora_ref, "triton": lora_triton}
 
@@ -153,14 +153,22 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels.lora_apply(*args)
     kernels.lora_apply(*args, use_triton=True)
     assert calls == ["ref", "triton"]
+
+
+@requires_c_kernels
+def test_dispatch_takes_the_c_kernel_given_b_t(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(lora_ref, "lora_apply", lambda *a: calls.append("ref"))
+    args = _inputs(CASES[0], "cpu", torch.float32)
     y, x, A, B = args[:4]
     before = y.clone()
     kernels.lora_apply(*args, B_t=B.transpose(1, 2).contiguous())
-    assert calls == ["ref", "triton"] and not torch.equal(y, before)  # the C kernel ran
+    assert calls == [] and not torch.equal(y, before)  # the C kernel ran
 
 
 # ---- the C kernel (CPU, fp32, B kept transposed by the registry) -------------------------------
 
+@requires_c_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_cpu_kernel_matches_reference(case: tuple, threads: int) -> None:
@@ -187,6 +195,7 @@ def test_cpu_kernel_matches_reference(case: tuple, threads: int) -> None:
     assert torch.equal(view[base], outside[:, 8 : 8 + y.shape[1]][base])
 
 
+@requires_c_kernels
 def test_cpu_kernel_rejects_a_b_t_of_the_wrong_shape() -> None:
     y, x, A, B, scaling, token_slot = _inputs(CASES[0], "cpu", torch.float32)
     with pytest.raises(ValueError, match="B_t"):

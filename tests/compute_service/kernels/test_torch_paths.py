@@ -21,11 +21,12 @@ from compute_service.kernels import (
     attention_cpu,
     attention_ref,
     attention_torch,
+    cpu_native,
     mamba_ref,
     mamba_torch,
 )
 
-from .helpers import assert_close, cu_seqlens, distinct_slots, int32
+from .helpers import assert_close, cu_seqlens, distinct_slots, int32, requires_c_kernels
 from .test_attention import DECODE_CASES, EXTEND_CASES, NUM_KV_HEADS, PagedBatch, make_paged_batch
 from .test_mamba import make_inputs
 
@@ -89,7 +90,7 @@ def _check_decode(args: tuple, dtype: torch.dtype) -> None:
     """The PyTorch path and, for fp32, the C kernel (`attention_cpu`) against the reference."""
     expected = attention_ref.paged_decode_attention(*args)
     assert_close(attention_torch.paged_decode_attention(*args), expected, dtype)
-    assert attention_cpu.native_takes(*args[:3]) == (dtype == torch.float32)
+    assert attention_cpu.native_takes(*args[:3]) == (dtype == torch.float32 and cpu_native.enabled())
     assert_close(attention_cpu.paged_decode_attention(*args), expected, dtype)
 
 
@@ -292,6 +293,7 @@ def test_selective_state_update_matches_reference(
 # The C decode kernel's own edges: a page longer than its 64-key run, a head dim that is not a
 # multiple of its 16-float vectors, odd GQA groups, both thread counts, and scores spread over
 # hundreds (online-softmax rescaling, exp underflow to the clamp).
+@requires_c_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "group,head_dim,page_size,seq_lens,window,q_scale",
