@@ -12,8 +12,9 @@ keywords that pick the implementation serving the call:
 The PyTorch path, which serves CPU tensors, is the vectorised `*_torch` module where there is
 one (`attention_torch`: paged decode and extend attention; `mamba_torch`: the single-step SSM
 update) and the reference otherwise; fp32 paged decode attention takes a C kernel built for the
-machine on first use (`attention_cpu`, `cpu_native`) in front of `attention_torch`. The references stay minimal and obviously correct: they
-are the oracle every other implementation is tested against. The Triton modules are imported
+machine on first use (`attention_cpu`, `cpu_native`) in front of `attention_torch`. The
+references stay minimal and obviously correct: they are the oracle every other implementation
+is tested against. The Triton modules are imported
 on first use, so a CPU-only process never needs triton.
 
 `linear` has no Triton version: cuBLAS serves it on a GPU; on CPU, fp32 projections run on

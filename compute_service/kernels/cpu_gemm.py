@@ -26,7 +26,9 @@ __all__ = ["BLOCK", "gemm", "pack"]
 BLOCK = 32  # output columns per packed block, as in the C source
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """weight [N, K] fp32 -> (packed [ceil(N/32), K, 32], bias zero-padded to ceil(N/32)*32 or
     None): the layout `gemm` reads (see the C source)."""
     n, k = weight.shape

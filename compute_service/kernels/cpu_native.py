@@ -1,5 +1,5 @@
-"""The C kernels of `csrc/` (the fp32 CPU GEMM, paged decode attention, the LoRA update), built on first use
-with the system C compiler for this machine's CPU, loaded through ctypes.
+"""The C kernels of `csrc/` (the fp32 CPU GEMM, paged decode attention, the LoRA update), built
+on first use with the system C compiler for this machine's CPU, loaded through ctypes.
 
 Why C: on CPU a decode step is a few rows through every weight and every cached key, so its
 speed is how close those streams get to the memory bandwidth, and how little runs between them;

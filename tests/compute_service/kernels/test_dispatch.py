@@ -1,6 +1,6 @@
 """The public kernel API picks the PyTorch path for CPU tensors (`attention_cpu` for decode
-attention, the vectorised `*_torch` module where there is one, else the reference), Triton when forced or on CUDA, and the reference when
-asked for it."""
+attention, the vectorised `*_torch` module where there is one, else the reference), Triton when
+forced or on CUDA, and the reference when asked for it."""
 from __future__ import annotations
 
 import pytest

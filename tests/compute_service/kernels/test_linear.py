@@ -131,7 +131,8 @@ def test_cpu_gemm_reads_strided_rows_and_rejects_a_wrong_shape() -> None:
     w = torch.randn(48, 16)
     packed, _ = cpu_gemm.pack(w, None)
     x = torch.randn(16, 6).t()  # [6, 16], not contiguous
-    torch.testing.assert_close(cpu_gemm.gemm(x, packed, None, 48), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_gemm.gemm(x, packed, None, 48), F.linear(x, w),
+                               rtol=1e-5, atol=1e-5)
     assert cpu_gemm.gemm(torch.empty(0, 16), packed, None, 48).shape == (0, 48)
     with pytest.raises(ValueError, match="packed weight"):
         cpu_gemm.gemm(torch.randn(2, 15), packed, None, 48)

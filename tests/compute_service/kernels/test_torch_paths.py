@@ -90,7 +90,8 @@ def _check_decode(args: tuple, dtype: torch.dtype) -> None:
     """The PyTorch path and, for fp32, the C kernel (`attention_cpu`) against the reference."""
     expected = attention_ref.paged_decode_attention(*args)
     assert_close(attention_torch.paged_decode_attention(*args), expected, dtype)
-    assert attention_cpu.native_takes(*args[:3]) == (dtype == torch.float32 and cpu_native.enabled())
+    native = dtype == torch.float32 and cpu_native.enabled()
+    assert attention_cpu.native_takes(*args[:3]) == native
     assert_close(attention_cpu.paged_decode_attention(*args), expected, dtype)
 
 
