@@ -4,7 +4,8 @@ Per worker, as in an engine with continuous batching:
 - a FIFO prefill lane run in steps: a step takes queued prompts in order while their uncached
   tokens fit `step_tokens` (a prompt longer than that is a step of its own), matching each one
   against the worker's page cache (device LRU, optional host tier, then the shared L3) as it is
-  taken. A step costs `step_overhead_s` plus `CostModel.prefill_s` of each prompt; at its end
+  taken. A prompt sharing uncached pages with one already in the step waits for the next step
+  and matches them then, as the engine holds back a sibling in flight. A step costs `step_overhead_s` plus `CostModel.prefill_s` of each prompt; at its end
   each prompt's pages are committed to the cache, the resulting KV events go to the gateway's
   `KvIndex` as one real `EventBatch` (after `event_delay_s`), and each request's time to first
   token is recorded;
@@ -214,21 +215,32 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
     def start(w: _Worker) -> None:
         cost = cfg.cost
         budget, duration = cost.step_tokens, cost.step_overhead_s
+        computing: set[bytes] = set()  # pages this step computes
+        waiting: list[_Job] = []  # siblings of a job in this step: they wait for its pages
         while w.queue:
             job = w.queue[0]
             d, h = w.cache.match(job.hashes)
             r = l3.extend(job.hashes, d + h) if l3 is not None else 0
-            cached = (d + h + r) * page
+            first = d + h + r
+            # Chained hashes: sharing any uncached page with a job of this step means sharing
+            # the first one. The engine then holds the request back (Engine._waits_for_sibling)
+            # and admits the ones behind it; it matches the pages as hits next step.
+            if first < len(job.hashes) and job.hashes[first] in computing:
+                waiting.append(w.queue.popleft())
+                continue
+            cached = first * page
             new = job.prompt - cached
             if w.current and new > budget:
                 break
             w.queue.popleft()
             if r:
-                l3.read(job.hashes[d + h:d + h + r])  # type: ignore[union-attr]
+                l3.read(job.hashes[d + h:first])  # type: ignore[union-attr]
             job.device_hit, job.host_hit, job.l3_hit, job.cached = d, h, r, cached
             w.current.append(job)
+            computing.update(job.hashes[first:])
             budget -= new
             duration += cost.prefill_s(job.prompt, cached, h * page, r * page)
+        w.queue.extendleft(reversed(waiting))
         push(clock.now + duration * cost.slowdown(w.decoding), _PREFILL_DONE, w)
 
     for i, req in enumerate(requests):
