@@ -94,6 +94,10 @@ class ComputeMetrics:
             "prefixcache_compute_shared_in_flight_tokens",
             "Prompt tokens a sibling request in flight computed (part of the cached tokens).",
             registry=r)
+        self.twin_first_tokens = prometheus_client.Counter(
+            "prefixcache_compute_twin_first_tokens",
+            "Requests whose first token was sampled from a twin's logits (same prompt, in flight).",
+            registry=r)
         self.computed_tokens = prometheus_client.Counter(
             "prefixcache_compute_computed_prompt_tokens",
             "Prompt tokens the requests computed themselves.", registry=r)
@@ -115,6 +119,7 @@ class ComputeMetrics:
         self.cached_tokens.labels("host").inc(s.cached_tokens_host)
         self.cached_tokens.labels("remote").inc(s.cached_tokens_remote)
         self.shared_tokens.inc(s.shared_tokens_in_flight)
+        self.twin_first_tokens.inc(s.first_token_from_twin)
         self.computed_tokens.inc(s.computed_prompt_tokens)
         self.output_tokens.inc(s.output_tokens)
         if s.output_tokens:  # an aborted request that never produced a token has no TTFT

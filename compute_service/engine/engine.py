@@ -25,6 +25,13 @@ background; an L3 page that is missing, invalid, or behind a Redis failure is co
 Same-step deduplication: a waiting request that shares whole pages with a running (or just
 admitted) request that has not published them yet waits for those publishes instead of computing
 the same pages; it then matches them as a cache hit (`shared_tokens_in_flight`).
+
+Twins (N samples of one prompt, as RL rollouts send them): when a request's prompt completes, every
+waiting request with the same prompt in the same namespace that has sampled nothing yet samples
+its first token from the same logits row, with its own sampling parameters and generator, in the
+same step. It is then admitted like any sibling (it matches the published pages and computes the
+prompt's partial last page and that token), so its first token no longer waits for a step of its
+own (`first_token_from_twin`).
 """
 from __future__ import annotations
 
@@ -95,6 +102,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # device, host and L3 hits
     remote_loaded_tokens: int = 0  # prompt tokens loaded from L3 instead of computed
     shared_in_flight_tokens: int = 0
+    twin_first_tokens: int = 0  # first tokens sampled from a twin's logits (see the docstring)
     preemptions: int = 0
     recoveries: int = 0  # times the cache service lost this pool and the engine re-registered
 
@@ -521,12 +529,32 @@ class Engine:
                 ready.append((i, r))
         if not ready:
             return
-        logits = out.logits[[i for i, _ in ready]]
-        params = [r.sampling for _, r in ready]
-        banned = [self._banned(r) for _, r in ready]
-        tokens = sample(logits.float(), params, [r.generator for _, r in ready], banned)
-        for (_, r), tok in zip(ready, tokens, strict=True):
+        rows, reqs = [i for i, _ in ready], [r for _, r in ready]
+        for i, twin in self._twins([(i, r) for i, r in ready if not r.output]):
+            rows.append(i)
+            reqs.append(twin)
+        logits = out.logits[rows]
+        banned = [self._banned(r) for r in reqs]
+        tokens = sample(logits.float(), [r.sampling for r in reqs], [r.generator for r in reqs], banned)
+        for r, tok in zip(reqs, tokens, strict=True):
             self._emit(r, tok)
+
+    def _twins(self, firsts: list[tuple[int, Request]]) -> list[tuple[int, Request]]:
+        """(logits row, waiting twin) for the requests whose prompt completed in this forward:
+        a twin has the same prompt and namespace and has sampled nothing; each is taken once."""
+        if not firsts or not self.waiting:
+            return []
+        found = []
+        for w in self.waiting:
+            if w.output:
+                continue
+            for i, r in firsts:
+                if w.prompt == r.prompt and (w.adapter, w.salt) == (r.adapter, r.salt):
+                    w.stats.first_token_from_twin = True
+                    self.stats.twin_first_tokens += 1
+                    found.append((i, w))
+                    break
+        return found
 
     def _keep_boundaries(self, batch, bounds) -> None:
         """Keeps the Mamba states at the page boundaries inside this call that should become
@@ -560,8 +588,12 @@ class Engine:
             reason = FinishReason.LENGTH
         r.sink(Output([tok], delta))
         if reason is not None:
+            waiting = r.status is Status.WAITING  # a twin that got its first token (_twins)
             self._finish(r, reason)
-            self._retire(r)
+            if waiting:
+                self.waiting.remove(r)
+            else:
+                self._retire(r)
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
         with self._lock:

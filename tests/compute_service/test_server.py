@@ -386,6 +386,7 @@ def test_metrics_text(shared):
                  "prefixcache_compute_prompt_tokens_total",
                  'prefixcache_compute_cached_prompt_tokens_total{medium="device"}',
                  "prefixcache_compute_computed_prompt_tokens_total",
+                 "prefixcache_compute_twin_first_tokens_total",
                  "prefixcache_compute_ttft_seconds_count",
                  'prefixcache_compute_rpcs_total{code="OK",method="Generate"}',
                  "prefixcache_compute_running_requests 0.0",

@@ -3,7 +3,7 @@
 For every family (transformer, sliding window, Mamba2, hybrid), the engine's output equals an
 independent reference (PagedDriver: one prefill call, then one decode call per token) whether the
 prompt was cold, fully cached, cached up to mid-page, published mid-flight by a concurrent
-sibling, or resumed after preemption; with multi-chunk prompts, 16 concurrent same-prefix
+sibling, sampled first from a twin's logits, or resumed after preemption; with multi-chunk prompts, 16 concurrent same-prefix
 requests, a prompt shorter than the conv window, and a second turn reusing the first.
 """
 from __future__ import annotations
@@ -85,6 +85,30 @@ def test_sixteen_concurrent_same_prefix_requests(name):
     computed = sum(s.computed_prompt_tokens for _, s in got.values())
     assert computed <= 40 + 16 * 12, computed
     assert sum(s.shared_tokens_in_flight for _, s in got.values()) > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_twins_take_their_first_token_from_the_first_ones_logits(name):
+    """Four samples of one prompt (an RL rollout's group): all first tokens come in the step
+    that completes the prompt, the prefix is computed once, and the output equals the reference."""
+    eng = engine(name)
+    prompt = BASE[:42]  # 10.5 pages: the twins recompute the partial page and their token
+    steps: dict[str, list[int]] = {}
+    got: dict[str, list] = {}
+    for i in range(4):
+        key = f"t{i}"
+        steps[key], got[key] = [], []
+        eng.submit(prompt, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                   lambda o, k=key: (steps[k].append(eng.stats.steps), got[k].append(o)), request_id=key)
+    eng.run_until_idle()
+    want = reference(name, tuple(prompt))
+    for key, outs in got.items():
+        assert [t for o in outs for t in o.token_ids] == want, key
+    assert len({s[0] for s in steps.values()}) == 1  # every first token in one step
+    stats = [outs[-1].stats for outs in got.values()]
+    assert [s.first_token_from_twin for s in stats] == [False, True, True, True]
+    assert eng.stats.twin_first_tokens == 3
+    assert sum(s.computed_prompt_tokens for s in stats) <= len(prompt) + 3 * 3
 
 
 @pytest.mark.parametrize("name", FAMILIES)

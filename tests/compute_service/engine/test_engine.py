@@ -44,6 +44,38 @@ def test_greedy_is_deterministic_and_seeded_sampling_is_reproducible():
     assert a == b and a != c
 
 
+def test_a_twin_samples_its_first_token_with_its_own_parameters():
+    """Twins share the logits row, not the draw: each uses its own sampling parameters and
+    generator, so a seeded twin gives what the same request gives alone; a twin that stops at
+    its first token leaves the queue without ever running."""
+    alone = generate(make(), max_tokens=12, temperature=1.5, seed=11, ignore_eos=True)[0]
+    eng = make()
+    outs: dict[str, list] = {k: [] for k in ("greedy", "seeded", "one")}
+    eng.submit(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), outs["greedy"].append)
+    eng.submit(PROMPT, SamplingParams(max_tokens=12, temperature=1.5, seed=11, ignore_eos=True),
+               outs["seeded"].append)
+    eng.submit(PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), outs["one"].append)
+    eng.run_until_idle()
+    tokens = {k: [t for o in v for t in o.token_ids] for k, v in outs.items()}
+    assert tokens["seeded"] == alone
+    assert tokens["one"] == tokens["greedy"][:1]
+    one = outs["one"][-1].stats
+    assert one.first_token_from_twin and one.finish_reason is FinishReason.LENGTH
+    assert one.computed_prompt_tokens == 0 and eng.stats.twin_first_tokens == 2
+    assert not eng.waiting and not eng.running
+
+
+def test_twins_need_the_same_namespace_and_prompt():
+    eng = make()
+    outs: list = []
+    eng.submit(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), outs.append)
+    eng.submit(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), outs.append, salt="tenant-b")
+    eng.submit(PROMPT + [7], SamplingParams(max_tokens=2, ignore_eos=True), outs.append)
+    eng.run_until_idle()
+    assert eng.stats.twin_first_tokens == 0
+    assert not any(o.stats.first_token_from_twin for o in outs if o.stats)
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy():
     eng = make()
     greedy = generate(eng, max_tokens=6, ignore_eos=True)[0]
