@@ -4,11 +4,14 @@ Per worker, as in an engine with continuous batching:
 - a FIFO prefill lane run in steps: a step takes queued prompts in order while their uncached
   tokens fit `step_tokens` (a prompt longer than that is a step of its own), matching each one
   against the worker's page cache (device LRU, optional host tier, then the shared L3) as it is
-  taken. A prompt sharing uncached pages with one already in the step waits for the next step
-  and matches them then, as the engine holds back a sibling in flight. A step costs `step_overhead_s` plus `CostModel.prefill_s` of each prompt; at its end
+  taken. A step costs `step_overhead_s` plus `CostModel.prefill_s` of each prompt; at its end
   each prompt's pages are committed to the cache, the resulting KV events go to the gateway's
   `KvIndex` as one real `EventBatch` (after `event_delay_s`), and each request's time to first
-  token is recorded;
+  token is recorded. As in the engine: a prompt sharing uncached pages with one already in the
+  step waits for the next step and matches them then (a sibling in flight), and a queued twin of
+  a prompt the step completes (the same tokens) gets its first token at the step's end, sampled
+  from the same logits (Engine._twins), then still runs a step of its own (it recomputes the
+  prompt's partial last page);
 - a decode batch that runs beside it: each request then decodes for `tpot_s` per output token,
   and while it does it takes `decode_s_per_token / tpot_s` of the worker's compute, so a worker
   with R requests decoding prefills 1 / (1 - R * that share) times slower (share capped).
@@ -129,6 +132,9 @@ class _Job:
     output: int
     arrival: float
     estimate: int  # prefill tokens the worker counts as queued for it
+    # Equal for prompts with the same tokens: (input_length, the trace's block ids).
+    prompt_key: tuple = ()
+    first_token: bool = False  # already sampled from a twin's logits (see the module docstring)
     cached: int = 0
     device_hit: int = 0
     host_hit: int = 0
@@ -264,7 +270,7 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
             w = by_name[decision.worker]
             estimate = req.input_length - w.cache.match(hashes)[0] * page
             w.queue.append(_Job(route.request_id, hashes, req.input_length, req.output_length,
-                                req.arrival_s, estimate))
+                                req.arrival_s, estimate, (req.input_length, req.hash_ids)))
             w.queued_prefill += estimate
             if not w.current:
                 start(w)
@@ -280,6 +286,12 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
             w = item  # type: ignore[assignment]
             events = []
             l3_writes: list[tuple[bytes, bytes]] = []
+            done = {job.prompt_key for job in w.current}
+            for job in w.queue:  # twins of a prompt this step completed: their first token now
+                if not job.first_token and job.prompt_key in done:
+                    job.first_token = True
+                    ttft.append(clock.now - job.arrival)
+                    load.on_first_token(job.rid)
             for job in w.current:
                 events += w.cache.commit(job.hashes, job.device_hit, job.host_hit)
                 if l3 is not None:
@@ -290,7 +302,8 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
                                       for i in range(len(hashes) - 1, first - 1, -1)]
                     else:
                         l3_writes += w.cache.spilled
-                ttft.append(clock.now - job.arrival)
+                if not job.first_token:
+                    ttft.append(clock.now - job.arrival)
                 prompt_tokens += job.prompt
                 cached_tokens += job.cached
                 host_tokens += job.host_hit * page

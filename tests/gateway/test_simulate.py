@@ -88,19 +88,21 @@ def _requests(*prompts: list[bytes]) -> tuple[list[TraceRequest], list[bytes]]:
     return reqs, [b"".join(p) for p in prompts]
 
 
-def test_a_sibling_waits_for_the_pages_a_step_computes_and_others_pass_it():
-    # One worker busy with X when three copies of Y and then Z arrive: the next step takes Y
-    # once and Z, holding the other Ys back (Engine._waits_for_sibling); they hit a step later.
+def test_siblings_wait_for_the_pages_a_step_computes_and_twins_share_its_first_token():
+    # One worker busy with X when Y, its twin, Y + 2 pages and Z arrive: the next step takes Y
+    # and Z and holds the other two back (Engine._waits_for_sibling). The twin gets its first
+    # token with Y's (Engine._twins); both then run a step that hits Y's pages.
     x, y, z = pages(0, 64), pages(1000, 1010), pages(2000, 2010)
-    prompts = [x, y, y, y, z]
-    reqs = [TraceRequest(i, 0.001 * i, 16 * len(p), 1, ()) for i, p in enumerate(prompts)]
+    y2 = y + pages(3000, 3002)
+    prompts = [x, y, y, y2, z]
+    reqs = [TraceRequest(i, 0.001 * i, 16 * len(p), 1, (i if p is not y else -1,))
+            for i, p in enumerate(prompts)]
     result = run_policy(reqs, [b"".join(p) for p in prompts], RoundRobinPolicy(), SimConfig(workers=1))
-    assert result.computed_per_worker == [16 * (64 + 10 + 10)] and result.cached_tokens == 2 * 160
-    # First tokens in completion order: X; then the first Y and Z in one step; then the two Ys.
-    ttft = result.ttft_s
-    finish = [t + a for t, a in zip(ttft, (0.0, 0.001, 0.004, 0.002, 0.003))]
-    assert finish[1] == pytest.approx(finish[2]) and finish[3] == pytest.approx(finish[4])
-    assert finish[0] < finish[1] < finish[3]
+    assert result.computed_per_worker == [16 * (64 + 10 + 2 + 10)] and result.cached_tokens == 2 * 160
+    # First tokens in the order recorded: X; the twin, Y and Z at one step's end; then Y + 2.
+    finish = [t + a for t, a in zip(result.ttft_s, (0.0, 0.002, 0.001, 0.004, 0.003))]
+    assert finish[2] == pytest.approx(finish[1]) and finish[3] == pytest.approx(finish[1])
+    assert finish[0] < finish[1] < finish[4]
 
 
 def test_l3_write_back_reloads_what_a_worker_evicted():
