@@ -76,6 +76,9 @@ class EngineConfig:
     checkpoint_every_pages: int = 1
     max_running: int = 16
     token_budget: int = 512  # tokens computed per step, over all requests
+    # Twins take their first token from the logits of the request that completes their prompt
+    # (see the module docstring); False makes them wait for a step of their own.
+    twin_first_tokens: bool = True
     max_context: int = 8192
     lease_ttl_s: float = 0.0  # 0 = the cache service's default; must exceed the slowest step
     # L3 (Redis) tier: a cache_service.l3.L3Client, or None for no L3. The write policy is one of
@@ -542,7 +545,7 @@ class Engine:
     def _twins(self, firsts: list[tuple[int, Request]]) -> list[tuple[int, Request]]:
         """(logits row, waiting twin) for the requests whose prompt completed in this forward:
         a twin has the same prompt and namespace and has sampled nothing; each is taken once."""
-        if not firsts or not self.waiting:
+        if not firsts or not self.waiting or not self.cfg.twin_first_tokens:
             return []
         found = []
         for w in self.waiting:

@@ -65,7 +65,7 @@ def test_a_twin_samples_its_first_token_with_its_own_parameters():
     assert not eng.waiting and not eng.running
 
 
-def test_twins_need_the_same_namespace_and_prompt():
+def test_twins_need_the_same_namespace_and_prompt_and_can_be_turned_off():
     eng = make()
     outs: list = []
     eng.submit(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), outs.append)
@@ -74,6 +74,11 @@ def test_twins_need_the_same_namespace_and_prompt():
     eng.run_until_idle()
     assert eng.stats.twin_first_tokens == 0
     assert not any(o.stats.first_token_from_twin for o in outs if o.stats)
+    off = make(twin_first_tokens=False)
+    for _ in range(2):
+        off.submit(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), outs.append)
+    off.run_until_idle()
+    assert off.stats.twin_first_tokens == 0
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
