@@ -536,6 +536,8 @@ class Engine:
         for i, twin in self._twins([(i, r) for i, r in ready if not r.output]):
             rows.append(i)
             reqs.append(twin)
+            twin.stats.first_token_from_twin = True
+            self.stats.twin_first_tokens += 1
         logits = out.logits[rows]
         banned = [self._banned(r) for r in reqs]
         tokens = sample(logits.float(), [r.sampling for r in reqs], [r.generator for r in reqs], banned)
@@ -553,8 +555,6 @@ class Engine:
                 continue
             for i, r in firsts:
                 if w.prompt == r.prompt and (w.adapter, w.salt) == (r.adapter, r.salt):
-                    w.stats.first_token_from_twin = True
-                    self.stats.twin_first_tokens += 1
                     found.append((i, w))
                     break
         return found
