@@ -302,15 +302,15 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
                                       for i in range(len(hashes) - 1, first - 1, -1)]
                     else:
                         l3_writes += w.cache.spilled
-                if not job.first_token:
+                if not job.first_token:  # a twin's was recorded at its twin's step
                     ttft.append(clock.now - job.arrival)
+                    load.on_first_token(job.rid)
                 prompt_tokens += job.prompt
                 cached_tokens += job.cached
                 host_tokens += job.host_hit * page
                 l3_tokens += job.l3_hit * page
                 w.computed += job.prompt - job.cached
                 w.queued_prefill -= job.estimate
-                load.on_first_token(job.rid)
                 w.decoding += 1
                 push(clock.now + cfg.cost.tpot_s * job.output, _DECODE_DONE, (w, job.rid))
             if events:
