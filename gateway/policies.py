@@ -41,11 +41,13 @@ docs/results/gateway/):
   Measured: rollout 1.24 -> 1.04 (1.02-1.12 over seeds 0-5) and mean TTFT 0.153 -> 0.145 s
   (least_loaded 0.149 s); chat 1.24 -> 1.01; conversation hit ratio 0.2655 -> 0.2668. Weight 2
   left two of six rollout traces above 1.1; 6 replicated headers more often for no better
-  balance and a lower hit ratio. The cost: replicating a header computes it again, so on five
-  rollout seeds of six the hit ratio ends up 0.01 to 0.08 percentage point below sglang's
+  balance and a lower hit ratio. The cost: replicating a header computes it again, so on ten
+  rollout seeds of twelve the hit ratio ends up below sglang's, by up to 0.09 percentage point
   (0.9419 vs 0.9424 on seed 0; the TTFT figures above predate the simulator's sibling and twin
-  model, under which affinity's mean TTFT is 0.132 s vs least_loaded's 0.139 s), sglang being
-  itself within 0.1 point of the pooled bound there; see docs/results/gateway/rollout.txt and
+  model, under which affinity's mean TTFT is 0.132 s vs least_loaded's 0.139 s). sglang stays
+  unbalanced (1.13-1.36) and near the balanced hit ceiling (gateway.sim.copy_bound: the fewest
+  header copies any routing within 1.1 needs), on two seeds within one short header of it;
+  this policy copies 6-20x that minimum. See docs/results/gateway/rollout.txt and
   synthetic_seeds.txt.
 - balance_weight 0.02: the absolute term, which also acts on mostly cached prompts (it moves a
   short history off a busy worker). Without it: conversation hit ratio 0.2657 vs 0.2668 (mean
