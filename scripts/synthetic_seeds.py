@@ -59,14 +59,16 @@ def run_one(kind: str, seed: int, workdir: str, requests: int = 4000) -> dict:
 
 
 def _fails(g: dict) -> str:
-    bad = [name for key, name in (("hit_vs_bound_ok", "bound"), ("imbalance_ok", "imbal"),
-                                  ("beats_baselines_hit", "hit"), ("beats_baselines_ttft", "ttft")) if not g[key]]
+    names = (("hit_vs_bound_ok", "bound"), ("imbalance_ok", "imbal"), ("beats_baselines_hit", "hit"),
+             ("beats_baselines_ttft", "ttft"))
+    bad = [name for key, name in names if not g[key]]
     return "-".join(bad) or "ok"
 
 
 def render(rows: list[dict]) -> str:
     lines = [f"{'trace':8}{'seed':>5} | {'affinity: hit':>13}{'imbal':>7}{'TTFT':>8} | "
-             f"{'best base hit':>20}{'best base TTFT':>22} | {'ceiling':>7}{'dup: aff':>10}{'sglang':>8}{'min':>7} | goals"]
+             f"{'best base hit':>20}{'best base TTFT':>22} | "
+             f"{'ceiling':>7}{'dup: aff':>10}{'sglang':>8}{'min':>7} | goals"]
     for r in rows:
         a, pol = r["affinity"], r["policies"]
         ceiling = (f"{r['ceiling']:7.4f}{r['dup']['affinity']:10,}{r['dup']['sglang']:8,}{r['min_dup']:7,}"
@@ -88,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
-    jobs = [("rollout", s) for s in _seeds(args.rollout_seeds)] + [("chat", s) for s in _seeds(args.chat_seeds)]
+    jobs = ([("rollout", s) for s in _seeds(args.rollout_seeds)]
+            + [("chat", s) for s in _seeds(args.chat_seeds)])
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(run_one, kind, seed, tmp, args.requests) for kind, seed in jobs]
         for i, fut in enumerate(futures, 1):
             rows.append(fut.result())
-            print(f"[{i}/{len(jobs)}] {rows[-1]['kind']} seed {rows[-1]['seed']}: {_fails(rows[-1]['goals'])}",
+            row = rows[-1]
+            print(f"[{i}/{len(jobs)}] {row['kind']} seed {row['seed']}: {_fails(row['goals'])}",
                   file=sys.stderr, flush=True)
     text = render(rows)
     print(text)

@@ -117,14 +117,15 @@ def anchors_of(requests: Sequence[TraceRequest], page: int = 16,
     return sorted(anchors.values(), key=lambda a: a.blocks), prompt_tokens, computed
 
 
-def min_duplicates(anchors: Sequence[Anchor], workers: int, imbalance: float, time_limit_s: float = 120.0) -> int:
+def min_duplicates(anchors: Sequence[Anchor], workers: int, imbalance: float,
+                   time_limit_s: float = 120.0) -> int:
     """The fewest tokens computed again so that max / mean per worker <= imbalance (see the
     module docstring for the model)."""
     try:
         import numpy as np
         from scipy.optimize import Bounds, LinearConstraint, milp
     except ImportError as exc:  # scipy is a dev extra, not a serving dependency
-        raise RuntimeError("the copy bound needs scipy: pip install scipy (or the project's dev extra)") from exc
+        raise RuntimeError("the copy bound needs scipy: pip install scipy (or the dev extra)") from exc
     if workers < 1 or imbalance < 1.0:
         raise ValueError(f"need workers >= 1 and imbalance >= 1, got {workers} and {imbalance}")
     n, m = len(anchors), workers
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway.sim.copy_bound", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="Mooncake-format .jsonl trace")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--imbalance", type=float, default=1.1, help="max / mean prefill tokens per worker allowed")
+    p.add_argument("--imbalance", type=float, default=1.1,
+                   help="max / mean prefill tokens per worker allowed")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-requests", type=int)
     p.add_argument("--results", help="a gateway.simulate --json file of the same trace, to compare against")

@@ -75,7 +75,8 @@ def test_no_simulated_policy_duplicates_less_than_the_bound_at_its_own_imbalance
     sim_json = tmp_path / "sim.json"
     sim_json.write_text(json.dumps({"policies": results}))
     out_json = tmp_path / "bound.json"
-    assert main(["--trace", str(trace), "--workers", "4", "--results", str(sim_json), "--json", str(out_json)]) == 0
+    assert main(["--trace", str(trace), "--workers", "4", "--results", str(sim_json),
+                 "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "balanced hit ceiling" in text and "sglang" in text
     bound = json.loads(out_json.read_text())
@@ -90,10 +91,10 @@ def test_the_seed_table_script_runs_the_simulator_and_the_bound(tmp_path, capsys
     finally:
         sys.path.pop(0)
     out = tmp_path / "seeds.txt"
-    assert synthetic_seeds.main(["--rollout-seeds", "1", "--chat-seeds", "2", "--requests", "300", "--jobs", "1",
-                                 "--out", str(out)]) == 0
+    assert synthetic_seeds.main(["--rollout-seeds", "1", "--chat-seeds", "2", "--requests", "300",
+                                 "--jobs", "1", "--out", str(out)]) == 0
     lines = out.read_text().splitlines()
-    assert lines[1].startswith("rollout") and lines[2].startswith("chat") and lines[3].startswith("all goals:")
+    assert [line.split()[0] for line in lines[1:4]] == ["rollout", "chat", "all"]
     cells = lines[1].split("|")
     ceiling, dup_affinity, dup_sglang, min_dup = cells[3].split()
     assert 0 < float(ceiling) <= 1
