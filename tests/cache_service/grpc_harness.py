@@ -108,6 +108,15 @@ class ServerProcess:
     def terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
 
+    def exit_code(self, timeout_s: float = 40.0) -> int:
+        """The exit code, waiting up to `timeout_s` (by default past the ExitGuard's 30 s bound on a
+        drain, so only a process that ignores it times out); on a timeout, fails with its log."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"no exit within {timeout_s} s:\n{self.log()}") from None
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()

@@ -133,6 +133,6 @@ def test_cli_serves_mtls_and_a_plaintext_health_port_from_the_environment(pki):
             assert health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service="readiness"), timeout=5).status == SERVING
         proc.terminate()
-        assert proc.proc.wait(timeout=10) == 0
+        assert proc.exit_code() == 0, proc.log()
         log = proc.log()
     assert f"health_port={health_port} tls=mtls" in log
