@@ -44,16 +44,14 @@ def run_one(kind: str, seed: int, workdir: str, requests: int = 4000) -> dict:
                   "--json", str(out), "--quiet"])
     result = json.loads(out.read_text())
     pol = result["policies"]
-    aff = pol["affinity"]
-    pooled = None
-    row = {"kind": kind, "seed": seed, "affinity": aff, "goals": result["goals"],
+    row = {"kind": kind, "seed": seed, "affinity": pol["affinity"], "goals": result["goals"],
            "best_hit": max(BASELINES, key=lambda n: pol[n]["hit_ratio"]),
            "best_ttft": min(BASELINES, key=lambda n: pol[n]["mean_ttft_s"]), "policies": pol}
     if kind == "rollout":
         bound = copy_bound(load_trace(trace), 8, 1.1)
-        pooled = bound.pooled_computed_tokens
         row["ceiling"] = bound.ceiling_hit_ratio
-        row["dup"] = {n: sum(p["computed_prefill_tokens_per_worker"]) - pooled for n, p in pol.items()}
+        row["dup"] = {n: sum(p["computed_prefill_tokens_per_worker"]) - bound.pooled_computed_tokens
+                      for n, p in pol.items()}
         row["min_dup"] = bound.min_duplicate_tokens
     return row
 

@@ -85,21 +85,23 @@ def anchors_of(requests: Sequence[TraceRequest], page: int = 16,
             k += 1
         return k
 
-    keys = {ids[:anchor_blocks(ids)] for _, ids in distinct}
+    anchor_of = {ids: ids[:anchor_blocks(ids)] for _, ids in distinct}
+    keys = set(anchor_of.values())
     for length, ids in distinct:
-        k = anchor_blocks(ids)
+        k = len(anchor_of[ids])
         if k * block_tokens >= length:
             raise ValueError(f"a prompt of {length} tokens is all shared prefix (blocks {list(ids[:3])}...): "
                              "prompts extend each other, which this bound does not model")
         if any(ids[:j] in keys for j in range(1, k)):
             raise ValueError("nested shared prefixes (a prompt's shared prefix extends another one's), "
                              "as in conversations: this bound models one shared prefix per prompt")
-    anchors: dict[tuple[int, ...], Anchor] = {}
+    anchors = {key: Anchor(key, len(key) * block_tokens, 0, 0) for key in keys}
+    for _, ids in distinct:
+        anchors[anchor_of[ids]].prompts += 1
     seen: set[tuple[tuple[int, ...], int]] = set()
     prompt_tokens = computed = 0
     for req in requests:
         ids = req.hash_ids
-        k = anchor_blocks(ids)
         pages = req.input_length // page
         # A full page is named by the blocks up to and including the one it lies in.
         names = [(ids[:j * page // block_tokens + 1], j) for j in range(pages)]
@@ -107,13 +109,10 @@ def anchors_of(requests: Sequence[TraceRequest], page: int = 16,
         while hit < pages and names[hit] in seen:
             hit += 1
         seen.update(names)
-        anchor_pages = k * block_tokens // page
-        a = anchors.setdefault(ids[:k], Anchor(ids[:k], k * block_tokens, 0, 0))
-        a.work_tokens += req.input_length - max(hit, anchor_pages) * page
+        a = anchors[anchor_of[ids]]
+        a.work_tokens += req.input_length - max(hit, a.tokens // page) * page
         prompt_tokens += req.input_length
         computed += req.input_length - hit * page
-    for a in anchors.values():
-        a.prompts = sum(1 for _, ids in distinct if ids[:anchor_blocks(ids)] == a.blocks)
     return sorted(anchors.values(), key=lambda a: a.blocks), prompt_tokens, computed
 
 
