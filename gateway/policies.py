@@ -12,7 +12,9 @@ changes a later choice.
   is above the candidates' mean, as a fraction of that mean (0 at or below it); a prompt is
   mostly new when its longest cached prefix anywhere is shorter than the rest. Lowest wins, and
   near-ties go to the least work, then the least queued, then the least recent work, then round
-  robin.
+  robin. Load alone never makes a worker recompute a prefix another worker holds: if the winner
+  would, but a holder is within a near-tie of the best score without the queue and in-flight
+  terms, and that holder's queue is at most move_queue_tokens, the best-scoring holder wins.
 - `approx`: the same score without events: the gateway remembers what it routed where.
 - baselines: `round_robin`, `least_loaded`, and `sglang` (SGLang router's cache_aware rule).
 
@@ -41,14 +43,13 @@ docs/results/gateway/):
   Measured: rollout 1.24 -> 1.04 (1.02-1.12 over seeds 0-5) and mean TTFT 0.153 -> 0.145 s
   (least_loaded 0.149 s); chat 1.24 -> 1.01; conversation hit ratio 0.2655 -> 0.2668. Weight 2
   left two of six rollout traces above 1.1; 6 replicated headers more often for no better
-  balance and a lower hit ratio. The cost: replicating a header computes it again, so on ten
-  rollout seeds of twelve the hit ratio ends up below sglang's, by up to 0.09 percentage point
-  (0.9419 vs 0.9424 on seed 0; the TTFT figures above predate the simulator's sibling and twin
-  model, under which affinity's mean TTFT is 0.132 s vs least_loaded's 0.139 s). sglang stays
-  unbalanced (1.13-1.36) and near the balanced hit ceiling (gateway.sim.copy_bound: the fewest
-  header copies any routing within 1.1 needs), on two seeds within one short header of it;
-  this policy copies 6-20x that minimum. See docs/results/gateway/rollout.txt and
-  synthetic_seeds.txt.
+  balance and a lower hit ratio. The cost: replicating a header computes it again, so on five
+  rollout seeds of twelve the hit ratio ends up at or below sglang's, by up to 0.07 point
+  (0.9444 vs 0.9451 on seed 5; the TTFT figures above predate the simulator's sibling and twin
+  model). sglang stays unbalanced (1.13-1.36) and near the balanced hit ceiling
+  (gateway.sim.copy_bound: the fewest header copies any routing within 1.1 needs), on two seeds
+  within one short header of it; this policy copies 2.4-16x that minimum. See
+  docs/results/gateway/rollout.txt and synthetic_seeds.txt.
 - balance_weight 0.02: the absolute term, which also acts on mostly cached prompts (it moves a
   short history off a busy worker). Without it: conversation hit ratio 0.2657 vs 0.2668 (mean
   TTFT 0.561 vs 0.573 s) and rollout imbalance 1.06 vs 1.04.
@@ -58,6 +59,14 @@ docs/results/gateway/):
   120 s: rollout imbalance 1.07, chat 1.05, conversation hit ratio 0.2644.
 - inflight_weight_tokens 50: sees decode load, which slows a worker's prefill and that queued
   prefill tokens do not show.
+- move_queue_tokens 16,384 (two chunked-prefill steps): the load terms pick among the workers
+  holding a prompt's prefix, but alone they do not move it to one that would compute the prefix
+  again, unless the holders' queue is longer than that. Without the rule the in-flight term
+  copied a short few-shot header whenever its holder had a burst decoding: on rollout seeds
+  0-11 affinity duplicated 26-38k tokens (now 17-27k; sglang 8-52k) and beat sglang's hit ratio
+  on 2 of 12 (now 7), its TTFT still best on all 12. The conversation trace pays a little: hit
+  0.2668 -> 0.2655, mean TTFT 0.573 -> 0.576 s, still above every baseline; never letting load
+  move a request there costs TTFT instead (0.2676 at 0.594 s).
 
 Load (`LoadTracker`) = what this gateway has in flight per worker combined with the worker's own
 LoadReport. Policies are not thread-safe; the gateway calls them under its routing lock.
@@ -224,6 +233,11 @@ class AffinityConfig:
     balance_weight: float = 0.02
     # Per request in flight on the worker (decoding ones slow its prefill down).
     inflight_weight_tokens: float = 50.0
+    # Instant load (queued prefill, requests in flight) moves a request off the workers holding
+    # its longest cached prefix only when their queue is above this many tokens (two chunked-
+    # prefill steps), or when the balance terms alone would move it too. Decoding slows a holder
+    # by a few percent for seconds; recomputing the prefix elsewhere is paid in full, for good.
+    move_queue_tokens: float = 16384.0
     # Scores within max(tie_abs_tokens, tie_rel * prompt tokens) of the best are near-ties.
     tie_abs_tokens: float = 16.0
     tie_rel: float = 0.01
@@ -309,13 +323,14 @@ class AffinityPolicy:
         # cache decision: the overload term leaves it alone.
         new = min(s.prefill_tokens for s in scores)
         overload_weight = cfg.overload_weight if total - new < new else 0.0
-        for s in scores:
-            s.score = (cfg.prefill_weight * s.prefill_tokens * (1.0 + overload_weight * s.overload)
-                       + cfg.queue_weight * s.queued_prefill_tokens
-                       + cfg.balance_weight * (s.recent_prefill_tokens - least_recent)
+        balance = [cfg.prefill_weight * s.prefill_tokens * (1.0 + overload_weight * s.overload)
+                   + cfg.balance_weight * (s.recent_prefill_tokens - least_recent) for s in scores]
+        for s, b in zip(scores, balance):
+            s.score = (b + cfg.queue_weight * s.queued_prefill_tokens
                        + cfg.inflight_weight_tokens * s.inflight_requests)
+        tie = max(cfg.tie_abs_tokens, cfg.tie_rel * total)
         best = min(s.score for s in scores)
-        band = best + max(cfg.tie_abs_tokens, cfg.tie_rel * total)
+        band = best + tie
         tied = [i for i, s in enumerate(scores) if s.score <= band]
         if len(tied) == 1:
             pick = tied[0]
@@ -329,6 +344,17 @@ class AffinityPolicy:
             pick = min(tied, key=lambda i: (scores[i].prefill_tokens, scores[i].queued_prefill_tokens,
                                             scores[i].recent_prefill_tokens, (i - rr) % n))
             reason = f"near-tie of {len(tied)} workers within {band - best:.0f} tokens: least work, then load"
+        if scores[pick].prefill_tokens > new:
+            # The pick would recompute a prefix that a holder has. Fine if balance asks for it
+            # (no holder within a near-tie of the best balance score) or the best holder's queue
+            # is long; not for requests in flight or a short queue alone.
+            holders = [i for i, s in enumerate(scores) if s.prefill_tokens == new]
+            holder = min(holders, key=lambda i: scores[i].score)
+            if (scores[holder].queued_prefill_tokens <= cfg.move_queue_tokens
+                    and min(balance[i] for i in holders) <= min(balance) + tie):
+                pick = holder
+                reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
+                          f"{total - new:.0f} tokens")
         chosen = scores[pick]
         decision = RouteDecision(chosen.worker, self.name, reason, round(chosen.prefill_tokens), scores)
         return decision, matches.get(chosen.worker), len(tied) > 1

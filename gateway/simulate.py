@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="half-life of the recent routed prefill the balance terms use")
     p.add_argument("--inflight-weight-tokens", type=float, default=aff.inflight_weight_tokens,
                    help="affinity/approx")
+    p.add_argument("--move-queue-tokens", type=float, default=aff.move_queue_tokens,
+                   help="affinity/approx: a holder's queue above which load alone may move a request off it")
     p.add_argument("--host-cost", type=float, default=aff.host_cost, help="affinity/approx")
     p.add_argument("--remote-cost", type=float, default=aff.remote_cost, help="affinity/approx: L3 hits")
     p.add_argument("--tie-rel", type=float, default=aff.tie_rel, help="affinity/approx near-tie band")
@@ -147,7 +149,8 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
     unbounded = unbounded_hit_ratio(requests, blobs, cfg.page_size)
     affinity = AffinityConfig(queue_weight=args.queue_weight, overload_weight=args.overload_weight,
                               balance_weight=args.balance_weight,
-                              inflight_weight_tokens=args.inflight_weight_tokens, host_cost=args.host_cost,
+                              inflight_weight_tokens=args.inflight_weight_tokens,
+                              move_queue_tokens=args.move_queue_tokens, host_cost=args.host_cost,
                               remote_cost=args.remote_cost, tie_rel=args.tie_rel)
     names = POLICY_NAMES if args.policy == "all" else (args.policy,)
     policies = {}

@@ -145,6 +145,25 @@ def test_an_overloaded_worker_keeps_the_requests_whose_prefix_it_holds():
         assert chosen.worker == "w5"
 
 
+def test_load_alone_does_not_move_a_prompt_off_the_worker_holding_its_prefix():
+    """Requests in flight slow a holder down by a few percent; recomputing its prefix elsewhere
+    is paid in full. A long queue on the holder, or balance (the test above), still moves it."""
+    header, task = pages(0, 32), pages(1000, 1040)  # 512 tokens held by w3, 640 new
+    index, request = _index_with({"w3": header}), _request(header + task)
+    load = LoadTracker()
+    load.report("w3", common_pb2.LoadReport(running_requests=20))  # 20 x 50 tokens > the 512 held
+    kept = AffinityPolicy().choose(request, WORKERS, index, load)
+    w3 = next(s for s in kept.scores if s.worker == "w3")
+    assert kept.worker == "w3" and kept.prefill_tokens == len(task) * PAGE
+    assert "kept on a holder" in kept.reason and w3.score > min(s.score for s in kept.scores)
+    # Its queue over two steps of prefill (move_queue_tokens): load may move it, at a recompute.
+    load.report("w3", common_pb2.LoadReport(running_requests=20, queued_prefill_tokens=20_000))
+    moved = AffinityPolicy().choose(request, WORKERS, index, load)
+    assert moved.worker != "w3" and moved.prefill_tokens == len(header + task) * PAGE
+    assert AffinityPolicy(AffinityConfig(move_queue_tokens=30_000)).choose(
+        request, WORKERS, index, load).worker == "w3"
+
+
 @pytest.mark.parametrize("other", [{"adapter": "lora-1"}, {"salt": "tenant-b"}, {"model_id": "other-model"}])
 def test_namespaces_never_match_each_other(other):
     tokens = [random.Random(1).randrange(50_000) for _ in range(40 * PAGE)]
