@@ -1,4 +1,5 @@
-"""ExitGuard: a draining process ends even when a non-daemon thread or the drain itself hangs."""
+"""ShutdownSignal: a SIGTERM starts the drain whichever thread the kernel hands it to.
+ExitGuard: a draining process ends even when a non-daemon thread or the drain itself hangs."""
 from __future__ import annotations
 
 import subprocess
@@ -41,3 +42,31 @@ def test_a_clean_exit_is_left_alone() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=30)
     assert done.returncode == 0 and "overran" not in done.stderr
+
+
+WAIT_SCRIPT = textwrap.dedent("""
+    import logging, signal, sys, threading, time
+    from service_shell import ShutdownSignal
+    logging.basicConfig(level=logging.INFO)
+    shutdown = ShutdownSignal(logging.getLogger("t"))
+    def other():  # as when the kernel picks a gRPC thread for a process-directed SIGTERM
+        time.sleep(0.2)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        time.sleep(60)
+    threading.Thread(target=other, daemon=True).start()
+    started = time.monotonic()
+    shutdown.wait()
+    print(f"woke {time.monotonic() - started:.2f}", flush=True)
+""")
+
+
+def test_a_sigterm_handled_on_another_thread_still_ends_the_wait() -> None:
+    """A plain Event.wait on the main thread never woke for it: the servers ignored SIGTERM."""
+    try:
+        done = subprocess.run([sys.executable, "-c", WAIT_SCRIPT], capture_output=True, text=True,
+                              timeout=20)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the main thread never woke for a SIGTERM taken by another thread: {e.stderr!r}")
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[1]) < 5.0
+    assert "event=signal_received signal=SIGTERM" in done.stderr
