@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from cache_service.client import CacheClient
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from service_shell import sleep_until_interrupted
 
 PAGE = 16
 POOL = "worker-0"
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"demo: event index holds {len(index.pages)} pages, tree {cached}")
             if args.keep_running:
                 print(f"\ncache service still running at {target}; Ctrl-C to stop")
-                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+                sleep_until_interrupted()
             index.sub.close()
     except KeyboardInterrupt:
         pass

@@ -14,11 +14,11 @@ from service_shell.metadata import SALT_METADATA_KEY
 from service_shell.metrics import MetricsEndpoint
 from service_shell.options import channel_options, server_options
 from service_shell.shell import ServiceShell, ShellPorts
-from service_shell.signals import ExitGuard, ShutdownSignal
+from service_shell.signals import ExitGuard, ShutdownSignal, sleep_until_interrupted
 from service_shell.tls import TlsConfig, open_channel, tls_mode
 
 __all__ = ["LOG_LEVELS", "SALT_METADATA_KEY", "ExitGuard", "HealthPort", "HealthProbes",
            "MetricsEndpoint", "ServiceShell", "ShellPorts", "ShutdownSignal", "TlsConfig", "add_flag",
            "add_server_flags", "add_tls_flags", "bind", "channel_options", "configure_logging",
            "enable_reflection", "env_default", "kv", "new_server", "open_channel",
-           "server_options", "tls_from_args", "tls_mode"]
+           "server_options", "sleep_until_interrupted", "tls_from_args", "tls_mode"]

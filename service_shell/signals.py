@@ -1,5 +1,6 @@
-"""SIGTERM/SIGINT as an event the main thread waits on, and a bound on how long the process may
-take to end after it."""
+"""SIGTERM/SIGINT as an event the main thread waits on (or, for the demos, as the
+KeyboardInterrupt that ends a sleep), and a bound on how long the process may take to end after
+it."""
 from __future__ import annotations
 
 import faulthandler
@@ -9,16 +10,18 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from service_shell.logs import kv
+
+# How long the main thread sleeps at most before it runs a signal handler another thread took.
+POLL_S = 0.2
 
 
 class ShutdownSignal:
     """SIGTERM/SIGINT as an event. Installed early (before a slow model load) so a signal during
     startup still drains instead of killing the process; `wait` runs the drain on the main
     thread, outside the handler, so it may block. Main thread only."""
-
-    POLL_S = 0.2
 
     def __init__(self, log: logging.Logger):
         self._log = log
@@ -43,8 +46,16 @@ class ShutdownSignal:
         # that does not block it (gRPC's own threads do not), and CPython then runs the handler
         # only when the main thread next wakes up. A plain Event.wait never wakes, so the drain
         # never started (seen as a server ignoring SIGTERM in about one test run in twenty).
-        while not self._event.wait(self.POLL_S):
+        while not self._event.wait(POLL_S):
             pass
+
+
+def sleep_until_interrupted() -> NoReturn:
+    """Parks the main thread until a signal handler raises (Ctrl-C's KeyboardInterrupt), in
+    slices for the reason ShutdownSignal.wait gives: signal.sigwait on signals other threads do
+    not block may never return."""
+    while True:
+        time.sleep(POLL_S)
 
 
 class ExitGuard:

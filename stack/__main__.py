@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 
+from service_shell import sleep_until_interrupted
 from stack import workload
 from stack.launcher import Stack, free_port, python_module, redis_server_binary
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"logs in {run_dir}. Try:\n  grpcurl -plaintext -H 'authorization: Bearer "
                   f"{TOKENS['alice']}' -d '{{\"text\": \"Hello\"}}' {gateway} "
                   f"prefixcache.v1.ComputeService/Generate\nCtrl-C stops it.", flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            sleep_until_interrupted()
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the stack", flush=True)
     except RuntimeError as exc:

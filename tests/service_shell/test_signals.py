@@ -46,27 +46,35 @@ def test_a_clean_exit_is_left_alone() -> None:
 
 WAIT_SCRIPT = textwrap.dedent("""
     import logging, signal, sys, threading, time
-    from service_shell import ShutdownSignal
+    from service_shell import ShutdownSignal, sleep_until_interrupted
     logging.basicConfig(level=logging.INFO)
     shutdown = ShutdownSignal(logging.getLogger("t"))
+    if "{wait}" == "sleep":  # the demos: Ctrl-C or SIGTERM as KeyboardInterrupt
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     def other():  # as when the kernel picks a gRPC thread for a process-directed SIGTERM
         time.sleep(0.2)
         signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
         time.sleep(60)
     threading.Thread(target=other, daemon=True).start()
     started = time.monotonic()
-    shutdown.wait()
-    print(f"woke {time.monotonic() - started:.2f}", flush=True)
+    try:
+        shutdown.wait() if "{wait}" == "event" else sleep_until_interrupted()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    print(f"woke {{time.monotonic() - started:.2f}}", flush=True)
 """)
 
 
-def test_a_sigterm_handled_on_another_thread_still_ends_the_wait() -> None:
-    """A plain Event.wait on the main thread never woke for it: the servers ignored SIGTERM."""
+@pytest.mark.parametrize("wait,trace", [("event", "event=signal_received signal=SIGTERM"),
+                                        ("sleep", "interrupted")])
+def test_a_sigterm_handled_on_another_thread_still_ends_the_wait(wait: str, trace: str) -> None:
+    """A plain Event.wait (or signal.sigwait) on the main thread never woke for it: the servers
+    ignored SIGTERM."""
     try:
-        done = subprocess.run([sys.executable, "-c", WAIT_SCRIPT], capture_output=True, text=True,
-                              timeout=20)
+        done = subprocess.run([sys.executable, "-c", WAIT_SCRIPT.format(wait=wait)], capture_output=True,
+                              text=True, timeout=20)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the main thread never woke for a SIGTERM taken by another thread: {e.stderr!r}")
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split()[1]) < 5.0
-    assert "event=signal_received signal=SIGTERM" in done.stderr
+    assert trace in done.stderr
