@@ -12,6 +12,7 @@ Only full pages are hashed. Command line (one lower-case hex hash per full page,
 from __future__ import annotations
 
 import argparse
+import array
 import hashlib
 import struct
 import sys
@@ -24,6 +25,8 @@ NS_DOMAIN = b"prefixcache-ns-v1"
 MAX_TOKEN_ID = 2**32 - 1
 
 _sha256 = hashlib.sha256
+# The array module's 4-byte unsigned type code on this platform ("I" nearly everywhere).
+_U32 = next((code for code in "IL" if array.array(code).itemsize == 4), None)
 
 
 def _field(text: str) -> bytes:
@@ -38,8 +41,21 @@ def namespace_seed(model_id: str, adapter: str = "", salt: str = "") -> bytes:
 
 def token_bytes(tokens: Sequence[int] | Iterable[int], field: str = "token_ids") -> bytes:
     """Tokens as u32 little-endian bytes. Raises ValueError naming `field` for an id outside u32.
-    (numpy converts a protobuf repeated field or a list ~10x faster than the array module, which
-    matters at ~100k tokens per engine step.)"""
+
+    Two converters, each the faster one for its input (8k tokens): a Python list or tuple (a
+    tokenizer's output) goes through the array module, ~4x faster than numpy there; anything else
+    (a protobuf repeated field, a numpy array) through numpy, ~20x faster than the array module
+    there. Both check every id (the array module raises on a negative, too large or
+    non-integer one; numpy then names it)."""
+    if isinstance(tokens, (list, tuple)) and _U32 is not None:
+        try:
+            packed = array.array(_U32, tokens)
+        except (OverflowError, TypeError):
+            packed = None
+        if packed is not None:
+            if sys.byteorder == "big":
+                packed.byteswap()
+            return packed.tobytes()
     ids = np.asarray(tokens if isinstance(tokens, Sequence) else list(tokens))
     if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_TOKEN_ID):
         bad = next((t for t in ids.tolist() if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID), None)

@@ -72,13 +72,13 @@ def run_bench(workers: int = 64, prompt_tokens: int = 8192, page_size: int = 16,
     for name in names:
         load.report(name, common_pb2.LoadReport(queued_prefill_tokens=rng.randrange(50_000),
                                                 running_requests=rng.randrange(16)))
-    queries = []
-    for _ in range(samples):
-        base = rng.choice(systems) if rng.random() < 0.3 else rng.choice(private)[1]
-        queries.append(base + [rng.randrange(vocab) for _ in range(prompt_tokens - len(base))])
     policy = AffinityPolicy()
     decision_us, cpu_us, hash_us, lookup_us = [], [], [], []
-    for i, tokens in enumerate(queries):
+    for i in range(samples):
+        # Each prompt is made just before its decision and dropped after it, as in a gateway:
+        # thousands of retained token lists would make every full garbage collection walk them.
+        base = rng.choice(systems) if rng.random() < 0.3 else rng.choice(private)[1]
+        tokens = base + [rng.randrange(vocab) for _ in range(prompt_tokens - len(base))]
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         hashes = prompt_hashes(tokens, page_size, MODEL)
