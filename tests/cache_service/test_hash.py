@@ -4,9 +4,11 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cache_service.hash import namespace_seed, prompt_hashes, token_bytes
+from prefixcache.v1 import compute_service_pb2
 
 VECTORS = json.loads((pathlib.Path(__file__).parent.parent / "data" / "page_hash_vectors.json").read_text())
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,10 +37,21 @@ def test_field_boundaries_are_unambiguous():
     assert namespace_seed("m", "", "ab") != namespace_seed("m", "ab", "")
 
 
-@pytest.mark.parametrize("bad", [-1, 2**32, 1.5])
-def test_out_of_range_token_is_rejected_naming_the_field(bad):
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7"])
+@pytest.mark.parametrize("container", [list, tuple, iter])
+def test_out_of_range_token_is_rejected_naming_the_field(bad, container):
     with pytest.raises(ValueError, match="token_ids"):
-        token_bytes([1, bad])
+        token_bytes(container([1, bad]))
+
+
+def test_every_kind_of_token_sequence_packs_to_the_same_bytes():
+    # Lists and tuples take the array module's path, everything else numpy's: one layout.
+    ids = [0, 1, 255, 256, 65535, 65536, 128255, 2**32 - 1]
+    want = b"".join(i.to_bytes(4, "little") for i in ids)
+    for tokens in (ids, tuple(ids), iter(ids), np.asarray(ids, dtype=np.uint32),
+                   compute_service_pb2.TokenIds(ids=ids).ids):
+        assert token_bytes(tokens) == want
+    assert token_bytes([]) == token_bytes(()) == b""
 
 
 def test_command_line_prints_one_hex_hash_per_full_page():
