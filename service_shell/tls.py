@@ -12,16 +12,27 @@ Only the main gRPC port uses TLS. The dedicated health port (`health.HealthPort`
 endpoint stay plaintext on purpose: kubelet `grpc:` probes and most Prometheus setups cannot
 present a client certificate, and both expose nothing but status and counters.
 
-Files are read when credentials are built (server start, client construction), so a renewed
-certificate takes effect when the process restarts.
+A server re-reads its files when they change: gRPC asks `_ServerCertificates` before every new
+connection's handshake, so a renewed certificate (cert-manager rewrites the Secret's files) serves
+the next connection without a restart, and connections already open keep theirs. A half-written
+or mismatched set (a key that is not the certificate's) is refused with a `tls_reload_failed` log
+line, and the server keeps what it had. A client reads its files when it is constructed (its
+channels keep those credentials), so a renewed client certificate takes effect on restart.
 """
 from __future__ import annotations
 
+import logging
 import os
+import ssl
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+
+from service_shell.logs import kv
+
+log = logging.getLogger("service_shell.tls")
 
 # field -> (flag, environment variable), for messages that tell the operator what to fix.
 SETTINGS = {"cert": ("--tls-cert", "PREFIXCACHE_TLS_CERT"),
@@ -70,13 +81,13 @@ class TlsConfig:
         return self.ca is not None
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        """Credentials that serve the files' current contents (see the module's docstring)."""
         if self.cert is None or self.key is None:
             raise ValueError(f"a TLS server needs {_name('cert')} and {_name('key')}; "
                              f"{_name('ca')} alone only configures clients")
-        return grpc.ssl_server_credentials(
-            [(_read("key", self.key), _read("cert", self.cert))],
-            root_certificates=_read("ca", self.ca) if self.ca else None,
-            require_client_auth=self.mutual)
+        certificates = _ServerCertificates(self)
+        return grpc.dynamic_ssl_server_credentials(certificates.initial, certificates.fetch,
+                                                   require_client_authentication=self.mutual)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
@@ -88,6 +99,65 @@ class TlsConfig:
         if self.server_name is None:
             return []
         return [("grpc.ssl_target_name_override", self.server_name)]
+
+
+class _ServerCertificates:
+    """A server's key, certificate and CA, re-read when one of the files changes.
+
+    `fetch` runs on gRPC's threads before each handshake: it costs a stat of each file, and a
+    read and check only after a change. A new set is used only when it loads as a TLS server
+    would load it (the key is the certificate's, the CA parses), and the bytes checked are the
+    bytes served (the files are read again after the check and must not have moved)."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self._files = {"key": tls.key, "cert": tls.cert, **({"ca": tls.ca} if tls.ca else {})}
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+        self.initial = self._load()  # raises, naming the setting, when the files are unusable
+
+    def _stat(self) -> tuple:
+        stamp = []
+        for path in self._files.values():
+            try:
+                st = os.stat(path)
+                stamp.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                stamp.append(None)
+        return tuple(stamp)
+
+    def _read_all(self) -> dict[str, bytes]:
+        return {field: _read(field, path) for field, path in self._files.items()}
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        data = self._read_all()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self._files["cert"], self._files["key"])
+            if "ca" in data:
+                context.load_verify_locations(cadata=data["ca"].decode("ascii", "replace"))
+        except ssl.SSLError as exc:
+            raise ValueError(f"{_name('cert')}, {_name('key')}"
+                             f"{', ' + _name('ca') if 'ca' in data else ''}: not a usable set: "
+                             f"{exc.reason or exc}") from exc
+        if self._read_all() != data:
+            raise ValueError("the files changed while they were being loaded")
+        return grpc.ssl_server_certificate_configuration([(data["key"], data["cert"])],
+                                                         root_certificates=data.get("ca"))
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when the files changed and load cleanly, else None (no change)."""
+        with self._lock:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return None
+            self._stamp = stamp  # a failed set is reported once, and retried on its next change
+            try:
+                config = self._load()
+            except (OSError, ValueError) as exc:
+                log.warning(kv("tls_reload_failed", keeping="the previous certificate", error=exc))
+                return None
+            log.info(kv("tls_certificate_reloaded", cert=self._files["cert"]))
+            return config
 
 
 def _read(field: str, path: str) -> bytes:

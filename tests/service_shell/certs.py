@@ -89,3 +89,12 @@ def make_pki(directory: pathlib.Path) -> Pki:
                stranger=other.issue(directory / "stranger", "stranger", server=False),
                named_server=ca.issue(directory / "named", "cache.test", server=True,
                                      dns=("cache.test",), ips=()))
+
+
+def server_of_another_ca(directory: pathlib.Path) -> tuple[str, Leaf]:
+    """(the new CA's certificate, a server certificate it signs): a renewal that only a client
+    trusting the new CA accepts, so a test can tell which certificate a server serves."""
+    ca = _Ca("renewed-ca")
+    ca_path = directory / "renewed-ca.crt"
+    ca_path.write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
+    return str(ca_path), ca.issue(directory / "renewed-server", "server", server=True)

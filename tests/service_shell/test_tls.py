@@ -3,6 +3,8 @@ clients that do and do not get through. Over real gRPC on loopback, with a throw
 from __future__ import annotations
 
 import dataclasses
+import logging
+import shutil
 import socket
 
 import grpc
@@ -12,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.client import CacheClient, CacheUnavailableError
 from service_shell import TlsConfig, tls_mode
 from tests.cache_service.grpc_harness import register, running_server, server_process
-from tests.service_shell.certs import Pki
+from tests.service_shell.certs import Pki, server_of_another_ca
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -84,6 +86,26 @@ def test_server_name_override_for_servers_dialed_by_ip(pki):
         target = f"127.0.0.1:{server.port}"
         assert not lists_pools(target, tls=mtls_client(pki))  # 127.0.0.1 is not in the cert
         assert lists_pools(target, tls=mtls_client(pki, server_name="cache.test"))
+
+
+def test_a_renewed_server_certificate_serves_new_connections_without_a_restart(pki, tmp_path, caplog):
+    live_cert, live_key = tmp_path / "live.crt", tmp_path / "live.key"
+    shutil.copy(pki.server.cert, live_cert)
+    shutil.copy(pki.server.key, live_key)
+    new_ca, renewed = server_of_another_ca(tmp_path)
+    old_clients, new_clients = TlsConfig(ca=pki.ca), TlsConfig(ca=new_ca)
+    with running_server(tls=TlsConfig(cert=str(live_cert), key=str(live_key))) as server:
+        target = f"127.0.0.1:{server.port}"
+        assert lists_pools(target, tls=old_clients) and not lists_pools(target, tls=new_clients)
+        # Half a rotation (the new certificate, the old key) is refused: the old pair still serves.
+        shutil.copy(renewed.cert, live_cert)
+        with caplog.at_level(logging.WARNING, logger="service_shell.tls"):
+            assert lists_pools(target, tls=old_clients)
+        assert "event=tls_reload_failed" in caplog.text
+        # The whole rotation: new connections get the new certificate, from the same process.
+        shutil.copy(renewed.key, live_key)
+        assert lists_pools(target, tls=new_clients)
+        assert not lists_pools(target, tls=old_clients)
 
 
 def test_tls_and_credentials_are_exclusive(pki):
