@@ -51,8 +51,8 @@ def token_bytes(tokens: Sequence[int] | Iterable[int], field: str = "token_ids")
         try:
             packed = array.array(_U32, tokens)
         except (OverflowError, TypeError):
-            packed = None
-        if packed is not None:
+            pass  # a bad id: numpy below finds it and names it
+        else:
             if sys.byteorder == "big":
                 packed.byteswap()
             return packed.tobytes()

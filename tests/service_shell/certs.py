@@ -65,6 +65,11 @@ class _Ca:
                          decipher_only=False), critical=True)
                      .sign(self.key, hashes.SHA256()))
 
+    def save(self, path: pathlib.Path) -> str:
+        """Writes the CA's certificate (what clients and servers trust) as PEM; returns the path."""
+        path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        return str(path)
+
     def issue(self, path: pathlib.Path, subject: str, *, server: bool,
               dns: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> Leaf:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -81,9 +86,7 @@ class _Ca:
 
 def make_pki(directory: pathlib.Path) -> Pki:
     ca, other = _Ca("prefixcache-test-ca"), _Ca("someone-elses-ca")
-    ca_path = directory / "ca.crt"
-    ca_path.write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
-    return Pki(ca=str(ca_path),
+    return Pki(ca=ca.save(directory / "ca.crt"),
                server=ca.issue(directory / "server", "server", server=True),
                client=ca.issue(directory / "client", "client", server=False),
                stranger=other.issue(directory / "stranger", "stranger", server=False),
@@ -95,6 +98,5 @@ def server_of_another_ca(directory: pathlib.Path) -> tuple[str, Leaf]:
     """(the new CA's certificate, a server certificate it signs): a renewal that only a client
     trusting the new CA accepts, so a test can tell which certificate a server serves."""
     ca = _Ca("renewed-ca")
-    ca_path = directory / "renewed-ca.crt"
-    ca_path.write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
-    return str(ca_path), ca.issue(directory / "renewed-server", "server", server=True)
+    return ca.save(directory / "renewed-ca.crt"), ca.issue(directory / "renewed-server", "server",
+                                                           server=True)
