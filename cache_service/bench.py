@@ -48,10 +48,9 @@ from cache_service.pool import Pool, PoolConfig
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.tree import DEVICE, children_of
 from prefixcache.v1 import cache_service_pb2 as pb
+from prefixcache_bench import CONVERSATION_TRACE
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared beside the repository (the project layout CI uses too).
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 MODEL = "bench-model"
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces: one hash id = 512 prompt tokens
 PARTS = ("match", "step", "events", "memory", "trace")
@@ -86,7 +85,7 @@ class Params:
     mem_pages: int = 50_000
     mem_hits: int = 5000  # then this many pure hits, for memory kept per request
     # trace replay
-    trace_path: str = str(DEFAULT_TRACE)
+    trace_path: str = str(CONVERSATION_TRACE)
     trace_requests: int | None = None  # None = the whole trace
     trace_device_tokens: int = 1_000_000
     trace_host_tokens: int = 0
@@ -855,7 +854,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Params, argparse.Namespac
     ap.add_argument("--quick", action="store_true",
                     help="fewer iterations and the first 2,000 trace requests (< 1 min)")
     ap.add_argument("--json", required=True, metavar="PATH", help="where to write the results")
-    ap.add_argument("--trace", metavar="PATH", help=f"trace to replay (default {DEFAULT_TRACE})")
+    ap.add_argument("--trace", metavar="PATH", help=f"trace to replay (default {CONVERSATION_TRACE})")
     ap.add_argument("--server", choices=("process", "thread"),
                     help="run the gRPC server in a child process (default) or in this process")
     ap.add_argument("--only", metavar="PART[,PART]", help=f"subset of {','.join(PARTS)}")

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from gateway.replay import Outcome, prompts, summarize
 from gateway.trace import TraceRequest
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_bench import CONVERSATION_TRACE
 from tests.cache_service.grpc_harness import REPO
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def test_prompts_fit_the_target_and_keep_shared_prefixes():
@@ -49,7 +48,7 @@ def test_replays_a_trace_slice_against_a_live_stack(live_stacks, tmp_path):
     stack = live_stacks.get()
     out = tmp_path / "replay.json"
     run = subprocess.run(
-        [sys.executable, "-m", "gateway.replay", "--trace", str(TRACE), "--target",
+        [sys.executable, "-m", "gateway.replay", "--trace", str(CONVERSATION_TRACE), "--target",
          stack.address, "--max-requests", "20", "--block-tokens", "16", "--max-input-tokens",
          "96", "--max-output-tokens", "4", "--time-scale", "100", "--token", "tok-a",
          "--concurrency", "4", "--json", str(out)],

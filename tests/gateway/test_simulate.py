@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,11 +10,10 @@ from gateway.sim.bench import run_bench
 from gateway.sim.cache import PageCache, SharedL3
 from gateway.sim.engine import SimConfig, run_policy
 from gateway.simulate import main
-from gateway.trace import TraceRequest, write_synthetic
+from gateway.trace import TraceRequest
+from prefixcache_bench import CONVERSATION_TRACE
 from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, pages
 
-# shared/ sits beside the repository checkout (DESIGN: the Mooncake conversation trace).
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 KEYS = {"hit_ratio", "bound_hit_ratio", "imbalance", "mean_ttft_s", "p99_ttft_s", "decision_p50_us",
         "decision_p99_us"}
 
@@ -35,11 +33,7 @@ def test_page_cache_events_reproduce_its_page_sets():
 
 def test_simulator_on_a_trace_slice(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    trace = TRACE
-    if not trace.exists():  # without shared/, a synthetic chat trace of the same format
-        trace = tmp_path / "chat.jsonl"
-        write_synthetic("chat", trace, 300, seed=0)
-    assert main(["--trace", str(trace), "--workers", "8", "--capacity-tokens", "200000", "--policy", "all",
+    assert main(["--trace", str(CONVERSATION_TRACE), "--workers", "8", "--capacity-tokens", "200000", "--policy", "all",
                  "--max-requests", "300", "--json", str(out), "--png", str(png), "--quiet"]) == 0
     result = json.loads(out.read_text())
     policies = result["policies"]
@@ -131,11 +125,7 @@ def test_l3_write_through_shares_a_prefix_across_workers():
 
 def test_simulator_with_a_shared_l3(tmp_path):
     out = tmp_path / "l3.json"
-    trace = TRACE
-    if not trace.exists():
-        trace = tmp_path / "chat.jsonl"
-        write_synthetic("chat", trace, 300, seed=0)
-    assert main(["--trace", str(trace), "--workers", "4", "--capacity-tokens", "100000", "--policy", "affinity",
+    assert main(["--trace", str(CONVERSATION_TRACE), "--workers", "4", "--capacity-tokens", "100000", "--policy", "affinity",
                  "--max-requests", "300", "--l3-capacity-tokens", "2000000", "--json", str(out), "--quiet"]) == 0
     result = json.loads(out.read_text())
     aff, l3 = result["policies"]["affinity"], result["l3"]
