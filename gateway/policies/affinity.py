@@ -1,0 +1,231 @@
+"""The default routing policy, `affinity`, and its event-less twin `approx`.
+
+score = P x (1 + overload_weight x overload, for a mostly new prompt)
+        + queue_weight x queued prefill tokens
+        + balance_weight x recent routed prefill above the least recent worker
+        + inflight_weight_tokens x requests in flight
+
+P = the prompt tokens the worker would still compute (not on its device by the index,
+confidence-weighted; host and remote hits priced at their load cost); overload = how far the
+worker's recent routed prefill is above the candidates' mean, as a fraction of that mean (0 at or
+below it); a prompt is mostly new when its longest cached prefix anywhere is shorter than the
+rest. Lowest score wins; near-ties go to the least work, then the least queued, then the least
+recent work, then round robin. Load alone never makes a worker recompute a prefix another worker
+holds: if the winner would, but a holder is within a near-tie of the best balance score and its
+queue is at most move_queue_tokens, the best-scoring holder wins.
+
+Why each term and weight is what it is: docs/design.md §6 "Routing policy"; the measurements
+behind them are the committed results of `gateway.simulate` (docs/results/).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.index import KvIndex, PrefixMatch
+from gateway.routed import RoutedPrefixes
+from gateway.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
+from gateway.policies.load import LoadTracker
+
+
+@dataclass(slots=True)
+class AffinityConfig:
+    # Cost of loading one token's KV from host / remote, as a fraction of computing it
+    # (8B model: ~128 KiB KV/token; PCIe ~25 GB/s vs ~30 us/token prefill -> ~0.15).
+    host_cost: float = 0.15
+    remote_cost: float = 0.35
+    prefill_weight: float = 1.0
+    queue_weight: float = 0.05
+    # For a mostly new prompt (its longest cached prefix shorter than its uncached rest), the
+    # prefill a worker would compute counts (1 + overload_weight x overload) times, where
+    # overload = its recent routed prefill above the candidates' mean, as a fraction of the mean:
+    # new work goes to workers at or below the mean unless one holds enough of it to be worth the
+    # imbalance. Prompts that are mostly cached somewhere are routed as before.
+    overload_weight: float = 4.0
+    # Per token of recent routed prefill (LoadTracker.recent_prefill_tokens) above the least
+    # such worker among the candidates: the long-horizon balance that makes a hot prefix
+    # replicate instead of pulling every request to the one worker that holds it.
+    balance_weight: float = 0.02
+    # Per request in flight on the worker (decoding ones slow its prefill down).
+    inflight_weight_tokens: float = 50.0
+    # Instant load (queued prefill, requests in flight) moves a request off the workers holding
+    # its longest cached prefix only when their queue is above this many tokens (two chunked-
+    # prefill steps), or when the balance terms alone would move it too. Decoding slows a holder
+    # by a few percent for seconds; recomputing the prefix elsewhere is paid in full, for good.
+    move_queue_tokens: float = 16384.0
+    # Scores within max(tie_abs_tokens, tie_rel * prompt tokens) of the best are near-ties.
+    tie_abs_tokens: float = 16.0
+    tie_rel: float = 0.01
+    # Pages per worker of recently routed prompts, counted as on device until events say more.
+    # Covers the gap between routing a prompt and its pages' BlockStored reaching the index, in
+    # which a burst of same-prefix requests would otherwise be spread and computed N times.
+    # Keep it well below the worker's KV capacity; 0 disables it.
+    recent_pages_per_worker: int = 4096
+
+
+class AffinityPolicy:
+    name = "affinity"
+
+    def __init__(self, config: AffinityConfig | None = None) -> None:
+        self.config = config or AffinityConfig()
+        self._rr = 0
+        self.recent = RoutedPrefixes(self.config.recent_pages_per_worker)
+
+    def remove_worker(self, worker: str) -> None:
+        self.recent.remove_worker(worker)
+
+    def _matches(self, request: RouteRequest, candidates: Sequence[str],
+                 index: KvIndex) -> dict[str, PrefixMatch]:
+        matches = index.lookup(request.page_hashes)
+        if self.config.recent_pages_per_worker:
+            hashes = request.page_hashes
+            for worker in candidates:
+                m = matches.get(worker)
+                start = m.device_pages if m is not None else 0
+                end = self.recent.extend(worker, hashes, start)
+                if end == start:
+                    continue
+                if m is None:
+                    matches[worker] = PrefixMatch(end, 0, 0, 1.0)
+                else:  # recent pages extend the device run; host/remote cover what is left
+                    host_end = max(m.device_pages + m.host_pages, end)
+                    rem_end = max(m.device_pages + m.host_pages + m.remote_pages, host_end)
+                    matches[worker] = PrefixMatch(end, host_end - end, rem_end - host_end, m.confidence)
+        return matches
+
+    def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
+               load: LoadTracker) -> RouteDecision:
+        decision, match, tied = self._decide(request, candidates, index, load)
+        if tied:
+            self._rr += 1
+        self._record(request, decision.worker, match)
+        return decision
+
+    def preview(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
+                load: LoadTracker) -> RouteDecision:
+        return self._decide(request, candidates, index, load)[0]
+
+    def _decide(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
+                load: LoadTracker) -> tuple[RouteDecision, PrefixMatch | None, bool]:
+        """(the decision, the chosen worker's match, whether a near-tie used the rotation);
+        reads the policy's state, changes none of it."""
+        require_candidates(candidates)
+        cfg, total = self.config, request.prompt_tokens
+        matches = self._matches(request, candidates, index)
+        scores = self._score(request, candidates, matches, load)
+        # A prompt whose best cached prefix is shorter than the work it brings anyway is mostly
+        # new: where that work goes is a balance decision, so overloaded workers pay for it. A
+        # prompt that is mostly cached somewhere (a next turn, a burst's later samples) is a
+        # cache decision: the overload term leaves it alone.
+        new = min(s.prefill_tokens for s in scores)
+        overload_weight = cfg.overload_weight if total - new < new else 0.0
+        balance = self._weigh(scores, overload_weight)
+        tie = max(cfg.tie_abs_tokens, cfg.tie_rel * total)
+        pick, reason, rotated = self._pick(scores, tie, overload_weight > 0.0)
+        if scores[pick].prefill_tokens > new:
+            holder = self._holder_to_keep(scores, balance, new, tie)
+            if holder is not None:
+                pick = holder
+                reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
+                          f"{total - new:.0f} tokens")
+        chosen = scores[pick]
+        decision = RouteDecision(chosen.worker, self.name, reason, round(chosen.prefill_tokens), scores)
+        return decision, matches.get(chosen.worker), rotated
+
+    def _score(self, request: RouteRequest, candidates: Sequence[str],
+               matches: dict[str, PrefixMatch], load: LoadTracker) -> list[WorkerScore]:
+        """Each worker's load, overload and the prefill it would still do (its `score` is set
+        by `_weigh`)."""
+        cfg, page = self.config, request.page_size
+        loads = [load.get(worker) for worker in candidates]
+        mean_recent = sum(wl.recent_prefill_tokens for wl in loads) / len(loads)
+        scores = []
+        for worker, wl in zip(candidates, loads, strict=True):
+            s = WorkerScore(worker, queued_prefill_tokens=wl.queued_prefill_tokens,
+                            inflight_requests=wl.inflight_requests,
+                            recent_prefill_tokens=wl.recent_prefill_tokens)
+            if mean_recent > 0.0:
+                s.overload = max(wl.recent_prefill_tokens / mean_recent - 1.0, 0.0)
+            m = matches.get(worker)
+            saved = 0.0
+            if m is not None:
+                s.device_tokens, s.host_tokens = m.device_pages * page, m.host_pages * page
+                s.remote_tokens, s.confidence = m.remote_pages * page, m.confidence
+                saved = m.confidence * (s.device_tokens + s.host_tokens * (1.0 - cfg.host_cost)
+                                        + s.remote_tokens * (1.0 - cfg.remote_cost))
+            s.prefill_tokens = max(request.prompt_tokens - saved, 0.0)
+            scores.append(s)
+        return scores
+
+    def _weigh(self, scores: list[WorkerScore], overload_weight: float) -> list[float]:
+        """Sets every score; returns the balance part of each (prefill weighted by overload plus
+        the long-horizon balance term: what the instant load terms are added to)."""
+        cfg = self.config
+        least_recent = min(s.recent_prefill_tokens for s in scores)
+        balance = [cfg.prefill_weight * s.prefill_tokens * (1.0 + overload_weight * s.overload)
+                   + cfg.balance_weight * (s.recent_prefill_tokens - least_recent) for s in scores]
+        for s, b in zip(scores, balance, strict=True):
+            s.score = (b + cfg.queue_weight * s.queued_prefill_tokens
+                       + cfg.inflight_weight_tokens * s.inflight_requests)
+        return balance
+
+    def _pick(self, scores: list[WorkerScore], tie: float,
+              overloaded: bool) -> tuple[int, str, bool]:
+        """(the lowest score's index, why, whether a near-tie used the rotation)."""
+        best = min(s.score for s in scores)
+        band = best + tie
+        tied = [i for i, s in enumerate(scores) if s.score <= band]
+        if len(tied) == 1:
+            return tied[0], ("lowest score (uncached prefill weighted by overload, new prompt + load)"
+                             if overloaded else "lowest score (uncached prefill + load)"), False
+        # Among near-ties the least work wins (a burst of one prompt stays where it is being
+        # computed), then the least queued, then the least recent work (so new prefixes even out
+        # the load over minutes, not only the instant queue), then rotation.
+        n, rr = len(scores), self._rr
+        pick = min(tied, key=lambda i: (scores[i].prefill_tokens, scores[i].queued_prefill_tokens,
+                                        scores[i].recent_prefill_tokens, (i - rr) % n))
+        return pick, (f"near-tie of {len(tied)} workers within {band - best:.0f} tokens: "
+                      f"least work, then load"), True
+
+    def _holder_to_keep(self, scores: list[WorkerScore], balance: list[float], new: float,
+                        tie: float) -> int | None:
+        """The pick would recompute a prefix that a holder has. Fine if balance asks for it (no
+        holder within a near-tie of the best balance score) or the best holder's queue is long;
+        not for requests in flight or a short queue alone: then the best-scoring holder."""
+        holders = [i for i, s in enumerate(scores) if s.prefill_tokens == new]
+        holder = min(holders, key=lambda i: scores[i].score)
+        if (scores[holder].queued_prefill_tokens <= self.config.move_queue_tokens
+                and min(balance[i] for i in holders) <= min(balance) + tie):
+            return holder
+        return None
+
+    def _record(self, request: RouteRequest, worker: str, match: PrefixMatch | None) -> None:
+        # Only the pages the worker will compute: what it holds already has been reported.
+        if self.config.recent_pages_per_worker:
+            held = match.device_pages if match is not None else 0
+            self.recent.record(worker, request.page_hashes[held:])
+
+
+class ApproxPolicy(AffinityPolicy):
+    """Affinity scoring over what the gateway itself routed (for engines that publish no events).
+
+    The memory per worker is an LRU set of page hashes bounded by max_pages_per_worker; set it
+    to the worker's KV capacity so that what the gateway assumes cached ages out about as fast
+    as the worker's own LRU evicts it.
+    """
+    name = "approx"
+
+    def __init__(self, config: AffinityConfig | None = None, max_pages_per_worker: int = 65536) -> None:
+        super().__init__(config)
+        self.routed = RoutedPrefixes(max_pages_per_worker)
+
+    def remove_worker(self, worker: str) -> None:
+        self.routed.remove_worker(worker)
+
+    def _matches(self, request: RouteRequest, candidates: Sequence[str],
+                 index: KvIndex) -> dict[str, PrefixMatch]:
+        return {w: PrefixMatch(n, 0, 0, 1.0) for w, n in self.routed.match(request.page_hashes).items()}
+
+    def _record(self, request: RouteRequest, worker: str, match: PrefixMatch | None) -> None:
+        self.routed.record(worker, request.page_hashes)
+
