@@ -21,8 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cache_service.client import CacheClient
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from prefixcache_client.cache import CacheClient
 from service_shell import sleep_until_interrupted
 
 PAGE = 16

@@ -6,6 +6,11 @@ copies the worker must run, in order); the core turns them into one event batch 
 
 Accounting invariant per medium: free + (in-tree or lease-held or dead-but-pinned) = total pages,
 and a page is in exactly one of those places.
+
+Longer than 400 lines: the tree, the allocator with its LRU, leases, the tier policy (host
+demotion, L3 write policies) and the event emitter still share this module; the cache-core rewrite
+(a path-compressed tree, issue "The cache core at SGLang's speed") splits them into one module
+each, and moving them before that rewrite would only move code twice.
 """
 from __future__ import annotations
 
@@ -16,10 +21,10 @@ import operator
 from dataclasses import dataclass, field
 
 from cache_service import events
-from cache_service.hash import chain_hashes, namespace_seed, page_hash
 from cache_service.tree import (DEVICE, HOST, NO_SLOT, Node, Root, add_child, child, children_of,
                                 common_pages, has_device_child, remove_child, subtree, walk)
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2, events_pb2
+from prefixcache_client.hash import chain_hashes, namespace_seed, page_hash
 
 MEDIA = (DEVICE, HOST)
 _page_of = operator.attrgetter("page")
@@ -294,7 +299,7 @@ class Pool:
         self._write_through.clear()
 
     def _promote(self, node: Node, device_page: int) -> None:
-        """Load a (pinned) host page back onto the device (lesson 12)."""
+        """Load a (pinned) host page back onto the device (design.md lesson 12)."""
         self.copies.append(common_pb2.CopyOp(src_medium=HOST, src_page=node.page, dst_medium=DEVICE,
                                              dst_page=device_page, page_hash=node.hash))
         self.free[HOST].append(node.page)
@@ -345,7 +350,7 @@ class Pool:
         path = self._usable(found, skip_host_load)
         now = self.clock()
         host_hits = 0
-        if path and path[-1].medium == HOST:  # host pages are a suffix: load them back (lesson 12)
+        if path and path[-1].medium == HOST:  # host pages are a suffix: load them back (design.md lesson 12)
             loading = path
             for node in loading:
                 self._pin(node)  # loading evicts: nothing on this path may go meanwhile
@@ -474,7 +479,7 @@ class Pool:
 
     def checkpoint(self, lease: Lease, page_index: int, detach: bool) -> pb.CheckpointResult:
         result = pb.CheckpointResult(lease_id=lease.lease_id, page_index=page_index, slot=-1)
-        # Pages published after the namespace was evicted never entered the tree (lesson 5).
+        # Pages published after the namespace was evicted never entered the tree (design.md lesson 5).
         if page_index >= len(lease.nodes) or lease.nodes[page_index].parent is None:
             result.reason = "the page's namespace was evicted"
             return result
@@ -499,7 +504,7 @@ class Pool:
 
     def release(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
-        if lease.root.dead:  # deferred namespace eviction (lesson 5): free what no lease holds
+        if lease.root.dead:  # deferred namespace eviction (design.md lesson 5): free what no lease holds
             for node in lease.nodes:
                 node.pins -= 1
                 if not node.pins:

@@ -1,7 +1,7 @@
 """The gRPC shell over `CacheCore`: servicer, health, reflection, metrics, lease expiry, drain.
 
 Everything that decides anything lives in the core; this module only translates between gRPC and
-the core, and adds what every production server needs (DESIGN §8).
+the core, and adds what every production server needs (design.md §8).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cache_service.core import CacheCore
-from cache_service.errors import CacheError
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import common_pb2
+from prefixcache_client.errors import CacheError
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
 

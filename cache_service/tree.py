@@ -1,10 +1,10 @@
 """The paged radix tree of one pool: one node per cached page, one virtual root per namespace.
 
 Invariants (checked by tests/cache_service/test_core_properties.py):
-- A node's `hash` is page_hash(parent.hash, key) and is set when the node is created (lesson 3);
+- A node's `hash` is page_hash(parent.hash, key) and is set when the node is created (design.md lesson 3);
   a namespace root's `hash` is its namespace seed, so no two namespaces share a node or a hash.
 - A node is in the tree iff `parent is not None`; removed nodes keep their page only while a lease
-  still pins them (deferred namespace eviction, lesson 5).
+  still pins them (deferred namespace eviction, design.md lesson 5).
 - The device region is prefix-closed: a DEVICE node's ancestors are all DEVICE. Demotion only takes
   device nodes without device children, and promotion goes top-down along a matched path.
 - `pins` counts the leases whose path ends at the node (a lease pins only its deepest node; the

@@ -33,9 +33,7 @@ from pathlib import Path
 
 import torch
 
-from cache_service.client import CacheClient, CacheClientError
 from cache_service.core import CacheCore
-from cache_service.errors import CacheError, ErrorCode
 from cache_service.l3 import L3Client, L3Config
 from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig
@@ -45,6 +43,8 @@ from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, Tokenizer, 
                                    load_model, load_tokenizer)
 from compute_service.server import ComputeServer, ServerConfig
 from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache_client.cache import CacheClient, CacheClientError
+from prefixcache_client.errors import CacheError, ErrorCode
 from service_shell import (ExitGuard, ShutdownSignal, TlsConfig, add_flag, add_server_flags,
                            configure_logging, kv, tls_from_args)
 

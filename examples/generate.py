@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from compute_service.client import ComputeClient
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.compute import ComputeClient
 
 
 def main() -> None:

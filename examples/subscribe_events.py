@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from cache_service.client import CacheClient
 from prefixcache.v1 import common_pb2
+from prefixcache_client.cache import CacheClient
 
 MEDIUM = {common_pb2.MEDIUM_DEVICE: "device", common_pb2.MEDIUM_HOST: "host",
           common_pb2.MEDIUM_REMOTE: "remote"}

@@ -20,13 +20,13 @@ import logging
 import os
 import sys
 
-from cache_service.hash import NS_DOMAIN
 from gateway.discovery import DnsWorkers, parse_static, static_workers
 from gateway.policies import POLICY_NAMES
 from gateway.server import GatewayConfig, GatewayServer
 from gateway.tenants import TenantDirectory
 from gateway.tokenize import BYTE
 from gateway.workers import WorkerSettings
+from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
                            tls_from_args)
 

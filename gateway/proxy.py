@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cache_service.hash import chain_hashes, namespace_seed, token_bytes
-from compute_service.client import ComputeClientError, GenerateStream
 from gateway.metrics import MEDIA, GatewayMetrics
 from gateway.policies import RouteRequest
 from gateway.routing import Router, Worker
@@ -19,6 +17,8 @@ from gateway.tokenize import PromptTokenizer, prompt_ids
 from gateway.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from prefixcache_client.compute import ComputeClientError, GenerateStream
+from prefixcache_client.hash import chain_hashes, namespace_seed, token_bytes
 from service_shell import SALT_METADATA_KEY, kv
 
 log = logging.getLogger("gateway.proxy")

@@ -1,5 +1,5 @@
 """The routing state of the gateway behind one lock: the workers it may route to, the global KV
-index their event streams feed, the policy, and the load tracker (DESIGN §6).
+index their event streams feed, the policy, and the load tracker (design.md §6).
 
 Event feeds (one thread per worker), Generate calls and the preview RPCs all meet here, and
 `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access to them holds
@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from compute_service.client import ComputeClient
 from gateway.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.metrics import MEDIA, GatewayMetrics
 from gateway.policies import LoadTracker, Policy, RouteDecision, RouteRequest
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
+from prefixcache_client.compute import ComputeClient
 from service_shell import kv
 
 log = logging.getLogger("gateway.routing")

@@ -1,6 +1,6 @@
 """The gateway server: prefixcache.v1.ComputeService (the workers' API, routed) and
 GatewayService (RoutePreview, ListWorkers) on one port, with health, reflection, metrics, TLS
-and drain from `service_shell` (DESIGN §6, §8).
+and drain from `service_shell` (design.md §6, §8).
 
 Generate: authenticate the caller (tenants.py), tokenize a text prompt as the worker would
 (tokenize.py), hash the prompt's pages in the request's namespace (model id, adapter, tenant

@@ -1,5 +1,5 @@
 """Callers -> tenants: the bearer token of a request's `authorization` metadata names a tenant
-and the salt that isolates its cache namespace (DESIGN §2).
+and the salt that isolates its cache namespace (design.md §2).
 
 The tenants file (--tenants-file, a mounted Secret in Kubernetes):
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache_service.core import MAX_NAME_BYTES
+from prefixcache_client.hash import MAX_NAME_BYTES
 
 AUTH_METADATA_KEY = "authorization"
 ANONYMOUS = "anonymous"

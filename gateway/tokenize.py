@@ -2,10 +2,10 @@
 
 The gateway tokenizes text prompts itself and forwards token ids, so that the page hashes it
 routes on are exactly the pages the worker computes. It must therefore produce the worker's ids
-bit for bit, with the worker's BOS rule (`compute_service.server`: a text prompt starts with BOS
-when the tokenizer has one; token-id prompts are taken exactly as sent). It cannot import the
+bit for bit, with the worker's BOS rule (`compute_service.server_messages.prompt_of`: a text
+prompt starts with BOS when the tokenizer has one; token-id prompts are taken exactly as sent). It cannot import the
 worker's module: `compute_service.model` imports torch, which the gateway never does.
-tests/gateway/test_server.py checks that both produce the same ids.
+tests/gateway/test_server_offline.py checks that both produce the same ids.
 
     byte  ids 0-255 are the UTF-8 bytes; 256 = pad, 257 = bos, 258 = eos (vocab 259)
     PATH  a checkpoint directory: PATH/tokenizer.json through the `tokenizers` package, BOS from

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_service.hash import chain_hashes, namespace_seed
+from prefixcache_client.hash import chain_hashes, namespace_seed
 
 BLOCK_TOKENS = 512
 
@@ -71,7 +71,7 @@ class BlockTokens:
         self._cache_blocks = cache_blocks
 
     def block_bytes(self, hash_id: int) -> bytes:
-        """The block's tokens as u32 little-endian bytes (the layout cache_service.hash hashes)."""
+        """The block's tokens as u32 little-endian bytes (what prefixcache_client.hash hashes)."""
         data = self._cache.get(hash_id)
         if data is not None:
             self._cache.move_to_end(hash_id)
@@ -92,7 +92,7 @@ class BlockTokens:
 
     def page_hashes(self, req: TraceRequest, page_size: int, model_id: str, adapter: str = "",
                     salt: str = "") -> list[bytes]:
-        """Hashes of the prompt's full pages in a namespace (cache_service.hash's chain)."""
+        """Hashes of the prompt's full pages in a namespace (prefixcache_client.hash's chain)."""
         return chain_hashes(namespace_seed(model_id, adapter, salt), self.prompt_bytes(req), page_size)
 
 

@@ -1,5 +1,5 @@
 """Worker lifecycle: discovered address -> identified worker -> admitted into the router, with a
-readiness probe and an event feed; and back out when it leaves (DESIGN §6).
+readiness probe and an event feed; and back out when it leaves (design.md §6).
 
 Per address, one thread (`WorkerHandle._run`):
 1. identify: GetModelInfo until it answers (the worker may still be loading its model);
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import Backoff, CacheClient, CacheClientError
-from compute_service.client import ComputeClient, ComputeClientError
 from gateway.discovery import WorkerAddress
 from gateway.index import ApplyStatus
 from gateway.routing import Router, Worker, log_resync
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.cache import Backoff, CacheClient, CacheClientError
+from prefixcache_client.compute import ComputeClient, ComputeClientError
 from service_shell import TlsConfig, channel_options, kv, open_channel
 
 log = logging.getLogger("gateway.workers")

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_service.errors import CacheError, ErrorCode
+from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from service_shell import TlsConfig, channel_options, open_channel
 
-log = logging.getLogger("cache_service.client")
+log = logging.getLogger("prefixcache_client.cache")
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 # Idempotent calls may be retried by gRPC itself when the server was briefly unreachable.

@@ -1,4 +1,6 @@
-"""The one error type of the cache core. The gRPC server maps `code` to a status code."""
+"""The one error type of the cache: `CacheCore` raises it, the gRPC server maps `code` to a status
+code, and `CacheClient` raises a subclass of it with the same code, so code that catches it runs
+against an embedded core and a remote one alike."""
 from __future__ import annotations
 
 import enum

@@ -1,13 +1,16 @@
-"""The page hash of DESIGN §3: one chained SHA-256 that every service and language recomputes.
+"""The page hash (docs/design.md §3): one chained SHA-256 that every service and language
+recomputes.
 
     ns_seed         = SHA-256(b"prefixcache-ns-v1" || field(model) || field(adapter) || field(salt))[:16]
     field(s)        = u32_le(len(utf8(s))) || utf8(s)
     page_hash(p, t) = SHA-256(p || t_0 u32_le || ... || t_{P-1} u32_le)[:16]
     hash(page 0)    = page_hash(ns_seed, page 0);  hash(page i) = page_hash(hash(page i-1), page i)
 
-Only full pages are hashed. Command line (one lower-case hex hash per full page, one per line):
+Only full pages are hashed. A namespace field (model, adapter, salt) is at most MAX_NAME_BYTES
+UTF-8 bytes: the cache service rejects a longer one, the gateway and the compute service check it
+up front. Command line (one lower-case hex hash per full page, one per line):
 
-    python -m cache_service.hash --model M --adapter A --salt S --page-size P TOKEN...
+    python -m prefixcache_client.hash --model M --adapter A --salt S --page-size P TOKEN...
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import numpy as np
 HASH_BYTES = 16
 NS_DOMAIN = b"prefixcache-ns-v1"
 MAX_TOKEN_ID = 2**32 - 1
+MAX_NAME_BYTES = 256  # a namespace field's UTF-8 size limit (model id, adapter, salt)
 
 _sha256 = hashlib.sha256
 # The array module's 4-byte unsigned type code on this platform ("I" nearly everywhere).
@@ -88,7 +92,7 @@ def prompt_hashes(tokens: Sequence[int], page_size: int, model_id: str, adapter:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cache_service.hash",
+        prog="python -m prefixcache_client.hash",
         description="Print the page hash of every full page of TOKENs, one lower-case hex per line.")
     parser.add_argument("--model", required=True, help="model id")
     parser.add_argument("--adapter", default="", help='LoRA adapter name ("" = base model)')

@@ -1,4 +1,4 @@
-"""The service shell every gRPC server of this project wires the same way (DESIGN §8): server
+"""The service shell every gRPC server of this project wires the same way (design.md §8): server
 and channel options, health probes (also on a dedicated plaintext port), reflection, TLS/mTLS
 from files, the Prometheus endpoint, the SIGTERM wait, structured logs and flags that fall back
 to PREFIXCACHE_* environment variables.

@@ -1,10 +1,9 @@
-"""`ServiceShell`: the gRPC server of one service with everything DESIGN §8 puts around it, so a
+"""`ServiceShell`: the gRPC server of one service with everything design.md §8 puts around it, so a
 service adds only its servicer and its drain."""
 from __future__ import annotations
 
 import threading
 
-import grpc
 import prometheus_client
 
 from service_shell.grpc_server import bind, enable_reflection, new_server

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import grpc
 
 from cache_service.core import CacheCore
-from cache_service.hash import chain_hashes, namespace_seed, token_bytes
 from cache_service.server import CacheServer, ServerConfig
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
+from prefixcache_client.hash import chain_hashes, namespace_seed, token_bytes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PAGE = 4

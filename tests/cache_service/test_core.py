@@ -1,12 +1,12 @@
-"""Cache core semantics, in process (DESIGN §4 and the lessons of §7 it is responsible for)."""
+"""Cache core semantics, in process (design.md §4 and the lessons of §7 it is responsible for)."""
 from __future__ import annotations
 
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.errors import CacheError, ErrorCode
-from cache_service.hash import prompt_hashes
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from prefixcache_client.errors import CacheError, ErrorCode
+from prefixcache_client.hash import prompt_hashes
 
 P = 4
 MODEL = "m"
@@ -65,7 +65,7 @@ PROMPT = list(range(100, 118))  # 4.5 pages: 4 full pages, at most 4 reusable (1
 @pytest.mark.parametrize("slots", [0, 4])
 def test_no_hit_partial_page_and_full_hit_in_every_namespace(adapter, salt, slots):
     w = Worker(slots=slots)
-    cold = w.match(PROMPT, adapter, salt)  # lesson 6: no hit means 0, never a negative depth
+    cold = w.match(PROMPT, adapter, salt)  # design.md lesson 6: no hit means 0, never a negative depth
     assert (cold.cached_tokens, list(cold.device_pages), cold.unusable_pages) == (0, [], 0)
     w.step(releases=[pb.ReleaseOp(lease_id=cold.lease_id)])
     w.run(PROMPT, adapter, salt, checkpoint_last=bool(slots))
@@ -89,7 +89,7 @@ def test_paired_namespaces_same_hits_other_adapter_or_salt_never():
     assert same.cached_tokens == 16
     for adapter, salt in [("", "t1"), ("lora-b", "t1"), ("lora-a", ""), ("lora-a", "t2")]:
         assert w.match(PROMPT, adapter, salt).cached_tokens == 0, (adapter, salt)
-    # Now every namespace has published the same tokens: no event hash is shared (lesson 4).
+    # Now every namespace has published the same tokens: no event hash is shared (design.md lesson 4).
     w2 = Worker(pool="w2", core=w.core)
     per_ns = []
     for adapter, salt in NAMESPACES:
@@ -144,7 +144,7 @@ def test_host_only_match_is_loaded_back():
     assert s.media[1].cached_pages == 4 and s.media[0].evictions == 4
     resp = w.step(matches=[pb.MatchOp(request_id="again", token_ids=PROMPT)])
     m = resp.matches[0]
-    assert (m.cached_tokens, m.host_hit_tokens) == (16, 16)  # lesson 12: used, not ignored
+    assert (m.cached_tokens, m.host_hit_tokens) == (16, 16)  # design.md lesson 12: used, not ignored
     loads = [c for c in resp.copies if c.src_medium == common_pb2.MEDIUM_HOST]
     assert [c.dst_page for c in loads] == list(m.device_pages)
     assert [c.page_hash for c in loads] == list(m.page_hashes)
@@ -168,7 +168,7 @@ def test_evicting_a_namespace_defers_pinned_pages_until_release():
     assert len(removed) == 6  # every page leaves the index now, pinned ones included
     assert w.device().free_pages == free_before + 2
     assert w.match(PROMPT, "lora-a").cached_tokens == 0  # nothing left to hit
-    # The running request can still publish and release safely (lesson 5).
+    # The running request can still publish and release safely (design.md lesson 5).
     w.step(allocations=[pb.AllocateOp(lease_id=holder.lease_id, num_pages=1)],
            publishes=[pb.PublishOp(lease_id=holder.lease_id, computed_pages=4)])
     w.step(releases=[pb.ReleaseOp(lease_id=holder.lease_id)])
@@ -192,7 +192,7 @@ def test_concurrent_publish_of_the_same_prefix_is_deduplicated():
     res = w.step(publishes=[pb.PublishOp(lease_id=b.lease_id, computed_pages=4)]).publishes[0]
     assert res.inserted_pages == 2 and [r.index for r in res.remaps] == [0, 1]
     assert w.device().free_pages == before + 2  # the duplicates went back to the pool
-    third = w.match(PROMPT)  # sees both publishes at once, mid-flight (lesson 1)
+    third = w.match(PROMPT)  # sees both publishes at once, mid-flight (design.md lesson 1)
     assert third.cached_tokens == 16
     assert w.stats().duplicate_pages == 2
 
@@ -201,7 +201,7 @@ def test_idle_steps_keep_the_cache():
     w = Worker()
     w.run(PROMPT)
     for _ in range(3):
-        w.step()  # lesson 7: an idle step must not reset anything
+        w.step()  # design.md lesson 7: an idle step must not reset anything
     assert w.match(PROMPT).cached_tokens == 16
 
 

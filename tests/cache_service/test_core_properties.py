@@ -7,7 +7,7 @@ operation it checks:
 - a pinned page is never evicted or demoted (no BlockRemoved for it, it stays on the device);
 - the event stream applied to an empty index equals the tree's page set, per medium;
 - a match returns exactly the longest prefix of the prompt's page hashes (computed independently
-  with cache_service.hash) that the event-derived index holds, within the documented caps;
+  with prefixcache_client.hash) that the event-derived index holds, within the documented caps;
 - lease expiry frees exactly what the lease held.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache_service.core import CacheCore
-from cache_service.hash import prompt_hashes
 from cache_service.tree import DEVICE, HOST, subtree
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from prefixcache_client.hash import prompt_hashes
 
 PAGE = 2
 MODEL = "m"

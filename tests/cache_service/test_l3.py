@@ -7,10 +7,10 @@ import time
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.errors import CacheError, ErrorCode
-from cache_service.hash import prompt_hashes
 from cache_service.l3 import CircuitBreaker, L3Client, L3Config
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from prefixcache_client.errors import CacheError, ErrorCode
+from prefixcache_client.hash import prompt_hashes
 from tests.cache_service.test_core import MODEL, P, PROMPT, Worker
 
 REMOTE = common_pb2.MEDIUM_REMOTE

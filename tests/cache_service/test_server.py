@@ -13,10 +13,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cache_service import __main__ as cli
 from cache_service.core import CacheCore
-from cache_service.hash import MAX_TOKEN_ID
 from cache_service.server import SERVICE_NAME
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import common_pb2
+from prefixcache_client.hash import MAX_TOKEN_ID
 from tests.cache_service.grpc_harness import (PAGE, PROMPT, cache_prompt, expected_hashes,
                                               match_op, register, running_server, server_process,
                                               stub_for)

@@ -44,6 +44,25 @@ def final_env(df) -> dict[str, str]:
     return env
 
 
+def copied_sources(image: str) -> set[str]:
+    """What the builder stage copies from the build context (files and package directories)."""
+    sources = set()
+    for ins in parse(dockerfile(image)).stages[0].all("COPY"):
+        if "--from=" not in ins.args:
+            sources.update([a for a in ins.args.split() if not a.startswith("--")][:-1])
+    return sources
+
+
+def copied_packages(image: str) -> set[str]:
+    return {src for src in copied_sources(image) if (REPO / src / "__init__.py").exists()}
+
+
+def allowlisted(image: str) -> set[str]:
+    """The top-level names the image's .dockerignore lets into the context."""
+    ignore = DockerIgnore((DOCKER / f"Dockerfile.{image}.dockerignore").read_text())
+    return {pattern for negate, _, pattern in ignore.rules if negate}
+
+
 def apt_packages(run: str) -> set[str]:
     packages = set()
     for m in re.finditer(r"apt-get install ([^&;|]*)", run):
@@ -118,9 +137,29 @@ def test_entrypoint_ports_and_env(image):
             assert env[var].startswith("/tmp"), var
 
 
-def test_every_dockerfile_has_the_same_dockerignore():
-    texts = {image: (DOCKER / f"Dockerfile.{image}.dockerignore").read_text() for image in IMAGES}
+def test_the_service_images_share_one_dockerignore():
+    texts = {image: (DOCKER / f"Dockerfile.{image}.dockerignore").read_text()
+             for image in IMAGES if image != "gateway"}
     assert len(set(texts.values())) == 1
+    assert copied_sources("compute-cuda") == copied_sources("compute")
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_each_dockerignore_lets_in_exactly_what_its_dockerfile_copies(image):
+    assert allowlisted(image) == copied_sources(image)
+    assert {"prefixcache", "prefixcache_client", "service_shell", IMAGES[image][0]} <= \
+        copied_packages(image)
+
+
+def test_the_gateway_image_holds_no_service_package():
+    """The gateway imports neither compute_service (torch) nor cache_service
+    (tests/test_import_rules.py): its image copies neither, and its context leaves them out."""
+    ignore = DockerIgnore((DOCKER / "Dockerfile.gateway.dockerignore").read_text())
+    assert copied_packages("gateway") == {"prefixcache", "prefixcache_client", "prefixcache_bench",
+                                          "gateway", "service_shell"}
+    for package in ("compute_service", "cache_service"):
+        assert package not in copied_sources("gateway"), package
+        assert ignore.excluded(f"{package}/__init__.py"), package
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
@@ -134,15 +173,18 @@ def test_copied_sources_reach_the_build_context(image):
             assert not ignore.excluded(src), f"{src} is excluded from the build context"
 
 
-def test_build_context_leaves_out_local_state():
-    ignore = DockerIgnore((DOCKER / "Dockerfile.gateway.dockerignore").read_text())
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_build_context_leaves_out_local_state(image):
+    ignore = DockerIgnore((DOCKER / f"Dockerfile.{image}.dockerignore").read_text())
     for path in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "runs/x.json",
                  "deploy/k8s/base/kustomization.yaml", "gateway/__pycache__/x.cpython-311.pyc",
                  ".coverage", "bench-results/cache.json", ".hypothesis/x"):
         assert ignore.excluded(path), path
     for path in ("pyproject.toml", "README.md", "gateway/__init__.py", "prefixcache/v1/__init__.py",
-                 "cache_service/server.py", "compute_service/model/model.py"):
+                 "prefixcache_client/cache.py", "service_shell/__init__.py"):
         assert not ignore.excluded(path), path
+    for path in ("cache_service/server.py", "compute_service/model/model.py"):
+        assert ignore.excluded(path) == (image == "gateway"), path
 
 
 def _setuptools_version() -> tuple[int, ...]:
@@ -152,9 +194,12 @@ def _setuptools_version() -> tuple[int, ...]:
         return (0,)
 
 
-def test_the_build_context_builds_the_project_wheel(tmp_path):
-    """The builder stage's `pip wheel .`, run on exactly the files the context would hold."""
-    ignore = DockerIgnore((DOCKER / "Dockerfile.gateway.dockerignore").read_text())
+# compute-cuda's context is compute's (same .dockerignore and COPY lines, checked above).
+@pytest.mark.parametrize("image", ["cache", "compute", "gateway"])
+def test_the_build_context_builds_the_project_wheel(tmp_path, image):
+    """The builder stage's `pip wheel .`, run on exactly the files the context would hold. Package
+    discovery takes the packages that are there: the wheel holds exactly what the image copies."""
+    ignore = DockerIgnore((DOCKER / f"Dockerfile.{image}.dockerignore").read_text())
     context = tmp_path / "context"
     for rel in ignore.context_files(REPO):
         (context / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -168,15 +213,13 @@ def test_the_build_context_builds_the_project_wheel(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     wheel, = (tmp_path / "wheels").glob("prefixcache-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package in ("prefixcache", "cache_service", "compute_service", "gateway"):
+    packages = {name.split("/")[0] for name in names if "/" in name and ".dist-info/" not in name}
+    assert packages == copied_packages(image)
+    for package in packages:
         assert f"{package}/__init__.py" in names, package
-    # Every module an image runs must ship; a missing one is reported, not hidden.
-    missing = []
-    for module, _ in IMAGES.values():
-        if (REPO / module / "__main__.py").exists():
-            assert f"{module}/__main__.py" in names, module
-        else:
-            missing.append(module)
-    if missing:
-        pytest.skip(f"no {', '.join(sorted(set(missing)))} __main__ in the repository yet: "
-                    f"those images' ENTRYPOINT (python -m ...) needs it")
+    # The module the image runs must ship; a missing one is reported, not hidden.
+    module = IMAGES[image][0]
+    if not (REPO / module / "__main__.py").exists():
+        pytest.skip(f"no {module} __main__ in the repository yet: the {image} image's ENTRYPOINT "
+                    f"(python -m {module}) needs it")
+    assert f"{module}/__main__.py" in names, module

@@ -9,7 +9,7 @@ from decimal import Decimal
 
 import pytest
 
-from cache_service.hash import NS_DOMAIN
+from prefixcache_client.hash import NS_DOMAIN
 from tests.deploy.manifests import (NAMESPACE, VARIANTS, by_kind, container, containers, generated,
                                     one, pod_labels, pod_spec, quantity, redis_bytes, selects,
                                     sleep_seconds, workloads)

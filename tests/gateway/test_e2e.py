@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from compute_service.client import ComputeClient
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
+from prefixcache_client.compute import ComputeClient
 from tests.gateway.gateway_harness import request, wait_until
 
 

@@ -4,12 +4,12 @@ import random
 
 import pytest
 
-from cache_service.hash import prompt_hashes
 from gateway.index import IndexConfig, KvIndex
 from gateway.policies import (POLICY_NAMES, AffinityConfig, AffinityPolicy, ApproxPolicy, LeastLoadedPolicy,
                               LoadTracker, RoundRobinPolicy, RouteRequest, SglangConfig, SglangPolicy,
                               make_policy)
 from prefixcache.v1 import common_pb2
+from prefixcache_client.hash import prompt_hashes
 from tests.gateway.helpers import HOST, FakeClock, batch, heartbeat, pages, stored
 
 WORKERS = [f"w{i}" for i in range(8)]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from cache_service.hash import prompt_hashes, token_bytes
 from gateway.trace import BlockTokens, load_trace, main, write_synthetic
+from prefixcache_client.hash import prompt_hashes, token_bytes
 
 
 def _write(path, rows):

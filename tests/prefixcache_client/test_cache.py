@@ -11,13 +11,13 @@ from concurrent import futures
 import grpc
 import pytest
 
-from cache_service.client import Backoff, CacheClient, CacheRejectedError, CacheUnavailableError
 from cache_service.core import CacheCore
-from cache_service.errors import CacheError, ErrorCode
 from cache_service.server import CacheServer, ServerConfig
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache_client.cache import Backoff, CacheClient, CacheRejectedError, CacheUnavailableError
+from prefixcache_client.errors import CacheError, ErrorCode
 from tests.cache_service.grpc_harness import (PAGE, PROMPT, cache_prompt, expected_hashes,
                                               match_op, register, running_server, server_process)
 

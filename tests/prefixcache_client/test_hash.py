@@ -1,4 +1,4 @@
-"""Page-hash conformance (DESIGN §3) against the vector file, and the hash command line."""
+"""Page-hash conformance (docs/design.md §3) against the vector file, and the hash command line."""
 import json
 import pathlib
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from cache_service.hash import namespace_seed, prompt_hashes, token_bytes
 from prefixcache.v1 import compute_service_pb2
+from prefixcache_client.hash import namespace_seed, prompt_hashes, token_bytes
 
 VECTORS = json.loads((pathlib.Path(__file__).parent.parent / "data" / "page_hash_vectors.json").read_text())
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,13 +57,14 @@ def test_every_kind_of_token_sequence_packs_to_the_same_bytes():
 def test_command_line_prints_one_hex_hash_per_full_page():
     case = next(c for c in VECTORS["cases"] if len(c["page_hashes"]) >= 3)
     out = subprocess.run(
-        [sys.executable, "-m", "cache_service.hash", "--model", case["model_id"], "--adapter",
+        [sys.executable, "-m", "prefixcache_client.hash", "--model", case["model_id"], "--adapter",
          case["adapter"], "--salt", case["salt"], "--page-size", str(case["page_size"]),
          *map(str, case["tokens"])], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     assert out.splitlines() == case["page_hashes"]
 
 
 def test_command_line_rejects_bad_token():
-    res = subprocess.run([sys.executable, "-m", "cache_service.hash", "--model", "m", "--", "-5"],
-                         cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "prefixcache_client.hash", "--model", "m", "--", "-5"],
+        cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and "token_ids" in res.stderr

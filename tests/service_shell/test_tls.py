@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import CacheClient, CacheUnavailableError
+from prefixcache_client.cache import CacheClient, CacheUnavailableError
 from service_shell import TlsConfig, tls_mode
 from tests.cache_service.grpc_harness import register, running_server, server_process
 from tests.service_shell.certs import Pki, server_of_another_ca

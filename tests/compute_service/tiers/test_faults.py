@@ -12,8 +12,8 @@ import time
 
 import redis
 
-from cache_service.hash import prompt_hashes
 from compute_service.engine import SamplingParams
+from prefixcache_client.hash import prompt_hashes
 from tests.compute_service.tiers.helpers import (NEW, PAGE, PROMPT, ProbeAll, generate,
                                                  generate_many, l3_client, prompt_of, reference)
 

@@ -9,8 +9,8 @@ import struct
 import pytest
 import torch
 
-from cache_service.hash import prompt_hashes
 from compute_service.tiers import FORMAT_VERSION, PageLayout, decode, encode
+from prefixcache_client.hash import prompt_hashes
 from tests.compute_service.tiers.helpers import (PAGE, PROMPT, ProbeAll, generate, l3_client,
                                                  model, prompt_of, reference)
 
