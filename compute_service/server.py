@@ -1,7 +1,8 @@
 """The gRPC shell over `Engine`: ComputeService, health, reflection, metrics and drain.
 
 The engine decides everything (scheduling, caching, sampling); this module translates between
-gRPC and the engine and adds what every production server needs (DESIGN §8). The server starts
+gRPC and the engine (the message checks and conversions are in compute_service.server_messages)
+and adds what every production server needs (design.md §8). The server starts
 before the model is loaded (liveness SERVING, readiness NOT_SERVING, Generate UNAVAILABLE) and
 becomes ready when `attach` hands it an engine whose pool is registered.
 
@@ -36,38 +37,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
-from cache_service.client import CacheClientError
-from cache_service.core import MAX_NAME_BYTES
-from cache_service.errors import CacheError
-from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
+from prefixcache_client.cache import CacheClientError
+from prefixcache_client.errors import CacheError
+from compute_service.engine import Engine, Output
 from compute_service.lora import (AdapterConfigError, AdapterExistsError, AdapterNotFoundError,
                                   NoFreeSlotError, validate_adapter_name)
 from compute_service.request_streams import RequestStream, RunningRequests
+from compute_service.server_messages import (Rejected, check_fits, is_read_error, model_info,
+                                             prompt_of, request_id_of, response, salt_of,
+                                             sampling_of)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
-from service_shell import (SALT_METADATA_KEY, ServiceShell, ShellPorts, TlsConfig, kv,
-                           server_options, tls_mode)
+from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
+                           tls_mode)
 
 log = logging.getLogger("compute_service.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
-DEFAULT_MAX_TOKENS = 16  # what max_tokens = 0 means (the proto's contract)
-MAX_REQUEST_ID_BYTES = 128
 # How often a stream waiting for its next token checks that its client is still there (the
 # done-callback is the main path; this bounds a handler thread's life if it was missed).
 _POLL_S = 1.0
 # After the last request of a drain ended, how long its final message gets to reach the client.
 _FLUSH_S = 2.0
-_FINISH_REASON = {FinishReason.STOP: pb.FINISH_REASON_STOP,
-                  FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-                  FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
 
 @dataclass(slots=True)
@@ -102,62 +99,6 @@ class ServerConfig:
         return self.max_streams + 16
 
 
-class _Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(code, message)
-        self.code, self.message = code, message
-
-
-def model_info(engine: Engine) -> pb.GetModelInfoResponse:
-    """What GetModelInfo answers; `adapters` is as of this call (they come and go)."""
-    mc = engine.model.config
-    return pb.GetModelInfoResponse(
-        model_id=engine.cfg.model_id, architecture=mc.model_type, vocab_size=engine.vocab_size,
-        max_context_tokens=engine.context_limit, page_size=engine.cfg.page_size,
-        num_attention_layers=len(mc.attention_layer_ids),
-        num_mamba_layers=len(mc.mamba_layer_ids), eos_token_ids=engine.eos,
-        worker=engine.cfg.pool_id, adapters=engine.adapter_names())
-
-
-def _stats_pb(s: RequestStats) -> pb.GenerateStats:
-    return pb.GenerateStats(
-        request_id=s.request_id, worker=s.worker, prompt_tokens=s.prompt_tokens,
-        cached_tokens_device=s.cached_tokens_device, cached_tokens_host=s.cached_tokens_host,
-        cached_tokens_remote=s.cached_tokens_remote,
-        shared_tokens_in_flight=s.shared_tokens_in_flight,
-        computed_prompt_tokens=s.computed_prompt_tokens, output_tokens=s.output_tokens,
-        ttft_s=s.ttft_s, total_s=s.total_s, finish_reason=_FINISH_REASON[s.finish_reason],
-        preemptions=s.preemptions)
-
-
-def _response(outs: list[Output]) -> pb.GenerateResponse:
-    resp = pb.GenerateResponse(token_ids=[t for o in outs for t in o.token_ids],
-                               text="".join(o.text for o in outs))
-    if outs[-1].stats is not None:
-        resp.stats.CopyFrom(_stats_pb(outs[-1].stats))
-    return resp
-
-
-def _sampling(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-        seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, min_tokens=s.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-    ).validate(vocab_size)
-
-
-def _salt(context: grpc.ServicerContext) -> str:
-    values = [v for k, v in context.invocation_metadata() or () if k == SALT_METADATA_KEY]
-    if len(values) > 1:  # two tenants claimed for one request: never guess which one
-        raise ValueError(f"{SALT_METADATA_KEY}: sent {len(values)} times; a request has one tenant")
-    salt = values[0] if values else ""
-    if len(salt.encode()) > MAX_NAME_BYTES:
-        raise ValueError(f"{SALT_METADATA_KEY}: must be at most {MAX_NAME_BYTES} bytes, "
-                         f"got {len(salt.encode())}")
-    return salt
-
-
 class ComputeServicer(pb_grpc.ComputeServiceServicer):
     """Maps Generate onto `Engine.submit` and its sink, Abort onto `Engine.abort`."""
 
@@ -174,7 +115,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
             stream = self._submit(request, context)
-        except _Rejected as exc:
+        except Rejected as exc:
             self._metrics.rpcs.labels("Generate", exc.code.name).inc()
             log.info(kv("request_rejected", code=exc.code.name, message=exc.message,
                         peer=context.peer()))
@@ -187,7 +128,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                     if not context.is_active():
                         return  # the done-callback already asked the engine to abort
                     continue
-                yield _response(outs)
+                yield response(outs)
                 if outs[-1].stats is not None:
                     code = grpc.StatusCode.OK
                     return
@@ -198,7 +139,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         def abort() -> pb.AbortResponse:
             if not request.request_id:
-                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
             stream = self._running.get(request.request_id)
             if stream is None:
                 return pb.AbortResponse(aborted=False)
@@ -229,17 +170,17 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 started = time.monotonic()
                 info = self.engine.load_adapter(name, path)
             except AdapterExistsError as exc:  # an AdapterConfigError: test it first
-                raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+                raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
             except AdapterConfigError as exc:
-                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             except NoFreeSlotError as exc:
-                raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"name: {exc}") from None
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"name: {exc}") from None
             except Exception as exc:  # unreadable files: not a server fault, nothing loaded
-                if not _is_read_error(exc):
+                if not is_read_error(exc):
                     raise
-                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"path: cannot read the adapter at {path}: "
-                                f"{type(exc).__name__}: {exc}") from None
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"path: cannot read the adapter at {path}: "
+                               f"{type(exc).__name__}: {exc}") from None
             log.info(kv("adapter_loaded", name=name, path=path, rank=info.rank, slot=info.slot,
                         targets=",".join(info.target_modules), peer=context.peer(),
                         seconds=round(time.monotonic() - started, 3)))
@@ -254,16 +195,16 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 validate_adapter_name(name)
                 removed, deferred = self.engine.unload_adapter(name)
             except AdapterConfigError as exc:
-                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             except AdapterNotFoundError as exc:
-                raise _Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+                raise Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
             except (CacheError, CacheClientError) as exc:
                 # The weights are unloaded (new requests get NOT_FOUND); only the eviction of
                 # its cached pages failed, and they can never be hit again: LRU takes them.
                 log.warning(kv("adapter_evict_failed", name=name, error=exc))
-                raise _Rejected(grpc.StatusCode.UNAVAILABLE,
-                                f"name: adapter '{name}' is unloaded, but the cache service "
-                                f"could not evict its cached pages ({exc})") from None
+                raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                               f"name: adapter '{name}' is unloaded, but the cache service "
+                               f"could not evict its cached pages ({exc})") from None
             log.info(kv("adapter_unloaded", name=name, removed_pages=removed,
                         deferred_pages=deferred, peer=context.peer()))
             return pb.UnloadAdapterResponse(removed_pages=removed, deferred_pages=deferred)
@@ -272,39 +213,34 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
     def cancel(self, stream: RequestStream) -> None:
         """Asks the engine to abort `stream`'s request; never blocks (runs in gRPC callbacks)."""
         stream.cancel_requested = True
-        try:
-            self.engine.abort(stream.request_id)
-        except RuntimeError:
-            # Engine.abort scans the engine's queues without the engine thread holding the lock,
-            # so a concurrent step can break the scan ("deque mutated during iteration") or make
-            # it miss the request. The sink repeats the abort at the next token (engine thread).
-            pass
+        # Engine.abort only marks the request under the engine's lock (held briefly, never across
+        # a step) if it is live: one not submitted yet (cancelled between RunningRequests.add and
+        # Engine.submit) is not, and the sink repeats the abort at its next token until it takes.
+        self.engine.abort(stream.request_id)
 
     def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> RequestStream:
         engine = self.engine
         if self._draining.is_set():
-            raise _Rejected(grpc.StatusCode.UNAVAILABLE,
-                            "server is draining; retry on another worker")
+            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                           "server is draining; retry on another worker")
         if engine is None:
-            raise _Rejected(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry later")
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry later")
         if not self._stream_slots.acquire(blocking=False):
-            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"too many concurrent Generate streams (limit {self._max_streams}); "
-                            "retry later")
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"too many concurrent Generate streams (limit {self._max_streams}); "
+                           "retry later")
         stream: RequestStream | None = None
         try:
-            request_id = request.request_id or uuid.uuid4().hex
-            if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-                raise ValueError(f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
-            salt = _salt(context)
-            prompt = self._prompt(request, engine)
-            sampling = _sampling(request.sampling, engine.vocab_size)
-            self._check_fits(len(prompt), sampling.max_tokens)
+            request_id = request_id_of(request)
+            salt = salt_of(context.invocation_metadata())
+            prompt = prompt_of(request, engine.tokenizer)
+            sampling = sampling_of(request.sampling, engine.vocab_size)
+            check_fits(len(prompt), sampling.max_tokens, self.info.max_context_tokens)
             stream = RequestStream(request_id)
             if not self._running.add(stream):
                 stream = None  # the running one is not ours to remove
-                raise _Rejected(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id: '{request_id}' is already running")
+                raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id: '{request_id}' is already running")
             engine.submit(prompt, sampling, lambda out: self._sink(stream, out),
                           request_id=request_id, adapter=request.adapter, salt=salt)
         except BaseException as exc:
@@ -312,9 +248,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 self._running.remove(stream.request_id)
             self._stream_slots.release()
             if isinstance(exc, ValueError):
-                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if isinstance(exc, LookupError):
-                raise _Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+                raise Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
             raise
         if not context.add_callback(lambda: self._on_rpc_done(stream)):
             self._on_rpc_done(stream)  # the client left before the callback was registered
@@ -322,29 +258,6 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                      max_tokens=sampling.max_tokens, adapter=request.adapter, salted=bool(salt),
                      peer=context.peer()))
         return stream
-
-    def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which == "token_ids":
-            return list(request.token_ids.ids)
-        if which == "text" and request.text:
-            # Start with BOS when the tokenizer has one, as HF tokenizers' post-processors do for
-            # the llama/mistral families; token-id prompts are taken exactly as sent.
-            tok = engine.tokenizer
-            return tok.encode(request.text, add_bos=tok.bos_token_id is not None)
-        return []  # unset or empty text: Engine.submit names the field
-
-    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.info.max_context_tokens
-        if prompt_tokens >= limit:
-            raise _Rejected(grpc.StatusCode.OUT_OF_RANGE,
-                            f"prompt: {prompt_tokens} tokens leave no room for output in this "
-                            f"worker's context of {limit} tokens")
-        if prompt_tokens + max_tokens > limit:
-            raise _Rejected(grpc.StatusCode.OUT_OF_RANGE,
-                            f"sampling.max_tokens: {max_tokens} exceeds the "
-                            f"{limit - prompt_tokens} tokens left in this worker's context of "
-                            f"{limit} after the {prompt_tokens}-token prompt")
 
     def _sink(self, stream: RequestStream, out: Output) -> None:
         """Engine thread. Bookkeeping first, so that a client that saw the last message can reuse
@@ -377,10 +290,10 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         code = grpc.StatusCode.OK
         try:
             if self.engine is None:
-                raise _Rejected(grpc.StatusCode.UNAVAILABLE,
-                                "the model is still loading; retry later")
+                raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                               "the model is still loading; retry later")
             return call()
-        except _Rejected as exc:
+        except Rejected as exc:
             code = exc.code
             log.info(kv("rpc_rejected", method=method, code=code.name, message=exc.message))
             context.abort(code, exc.message)
@@ -390,14 +303,6 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             context.abort(code, f"internal error in {method}; see the compute service log")
         finally:
             self._metrics.rpcs.labels(method, code.name).inc()
-
-
-
-def _is_read_error(exc: Exception) -> bool:
-    """An adapter directory whose files cannot be read or parsed (permissions, a truncated
-    safetensors file, a config that is not UTF-8): bad input, not a fault of the server."""
-    return (isinstance(exc, OSError | UnicodeDecodeError)
-            or type(exc).__name__ == "SafetensorError")
 
 
 class ComputeServer(ShellPorts):

@@ -42,7 +42,7 @@ class RequestStats:
     cached_tokens_host: int = 0
     cached_tokens_remote: int = 0
     shared_tokens_in_flight: int = 0
-    # Its first token was sampled from a twin's logits (same prompt, in flight): Engine._twins.
+    # Its first token was sampled from a twin's logits (same prompt, in flight): Scheduler.twins.
     first_token_from_twin: bool = False
     computed_prompt_tokens: int = 0
     output_tokens: int = 0

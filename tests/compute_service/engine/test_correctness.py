@@ -1,4 +1,4 @@
-"""Greedy output never depends on where a prefix came from (DESIGN §5).
+"""Greedy output never depends on where a prefix came from (design.md §5).
 
 For every family (transformer, sliding window, Mamba2, hybrid), the engine's output equals an
 independent reference (PagedDriver: one prefill call, then one decode call per token) whether the
@@ -159,7 +159,7 @@ def test_prompt_shorter_than_the_conv_window(name):
 
 def test_remote_mode_gives_the_same_output_over_grpc():
     from tests.cache_service.grpc_harness import running_server
-    from cache_service.client import CacheClient
+    from prefixcache_client.cache import CacheClient
     with running_server() as server, CacheClient(f"127.0.0.1:{server.port}") as client:
         name = "tiny-hybrid"
         eng = Engine(model(name), ByteTokenizer(), client, EngineConfig(

@@ -162,7 +162,7 @@ def test_unknown_adapter_is_a_lookup_error():
 
 
 def test_a_cached_prefix_is_skipped_in_one_step_whatever_its_length():
-    """Lesson 9: with a 4-token budget, a 40-token prompt whose 36 tokens are cached still
+    """design.md lesson 9: with a 4-token budget, a 40-token prompt whose 36 tokens are cached still
     reaches its first token in the step after its match."""
     eng = make(token_budget=4)
     generate(eng, max_tokens=1, ignore_eos=True)

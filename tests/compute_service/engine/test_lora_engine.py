@@ -1,4 +1,4 @@
-"""LoRA adapters in the engine (DESIGN §2 namespaces, §7 lessons 4 and 5).
+"""LoRA adapters in the engine (design.md §2 namespaces, design.md lessons 4 and 5).
 
 For a transformer and a hybrid, with 4-token pages:
 - the output under an adapter equals the merged-weights model's greedy output (PagedDriver over
@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from cache_service.core import CacheCore
-from cache_service.hash import prompt_hashes
 from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.engine.request import FinishReason
 from compute_service.lora import (AdapterRegistry, LoraAdapter, NoFreeSlotError, merged_model,
                                   write_random_adapter)
 from compute_service.model import ByteTokenizer, PagedDriver, build_preset
 from prefixcache.v1 import cache_service_pb2 as cpb, common_pb2
+from prefixcache_client.hash import prompt_hashes
 
 FAMILIES = ["tiny-transformer", "tiny-hybrid"]
 PAGE = 4
@@ -221,7 +221,7 @@ def test_base_and_two_adapters_never_share_a_page(name, adapters):
     assert not by_adapter[""] & by_adapter["a"]
     assert not by_adapter[""] & by_adapter["b"]
     assert not by_adapter["a"] & by_adapter["b"]
-    for adapter, hashes in by_adapter.items():  # the namespace is inside the hash (lesson 4)
+    for adapter, hashes in by_adapter.items():  # the namespace is inside the hash (design.md lesson 4)
         assert set(prompt_hashes(BASE, PAGE, name, adapter)) <= hashes, adapter
 
 

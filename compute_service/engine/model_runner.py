@@ -1,0 +1,177 @@
+"""The model runner: the device side of the engine. It owns the paged KV cache and the Mamba
+state slots, assembles one forward over a step's scheduled requests, runs it, and samples.
+
+State slots (`states`): the first `max_running` are the running slots (one per running request,
+handed out by the scheduler); the `checkpoint_slots` after them belong to the cache service,
+which names the slot each Mamba checkpoint goes to (`store_checkpoint`) or comes from.
+
+One forward (`run`):
+- Before: every scheduled request holds pages covering `computed + n` tokens (the step's
+  allocations succeeded) and its running slot holds the state at `computed` when `has_state`.
+- Each request computes its next `n` tokens (a prefill chunk, or the one token of a decode) in
+  one packed call; DECODE mode only when every request decodes with a state to resume.
+- After: `computed` has grown by `n`, K/V of those tokens are in their pages, the running slot
+  holds the state at `computed`; the pages completed on the way have their Mamba checkpoint
+  kept in `Request.checkpoints` (a tensor copy, or None for "the running slot's state"), which
+  the next step publishes. A request whose KV caught up with its tokens sampled its next token,
+  and so did the waiting twins of a request whose prompt completed (same logits row, their own
+  sampling parameters and generator: see compute_service.engine.scheduler).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from compute_service.engine.config import EngineConfig, EngineStats
+from compute_service.engine.request import Request
+from compute_service.engine.sampling import sample
+from compute_service.lora import AdapterRegistry
+from compute_service.model import (CausalLM, ForwardBatch, ForwardMode, allocate_kv_caches,
+                                   allocate_mamba_states)
+from compute_service.tiers import PageData
+from prefixcache.v1 import cache_service_pb2 as pb
+
+# (logits row, request whose prompt completed there) -> (logits row, waiting twin): Scheduler.twins
+TwinFinder = Callable[[list[tuple[int, Request]]], list[tuple[int, Request]]]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: EngineConfig, adapters: AdapterRegistry | None,
+                 stats: EngineStats, eos: tuple[int, ...], checkpoint_slots: int):
+        mc = model.config
+        self.model, self.cfg, self.adapters, self.stats, self.eos = model, cfg, adapters, stats, eos
+        self.mamba = bool(mc.mamba_layer_ids)
+        self.kv = allocate_kv_caches(mc, cfg.device_pages, cfg.page_size, model.dtype, model.device)
+        # Running slots first, then the cache service's checkpoint slots.
+        self.states = (allocate_mamba_states(mc, cfg.max_running + checkpoint_slots, model.dtype,
+                                             model.device) if self.mamba else [])
+
+    # ---- the forward --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Request, int]], twins: TwinFinder) -> list[tuple[Request, int]]:
+        """One forward over (request, tokens to compute); returns the (request, token) pairs
+        sampled, in order, for the scheduler to emit."""
+        ids, positions, fb = self._assemble(batch)
+        device = self.model.device
+        out = self.model(torch.tensor(ids, dtype=torch.int64, device=device),
+                         torch.tensor(positions, dtype=torch.int64, device=device), fb)
+        self.stats.forward_tokens += len(ids)
+        if out.mamba_boundaries is not None:
+            self._keep_boundaries(batch, out.mamba_boundaries)
+        ready = self._advance(batch)
+        if not ready:
+            return []
+        rows, reqs = [i for i, _ in ready], [r for _, r in ready]
+        for i, twin in twins([(i, r) for i, r in ready if not r.output]):
+            rows.append(i)
+            reqs.append(twin)
+            twin.stats.first_token_from_twin = True
+            self.stats.twin_first_tokens += 1
+        logits = out.logits[rows]
+        banned = [self._banned(r) for r in reqs]
+        tokens = sample(logits.float(), [r.sampling for r in reqs], [r.generator for r in reqs],
+                        banned)
+        return list(zip(reqs, tokens, strict=True))
+
+    def _assemble(self, batch: list[tuple[Request, int]]) -> tuple[list[int], list[int],
+                                                                    ForwardBatch]:
+        """The packed token ids, their absolute positions, and the ForwardBatch: slot mapping
+        (where each new token's K/V goes), block tables, prefix lengths, running slots."""
+        P, device = self.cfg.page_size, self.model.device
+        ids, positions, slots, cu, prefix = [], [], [], [0], []
+        for r, n in batch:
+            ids += r.tokens[r.computed:r.computed + n]
+            positions += range(r.computed, r.computed + n)
+            slots += [r.pages[p // P] * P + p % P for p in range(r.computed, r.computed + n)]
+            cu.append(cu[-1] + n)
+            prefix.append(r.computed)
+        width = max(len(r.pages) for r, _ in batch)
+        decode = all(n == 1 and r.computed > 0 and (r.has_state or not self.mamba)
+                     for r, n in batch)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, cu_seqlens_q=i32(cu),
+            prefix_lens=i32(prefix),
+            block_tables=i32([r.pages + [0] * (width - len(r.pages)) for r, _ in batch]),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), kv_caches=self.kv,
+            mamba_states=self.states, state_indices=i32([max(r.slot, 0) for r, _ in batch]),
+            has_initial_state=torch.tensor([r.has_state for r, _ in batch], dtype=torch.bool,
+                                           device=device),
+            mamba_checkpoint_interval=P if self.mamba and not decode else 0,
+            lora=(self.adapters.lora_batch([r.lora_slot for r, _ in batch], [n for _, n in batch])
+                  if self.adapters is not None else None))
+        return ids, positions, fb
+
+    def _advance(self, batch: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
+        """Moves `computed` past the tokens just computed; returns (logits row, request) for
+        those whose KV caught up with their tokens (they sample)."""
+        P = self.cfg.page_size
+        ready = []
+        for i, (r, n) in enumerate(batch):
+            r.stats.computed_prompt_tokens += max(0, min(r.computed + n, len(r.prompt)) - r.computed)
+            r.computed += n
+            r.has_state = True
+            # A call that ends on a page boundary (e.g. a decode) leaves that page's state in the
+            # running slot: the checkpoint is copied from there once the page is published.
+            if self.mamba and r.computed % P == 0:
+                r.checkpoints[r.computed // P - 1] = None
+            if r.computed == r.num_tokens:
+                ready.append((i, r))
+        return ready
+
+    def _keep_boundaries(self, batch, bounds) -> None:
+        """Keeps the Mamba states at the page boundaries inside this call that should become
+        checkpoints: every `checkpoint_every_pages` pages and the prompt's last whole page
+        (design.md lesson 8: positions are absolute, whichever chunk they fall in). The state at
+        a chunk's end is the running slot's and is copied from there."""
+        P, every = self.cfg.page_size, self.cfg.page_size * self.cfg.checkpoint_every_pages
+        for k, (b, pos) in enumerate(zip(bounds.seq_index.tolist(), bounds.positions.tolist())):
+            r, n = batch[b]
+            if pos < r.computed + n and (pos % every == 0 or pos == len(r.prompt) // P * P):
+                r.checkpoints[pos // P - 1] = [(s[k].clone(), c[k].clone())
+                                               for s, c in zip(bounds.ssm, bounds.conv, strict=True)]
+
+    def _banned(self, r: Request) -> tuple[int, ...]:
+        """Tokens it may not sample yet: its stop tokens (and EOS) until `min_tokens`."""
+        if len(r.output) >= r.sampling.min_tokens:
+            return ()
+        return tuple(r.sampling.stop_token_ids) + (() if r.sampling.ignore_eos else self.eos)
+
+    # ---- Mamba state slots --------------------------------------------------------------------
+
+    def copy_state(self, src: int, dst: int) -> None:
+        for ssm, conv in self.states:
+            ssm[dst].copy_(ssm[src])
+            conv[dst].copy_(conv[src])
+
+    def store_checkpoint(self, r: Request, res: pb.CheckpointResult) -> None:
+        """Writes the checkpoint of r's page `res.page_index` into the cache service's slot
+        `res.slot` (unless it refused it or has one already); the kept states are dropped."""
+        states = r.checkpoints.pop(res.page_index, None)
+        if not res.ok or res.already_present:
+            return
+        dst = self.cfg.max_running + res.slot
+        if states is None:  # the running slot holds the state at this page's end
+            self.copy_state(r.slot, dst)
+            return
+        for (ssm, conv), (s, c) in zip(self.states, states, strict=True):
+            ssm[dst].copy_(s)
+            conv[dst].copy_(c)
+
+    def resume_from_remote(self, r: Request, first: int, remote: list[PageData]) -> None:
+        """Puts the checkpoint of the last loaded page (TierMover guarantees it has one) into the
+        running slot, and keeps the loaded checkpoints that this pool would have taken itself
+        (every `checkpoint_every_pages`, and the deepest) to attach once the pages are
+        published."""
+        device = self.model.device
+        for (ssm, conv), (s, c) in zip(self.states, remote[-1].mamba, strict=True):
+            ssm[r.slot].copy_(s)
+            conv[r.slot].copy_(c)
+        r.has_state = True
+        every = self.cfg.checkpoint_every_pages
+        for i, page in enumerate(remote):
+            index = first + i
+            if page.mamba is not None and ((index + 1) % every == 0 or i == len(remote) - 1):
+                r.checkpoints[index] = [(s.to(device), c.to(device)) for s, c in page.mamba]

@@ -1,0 +1,122 @@
+"""Between the ComputeService's gRPC messages and the engine: a Generate request's fields checked
+and converted into `Engine.submit` arguments, engine outputs into GenerateResponse messages, and
+GetModelInfo. Every check raises with a message that starts with the field it is about: a
+ValueError (INVALID_ARGUMENT, as `Engine.submit`'s own) or `Rejected` with its status code (the
+codes are listed in compute_service.server's docstring)."""
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
+from compute_service.model import Tokenizer
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.hash import MAX_NAME_BYTES
+from service_shell import SALT_METADATA_KEY
+
+DEFAULT_MAX_TOKENS = 16  # what max_tokens = 0 means (the proto's contract)
+MAX_REQUEST_ID_BYTES = 128
+_FINISH_REASON = {FinishReason.STOP: pb.FINISH_REASON_STOP,
+                  FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                  FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+
+
+class Rejected(Exception):
+    """A call refused with `code`; `message` starts with the field it is about."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(code, message)
+        self.code, self.message = code, message
+
+
+def model_info(engine: Engine) -> pb.GetModelInfoResponse:
+    """What GetModelInfo answers; `adapters` is as of this call (they come and go)."""
+    mc = engine.model.config
+    return pb.GetModelInfoResponse(
+        model_id=engine.cfg.model_id, architecture=mc.model_type, vocab_size=engine.vocab_size,
+        max_context_tokens=engine.context_limit, page_size=engine.cfg.page_size,
+        num_attention_layers=len(mc.attention_layer_ids),
+        num_mamba_layers=len(mc.mamba_layer_ids), eos_token_ids=engine.eos,
+        worker=engine.cfg.pool_id, adapters=engine.adapter_names())
+
+
+def request_id_of(request: pb.GenerateRequest) -> str:
+    """The request's id, or a new one when it sent none."""
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
+    return request_id
+
+
+def salt_of(metadata) -> str:
+    """The tenant salt of a call's invocation metadata ("" = none)."""
+    values = [v for k, v in metadata or () if k == SALT_METADATA_KEY]
+    if len(values) > 1:  # two tenants claimed for one request: never guess which one
+        raise ValueError(f"{SALT_METADATA_KEY}: sent {len(values)} times; a request has one tenant")
+    salt = values[0] if values else ""
+    if len(salt.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"{SALT_METADATA_KEY}: must be at most {MAX_NAME_BYTES} bytes, "
+                         f"got {len(salt.encode())}")
+    return salt
+
+
+def prompt_of(request: pb.GenerateRequest, tok: Tokenizer) -> list[int]:
+    which = request.WhichOneof("prompt")
+    if which == "token_ids":
+        return list(request.token_ids.ids)
+    if which == "text" and request.text:
+        # Start with BOS when the tokenizer has one, as HF tokenizers' post-processors do for
+        # the llama/mistral families; token-id prompts are taken exactly as sent.
+        return tok.encode(request.text, add_bos=tok.bos_token_id is not None)
+    return []  # unset or empty text: Engine.submit names the field
+
+
+def sampling_of(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    ).validate(vocab_size)
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, limit: int) -> None:
+    """OUT_OF_RANGE when the request does not fit this worker's context of `limit` tokens (it may
+    fit another worker's: a gateway can route it there)."""
+    if prompt_tokens >= limit:
+        raise Rejected(grpc.StatusCode.OUT_OF_RANGE,
+                       f"prompt: {prompt_tokens} tokens leave no room for output in this "
+                       f"worker's context of {limit} tokens")
+    if prompt_tokens + max_tokens > limit:
+        raise Rejected(grpc.StatusCode.OUT_OF_RANGE,
+                       f"sampling.max_tokens: {max_tokens} exceeds the "
+                       f"{limit - prompt_tokens} tokens left in this worker's context of "
+                       f"{limit} after the {prompt_tokens}-token prompt")
+
+
+def response(outs: list[Output]) -> pb.GenerateResponse:
+    """One message for the outputs queued since the last one; the last carries the stats."""
+    resp = pb.GenerateResponse(token_ids=[t for o in outs for t in o.token_ids],
+                               text="".join(o.text for o in outs))
+    if outs[-1].stats is not None:
+        resp.stats.CopyFrom(_stats_pb(outs[-1].stats))
+    return resp
+
+
+def _stats_pb(s: RequestStats) -> pb.GenerateStats:
+    return pb.GenerateStats(
+        request_id=s.request_id, worker=s.worker, prompt_tokens=s.prompt_tokens,
+        cached_tokens_device=s.cached_tokens_device, cached_tokens_host=s.cached_tokens_host,
+        cached_tokens_remote=s.cached_tokens_remote,
+        shared_tokens_in_flight=s.shared_tokens_in_flight,
+        computed_prompt_tokens=s.computed_prompt_tokens, output_tokens=s.output_tokens,
+        ttft_s=s.ttft_s, total_s=s.total_s, finish_reason=_FINISH_REASON[s.finish_reason],
+        preemptions=s.preemptions)
+
+
+def is_read_error(exc: Exception) -> bool:
+    """An adapter directory whose files cannot be read or parsed (permissions, a truncated
+    safetensors file, a config that is not UTF-8): bad input, not a fault of the server."""
+    return (isinstance(exc, OSError | UnicodeDecodeError)
+            or type(exc).__name__ == "SafetensorError")
