@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,13 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
-from compute_service.client import ComputeClient
+from prefixcache_client.compute import ComputeClient
 from gateway.tenants import AUTH_METADATA_KEY
 from gateway.trace import BLOCK_TOKENS, BlockTokens, TraceRequest, load_trace
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from prefixcache_bench.harness import Progress, columns_table, log, percentile, write_json
 from service_shell import TlsConfig, add_tls_flags, channel_options, open_channel, tls_from_args
 
 
@@ -63,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
     p.add_argument("--seed", type=int, default=0, help="seed of the hash id -> tokens mapping")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_tls_flags(p)
     return p
 
@@ -81,29 +79,19 @@ def prompts(requests: list[TraceRequest], info: pb.GetModelInfoResponse, block_t
     return out
 
 
-class Progress:
-    """One carriage-returned line on stderr."""
+class ReplayProgress:
+    """Completed requests and errors, from every sender thread, as harness progress lines."""
 
     def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.quiet = total, quiet
         self.done = self.errors = 0
         self._lock = threading.Lock()
-        self._start = time.monotonic()
+        self._lines = Progress("replay", total, out=(lambda _: None) if quiet else log)
 
     def update(self, ok: bool) -> None:
         with self._lock:
             self.done += 1
             self.errors += not ok
-            if self.quiet:
-                return
-            width = 30
-            filled = width * self.done // max(self.total, 1)
-            sys.stderr.write(f"\rreplay [{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} errors {self.errors} "
-                             f"{time.monotonic() - self._start:.1f}s")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+            self._lines.update(self.done, f"errors {self.errors}")
 
 
 def _run_one(stub: pb_grpc.ComputeServiceStub, index: int, prompt: list[int], output: int,
@@ -127,7 +115,7 @@ def _run_one(stub: pb_grpc.ComputeServiceStub, index: int, prompt: list[int], ou
 
 def replay(stub: pb_grpc.ComputeServiceStub, requests: list[TraceRequest],
            token_ids: list[list[int]], *, concurrency: int, metadata: list[tuple[str, str]],
-           timeout_s: float, progress: Progress) -> list[Outcome]:
+           timeout_s: float, progress: ReplayProgress) -> list[Outcome]:
     """Sends every request at its arrival time (at most `concurrency` in flight)."""
     slots = threading.BoundedSemaphore(concurrency)
     start = time.monotonic()
@@ -149,10 +137,6 @@ def replay(stub: pb_grpc.ComputeServiceStub, requests: list[TraceRequest],
             slots.acquire()
             futures.append(pool.submit(job, i))
         return [f.result() for f in futures]
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
@@ -179,7 +163,9 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
         "duration_s": duration_s, "prompt_tokens": prompt,
         "cached_tokens": {**cached, "total": sum(cached.values())},
         "hit_ratio": sum(cached.values()) / prompt if prompt else 0.0,
-        "ttft_p50_s": _percentile(ttfts, 50), "ttft_p99_s": _percentile(ttfts, 99),
+        # None when no request produced a token (JSON null, "-" in the table).
+        "ttft_p50_s": percentile(ttfts, 0.50) if ttfts else None,
+        "ttft_p99_s": percentile(ttfts, 0.99) if ttfts else None,
         "workers": dict(sorted(workers.items())),
     }
 
@@ -188,17 +174,15 @@ def table(summary: dict) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.1f} ms"
 
-    lines = [f"requests {summary['completed']}/{summary['requests']} completed, errors "
-             f"{summary['errors'] or 0}, {summary['duration_s']:.1f} s",
-             f"hit ratio {summary['hit_ratio']:.3f} ({summary['cached_tokens']['total']} of "
-             f"{summary['prompt_tokens']} prompt tokens cached)",
-             f"TTFT p50 {ms(summary['ttft_p50_s'])}  p99 {ms(summary['ttft_p99_s'])}", "",
-             f"{'worker':<24} {'requests':>8} {'prompt tok':>11} {'load':>6} {'cached tok':>11} "
-             f"{'hit':>6}"]
-    for name, w in summary["workers"].items():
-        lines.append(f"{name:<24} {w['requests']:>8} {w['prompt_tokens']:>11} "
-                     f"{w['load_share']:>6.1%} {w['cached_tokens']:>11} {w['hit_ratio']:>6.3f}")
-    return "\n".join(lines)
+    rows = [[name, w["requests"], w["prompt_tokens"], f"{w['load_share']:.1%}", w["cached_tokens"],
+             f"{w['hit_ratio']:.3f}"] for name, w in summary["workers"].items()]
+    return "\n".join([
+        f"requests {summary['completed']}/{summary['requests']} completed, errors "
+        f"{summary['errors'] or 0}, {summary['duration_s']:.1f} s",
+        f"hit ratio {summary['hit_ratio']:.3f} ({summary['cached_tokens']['total']} of "
+        f"{summary['prompt_tokens']} prompt tokens cached)",
+        f"TTFT p50 {ms(summary['ttft_p50_s'])}  p99 {ms(summary['ttft_p99_s'])}", "",
+        columns_table(["worker", "requests", "prompt tok", "load", "cached tok", "hit"], rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = replay(pb_grpc.ComputeServiceStub(channel), requests, token_ids,
                           concurrency=args.concurrency, metadata=metadata,
                           timeout_s=args.timeout_s,
-                          progress=Progress(len(requests), args.quiet))
+                          progress=ReplayProgress(len(requests), args.quiet))
         summary = summarize(outcomes, time.monotonic() - start)
     finally:
         channel.close()
@@ -226,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                    time_scale=args.time_scale, max_output_tokens=args.max_output_tokens)
     print(table(summary))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        write_json(args.json, summary)
     return 0 if summary["completed"] else 1
 
 

@@ -6,7 +6,7 @@
     python -m gateway.simulate --bench --json bench.json      # micro-benchmarks only
 
 Each trace block id becomes 512 deterministic tokens (gateway.trace); prompts are hashed once
-with cache_service.hash and replayed through each policy in a discrete-event model of the
+with prefixcache_client.hash and replayed through each policy in a discrete-event model of the
 workers (gateway.sim.engine, whose docstring states the cost model: an 8B model on one H100,
 every constant a flag below). The page size defaults to the stack's own 16 tokens, so a prompt
 cut inside a 512-token block still shares that block's full pages, as a real engine would.
@@ -31,16 +31,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 
 from gateway.policies import POLICY_NAMES, RECENT_HALFLIFE_S, AffinityConfig, make_policy
 from gateway.sim.bench import run_bench
 from gateway.sim.engine import (CostModel, SimConfig, bound_hit_ratio, l3_bound_hit_ratio, run_policy,
-                                stderr_progress, unbounded_hit_ratio)
+                                unbounded_hit_ratio)
 from gateway.sim.report import goals, plot, summarize, table
 from gateway.trace import BlockTokens, load_trace
+from prefixcache_bench.harness import log, write_json
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--l3-capacity-tokens must be 0 (no L3) or >= --page-size")
     if args.recent_halflife_s <= 0:
         parser.error("--recent-halflife-s must be > 0")
-    progress = None if args.quiet else stderr_progress
+    progress = None if args.quiet else log
     out: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "png", "quiet")}}
     if args.trace:
         out.update(_simulate(args, progress))
@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(hash p99 {bench['hash_p99_us']:.0f} us, index lookup p99 {bench['lookup_p99_us']:.0f} us)")
         print(f"index ingest: {bench['ingest_page_events_per_s']:,.0f} page events/s")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     return 0
 
 

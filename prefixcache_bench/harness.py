@@ -56,9 +56,8 @@ def usable_cpus() -> int:
 def choose_threads(requested: int | None, default: int, busy_applies: bool = True
                    ) -> tuple[int, str]:
     """Intra-op threads for a torch benchmark, and why. When other processes already keep every
-    CPU busy, OpenMP workers wait on each other at every op's barrier (on a 2-CPU machine at load
-    5 a mid-sized matmul ran 4x slower with 2 threads than with 1): one thread then measures the
-    code, not the scheduler. An idle machine keeps torch's default. `busy_applies=False` (a GPU
+    CPU busy, OpenMP workers wait on each other at every op's barrier, so a run with the default
+    threads measures the scheduler more than the code: one thread then measures the code. An idle machine keeps torch's default. `busy_applies=False` (a GPU
     run) always keeps the default."""
     if requested:
         return requested, "--threads"
@@ -195,19 +194,25 @@ def log(message: str) -> None:
 
 
 class Progress:
-    """Rate-limited progress lines on stderr, so that a long part shows it is alive."""
+    """Rate-limited progress lines on stderr, so that a long part shows it is alive; plus one
+    line when `done` first reaches `total`, so that a short run still shows how it ended.
+    `note` (e.g. "errors 2") is appended to the line. Not thread-safe: callers on several
+    threads hold a lock around `update`."""
 
     def __init__(self, label: str, total: int, every_s: float = 2.0,
                  out: Callable[[str], None] = log):
         self.label, self.total, self.every_s, self.out = label, total, every_s, out
         self.start = self.last = time.perf_counter()
+        self.finished = False
 
-    def update(self, done: int) -> None:
+    def update(self, done: int, note: str = "") -> None:
         now = time.perf_counter()
-        if now - self.last >= self.every_s:
-            self.last = now
+        final = done >= self.total and not self.finished
+        if final or now - self.last >= self.every_s:
+            self.last, self.finished = now, self.finished or final
             rate = done / max(now - self.start, 1e-9)
-            self.out(f"  {self.label}: {done:,}/{self.total:,} ({rate:,.0f}/s)")
+            self.out(f"  {self.label}: {done:,}/{self.total:,} ({rate:,.0f}/s)"
+                     + (f" {note}" if note else ""))
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.sim.copy_bound import copy_bound  # noqa: E402
 from gateway.simulate import main as simulate  # noqa: E402
 from gateway.trace import load_trace, write_synthetic  # noqa: E402
+from prefixcache_bench.harness import log  # noqa: E402
 
 BASELINES = ("round_robin", "least_loaded", "sglang")
 
@@ -96,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, fut in enumerate(futures, 1):
             rows.append(fut.result())
             row = rows[-1]
-            print(f"[{i}/{len(jobs)}] {row['kind']} seed {row['seed']}: {_fails(row['goals'])}",
-                  file=sys.stderr, flush=True)
+            log(f"[{i}/{len(jobs)}] {row['kind']} seed {row['seed']}: {_fails(row['goals'])}")
     text = render(rows)
     print(text)
     if args.out:

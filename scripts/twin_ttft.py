@@ -1,9 +1,9 @@
-"""Mean TTFT of N samples of one prompt on the engine, twins off and on (Engine._twins).
+"""Mean TTFT of N samples of one prompt on the engine, twins off and on (Scheduler.twins).
 
     .venv/bin/python scripts/twin_ttft.py [--preset small-transformer] [--samples 8] [--prompt 1000]
 
 CPU, one thread, the in-process cache service; rounds alternate off/on and each prints the
-median over --reps runs, so the two settings see the same machine.
+median (nearest rank) over --reps runs, so the two settings see the same machine.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from cache_service.core import CacheCore  # noqa: E402
 from compute_service.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from compute_service.model import ByteTokenizer, build_preset  # noqa: E402
+from prefixcache_bench.harness import percentile  # noqa: E402
 
 
 def group_ttft(model, twins: bool, samples: int, prompt_len: int, reps: int) -> float:
@@ -33,7 +34,7 @@ def group_ttft(model, twins: bool, samples: int, prompt_len: int, reps: int) -> 
             eng.submit(prompt, SamplingParams(max_tokens=4, ignore_eos=True), out.append)
         eng.run_until_idle()
         means.append(statistics.mean(out[-1].stats.ttft_s for out in outs))
-    return statistics.median(means)
+    return percentile(means, 0.5)
 
 
 def main() -> int:

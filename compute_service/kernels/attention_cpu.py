@@ -2,11 +2,9 @@
 `cpu_native`) for fp32, the vectorised PyTorch path (`attention_torch`) otherwise.
 
 Why (see the C file): the PyTorch path gathers every row's K and V into a padded copy and runs
-SDPA on it, so K/V cross memory three times; the kernel reads each key once, in place. Measured
-on the 2-core benchmark machine (one call = one layer: 8 sequences, 8 query / 4 kv heads, head
-dim 64, page 16, fp32, 2 threads, caches warm): 31 vs 134 us at 64 keys per sequence, 74 vs 217
-at 192, 464 vs 2,353 at 1,024, 5.7 vs 8.9 ms at 4,096 (where SDPA alone over an already
-contiguous copy takes 3.4 ms: the kernel's per-key dot products are the next thing to speed up).
+SDPA on it, so K/V cross memory three times; the kernel reads each key once, in place. At long
+contexts the kernel's per-key dot products, not memory traffic, are what to speed up next. What
+the C kernels are worth to a decode: docs/results/README.md (`PREFIXCACHE_CPU_NATIVE` on vs off).
 """
 from __future__ import annotations
 

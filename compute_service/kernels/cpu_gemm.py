@@ -1,16 +1,10 @@
 """The fp32 CPU GEMM of `csrc/gemm.c` (built by `cpu_native`): pack a weight once, multiply often.
 
 Why (see the C file): at the few rows of a decode step a projection streams its weight through
-the FMA units once, and this loop streams it at the memory bandwidth. Measured on the 2-core
-benchmark machine (AMD EPYC, AVX-512; fp32; the 32 projection weights of an 8-layer, hidden-512
-model, 100 MB, read once each at 8 rows):
-
-- idle machine, 2 threads: 2.93 ms (34 GB/s, what a plain sum over the same bytes reaches) vs
-  oneDNN's 3.75 ms; 1 thread: 4.81 vs 6.14 ms; 16 rows: 4.84 vs 6.46 ms (compute-bound there);
-- with another process busy on the second core, 2 threads: 2.9 vs 5.7 ms: oneDNN's threads
-  wait on each other more;
-- from 16 to 2,048 rows on one thread it matches or beats oneDNN (113 vs 107 GFLOP/s), so one
-  packed copy serves prefill and decode.
+the FMA units once, and this loop aims to stream it at the memory bandwidth, with threads that do
+not wait on each other when another process shares the cores. It is meant to keep up with oneDNN
+at prefill's many rows too, so that one packed copy serves prefill and decode. What it is worth
+to a decode: docs/results/README.md (`PREFIXCACHE_CPU_NATIVE` on vs off).
 
 Each output is a plain fp32 sum over k in order, whatever the number of rows: a token's
 projection does not depend on what else is in the batch.

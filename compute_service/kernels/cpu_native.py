@@ -3,7 +3,8 @@ on first use with the system C compiler for this machine's CPU, loaded through c
 
 Why C: on CPU a decode step is a few rows through every weight and every cached key, so its
 speed is how close those streams get to the memory bandwidth, and how little runs between them;
-`gemm.c` and `decode_attention.c` say what each gains over oneDNN and the PyTorch path.
+`gemm.c` and `decode_attention.c` say how. What the kernels are worth to a decode, measured with
+`PREFIXCACHE_CPU_NATIVE` on and off: docs/results/README.md.
 
 Build: `cc -O3 -march=native -fopenmp -shared -fPIC csrc/*.c -lm`, into
 `$PREFIXCACHE_KERNEL_CACHE` (default `~/.cache/prefixcache/kernels`) under a name that hashes

@@ -1,16 +1,17 @@
 """`linear_group` for CPU tensors: fp32 projections on weights packed once for a faster GEMM.
 
 Why: the plain `torch.nn.functional.linear` on CPU hands a few-row GEMM (a decode step: one row
-per running sequence) to a BLAS that runs it on one thread in the weight's plain layout, at a
-quarter of the memory bandwidth. Two faster GEMMs read a copy of the weight laid out for them:
+per running sequence) to a BLAS that runs it on one thread in the weight's plain layout, far
+below the memory bandwidth. Two faster GEMMs read a copy of the weight laid out for them:
 
-- `native`: our own loop, `cpu_gemm`, built for this CPU on first use (`cpu_native`). At 8 rows
-  it streams the weights at the memory bandwidth, 1.3x oneDNN on an idle machine and 2x with
-  another process on the second core, and it matches oneDNN up to 2,048 rows (see `cpu_gemm`).
+- `native`: our own loop, `cpu_gemm`, built for this CPU on first use (`cpu_native`): it streams
+  the weights at the memory bandwidth at a decode's few rows (see `cpu_gemm`).
 - `onednn`: oneDNN's inner product on its own packed layout (the packing inductor's CPU backend
-  uses); 2x F.linear at 8 rows, 1.2-1.4x at 32-2,048 rows. Where the C kernels are off
+  uses), faster than F.linear at every row count. Where the C kernels are off
   (`PREFIXCACHE_CPU_NATIVE=off`) or cannot be built.
 - `torch`: F.linear, for a torch build without oneDNN.
+
+What `native` over `onednn` is worth to a decode: docs/results/README.md.
 
 Values equal F.linear's up to fp32 rounding (the reduction order differs).
 

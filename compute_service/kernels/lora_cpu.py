@@ -1,8 +1,9 @@
 """The batched multi-adapter LoRA update on CPU: the C kernel of `csrc/lora.c` (built by
 `cpu_native`) for fp32 where the adapter registry keeps B transposed, the reference otherwise.
 
-Why (see the C file): the reference loops over a batch's adapters in Python, about 8 torch ops
-per adapter and projection; the kernel is one call per projection.
+Why (see the C file): the reference loops over a batch's adapters in Python, several torch ops
+per adapter and projection; the kernel is one call per projection. What mixed adapters cost a
+decode: the `lora` part of `python -m compute_service.bench` (docs/results/README.md).
 """
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from cache_service.hash import prompt_hashes
+from prefixcache_client.hash import prompt_hashes
 from gateway.index import IndexConfig, KvIndex
 from gateway.policies import AffinityPolicy, LoadTracker, RouteRequest
 from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache_bench.harness import percentile
 
 MODEL = "bench-model"
 
@@ -31,11 +32,6 @@ class BenchResult:
     lookup_p99_us: float
     ingest_page_events_per_s: float
     index_entries: int
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 def _stored(pool: str, seq: int, hashes: list[bytes], medium: int, page_size: int) -> events_pb2.EventBatch:
@@ -92,9 +88,9 @@ def run_bench(workers: int = 64, prompt_tokens: int = 8192, page_size: int = 16,
         cpu_us.append((c2 - c0) / 1e3)
         hash_us.append((t1 - t0) / 1e3)
         lookup_us.append((t3 - t2) / 1e3)
-    return BenchResult(workers, prompt_tokens, page_size, _percentile(decision_us, 0.5),
-                       _percentile(decision_us, 0.99), _percentile(cpu_us, 0.99), _percentile(hash_us, 0.99),
-                       _percentile(lookup_us, 0.99), bench_ingest(workers, page_size, rng, ingest_batches),
+    return BenchResult(workers, prompt_tokens, page_size, percentile(decision_us, 0.5),
+                       percentile(decision_us, 0.99), percentile(cpu_us, 0.99), percentile(hash_us, 0.99),
+                       percentile(lookup_us, 0.99), bench_ingest(workers, page_size, rng, ingest_batches),
                        len(index))
 
 

@@ -10,7 +10,7 @@ Per worker, as in an engine with continuous batching:
   token is recorded. As in the engine: a prompt sharing uncached pages with one already in the
   step waits for the next step and matches them then (a sibling in flight), and a queued twin of
   a prompt the step completes (the same tokens) gets its first token at the step's end, sampled
-  from the same logits (Engine._twins), then still runs a step of its own (it recomputes the
+  from the same logits (Scheduler.twins), then still runs a step of its own (it recomputes the
   prompt's partial last page);
 - a decode batch that runs beside it: each request then decodes for `tpot_s` per output token,
   and while it does it takes `decode_s_per_token / tpot_s` of the worker's compute, so a worker
@@ -37,7 +37,6 @@ Shared L3 (`SimConfig.l3_capacity_tokens` > 0), as compute_service's Redis tier 
 from __future__ import annotations
 
 import heapq
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -229,7 +228,7 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
             r = l3.extend(job.hashes, d + h) if l3 is not None else 0
             first = d + h + r
             # Chained hashes: sharing any uncached page with a job of this step means sharing
-            # the first one. The engine then holds the request back (Engine._waits_for_sibling)
+            # the first one. The engine then holds the request back (Scheduler._waits_for_sibling)
             # and admits the ones behind it; it matches the pages as hits next step.
             if first < len(job.hashes) and job.hashes[first] in computing:
                 waiting.append(w.queue.popleft())
@@ -389,7 +388,3 @@ def pooled_lru_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes
         hit += d * page
         total += req.input_length
     return hit / total if total else 0.0
-
-
-def stderr_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

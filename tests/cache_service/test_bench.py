@@ -109,13 +109,6 @@ def test_block_tokens_are_deterministic_and_in_vocabulary():
     assert int(a.max()) < 1000
 
 
-def test_percentile_is_nearest_rank():
-    samples = [float(x) for x in range(1, 101)]
-    assert bench.percentile(samples, 0.5) == 50
-    assert bench.percentile(samples, 0.99) == 99
-    assert bench.percentile([3.0], 0.99) == 3.0
-
-
 def test_only_rejects_unknown_parts(tmp_path):
     with pytest.raises(SystemExit):
         bench.parse_args(["--json", str(tmp_path / "x.json"), "--only", "match,nope"])

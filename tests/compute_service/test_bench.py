@@ -149,6 +149,26 @@ def test_parts_runs_only_what_is_asked(tmp_path):
         bench.parse_args(["--parts", "lora,nope", "--json", str(path)])
 
 
+def test_cpu_kernels_part_compares_the_switch_on_and_off(tmp_path):
+    from compute_service.kernels import cpu_native
+
+    if not cpu_native.enabled():
+        pytest.skip("the CPU C kernels do not build here")
+    path = tmp_path / "native.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(["--presets", "tiny-transformer", "--threads", "1",
+                           "--parts", "cpu_kernels", "--cpu-kernels-rounds", "1",
+                           "--decode-requests", "2", "--decode-prompt-tokens", "8",
+                           "--decode-new-tokens", "6", "--json", str(path)]) == 0
+    r = json.loads(path.read_text())["presets"]["tiny-transformer"]
+    assert r["cpu_kernels_on_tok_s"] > 0 and r["cpu_kernels_off_tok_s"] > 0
+    assert r["cpu_kernels_speedup"] == pytest.approx(
+        r["cpu_kernels_on_tok_s"] / r["cpu_kernels_off_tok_s"], rel=1e-3)
+    assert r["cpu_kernels_backends"]["on"]["gemm"] == "native"
+    assert r["cpu_kernels_backends"]["off"] == {"gemm": "onednn", "decode_attention": "torch"}
+    assert "decode_tok_s" not in r  # only the part asked for ran in this process
+
+
 def test_goals_summary_and_table(results):
     data, table = results
     for name in PRESETS:
@@ -201,14 +221,11 @@ def test_agreement_counts_the_prefix_before_the_first_difference():
     assert exact == 1 and frac == pytest.approx((4 / 4 + 1 / 4) / 2)
 
 
-def test_threads_auto_backs_off_on_an_oversubscribed_machine(monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    monkeypatch.setattr(bench, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
-    assert bench.choose_threads(None)[0] == 1
-    assert bench.choose_threads(3) == (3, "--threads")
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
-    assert bench.choose_threads(None)[0] == 4
+def test_the_command_and_thread_choice_are_recorded(results):
+    data, _ = results
+    assert data["command"].startswith("python -m compute_service.bench --presets ")
+    assert "--threads 1" in data["command"]
+    assert data["machine"]["torch_threads_reason"] == "--threads"
 
 
 def test_device_peaks_lookup():

@@ -84,8 +84,8 @@ def _requests(*prompts: list[bytes]) -> tuple[list[TraceRequest], list[bytes]]:
 
 def test_siblings_wait_for_the_pages_a_step_computes_and_twins_share_its_first_token():
     # One worker busy with X when Y, its twin, Y + 2 pages and Z arrive: the next step takes Y
-    # and Z and holds the other two back (Engine._waits_for_sibling). The twin gets its first
-    # token with Y's (Engine._twins); both then run a step that hits Y's pages.
+    # and Z and holds the other two back (Scheduler._waits_for_sibling). The twin gets its first
+    # token with Y's (Scheduler.twins); both then run a step that hits Y's pages.
     x, y, z = pages(0, 64), pages(1000, 1010), pages(2000, 2010)
     y2 = y + pages(3000, 3002)
     prompts = [x, y, y, y2, z]

@@ -2,9 +2,8 @@
  *
  * Why a kernel of our own: a decode step multiplies a few rows (one per running sequence) by
  * every weight of the model once, so it is a stream of the weights through the FMA units, and
- * what counts is how close that stream gets to the memory bandwidth. At 8 rows on the benchmark
- * machine this loop gets there (34 GB/s on 2 threads), oneDNN to 80% of it, MKL (F.linear) to a
- * quarter (figures in cpu_gemm.py).
+ * what counts is how close that stream gets to the memory bandwidth. At a few rows this loop
+ * gets closer to it than oneDNN or MKL (F.linear) do (measured: docs/results/README.md).
  *
  * Packed layout (cpu_gemm.pack): the N outputs in blocks of BLOCK = 32 columns, block b stored
  * as [K][32] contiguous floats, so that one block is read front to back exactly once per tile

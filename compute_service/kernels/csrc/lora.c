@@ -10,8 +10,8 @@
  * slots no token names are never read.
  *
  * Why: the reference loops over the adapters of a batch in Python, ~8 torch ops per adapter and
- * projection; with 8 adapters a decode step of the small benchmark model took 3x as long as a
- * base-model step. One call per projection here, threads over tokens.
+ * projection, so a decode step's cost grew with the number of adapters in the batch. One call
+ * per projection here, threads over tokens.
  */
 #include "vec.h"
 

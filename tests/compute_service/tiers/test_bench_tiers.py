@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 from compute_service import bench_tiers
 
@@ -39,6 +40,6 @@ def test_a_simulator_without_a_shared_l3_option_is_reported_as_not_measured(monk
     class Help:
         stdout = "usage: python -m gateway.simulate [--trace TRACE] [--host-capacity-tokens N]"
 
-    monkeypatch.setattr(bench_tiers.subprocess, "run", lambda *a, **k: Help())
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Help())
     sim = bench_tiers.bench_shared_l3_sim(quick=True)
     assert sim["measured"] is False and "no shared L3 tier option" in sim["reason"]

@@ -1,0 +1,37 @@
+"""Benchmarks of the cache service, against the goals the design sets for it.
+
+    python -m cache_service.bench [--quick] --json PATH [--trace PATH] [--server process|thread]
+
+Parts (each a function returning a flat dict of metrics; `run` merges them):
+
+- match:  in-process match + release of a fully cached prompt, on the Pool itself and through
+          `CacheCore.step` with one MatchOp (parts_match).
+- step:   batched Step RPCs over loopback gRPC (CacheClient -> server) (parts_step).
+- events: page events delivered end to end to a gRPC subscriber (CacheClient.subscribe), and a
+          check that the stream, applied to an empty set, reproduces the pool's page set
+          (parts_events).
+- memory: tracemalloc bytes per cached page of the index (Pool filled with multi-turn chats)
+          (parts_memory).
+- trace:  replay of a Mooncake conversation trace through CacheCore (match, allocate, publish,
+          release per request): requests per second and hit ratio (parts_trace).
+
+The sizes of each part are `Params` (params.py); the goals are `GOALS` there. It prints a table
+(metric, value, goal, pass/fail) and writes every metric, the parameters and the machine to
+--json (prefixcache_bench.harness). Progress goes to stderr. Everything random comes from one
+seed. The committed results are docs/results/cache/bench.{json,txt}.
+"""
+from cache_service.bench.cli import SIZE_FLAGS, main, parse_args, run
+from cache_service.bench.params import GOALS, MODEL, PARTS, TRACE_BLOCK_TOKENS, Params
+from cache_service.bench.parts_events import EventIndex, bench_events, snapshot_pages
+from cache_service.bench.parts_match import bench_match
+from cache_service.bench.parts_memory import bench_memory
+from cache_service.bench.parts_step import bench_step_rpc
+from cache_service.bench.parts_trace import bench_trace
+from cache_service.bench.serving import ServerHandle, cache_server
+from cache_service.bench.workloads import (CoreSteps, Tokens, block_tokens, ideal_hit_tokens,
+                                           load_trace, serve_on_pool)
+
+__all__ = ["GOALS", "MODEL", "PARTS", "SIZE_FLAGS", "TRACE_BLOCK_TOKENS", "CoreSteps", "EventIndex",
+           "Params", "ServerHandle", "Tokens", "bench_events", "bench_match", "bench_memory",
+           "bench_step_rpc", "bench_trace", "block_tokens", "cache_server", "ideal_hit_tokens",
+           "load_trace", "main", "parse_args", "run", "serve_on_pool", "snapshot_pages"]
