@@ -1,4 +1,4 @@
-"""The gateway's global KV index: page hash -> which workers hold it, on which medium (DESIGN §6).
+"""The gateway's global KV index: page hash -> which workers hold it, on which medium (design.md §6).
 
 It is fed the `prefixcache.v1.EventBatch` stream of every worker's cache service and answers one
 question fast: for the page hashes of a request, how many leading pages does each worker hold

@@ -1,5 +1,5 @@
 """Writes tests/data/page_hash_vectors.json from a deliberately naive, independent implementation
-of DESIGN §3 (struct per token, full digest then truncation), so the conformance test checks
+of design.md §3 (struct per token, full digest then truncation), so the conformance test checks
 cache_service.hash against a second reading of the spec rather than against itself."""
 import hashlib
 import json
@@ -46,7 +46,7 @@ def main() -> None:
                           ).digest()[:16].hex(),
                           "page_hashes": naive(model, adapter, salt, page_size, tokens)})
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"spec": "DESIGN.md §3 prefixcache-ns-v1", "cases": cases}, indent=1,
+    OUT.write_text(json.dumps({"spec": "design.md §3 prefixcache-ns-v1", "cases": cases}, indent=1,
                               ensure_ascii=False) + "\n")
     print(f"wrote {len(cases)} cases to {OUT}")
 

@@ -4,7 +4,7 @@ Same signatures and semantics as `attention_ref` (the decode kernel also takes `
 Both kernels look a token's page up in the block table per token, so any page size works with
 any tile size, and every K/V load is masked to the positions the program is entitled to: the
 sequence's length and, with a sliding window, the window. Pages outside that range, which may
-already be recycled (DESIGN.md lesson 2), are never read.
+already be recycled (design.md lesson 2), are never read.
 
 Softmax runs in base 2 (scores pre-multiplied by sm_scale * log2(e)) with fp32 accumulators.
 """

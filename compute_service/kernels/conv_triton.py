@@ -5,7 +5,7 @@ overwrites a conv state another program still has to read:
 1. `_conv_prefill_kernel` per (sequence, token block, channel block) computes outputs, reading
    the inputs before a sequence's first token from its (old) conv state;
 2. `_conv_state_kernel` per (sequence, channel block) then stores the last W-1 inputs, taking
-   them from the old state where the sequence is shorter than W-1 (lesson 10).
+   them from the old state where the sequence is shorter than W-1 (design.md lesson 10).
 """
 from __future__ import annotations
 

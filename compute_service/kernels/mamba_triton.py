@@ -14,7 +14,7 @@ the chunk list of `mamba_chunk_layout`, in four launches:
                          y_t = exp(cum_t) C_t S_{k-1}
                                + sum_{s<=t} exp(cum_t - cum_s) dt_s (C_t.B_s) x_s + D x_t.
 Because chunks never straddle a sequence or an absolute multiple of chunk_size, the states in
-chunk_states are exactly the page-boundary checkpoints the engine stores (lesson 8).
+chunk_states are exactly the page-boundary checkpoints the engine stores (design.md lesson 8).
 """
 from __future__ import annotations
 

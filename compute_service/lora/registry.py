@@ -6,7 +6,7 @@ Memory is allocated once, at construction, for every enabled target projection:
 adapter never allocates. A slot holds one adapter; an adapter of rank r < max_rank, or one that
 does not target some projection, leaves the rest of its slot zero (the kernel then adds 0).
 
-Lifetime (DESIGN.md lesson 5, defer what is pinned): the engine pins a slot per running
+Lifetime (design.md lesson 5, defer what is pinned): the engine pins a slot per running
 sequence with `acquire(name)` and unpins it with `release(slot)` when the sequence ends.
 `unload(name)` removes the name at once (new requests get AdapterNotFoundError), but the slot,
 and the weights running sequences still read, stay until the last pin is released. All methods

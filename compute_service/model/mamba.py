@@ -165,7 +165,7 @@ class Mamba2Mixer(nn.Module):
         """[K, C, W-1]: the conv state after `sel.positions[k]` tokens, i.e. the conv *inputs*
         (pre-activation xBC) at the W-1 positions before it, oldest first. Inputs before this
         call's first token come from the sequence's prior conv state, so a boundary closer than
-        W-1 tokens to the start of the call is still exact (lesson 10 of DESIGN.md §7)."""
+        W-1 tokens to the start of the call is still exact (design.md lesson 10)."""
         w1 = conv_before.shape[-1]
         b = sel.seq_index
         # Index of each needed input relative to the sequence's first new token: may be negative.

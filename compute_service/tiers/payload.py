@@ -10,7 +10,7 @@ Byte layout (little-endian; the magic and the version keep their offsets in ever
                  dtype code (0 when the model has no Mamba layers); 15: reserved, 0
         16   40  u32 x 10: page_size, kv heads, head dim, attention layers, Mamba layers,
                  Mamba heads, Mamba head dim, Mamba state size, conv dim, conv width - 1
-        56   16  page hash (DESIGN §3)
+        56   16  page hash (design.md §3)
         72    8  u64 body length in bytes
         80   16  BLAKE2b-128 over bytes [0, 80) and the body
         96       body: for each attention layer (model order) K then V, each [page_size, kv heads,

@@ -6,7 +6,7 @@ messages a cache service emits).
 
 Leaf-first LRU: a request touches its pages deepest first and its first page last, so a page is
 always more recent than its descendants and eviction takes leaves first. A worker's cached set
-then stays prefix-closed, as in a radix tree that evicts unpinned leaves (DESIGN §4). Pins are
+then stays prefix-closed, as in a radix tree that evicts unpinned leaves (design.md §4). Pins are
 not modelled: a worker commits a request's pages once its prefill is done, serially. The L3 is
 not prefix-closed (pages arrive from many workers in eviction order), which is why its hits are
 counted as a contiguous extension only.

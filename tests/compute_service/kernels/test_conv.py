@@ -1,5 +1,5 @@
 """Causal conv1d: reference vs a per-token loop, Triton vs reference, prefills shorter than the
-window (lesson 10), and decode steps / split prefills == one prefill. Conv-state slots that no
+window (design.md lesson 10), and decode steps / split prefills == one prefill. Conv-state slots that no
 request names are poisoned with NaN and must come out untouched."""
 from __future__ import annotations
 

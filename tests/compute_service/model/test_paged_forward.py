@@ -1,5 +1,5 @@
 """The paged forward is invariant to how a sequence is split into calls, batched, or resumed
-from cached pages / Mamba checkpoints (DESIGN.md §5: greedy output must not depend on it)."""
+from cached pages / Mamba checkpoints (design.md §5: greedy output must not depend on it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """L2: with a small device pool and a host tier, evicted pages are demoted to the host and a
-later request loads them back (lesson 12) with output identical to the cold reference."""
+later request loads them back (design.md lesson 12) with output identical to the cold reference."""
 from __future__ import annotations
 
 import pytest
