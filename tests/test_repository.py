@@ -53,8 +53,8 @@ def test_every_design_citation_names_a_section_or_lesson_that_exists():
     sections, lessons = design_sections_and_lessons()
     bad, old_style, cited = [], [], 0
     for path in tracked_files():
-        if path.suffix not in CITING or path == DESIGN:
-            continue
+        if path.suffix not in CITING or path in (DESIGN, Path(__file__)):
+            continue  # the design document itself, and this test's own patterns
         text = text_of(path)
         if text is None:
             continue
