@@ -115,7 +115,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_context_tokens", "page_size", "num_attention_layers", "num_mamba_layers", "eos_token_ids", "worker", "adapters")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_context_tokens", "page_size", "num_attention_layers", "num_mamba_layers", "eos_token_ids", "worker", "adapters", "tokenizer_fingerprint", "bos_token_id", "has_chat_template", "sampling_defaults")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,10 @@ class GetModelInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -136,7 +140,31 @@ class GetModelInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     worker: str
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., num_attention_layers: _Optional[int] = ..., num_mamba_layers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., worker: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    bos_token_id: int
+    has_chat_template: bool
+    sampling_defaults: SamplingParams
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., num_attention_layers: _Optional[int] = ..., num_mamba_layers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., worker: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., tokenizer_fingerprint: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("fingerprint", "files")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
+    def __init__(self, fingerprint: _Optional[str] = ..., files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

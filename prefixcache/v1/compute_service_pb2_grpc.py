@@ -49,6 +49,11 @@ class ComputeServiceStub:
                 request_serializer=prefixcache_dot_v1_dot_compute__service__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=prefixcache_dot_v1_dot_compute__service__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/prefixcache.v1.ComputeService/GetTokenizer',
+                request_serializer=prefixcache_dot_v1_dot_compute__service__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=prefixcache_dot_v1_dot_compute__service__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
         self.LoadAdapter = channel.unary_unary(
                 '/prefixcache.v1.ComputeService/LoadAdapter',
                 request_serializer=prefixcache_dot_v1_dot_compute__service__pb2.LoadAdapterRequest.SerializeToString,
@@ -85,6 +90,15 @@ class ComputeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The files of the worker's tokenizer, so that a gateway tokenizes text exactly as the worker
+        does without sharing a volume with it. FAILED_PRECONDITION when the worker has no tokenizer
+        (it then serves token-id prompts only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadAdapter(self, request, context):
         """Loads a LoRA adapter (PEFT format) so requests can name it.
         """
@@ -117,6 +131,11 @@ def add_ComputeServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=prefixcache_dot_v1_dot_compute__service__pb2.GetModelInfoRequest.FromString,
                     response_serializer=prefixcache_dot_v1_dot_compute__service__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=prefixcache_dot_v1_dot_compute__service__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=prefixcache_dot_v1_dot_compute__service__pb2.GetTokenizerResponse.SerializeToString,
             ),
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
@@ -210,6 +229,33 @@ class ComputeService:
             '/prefixcache.v1.ComputeService/GetModelInfo',
             prefixcache_dot_v1_dot_compute__service__pb2.GetModelInfoRequest.SerializeToString,
             prefixcache_dot_v1_dot_compute__service__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixcache.v1.ComputeService/GetTokenizer',
+            prefixcache_dot_v1_dot_compute__service__pb2.GetTokenizerRequest.SerializeToString,
+            prefixcache_dot_v1_dot_compute__service__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,
