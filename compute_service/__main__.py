@@ -39,8 +39,9 @@ from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig
 from compute_service.lora import validate_adapter_name
 from compute_service.tiers import WRITE_POLICIES
-from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, Tokenizer, build_preset,
-                                   load_model, load_tokenizer)
+from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, SamplingDefaults, Tokenizer,
+                                   build_preset, load_model, load_tokenizer,
+                                   read_sampling_defaults)
 from compute_service.server import ComputeServer, ServerConfig
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
@@ -90,8 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m compute_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = functools.partial(add_flag, p)
-    flag("--model", "MODEL", None, f"a preset ({', '.join(PRESETS)}) or a directory with "
-         "config.json + *.safetensors (+ tokenizer.json, else the byte tokenizer)")
+    flag("--model", "MODEL", None, f"a preset ({', '.join(PRESETS)}, byte-level tokenizer) or "
+         "a directory with config.json + *.safetensors (+ tokenizer.json; without one the "
+         "worker serves token-id prompts only; + generation_config.json: EOS and the sampling "
+         "defaults of requests that leave them unset)")
     flag("--model-id", "MODEL_ID", None, "model id in cache namespaces; default: "
          "PRESET-seedSEED, or the checkpoint directory's name")
     flag("--seed", "SEED", 0, "seed of a preset's random weights", type=int)
@@ -229,19 +232,23 @@ def default_pool_id(port: int) -> str:
     return re.sub(r"[^A-Za-z0-9._:-]", "-", f"{socket.gethostname()}-{port}")[-128:]
 
 
-def load(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, str]:
-    """The model, its tokenizer and its model id."""
+def load(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, str, SamplingDefaults]:
+    """The model, its tokenizer, its model id and its sampling defaults."""
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     if args.model in PRESETS:
         model = build_preset(args.model, args.seed, dtype, args.device)
         # The seed is part of the id: two seeds are two models and must not share cache.
-        return model, ByteTokenizer(), args.model_id or f"{args.model}-seed{args.seed}"
+        return (model, ByteTokenizer(), args.model_id or f"{args.model}-seed{args.seed}",
+                SamplingDefaults())
     path = Path(args.model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)}) "
                                 "nor a directory with config.json")
     model = load_model(path, dtype, args.device).eval()
-    return model, load_tokenizer(path, model.config), args.model_id or path.resolve().name
+    # Read before anything starts: a bad tokenizer or generation_config fails the start.
+    tokenizer = load_tokenizer(path, model.config)
+    defaults = read_sampling_defaults(path, model.config.vocab_size)
+    return model, tokenizer, args.model_id or path.resolve().name, defaults
 
 
 def open_cache(spec: str, wait_s: float, tls: TlsConfig | None,
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     cache: CacheCore | CacheClient | None = None
     engine: Engine | None = None
     try:
-        model, tokenizer, model_id = load(args)
+        model, tokenizer, model_id, defaults = load(args)
         if model.device.type == "cpu":  # builds the C kernels now, not on the first request
             log.info(kv("cpu_kernels", **cpu_native.status()))
         l3 = l3_client(args)
@@ -321,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(cache, CacheClient):
             cache.close()
         return 1
-    server.attach(engine)
+    server.attach(engine, defaults)
     shutdown.wait()
     guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
     server.drain()

@@ -7,6 +7,8 @@ before the model is loaded (liveness SERVING, readiness NOT_SERVING, Generate UN
 becomes ready when `attach` hands it an engine whose pool is registered.
 
 Status codes; every message starts with the field it is about:
+- FAILED_PRECONDITION: `prompt.text` on a worker without a tokenizer (a checkpoint without
+  tokenizer.json serves token-id prompts only); GetTokenizer on such a worker.
 - INVALID_ARGUMENT: malformed input: `request_id` over 128 bytes, `prompt` unset or empty,
   `prompt.token_ids` outside the vocabulary, `sampling.*` out of range (temperature, top_k, top_p,
   min_tokens > max_tokens, stop_token_ids outside the vocabulary), an `x-prefixcache-salt`
@@ -48,9 +50,10 @@ from compute_service.engine import Engine, Output
 from compute_service.lora import (AdapterConfigError, AdapterExistsError, AdapterNotFoundError,
                                   NoFreeSlotError, validate_adapter_name)
 from compute_service.request_streams import RequestStream, RunningRequests
+from compute_service.model import SamplingDefaults
 from compute_service.server_messages import (Rejected, check_fits, is_read_error, model_info,
                                              prompt_of, request_id_of, response, salt_of,
-                                             sampling_of)
+                                             sampling_of, tokenizer_response)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
@@ -106,6 +109,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                  draining: threading.Event):
         self.engine: Engine | None = None  # set by ComputeServer.attach
         self.info: pb.GetModelInfoResponse | None = None
+        self.defaults = SamplingDefaults()  # the checkpoint's, set by ComputeServer.attach
         self._metrics = metrics
         self._running = running
         self._stream_slots = threading.BoundedSemaphore(max_streams)
@@ -157,6 +161,11 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             resp.adapters[:] = self.engine.adapter_names()
             return resp
         return self._unary("GetModelInfo", info, context)
+
+    def GetTokenizer(self, request: pb.GetTokenizerRequest,
+                     context: grpc.ServicerContext) -> pb.GetTokenizerResponse:
+        return self._unary("GetTokenizer", lambda: tokenizer_response(self.engine.tokenizer),
+                           context)
 
     def LoadAdapter(self, request: pb.LoadAdapterRequest,
                     context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
@@ -234,7 +243,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             request_id = request_id_of(request)
             salt = salt_of(context.invocation_metadata())
             prompt = prompt_of(request, engine.tokenizer)
-            sampling = sampling_of(request.sampling, engine.vocab_size)
+            sampling = sampling_of(request.sampling, engine.vocab_size, self.defaults)
             check_fits(len(prompt), sampling.max_tokens, self.info.max_context_tokens)
             stream = RequestStream(request_id)
             if not self._running.add(stream):
@@ -339,17 +348,21 @@ class ComputeServer(ShellPorts):
                     max_message_mb=cfg.max_message_mb, max_streams=cfg.max_streams))
         return self
 
-    def attach(self, engine: Engine) -> ComputeServer:
+    def attach(self, engine: Engine, defaults: SamplingDefaults | None = None) -> ComputeServer:
         """Starts serving `engine` (its pool is registered by its constructor): starts its loop
-        thread and turns readiness SERVING. The server owns the loop from here; drain stops it."""
-        self._servicer.info = model_info(engine)
+        thread and turns readiness SERVING. The server owns the loop from here; drain stops it.
+        `defaults`: the checkpoint's sampling defaults (generation_config.json)."""
+        self._servicer.defaults = defaults = defaults or SamplingDefaults()
+        self._servicer.info = model_info(engine, defaults)
         self._servicer.engine = engine
         engine.start()
         self.health.set_ready(True)
         info = self._servicer.info
         log.info(kv("worker_ready", worker=info.worker, model=info.model_id,
                     architecture=info.architecture, max_context=info.max_context_tokens,
-                    page_size=info.page_size))
+                    page_size=info.page_size,
+                    tokenizer=info.tokenizer_fingerprint[:16] or "none",
+                    eos=",".join(map(str, info.eos_token_ids))))
         return self
 
     def drain(self, grace_s: float | None = None) -> None:
@@ -390,6 +403,7 @@ class ComputeServer(ShellPorts):
         return self._stopped.wait(timeout_s)
 
 
-def serve(engine: Engine, config: ServerConfig | None = None) -> ComputeServer:
+def serve(engine: Engine, config: ServerConfig | None = None,
+          defaults: SamplingDefaults | None = None) -> ComputeServer:
     """Builds, starts and attaches a server over an engine (whose loop it then runs)."""
-    return ComputeServer(config).start().attach(engine)
+    return ComputeServer(config).start().attach(engine, defaults)

@@ -10,7 +10,7 @@ import uuid
 import grpc
 
 from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
-from compute_service.model import Tokenizer
+from compute_service.model import SamplingDefaults, Tokenizer
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.hash import MAX_NAME_BYTES
 from service_shell import SALT_METADATA_KEY
@@ -30,15 +30,32 @@ class Rejected(Exception):
         self.code, self.message = code, message
 
 
-def model_info(engine: Engine) -> pb.GetModelInfoResponse:
+def model_info(engine: Engine, defaults: SamplingDefaults) -> pb.GetModelInfoResponse:
     """What GetModelInfo answers; `adapters` is as of this call (they come and go)."""
-    mc = engine.model.config
-    return pb.GetModelInfoResponse(
+    mc, tok = engine.model.config, engine.tokenizer
+    info = pb.GetModelInfoResponse(
         model_id=engine.cfg.model_id, architecture=mc.model_type, vocab_size=engine.vocab_size,
         max_context_tokens=engine.context_limit, page_size=engine.cfg.page_size,
         num_attention_layers=len(mc.attention_layer_ids),
         num_mamba_layers=len(mc.mamba_layer_ids), eos_token_ids=engine.eos,
-        worker=engine.cfg.pool_id, adapters=engine.adapter_names())
+        worker=engine.cfg.pool_id, adapters=engine.adapter_names(),
+        tokenizer_fingerprint=tok.fingerprint, has_chat_template=tok.chat_template is not None,
+        sampling_defaults=pb.SamplingParams(temperature=defaults.temperature,
+                                            top_k=defaults.top_k, top_p=defaults.top_p))
+    if tok.adds_bos and tok.bos_token_id is not None:
+        info.bos_token_id = tok.bos_token_id
+    return info
+
+
+def tokenizer_response(tok: Tokenizer) -> pb.GetTokenizerResponse:
+    """What GetTokenizer answers; FAILED_PRECONDITION for a worker without a tokenizer."""
+    if not tok.fingerprint:
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                       "this worker has no tokenizer (its checkpoint has no tokenizer.json); it "
+                       "serves token-id prompts only")
+    return pb.GetTokenizerResponse(
+        fingerprint=tok.fingerprint,
+        files=[pb.TokenizerFile(name=n, content=tok.files[n]) for n in sorted(tok.files)])
 
 
 def request_id_of(request: pb.GenerateRequest) -> str:
@@ -64,18 +81,30 @@ def salt_of(metadata) -> str:
 def prompt_of(request: pb.GenerateRequest, tok: Tokenizer) -> list[int]:
     which = request.WhichOneof("prompt")
     if which == "token_ids":
-        return list(request.token_ids.ids)
+        return list(request.token_ids.ids)  # taken exactly as sent
     if which == "text" and request.text:
-        # Start with BOS when the tokenizer has one, as HF tokenizers' post-processors do for
-        # the llama/mistral families; token-id prompts are taken exactly as sent.
-        return tok.encode(request.text, add_bos=tok.bos_token_id is not None)
+        if not tok.fingerprint:  # NoTokenizer: a state of this worker, not bad input
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           "prompt.text: this worker has no tokenizer (its checkpoint has no "
+                           "tokenizer.json); send token_ids")
+        # The shared BOS rule (prefixcache_client.tokenizer): the gateway applies it too.
+        return tok.text_prompt_ids(request.text)
     return []  # unset or empty text: Engine.submit names the field
 
 
-def sampling_of(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+def sampling_of(s: pb.SamplingParams, vocab_size: int,
+                defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """The request's sampling; temperature, top_k and top_p it leaves unset take the
+    checkpoint's `defaults`, else greedy / off."""
+    def pick(field: str, fallback: float) -> float:
+        if s.HasField(field):
+            return getattr(s, field)
+        default = getattr(defaults, field)
+        return fallback if default is None else default
+
     return SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-        seed=s.seed if s.HasField("seed") else None,
+        temperature=pick("temperature", 0.0), top_k=int(pick("top_k", 0)),
+        top_p=pick("top_p", 1.0), seed=s.seed if s.HasField("seed") else None,
         max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
     ).validate(vocab_size)

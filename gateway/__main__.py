@@ -8,6 +8,9 @@ metadata, mapped to a tenant and its cache salt by --tenants-file
 (`{"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}`); with --allow-anonymous, calls
 without a token are the tenant "anonymous" with salt "".
 
+With --http-port the gateway also serves an OpenAI-compatible HTTP API (gateway/http/) on that
+port, with the same tenants (`Authorization: Bearer TOKEN` headers), routing and drain.
+
 Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
 line on stdout is `listening on HOST:PORT`. Readiness turns SERVING once a worker is known and
 its event stream is live. A failed start exits 1, bad flags exit 2.
@@ -24,7 +27,7 @@ from gateway.discovery import DnsWorkers, parse_static, static_workers
 from gateway.policies import POLICY_NAMES
 from gateway.server import GatewayConfig, GatewayServer
 from gateway.tenants import TenantDirectory
-from gateway.tokenize import BYTE
+from gateway.tokenize import AUTO
 from gateway.workers import WorkerSettings
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
@@ -51,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "seconds between DNS resolutions of --workers-dns", type=float)
     flag("--cache-port", "CACHE_PORT", 50051, "cache service port of a worker whose address "
          "names none (its sidecar, at the worker's host)", type=int)
+    flag("--http-port", "HTTP_PORT", 0, "port of the OpenAI-compatible HTTP API "
+         "(/v1/completions, /v1/chat/completions, /v1/models, /health), 0 = off", type=int)
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
     flag("--tenants-file", "TENANTS_FILE", None,
          'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
@@ -58,8 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=_env_flag("ALLOW_ANONYMOUS"),
                    help='calls without a token are tenant "anonymous", salt "" (env '
                         "PREFIXCACHE_ALLOW_ANONYMOUS=1); otherwise UNAUTHENTICATED")
-    flag("--tokenizer", "TOKENIZER", BYTE, "'byte' or a checkpoint directory with "
-         "tokenizer.json: text prompts are tokenized here, as the workers would")
+    flag("--tokenizer", "TOKENIZER", AUTO, "'auto': the workers' own tokenizer, fetched from "
+         "the first worker that has one (GetTokenizer); 'byte' or a checkpoint directory with "
+         "tokenizer.json: that one. Text and chats are tokenized here and sent only to workers "
+         "with the same tokenizer")
     flag("--model-id", "MODEL_ID", None, "model id of the fleet; default: the first worker's")
     flag("--page-size", "PAGE_SIZE", None, "tokens per page; default: the first worker's",
          type=int)
@@ -106,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         workers=args.source, host=args.host, port=args.port,
         metrics_port=args.metrics_port or None, health_port=args.health_port or None,
+        http_port=args.http_port or None,
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
     if server.health_port is not None:
         print(f"health on {args.host}:{server.health_port}", flush=True)
+    if server.http_port is not None:
+        print(f"http on {args.host}:{server.http_port}", flush=True)
     shutdown.wait()
     guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
     server.drain()

@@ -59,6 +59,15 @@ class GatewayMetrics:
         self.resyncs = prometheus_client.Counter(
             "prefixcache_gateway_resyncs", "Event stream resubscriptions after a gap, a new epoch "
             "or a broken snapshot.", ["worker"], registry=r)
+        self.tokenizer_refusals = prometheus_client.Counter(
+            "prefixcache_gateway_tokenizer_refusals", "Text and chat prompts refused because no "
+            "worker tokenizes as the gateway does (no_compatible_worker), no worker has a "
+            "tokenizer (no_tokenizer), or the gateway has not received it yet (unknown).",
+            ["reason"], registry=r)
+        self.tokenizer_mismatched_workers = prometheus_client.Gauge(
+            "prefixcache_gateway_tokenizer_mismatched_workers", "Admitted workers whose tokenizer "
+            "fingerprint differs from the gateway's: they are sent token-id prompts only.",
+            registry=r)
 
     def watch(self, snapshot: Callable[[], tuple[dict[tuple[str, str], int], dict[str, int]]]) -> None:
         self.registry.register(_Gauges(snapshot))

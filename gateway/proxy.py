@@ -1,10 +1,18 @@
 """ComputeService at the gateway: authenticate, tokenize, hash, route, and proxy each Generate
-stream to the chosen worker (see gateway/server.py's docstring for the contract)."""
+stream to the chosen worker (see gateway/server.py's docstring for the contract).
+
+The routing and proxying core (`GenerateProxy.open` -> `ProxiedStream`) takes a request and an
+authenticated tenant and needs no grpc.ServicerContext: the gRPC servicer methods below and the
+OpenAI-compatible HTTP app (gateway/http/) are two front ends of the same calls, so retries,
+cancellation, load accounting and the drain behave alike on both. Refusals and failures are
+`ProxyError`s carrying the gRPC status each front end translates."""
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -12,14 +20,14 @@ import grpc
 from gateway.metrics import MEDIA, GatewayMetrics
 from gateway.policies import RouteRequest
 from gateway.routing import Router, Worker
-from gateway.tenants import AuthError, Tenant, TenantDirectory
-from gateway.tokenize import PromptTokenizer, prompt_ids
+from gateway.tenants import Tenant, TenantDirectory
+from gateway.tokenize import (PromptTokenizer, TokenizerUnavailable, prompt_fingerprint,
+                              prompt_ids)
 from gateway.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache_client.compute import ComputeClientError, GenerateStream
 from prefixcache_client.hash import chain_hashes, namespace_seed, token_bytes
-from service_shell import SALT_METADATA_KEY, kv
+from service_shell import kv
 
 log = logging.getLogger("gateway.proxy")
 
@@ -27,12 +35,14 @@ MAX_REQUEST_ID_BYTES = 128  # the workers' limit
 # Failures before the first token that another worker may not have: nothing was streamed, so
 # the request can move. (Other codes are about the request itself and pass through.)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-_NO_DEADLINE_S = 1e9
 _OUTCOME = {pb.FINISH_REASON_STOP: "ok", pb.FINISH_REASON_LENGTH: "ok",
             pb.FINISH_REASON_ABORT: "abort"}
 
 
-class _Rejected(Exception):
+class ProxyError(Exception):
+    """A call refused or failed, as the gRPC status the gateway answers: the gRPC servicer aborts
+    with it, the HTTP app maps it to an HTTP status (gateway/http/errors.py)."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(code, message)
         self.code, self.message = code, message
@@ -99,7 +109,152 @@ class RunningCalls:
         return len(self._calls)
 
 
-class GenerateProxy(pb_grpc.ComputeServiceServicer):
+class ProxiedStream(Iterator[pb.GenerateResponse]):
+    """One routed Generate call: the worker's messages, as they come.
+
+    Invariants, whoever consumes it (the gRPC servicer, the HTTP app, a test):
+    - The worker call is started by `GenerateProxy.open`, not by the first read: N streams opened
+      back to back reach the worker together, routed one after the other under the routing lock,
+      so the policy's memory of recent pages sends samples of one prompt to one worker (twins).
+    - Before the first message, a worker failing with UNAVAILABLE or RESOURCE_EXHAUSTED is
+      retried once on the next best one; any other failure raises `ProxyError` with the worker's
+      code and message. After the first message a failure raises UNAVAILABLE naming the worker:
+      a truncated stream never passes for a complete one.
+    - The last message carries `stats`; after it the iterator ends. A cancelled call ends
+      without raising (whoever cancelled knows why).
+    - The call leaves `RunningCalls` and the router's load exactly once: when the stream ends,
+      fails, or `close()`s. `cancel()` is safe from any thread (a blocked read then ends).
+    """
+
+    def __init__(self, proxy: GenerateProxy, request: pb.GenerateRequest, route: _PromptRoute,
+                 call: ProxiedCall, timeout_s: float, active: Callable[[], bool]):
+        self._proxy, self._request, self._route, self._call = proxy, request, route, call
+        self._deadline = time.monotonic() + timeout_s
+        self._active = active
+        self._failed: list[str] = []
+        self._stream: GenerateStream | None = None
+        self._worker: Worker | None = None
+        self._routed = self._ended = False
+        self._lock = threading.Lock()
+        self.sent = 0
+        # Why the policy chose the worker (RouteDecision.reason), for callers that report it.
+        self.route_reason = ""
+
+    @property
+    def worker(self) -> str:
+        return self._worker.name if self._worker is not None else ""
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._route.ids
+
+    def cancel(self) -> None:
+        """The caller left: cancelling the worker call aborts the request on the worker."""
+        self._call.cancel()
+
+    def abort(self) -> bool:
+        """Asks the worker to abort the request. Unlike `cancel()`, its stream then ends
+        normally, with FINISH_REASON_ABORT and its stats (what the HTTP app's usage needs after
+        a stop string). Falls back to `cancel()` when the worker does not answer; False when it
+        no longer ran the request."""
+        worker = self._call.worker
+        if worker is None:
+            self.cancel()
+            return False
+        try:
+            return worker.client.abort(self._call.request_id, timeout_s=2.0)
+        except ComputeClientError:
+            self.cancel()
+            return False
+
+    def close(self) -> None:
+        """Cancels the call if it is still running and releases it (idempotent)."""
+        if not self._ended:
+            self._call.cancel()
+        self._end()
+
+    def _start(self) -> None:
+        proxy, route = self._proxy, self._route
+        chosen = proxy._router.route(route, exclude=self._failed)
+        if chosen is None:
+            proxy._count("", "unavailable")
+            why = (f"; {', '.join(self._failed)} failed before the first token"
+                   if self._failed else "")
+            raise ProxyError(grpc.StatusCode.UNAVAILABLE, f"no worker is available{why}")
+        with self._lock:
+            self._worker, self._routed = chosen.worker, True
+        self.route_reason = chosen.decision.reason
+        req, call = self._request, self._call
+        stream = chosen.worker.client.generate(
+            route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,
+            salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()))
+        self._stream = stream
+        call.attach(chosen.worker, stream)
+
+    def _unroute(self) -> None:
+        with self._lock:
+            routed, self._routed = self._routed, False
+        if routed:
+            self._proxy._router.finish(self._route.request_id)
+
+    def _end(self) -> None:
+        with self._lock:
+            ended, self._ended = self._ended, True
+        if not ended:
+            self._unroute()
+            self._proxy._running.remove(self._call)
+
+    def __next__(self) -> pb.GenerateResponse:
+        if self._ended:
+            raise StopIteration
+        try:
+            msg = self._read()
+        except BaseException:
+            self._end()
+            raise
+        if msg is None:
+            self._end()
+            raise StopIteration
+        return msg
+
+    def _read(self) -> pb.GenerateResponse | None:
+        proxy = self._proxy
+        while True:
+            worker, stream = self._worker, self._stream
+            assert worker is not None and stream is not None
+            try:
+                msg = next(stream)
+            except StopIteration:
+                # Ended without its final message: never pass that off as a complete answer.
+                exc = ComputeClientError("Generate", grpc.StatusCode.UNAVAILABLE,
+                                         "stream ended without its final message")
+            except ComputeClientError as err:
+                exc = err
+            else:
+                if self.sent == 0:
+                    proxy._router.first_token(self._route.request_id)
+                self.sent += 1
+                if msg.HasField("stats"):
+                    proxy._finished(worker, msg.stats)
+                    self._end()
+                return msg
+            self._unroute()
+            if self._call.cancelled or not self._active():
+                proxy._count(worker.name, "cancelled")
+                return None
+            if self.sent == 0 and exc.status in _RETRYABLE and not self._failed:
+                proxy._retry(worker, exc)
+                self._failed.append(worker.name)
+                self._start()
+                continue
+            raise proxy._failure(worker, exc, self.sent, self._failed)
+
+
+class GenerateProxy:
+    """The gateway's Generate path, callable from Python: `open` takes a request and an
+    authenticated tenant and returns a `ProxiedStream`. The gRPC servicer (gateway/servicer.py)
+    and the HTTP app (gateway/http/) are its front ends."""
+
     def __init__(self, router: Router, fleet: Fleet, tenants: TenantDirectory,
                  tokenizer: PromptTokenizer, metrics: GatewayMetrics, running: RunningCalls,
                  draining: threading.Event, default_timeout_s: float):
@@ -107,94 +262,76 @@ class GenerateProxy(pb_grpc.ComputeServiceServicer):
         self._tokenizer, self._metrics, self._running = tokenizer, metrics, running
         self._draining, self._default_timeout_s = draining, default_timeout_s
 
-    # ----- request preparation (shared with GatewayService) --------------------------------
+    @property
+    def tenants(self) -> TenantDirectory:
+        return self._tenants
 
-    def authenticate(self, context: grpc.ServicerContext) -> Tenant:
-        try:
-            return self._tenants.authenticate(context.invocation_metadata())
-        except AuthError as exc:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-            raise  # unreachable: abort raises
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self._tokenizer
 
-    def route_request(self, request: pb.GenerateRequest, tenant: Tenant,
-                      context: grpc.ServicerContext, request_id: str) -> RouteRequest:
-        """The prompt's ids and page hashes in the request's namespace; aborts the call with
-        INVALID_ARGUMENT naming the field, or UNAVAILABLE before any worker is known."""
+    @property
+    def fleet(self) -> Fleet:
+        return self._fleet
+
+    def check_open(self) -> None:
+        """ProxyError(UNAVAILABLE) once the drain refuses new calls."""
+        if self._draining.is_set():
+            self._count("", "unavailable")
+            raise ProxyError(grpc.StatusCode.UNAVAILABLE, "gateway is draining; retry on another")
+
+    def prepare(self, request: pb.GenerateRequest, tenant: Tenant, request_id: str,
+                tokenizer_fingerprint: str | None = None) -> _PromptRoute:
+        """The prompt's ids and page hashes in the request's namespace. ProxyError:
+        INVALID_ARGUMENT naming the field, or UNAVAILABLE before any worker is known.
+        `tokenizer_fingerprint`: the tokenizer a worker must have, for token ids the caller
+        made with the gateway's tokenizer (a chat); None: as the prompt says (tokenize.py)."""
         model_id, page_size = self._fleet.model_id, self._fleet.page_size
         if model_id is None or page_size is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is known yet; retry later")
+            raise ProxyError(grpc.StatusCode.UNAVAILABLE, "no worker is known yet; retry later")
         try:
             ids = prompt_ids(request, self._tokenizer)
             data = token_bytes(ids, "prompt.token_ids")
+        except TokenizerUnavailable as exc:
+            raise ProxyError(exc.code, str(exc)) from None
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         hashes = chain_hashes(namespace_seed(model_id, request.adapter, tenant.salt), data,
                               page_size)
-        return _PromptRoute(request_id, hashes, len(ids), page_size, ids)
+        if tokenizer_fingerprint is None:
+            tokenizer_fingerprint = prompt_fingerprint(request, self._tokenizer)
+        return _PromptRoute(request_id, hashes, len(ids), page_size, ids,
+                            tokenizer_fingerprint=tokenizer_fingerprint)
 
-    # ----- ComputeService ---------------------------------------------------------------------
-
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        if self._draining.is_set():
-            self._count("", "unavailable")
-            context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is draining; retry on another")
-        tenant = self.authenticate(context)
-        if any(k == SALT_METADATA_KEY for k, _ in context.invocation_metadata() or ()):
-            # Never trusted from a client: the tenant's salt replaces it.
-            log.debug(kv("client_salt_ignored", tenant=tenant.name, peer=context.peer()))
+    def open(self, request: pb.GenerateRequest, tenant: Tenant, timeout_s: float | None = None,
+             *, active: Callable[[], bool] | None = None,
+             tokenizer_fingerprint: str | None = None) -> ProxiedStream:
+        """Routes `request` for `tenant` and starts the worker call (see ProxiedStream).
+        `timeout_s`: the whole call's deadline (None: the gateway's default); `active`: False
+        once the caller is gone (a failure then counts as a cancel); `tokenizer_fingerprint`:
+        as `prepare`'s. ProxyError when the call is refused: draining, a bad request, a
+        duplicate request id, no worker."""
+        self.check_open()
         request_id = request.request_id or uuid.uuid4().hex
         if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
+            raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
         # The load tracker keys requests by id, and ids are only unique per tenant: it gets
         # one of the gateway's own.
-        route = self.route_request(request, tenant, context, uuid.uuid4().hex)
+        route = self.prepare(request, tenant, uuid.uuid4().hex, tokenizer_fingerprint)
         call = ProxiedCall(tenant, request_id)
         if not self._running.add(call):
-            context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                          f"request_id: '{request_id}' is already running")
+            raise ProxyError(grpc.StatusCode.ALREADY_EXISTS,
+                             f"request_id: '{request_id}' is already running")
+        stream = ProxiedStream(self, request, route, call,
+                               self._default_timeout_s if timeout_s is None else timeout_s,
+                               active or (lambda: True))
         try:
-            if not context.add_callback(call.cancel):
-                call.cancel()
-            yield from self._proxy(request, route, call, context)
-        finally:
-            self._running.remove(call)
-
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        tenant = self.authenticate(context)
-        if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        call = self._running.get(tenant, request.request_id)
-        worker = call.worker if call is not None else None
-        if worker is None:
-            return pb.AbortResponse(aborted=False)
-        try:
-            return pb.AbortResponse(aborted=worker.client.abort(request.request_id))
-        except ComputeClientError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"worker {worker.name} ({worker.address}) did not answer Abort: "
-                          f"{exc.status.name}: {exc.message}")
-
-    def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                     context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
-        info = self._fleet.info
-        if info is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is known yet; retry later")
-        out = pb.GetModelInfoResponse()
-        out.CopyFrom(info)
-        # The fleet's answer: the tightest context of its workers, and no single worker's name.
-        out.max_context_tokens = self._router.max_context_tokens() or info.max_context_tokens
-        out.worker = ""
-        return out
-
-    def LoadAdapter(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                      "LoadAdapter: the gateway does not manage adapters; load them on each worker")
-
-    def UnloadAdapter(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                      "UnloadAdapter: the gateway does not manage adapters; unload them on each "
-                      "worker")
+            stream._start()
+        except BaseException:
+            stream.close()
+            raise
+        return stream
 
     def abort_all(self) -> None:
         """Drain: asks each running call's worker to abort it (its stream then ends normally,
@@ -207,54 +344,34 @@ class GenerateProxy(pb_grpc.ComputeServiceServicer):
                 except ComputeClientError:
                     call.cancel()
 
-    # ----- proxying ---------------------------------------------------------------------------
+    def abort(self, tenant: Tenant, request_id: str) -> bool:
+        """Asks the worker running `tenant`'s `request_id` to abort it; False when none runs.
+        ProxyError(UNAVAILABLE) when the worker does not answer."""
+        call = self._running.get(tenant, request_id)
+        worker = call.worker if call is not None else None
+        if worker is None:
+            return False
+        try:
+            return worker.client.abort(request_id)
+        except ComputeClientError as exc:
+            raise ProxyError(grpc.StatusCode.UNAVAILABLE,
+                             f"worker {worker.name} ({worker.address}) did not answer Abort: "
+                             f"{exc.status.name}: {exc.message}") from None
 
-    def _proxy(self, request: pb.GenerateRequest, route: _PromptRoute, call: ProxiedCall,
-               context: grpc.ServicerContext):
-        failed: list[str] = []
-        while True:
-            chosen = self._router.route(route, exclude=failed)
-            if chosen is None:
-                self._count("", "unavailable")
-                why = f"; {', '.join(failed)} failed before the first token" if failed else ""
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker is available{why}")
-            worker, sent = chosen.worker, 0
-            try:
-                stream = worker.client.generate(
-                    route.ids, request.sampling, request_id=call.request_id,
-                    adapter=request.adapter, salt=call.tenant.salt,
-                    timeout_s=self._deadline(context))
-                call.attach(worker, stream)
-                for msg in stream:
-                    if sent == 0:
-                        self._router.first_token(route.request_id)
-                    sent += 1
-                    yield msg
-                    if msg.HasField("stats"):
-                        self._finished(worker, msg.stats)
-                        return
-                # Ended without its final message: never pass that off as a complete answer.
-                raise ComputeClientError("Generate", grpc.StatusCode.UNAVAILABLE,
-                                         "stream ended without its final message")
-            except ComputeClientError as exc:
-                if call.cancelled or not context.is_active():
-                    self._count(worker.name, "cancelled")
-                    return
-                if sent == 0 and exc.status in _RETRYABLE and not failed:
-                    self._retry(worker, exc)
-                    failed.append(worker.name)
-                    continue
-                self._fail(worker, exc, sent, failed, context)
-            finally:
-                self._router.finish(route.request_id)
+    def model_info(self) -> pb.GetModelInfoResponse | None:
+        """The fleet's answer: the first worker's info with the tightest context of all
+        workers, and no single worker's name. None before any worker is known."""
+        info = self._fleet.info
+        if info is None:
+            return None
+        out = pb.GetModelInfoResponse()
+        out.CopyFrom(info)
+        out.max_context_tokens = self._router.max_context_tokens() or info.max_context_tokens
+        out.worker = ""
+        self._tokenizer.fill_model_info(out)
+        return out
 
-    def _deadline(self, context: grpc.ServicerContext) -> float:
-        """The client's remaining time for the worker call; the default when it set none (gRPC
-        reports "none" as ~2^63 s)."""
-        remaining = context.time_remaining()
-        if remaining is None or remaining > _NO_DEADLINE_S:
-            return self._default_timeout_s
-        return remaining
+    # ----- outcomes -----------------------------------------------------------------------------
 
     def _retry(self, worker: Worker, exc: ComputeClientError) -> None:
         if exc.status == grpc.StatusCode.UNAVAILABLE and self._router.set_up(worker.name, False):
@@ -263,24 +380,26 @@ class GenerateProxy(pb_grpc.ComputeServiceServicer):
         log.info(kv("generate_retry", worker=worker.name, code=exc.status.name,
                     message=exc.message))
 
-    def _fail(self, worker: Worker, exc: ComputeClientError, sent: int, failed: list[str],
-              context: grpc.ServicerContext) -> None:
+    def _failure(self, worker: Worker, exc: ComputeClientError, sent: int,
+                 failed: list[str]) -> ProxyError:
         if sent == 0 and exc.status in _RETRYABLE:  # the retry failed too
             self._count(worker.name, exc.status.name.lower())
-            context.abort(exc.status, f"worker {worker.name} ({worker.address}) failed before "
-                          f"the first token, after {', '.join(failed)} did: {exc.message}")
+            return ProxyError(exc.status, f"worker {worker.name} ({worker.address}) failed "
+                              f"before the first token, after {', '.join(failed)} did: "
+                              f"{exc.message}")
         if sent == 0 or exc.status == grpc.StatusCode.DEADLINE_EXCEEDED:
             # The worker's verdict on the request (or the client's deadline): as it said it.
             self._count(worker.name, exc.status.name.lower())
-            context.abort(exc.status, exc.message)
+            return ProxyError(exc.status, exc.message)
         self._count(worker.name, "failed_mid_stream")
         if exc.status == grpc.StatusCode.UNAVAILABLE and self._router.set_up(worker.name, False):
             log.info(kv("worker_down", worker=worker.name, reason=exc.message))
         log.warning(kv("worker_failed_mid_stream", worker=worker.name, messages=sent,
                        code=exc.status.name, message=exc.message))
-        context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"worker {worker.name} ({worker.address}) failed mid-stream after {sent} "
-                      f"messages: {exc.status.name}: {exc.message}; the output is incomplete")
+        return ProxyError(grpc.StatusCode.UNAVAILABLE,
+                          f"worker {worker.name} ({worker.address}) failed mid-stream after "
+                          f"{sent} messages: {exc.status.name}: {exc.message}; the output is "
+                          "incomplete")
 
     def _finished(self, worker: Worker, stats: pb.GenerateStats) -> None:
         self._count(worker.name, _OUTCOME.get(stats.finish_reason, "ok"))

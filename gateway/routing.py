@@ -142,9 +142,13 @@ class Router:
 
     # ----- routing -----------------------------------------------------------------------------
 
-    def _candidates(self, exclude: Collection[str]) -> tuple[list[str], bool]:
+    def _candidates(self, exclude: Collection[str],
+                    tokenizer_fingerprint: str = "") -> tuple[list[str], bool]:
+        """Workers the request may go to: not excluded, and with the tokenizer its ids came
+        from when it names one (gateway/tokenize.py)."""
         now = self._clock()
-        usable = [w for n, w in sorted(self._workers.items()) if n not in exclude]
+        usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
+            not tokenizer_fingerprint or w.info.tokenizer_fingerprint == tokenizer_fingerprint)]
         eligible = [w.name for w in usable if self._eligible(w, now)]
         if eligible:
             return eligible, False
@@ -156,7 +160,7 @@ class Router:
         """Chooses a worker and counts the request on it (`finish` undoes that). None when no
         worker can take it."""
         with self.lock:
-            candidates, blind = self._candidates(exclude)
+            candidates, blind = self._candidates(exclude, request.tokenizer_fingerprint)
             if not candidates:
                 return None
             start = time.perf_counter()
@@ -196,7 +200,7 @@ class Router:
         """What `route` would choose now, and every worker's numbers, changing nothing."""
         with self.lock:
             now = self._clock()
-            candidates, blind = self._candidates(())
+            candidates, blind = self._candidates((), request.tokenizer_fingerprint)
             decision = None
             if candidates:
                 decision = self.policy.preview(request, candidates, self.index, self.load)

@@ -1,6 +1,6 @@
 """The gateway server: prefixcache.v1.ComputeService (the workers' API, routed) and
-GatewayService (RoutePreview, ListWorkers) on one port, with health, reflection, metrics, TLS
-and drain from `service_shell` (design.md §6, §8).
+GatewayService (RoutePreview, ListWorkers) on one port (gateway/servicer.py), with health,
+reflection, metrics, TLS and drain from `service_shell` (design.md §6, §8).
 
 Generate: authenticate the caller (tenants.py), tokenize a text prompt as the worker would
 (tokenize.py), hash the prompt's pages in the request's namespace (model id, adapter, tenant
@@ -10,6 +10,11 @@ client's deadline becomes the worker call's; a client that leaves cancels the wo
 aborts the request there. A worker that fails before the first token (UNAVAILABLE: refused,
 dead, draining) is retried once on the next best one; after the first token the client gets
 UNAVAILABLE naming the worker, never a silently truncated stream.
+
+With `http_port`, the same process serves the OpenAI-compatible HTTP API (gateway/http/) over
+the same core (`GenerateProxy.open`): its calls are routed, counted and drained like gRPC ones.
+Readiness requires it serving; the drain closes its listener when it starts refusing new gRPC
+calls and lets its running responses finish within the same grace.
 
 Status codes: UNAUTHENTICATED names the `authorization` header; INVALID_ARGUMENT names the field
 (`prompt`, `request_id`); ALREADY_EXISTS: the tenant already runs `request_id`; UNAVAILABLE: no
@@ -24,16 +29,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from gateway.discovery import WorkerAddress
 from gateway.index import IndexConfig
 from gateway.metrics import GatewayMetrics
 from gateway.policies import make_policy
 from gateway.proxy import GenerateProxy, RunningCalls
 from gateway.routing import Router
+from gateway.servicer import ComputeServicer, GatewayServicer
 from gateway.tenants import TenantDirectory
-from gateway.tokenize import BYTE, load_tokenizer
+from gateway.tokenize import AUTO, load_tokenizer
 from gateway.workers import Fleet, WorkerSet, WorkerSettings
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
@@ -61,13 +65,16 @@ class GatewayConfig:
     port: int = 50050
     metrics_port: int | None = None
     health_port: int | None = None
+    # The OpenAI-compatible HTTP API (gateway/http/); None = off, 0 = any free port.
+    http_port: int | None = None
     tls: TlsConfig | None = None
     max_message_mb: int = 64
     # Each Generate stream holds a server thread for its whole life.
     max_streams: int = 512
     policy: str = "affinity"
     tenants: TenantDirectory = field(default_factory=lambda: TenantDirectory({}, True))
-    tokenizer: str = BYTE
+    # `auto`: the workers' own (GetTokenizer); `byte` or a checkpoint directory (tokenize.py).
+    tokenizer: str = AUTO
     # None: from the first worker; workers with another value are refused.
     model_id: str | None = None
     page_size: int | None = None
@@ -90,34 +97,17 @@ class GatewayConfig:
         return self.max_streams + 16
 
 
-class GatewayServicer(gpb_grpc.GatewayServiceServicer):
-    def __init__(self, proxy: GenerateProxy, router: Router):
-        self._proxy, self._router = proxy, router
-
-    def RoutePreview(self, request: gpb.RoutePreviewRequest,
-                     context: grpc.ServicerContext) -> gpb.RoutePreviewResponse:
-        tenant = self._proxy.authenticate(context)
-        route_request = self._proxy.route_request(request.request, tenant, context,
-                                                  request.request.request_id or "preview")
-        return self._router.preview(route_request)
-
-    def ListWorkers(self, request: gpb.ListWorkersRequest,
-                    context: grpc.ServicerContext) -> gpb.ListWorkersResponse:
-        self._proxy.authenticate(context)
-        return self._router.list_workers()
-
-
 class GatewayServer(ShellPorts):
     """A running gateway. `start()`, then `drain()` (idempotent, any thread)."""
 
     def __init__(self, config: GatewayConfig):
         self.config = cfg = config
         self.metrics = GatewayMetrics()
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer, self.metrics)
         self.router = Router(make_policy(cfg.policy), self.metrics,
                              IndexConfig(stale_after_s=cfg.stale_after_s,
                                          dead_after_s=cfg.dead_after_s))
-        self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer.vocab_size)
+        self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer)
         self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker)
         self.running = RunningCalls()
         self._draining = threading.Event()
@@ -129,28 +119,53 @@ class GatewayServer(ShellPorts):
             registry=self.metrics.registry, metrics_port=cfg.metrics_port,
             health_port=cfg.health_port, tls=cfg.tls)
         self.health = self._shell.health
-        pb_grpc.add_ComputeServiceServicer_to_server(self.proxy, self._shell.server)
+        pb_grpc.add_ComputeServiceServicer_to_server(
+            ComputeServicer(self.proxy, cfg.generate_timeout_s), self._shell.server)
         gpb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self.proxy, self.router),
                                                       self._shell.server)
         # The shell's reflection names one service; this registration (the later one wins)
         # lists both. TODO(service_shell): take several service names.
         enable_reflection(self._shell.server, COMPUTE_SERVICE_NAME, GATEWAY_SERVICE_NAME)
+        self.http = None  # gateway.http.server.HttpServer once started
+        self._ready = False
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self._drain_started = False
         self._loop = threading.Thread(target=self._watch, name="gateway-watch", daemon=True)
 
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
     def start(self) -> GatewayServer:
         cfg = self.config
         self._shell.start()
+        if cfg.http_port is not None:
+            try:
+                self.http = self._start_http()
+            except BaseException:
+                self._shell.stop(0).wait()
+                self._shell.close()
+                raise
         self.workers.refresh()
         self._loop.start()
         log.info(kv("server_started", address=self.address, metrics_port=self.metrics_port,
-                    health_port=self.health_port, tls=tls_mode(cfg.tls), policy=cfg.policy,
+                    health_port=self.health_port, http_port=self.http_port,
+                    tls=tls_mode(cfg.tls), policy=cfg.policy,
                     tokenizer=cfg.tokenizer, tenants=len(cfg.tenants),
                     anonymous=cfg.tenants.allow_anonymous))
         return self
+
+    def _start_http(self):
+        # Imported here: a gRPC-only gateway runs without the `gateway` extra.
+        from gateway.http.app import create_app
+        from gateway.http.server import HttpServer
+
+        cfg = self.config
+        app = create_app(self.proxy, self.router, lambda: self._ready, cfg.max_streams)
+        return HttpServer(app, cfg.host, cfg.http_port, tls=cfg.tls,
+                          graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0).start()
 
     def _watch(self) -> None:
         """Readiness (a worker with a live stream) and periodic discovery."""
@@ -163,9 +178,10 @@ class GatewayServer(ShellPorts):
                     self.workers.refresh()
                 except Exception:  # a bad answer must not end discovery for good
                     log.exception(kv("discovery_failed"))
-            now_ready = self.router.ready() and not self._draining.is_set()
+            now_ready = (self.router.ready() and not self._draining.is_set()
+                         and (self.http is None or self.http.serving))
             if now_ready != ready and not self._drain_started:
-                ready = now_ready
+                ready = self._ready = now_ready
                 self.health.set_ready(ready)
                 log.info(kv("readiness", ready=ready, workers=len(self.router.names())))
 
@@ -178,15 +194,20 @@ class GatewayServer(ShellPorts):
         cfg = self.config
         grace = cfg.grace_s if grace_s is None else grace_s
         log.info(kv("drain_started", grace_s=grace, open_requests=len(self.running)))
+        self._ready = False
         self.health.set_ready(False)
         if cfg.drain_delay_s > 0:
             time.sleep(cfg.drain_delay_s)
         self._draining.set()
+        if self.http is not None:  # no new connections; running responses go on
+            self.http.stop_accepting()
         if not self.running.wait_empty(grace):
             log.info(kv("drain_aborting", requests=len(self.running)))
             self.proxy.abort_all()
             if not self.running.wait_empty(cfg.abort_wait_s):
                 log.warning(kv("drain_abort_timeout", requests=len(self.running)))
+        if self.http is not None:  # the last chunks of streams whose calls ended
+            self.http.stop(5.0)
         self.health.shutdown()
         self._shell.stop(1.0).wait()
         self._stop.set()

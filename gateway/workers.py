@@ -4,7 +4,10 @@ readiness probe and an event feed; and back out when it leaves (design.md §6).
 Per address, one thread (`WorkerHandle._run`):
 1. identify: GetModelInfo until it answers (the worker may still be loading its model);
 2. admit: its model id and page size must be the fleet's (`Fleet`), else it is refused with a
-   logged reason and asked again later (the address may get another worker);
+   logged reason and asked again later (the address may get another worker); its tokenizer is
+   compared with the gateway's, which the first worker with one gives a gateway started with
+   `--tokenizer auto` (gateway/tokenize.py): a worker with another tokenizer is admitted for
+   token-id prompts only;
 3. follow: a second thread feeds its cache service's event stream for its pool into the router,
    resubscribing from where the index says when it reports a gap or a new epoch; this thread
    probes the worker's `readiness` health, so a dead or draining worker stops being routed to.
@@ -24,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.discovery import WorkerAddress
 from gateway.index import ApplyStatus
 from gateway.routing import Router, Worker, log_resync
+from gateway.tokenize import GatewayTokenizer
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.cache import Backoff, CacheClient, CacheClientError
 from prefixcache_client.compute import ComputeClient, ComputeClientError
@@ -49,12 +53,14 @@ class WorkerSettings:
 
 
 class Fleet:
-    """The model every admitted worker must serve: fixed by flags, or by the first worker."""
+    """The model every admitted worker must serve: fixed by flags, or by the first worker; and
+    the gateway's tokenizer, which decides which workers may be sent text."""
 
-    def __init__(self, model_id: str | None, page_size: int | None, tokenizer_vocab: int) -> None:
+    def __init__(self, model_id: str | None, page_size: int | None,
+                 tokenizer: GatewayTokenizer | None = None) -> None:
         self.model_id, self.page_size = model_id, page_size
         self.info: pb.GetModelInfoResponse | None = None
-        self._tokenizer_vocab = tokenizer_vocab
+        self.tokenizer = tokenizer if tokenizer is not None else GatewayTokenizer()
         self._names: dict[str, str] = {}  # admitted worker -> its compute address
         self._lock = threading.Lock()
 
@@ -67,9 +73,6 @@ class Fleet:
                 return f"model id {info.model_id!r} is not the fleet's {self.model_id!r}"
             if self.page_size is not None and info.page_size != self.page_size:
                 return f"page size {info.page_size} is not the fleet's {self.page_size}"
-            if info.vocab_size < self._tokenizer_vocab:
-                return (f"vocabulary of {info.vocab_size} ids is smaller than the gateway "
-                        f"tokenizer's {self._tokenizer_vocab}")
             holder = self._names.get(info.worker)
             if holder is not None and holder != address:
                 return f"worker name {info.worker!r} is already served at {holder}"
@@ -157,6 +160,9 @@ class WorkerHandle:
 
     def _follow(self, info: pb.GetModelInfoResponse, client: ComputeClient) -> None:
         name = self.name = info.worker
+        tokenizer = self._fleet.tokenizer
+        # Before it is routed to: text prompts after readiness find the tokenizer known.
+        tokenizer.worker_joined(name, info, client)
         worker = Worker(name, self.address.compute, self.address.cache, client, info)
         self._router.add(worker)
         log.info(kv("worker_added", worker=name, address=self.address.compute,
@@ -167,6 +173,7 @@ class WorkerHandle:
         feed.start()
         try:
             while not self._stopped.wait(self._settings.probe_interval_s):
+                tokenizer.learn(name, info, client)  # no-op once known; retries a failed fetch
                 up = self._ready()
                 if up and not worker.up:
                     again = self._identify_quietly(client)
@@ -179,6 +186,7 @@ class WorkerHandle:
         finally:
             left.set()
             self._router.remove(name)
+            tokenizer.worker_left(name)
             self._fleet.release(name, self.address.compute)
             log.info(kv("worker_removed", worker=name, address=self.address.compute))
 

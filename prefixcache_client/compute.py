@@ -17,9 +17,10 @@ from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import SALT_METADATA_KEY, TlsConfig, channel_options, open_channel
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
-# Only GetModelInfo is safe to repeat blindly: a retried Generate would run twice.
+# Only the read-only calls are safe to repeat blindly: a retried Generate would run twice.
 _SERVICE_CONFIG = {"methodConfig": [{
-    "name": [{"service": _SERVICE, "method": "GetModelInfo"}],
+    "name": [{"service": _SERVICE, "method": "GetModelInfo"},
+             {"service": _SERVICE, "method": "GetTokenizer"}],
     "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
 }]}
@@ -135,6 +136,12 @@ class ComputeClient:
 
     def model_info(self, *, timeout_s: float | None = None) -> pb.GetModelInfoResponse:
         return self._unary("GetModelInfo", self._stub.GetModelInfo, pb.GetModelInfoRequest(),
+                           timeout_s)
+
+    def get_tokenizer(self, *, timeout_s: float | None = None) -> pb.GetTokenizerResponse:
+        """The worker's tokenizer files and fingerprint (`prefixcache_client.tokenizer.
+        from_files` rebuilds it); FAILED_PRECONDITION from a worker without a tokenizer."""
+        return self._unary("GetTokenizer", self._stub.GetTokenizer, pb.GetTokenizerRequest(),
                            timeout_s)
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything, idempotently: a virtual environment in .venv, the project with its
-# dev and compute extras, and the generated proto code. Safe to run again; fast when done.
+# dev, compute and gateway extras, and the generated proto code. Safe to run again; fast when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,7 +38,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first and pinned: on this machine kind 2.13.0 is a local CPU wheel; any other
   # resolution would download gigabytes of CUDA packages.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,compute]"
+  .venv/bin/python -m pip install -q -e ".[dev,compute,gateway]"
   echo "$want" > "$stamp"
 fi
 .venv/bin/python scripts/gen_protos.py

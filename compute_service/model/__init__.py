@@ -21,7 +21,9 @@ from compute_service.model.hf_export import config_to_hf
 from compute_service.model.lora_batch import LORA_TARGETS, LayerLora, LoraBatch, LoraWeights
 from compute_service.model.model import CausalLM
 from compute_service.model.presets import PRESETS, build_preset, init_random_, preset_config
-from compute_service.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from compute_service.model.generation import SamplingDefaults, read_sampling_defaults
+from compute_service.model.tokenizer import (ByteTokenizer, JsonTokenizer, NoTokenizer,
+                                            NoTokenizerError, Tokenizer, load_tokenizer)
 
 __all__ = [
     "ATTENTION",
@@ -34,14 +36,17 @@ __all__ = [
     "ForwardBatch",
     "ForwardMode",
     "ForwardOutput",
-    "HFTokenizer",
+    "JsonTokenizer",
     "LayerLora",
     "LoraBatch",
     "LoraWeights",
     "MambaBoundaryStates",
     "ModelConfig",
+    "NoTokenizer",
+    "NoTokenizerError",
     "PagedDriver",
     "RopeScaling",
+    "SamplingDefaults",
     "SequenceState",
     "Tokenizer",
     "UnsupportedConfigError",
@@ -55,5 +60,6 @@ __all__ = [
     "load_tokenizer",
     "preset_config",
     "read_config",
+    "read_sampling_defaults",
     "save_model",
 ]

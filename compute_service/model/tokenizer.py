@@ -1,134 +1,80 @@
-"""Tokenizers: a byte-level fallback and `tokenizer.json` through the `tokenizers` package.
+"""The worker's tokenizer: the shared `prefixcache_client.tokenizer` classes (the gateway uses the
+very same ones) and what only a worker knows, its model's config.
 
-Both implement the `Tokenizer` protocol the engine uses: `encode`, `decode`, `vocab_size`,
-`bos_token_id` and `eos_token_ids` (a model may have several stop ids).
+- A checkpoint with `tokenizer.json` (or the byte tokenizer's file) gets that tokenizer; its
+  largest id must be inside the model's vocabulary, else loading fails (an id past the
+  embedding would be a crash at the first request that produces it).
+- A checkpoint without one gets `NoTokenizer`: whatever its architecture and vocabulary size it
+  serves token-id prompts, and a text prompt is refused (`NoTokenizerError`); it never falls
+  back to the byte tokenizer, whose ids mean nothing to a real checkpoint.
+- EOS always comes from the checkpoint: config.json's and generation_config.json's
+  `eos_token_id` (int or list, all of them), never from a fallback.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 from compute_service.model.config import ModelConfig
+from prefixcache_client.tokenizer import (BYTE_TOKENIZER_FILE, ByteTokenizer, JsonTokenizer,
+                                          Tokenizer, TokenizerError, checkpoint_token_ids,
+                                          from_files, has_tokenizer, tokenizer_files)
+
+__all__ = ["ByteTokenizer", "JsonTokenizer", "NoTokenizer", "NoTokenizerError", "Tokenizer",
+           "load_tokenizer"]
 
 
-class Tokenizer(Protocol):
-    @property
-    def vocab_size(self) -> int: ...
+class NoTokenizerError(TokenizerError):
+    """A text prompt (or chat) sent to a worker that has no tokenizer."""
 
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    def __init__(self) -> None:
+        super().__init__("prompt.text: this worker has no tokenizer (its checkpoint has no "
+                         "tokenizer.json); send token_ids")
 
 
-class ByteTokenizer:
-    """Ids 0-255 are the UTF-8 bytes of the text; 256 = <|pad|>, 257 = <|bos|>, 258 = <|eos|>.
+class NoTokenizer:
+    """The tokenizer of a checkpoint without one: token ids in, token ids out. `decode` gives
+    "" (a response carries the ids only), `fingerprint` is "" (matches no tokenizer)."""
 
-    decode() replaces an incomplete UTF-8 sequence with U+FFFD, so a streaming caller should
-    decode the whole output and emit the new suffix once it no longer ends in a partial char.
-    """
+    bos_token_id = None
+    adds_bos = False
+    fingerprint = ""
+    chat_template = None
+    files: Mapping[str, bytes] = {}
 
-    PAD, BOS, EOS = 256, 257, 258
-    SPECIAL_TOKENS = {PAD: "<|pad|>", BOS: "<|bos|>", EOS: "<|eos|>"}
-
-    @property
-    def vocab_size(self) -> int:
-        return 259
-
-    @property
-    def bos_token_id(self) -> int:
-        return self.BOS
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return (self.EOS,)
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        return ([self.BOS] if add_bos else []) + list(text.encode("utf-8"))
+        raise NoTokenizerError()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        out, run = [], bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            if not skip_special_tokens:
-                out.append(self.SPECIAL_TOKENS.get(i, f"<|{i}|>"))
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
+        return ""
 
+    def text_prompt_ids(self, text: str) -> list[int]:
+        raise NoTokenizerError()
 
-class HFTokenizer:
-    """A `tokenizer.json` (Hugging Face `tokenizers`), with bos/eos from the model config,
-    falling back to tokenizer_config.json's token strings."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        raise NoTokenizerError()
 
-    def __init__(
-        self, path: str | Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]
-    ) -> None:
-        from tokenizers import Tokenizer as _Tokenizer  # only needed when a checkpoint ships one
-
-        path = Path(path)
-        self._tok = _Tokenizer.from_file(str(path / "tokenizer.json"))
-        if bos_token_id is None or not eos_token_ids:
-            bos, eos = self._special_from_tokenizer_config(path)
-            bos_token_id = bos if bos_token_id is None else bos_token_id
-            eos_token_ids = eos_token_ids or eos
-        self._bos, self._eos = bos_token_id, eos_token_ids
-
-    def _special_from_tokenizer_config(self, path: Path) -> tuple[int | None, tuple[int, ...]]:
-        file = path / "tokenizer_config.json"
-        if not file.exists():
-            return None, ()
-        conf = json.loads(file.read_text())
-
-        def token_id(key: str) -> int | None:
-            tok = conf.get(key)
-            tok = tok.get("content") if isinstance(tok, dict) else tok
-            return self._tok.token_to_id(tok) if isinstance(tok, str) else None
-
-        eos = token_id("eos_token")
-        return token_id("bos_token"), (eos,) if eos is not None else ()
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        # add_special_tokens=False: the tokenizer's post-processor may add BOS on its own;
-        # whether to add it is the caller's choice here.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self._bos] if add_bos and self._bos is not None else []) + ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]],
+                 add_generation_prompt: bool = True) -> list[int]:
+        raise NoTokenizerError()
 
 
 def load_tokenizer(path: str | Path, cfg: ModelConfig) -> Tokenizer:
-    """`path/tokenizer.json` when present, else the byte-level fallback (which needs
-    cfg.vocab_size >= 259)."""
-    path = Path(path)
-    if (path / "tokenizer.json").exists():
-        return HFTokenizer(path, cfg.bos_token_id, cfg.eos_token_ids)
-    if cfg.vocab_size < ByteTokenizer().vocab_size:
-        raise ValueError(
-            f"{path}: no tokenizer.json and vocab_size {cfg.vocab_size} < 259 for byte fallback"
-        )
-    return ByteTokenizer()
+    """The tokenizer of checkpoint directory `path` for a model of config `cfg` (see the module
+    docstring). ValueError naming the file when a tokenizer file is unusable."""
+    files = tokenizer_files(path)
+    if not has_tokenizer(files):
+        eos = checkpoint_token_ids(files)[1] or cfg.eos_token_ids
+        return NoTokenizer(cfg.vocab_size, eos)
+    tok = from_files(files)
+    if tok.vocab_size > cfg.vocab_size:
+        name = BYTE_TOKENIZER_FILE if isinstance(tok, ByteTokenizer) else "tokenizer.json"
+        raise TokenizerError(f"{Path(path) / name}: ids up to {tok.vocab_size - 1}, but the "
+                             f"model's vocabulary (config.json vocab_size) is {cfg.vocab_size}")
+    return tok

@@ -17,6 +17,10 @@ class RouteRequest:
     page_hashes: Sequence[bytes]
     prompt_tokens: int
     page_size: int
+    # The tokenizer a worker must have to be sent this prompt (GetModelInfo's
+    # tokenizer_fingerprint): the gateway's for text and chats it tokenized, "" for token ids
+    # (any worker). Keyword-only, so subclasses keep their positional fields.
+    tokenizer_fingerprint: str = field(default="", kw_only=True)
 
 
 @dataclass(slots=True)

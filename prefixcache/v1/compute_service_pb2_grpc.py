@@ -91,9 +91,10 @@ class ComputeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTokenizer(self, request, context):
-        """The files of the worker's tokenizer, so that a gateway tokenizes text exactly as the worker
-        does without sharing a volume with it. FAILED_PRECONDITION when the worker has no tokenizer
-        (it then serves token-id prompts only).
+        """The files of the worker's tokenizer, so that a gateway tokenizes text and chats exactly as
+        the worker does without sharing a volume with it (prefixcache_client.tokenizer.from_files
+        rebuilds it). FAILED_PRECONDITION when the worker has no tokenizer (a checkpoint without
+        tokenizer.json: it then serves token-id prompts only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -123,8 +123,11 @@ def test_entrypoint_ports_and_env(image):
     assert exec_form(df.final.all("ENTRYPOINT")[-1]) == ["python", "-m", module]
     ports = SERVICES[service]
     exposed = {int(p) for e in df.final.all("EXPOSE") for p in e.args.split()}
-    assert exposed == {ports["grpc"], ports["health"], ports["metrics"]}
+    assert exposed == {ports["grpc"], ports["health"], ports["metrics"],
+                       *([ports["http"]] if "http" in ports else [])}
     env = final_env(df)
+    if "http" in ports:  # the gateway's HTTP API is on in the image
+        assert env["PREFIXCACHE_HTTP_PORT"] == str(ports["http"])
     assert env[PORT_ENV[service]] == str(ports["grpc"])
     assert env["PREFIXCACHE_HEALTH_PORT"] == str(ports["health"])
     assert env["PREFIXCACHE_METRICS_PORT"] == str(ports["metrics"])

@@ -44,6 +44,7 @@ def test_needed_flows_are_allowed(net):
     gateway, compute, redis = pods["gateway"], pods["compute"], pods["redis"]
     allowed = [
         (CLIENT, gateway, 50050), (PROMETHEUS, gateway, 9090),   # clients, scraping
+        (CLIENT, gateway, 8000),                                 # clients, HTTP API
         (gateway, compute, 50052), (gateway, compute, 50051),    # Generate, Subscribe
         (PROMETHEUS, compute, 9092), (PROMETHEUS, compute, 9091),
         (compute, redis, 6379),                                  # L3 pages
@@ -66,6 +67,7 @@ def test_everything_else_is_denied(net):
         (CLIENT, gateway, 9090), (CLIENT, compute, 9092),        # metrics only from monitoring
         (PROMETHEUS, redis, 6379), (PROMETHEUS, compute, 50052),
         (compute, gateway, 50050), (redis, compute, 50052),      # no reverse flows
+        (CLIENT, compute, 8000), (CLIENT, redis, 8000),          # the HTTP API is the gateway's
         (compute, API_SERVER, 443), (redis, API_SERVER, 443),    # no API access but the gateway's
         (compute, INTERNET, 443), (redis, INTERNET, 443), (gateway, INTERNET, 80),
         (gateway, OTHER_SYSTEM, 53), (compute, OTHER_SYSTEM, 443),

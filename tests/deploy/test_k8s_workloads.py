@@ -16,7 +16,9 @@ from tests.deploy.manifests import (NAMESPACE, VARIANTS, by_kind, container, con
 
 # The contract of the three services (ports are fixed across images, manifests and docs).
 SERVICES = {
-    "gateway": {"workload": "gateway", "grpc": 50050, "health": 8080, "metrics": 9090},
+    # The gateway also serves the OpenAI-compatible HTTP API.
+    "gateway": {"workload": "gateway", "grpc": 50050, "health": 8080, "metrics": 9090,
+                "http": 8000},
     "cache": {"workload": "compute", "grpc": 50051, "health": 8081, "metrics": 9091},
     "compute": {"workload": "compute", "grpc": 50052, "health": 8082, "metrics": 9092},
 }
@@ -89,7 +91,10 @@ def test_grpc_probes_on_the_dedicated_health_port(docs, service):
     assert c.env_value("PREFIXCACHE_HEALTH_PORT") == str(ports["health"])
     assert c.env_value("PREFIXCACHE_METRICS_PORT") == str(ports["metrics"])
     container_ports = {p["containerPort"] for p in c.spec["ports"]}
-    assert container_ports == {ports["grpc"], ports["health"], ports["metrics"]}
+    assert container_ports == {ports["grpc"], ports["health"], ports["metrics"],
+                               *([ports["http"]] if "http" in ports else [])}
+    if "http" in ports:
+        assert c.env_value("PREFIXCACHE_HTTP_PORT") == str(ports["http"])
     for probe, health_service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"),
                                   ("readinessProbe", "readiness")):
         spec = c.spec[probe]

@@ -22,6 +22,7 @@ from prefixcache.v1 import common_pb2
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import gateway_pb2_grpc as gpb_grpc
+from prefixcache_client.tokenizer import ByteTokenizer
 from service_shell import SALT_METADATA_KEY, ServiceShell, server_options
 
 MODEL = "fake-model"
@@ -49,11 +50,16 @@ class Seen:
 class FakeWorker(pb_grpc.ComputeServiceServicer):
     """A compute worker without a model: streams `tokens` messages of one token each
     (`delay_s` apart), then stats naming it. `fail` makes Generate fail: "before" the first
-    token (UNAVAILABLE) or "mid" stream (after one message)."""
+    token (with `fail_code`, UNAVAILABLE by default) or "mid" stream (after one message).
+    `adapters`: the LoRA adapters GetModelInfo says are loaded."""
 
     def __init__(self, name: str, model_id: str = MODEL, page_size: int = PAGE):
         self.name, self.model_id, self.page_size = name, model_id, page_size
         self.tokens, self.delay_s, self.fail = 3, 0.0, ""
+        self.fail_code = grpc.StatusCode.UNAVAILABLE
+        self.adapters: list[str] = []
+        # The presets' byte-level tokenizer, handed to the gateway as a worker hands its own.
+        self.tokenizer = ByteTokenizer()
         self.seen: list[Seen] = []
         self.aborted: list[str] = []
         self._shell = ServiceShell(pb.DESCRIPTOR.services_by_name["ComputeService"].full_name,
@@ -75,7 +81,14 @@ class FakeWorker(pb_grpc.ComputeServiceServicer):
     def GetModelInfo(self, request, context):
         return pb.GetModelInfoResponse(model_id=self.model_id, architecture="fake",
                                        vocab_size=VOCAB, max_context_tokens=1024,
-                                       page_size=self.page_size, worker=self.name)
+                                       page_size=self.page_size, worker=self.name,
+                                       adapters=self.adapters,
+                                       tokenizer_fingerprint=self.tokenizer.fingerprint)
+
+    def GetTokenizer(self, request, context):
+        files = self.tokenizer.files
+        return pb.GetTokenizerResponse(fingerprint=self.tokenizer.fingerprint, files=[
+            pb.TokenizerFile(name=n, content=files[n]) for n in sorted(files)])
 
     def Generate(self, request, context):
         seen = Seen(request, [v for k, v in context.invocation_metadata() if k == SALT_METADATA_KEY],
@@ -83,7 +96,7 @@ class FakeWorker(pb_grpc.ComputeServiceServicer):
         context.add_callback(lambda: None if context.is_active() else seen.cancelled.set())
         self.seen.append(seen)
         if self.fail == "before":
-            context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker is down")
+            context.abort(self.fail_code, "fake worker is down")
         for i in range(self.tokens):
             if i and self.delay_s:
                 time.sleep(self.delay_s)

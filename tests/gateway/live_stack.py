@@ -1,6 +1,6 @@
 """A live fleet for the end-to-end tests: one real cache service (in-process), two real compute
 workers (`python -m compute_service --model tiny-hybrid`, pools w1 and w2) and the gateway as
-`python -m gateway`, all on loopback. Tests that kill workers mark the stack broken; the next
+`python -m gateway` with its HTTP API, all on loopback. Tests that kill workers mark the stack broken; the next
 `LiveStacks.get()` starts a fresh one."""
 from __future__ import annotations
 
@@ -49,8 +49,12 @@ def _spawn(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
 
 
 class LiveStack:
-    def __init__(self, workdir: Path):
-        self.dir = workdir
+    """`model`: the workers' --model (a preset or a checkpoint directory); `gateway_args`: more
+    flags for the gateway. The gateway always serves its HTTP API too (`http_url`)."""
+
+    def __init__(self, workdir: Path, model: str = "tiny-hybrid",
+                 gateway_args: tuple[str, ...] = ()):
+        self.dir, self.model = workdir, model
         self.broken = False
         self.cache = CacheServer(CacheCore(), ServerConfig(host="127.0.0.1", port=0,
                                                            grace_s=0.0)).start()
@@ -60,7 +64,7 @@ class LiveStack:
         try:
             for name in WORKERS:  # started together: their torch imports overlap
                 self.workers[name] = _spawn(
-                    ["compute_service", "--model", "tiny-hybrid", "--cache-service", cache_addr,
+                    ["compute_service", "--model", model, "--cache-service", cache_addr,
                      "--pool-id", name, "--host", "127.0.0.1", "--port", "0", "--page-size",
                      str(PAGE), "--device-pages", str(DEVICE_PAGES), "--threads", "1",
                      "--grace-s", "0"], workdir / f"{name}.log")
@@ -72,9 +76,12 @@ class LiveStack:
             self.gateway, self.address = _spawn(
                 ["gateway", "--host", "127.0.0.1", "--port", "0", "--workers", spec,
                  "--tenants-file", str(tenants), "--metrics-port", str(_free_port()), "--probe-interval-s",
-                 "60", "--heartbeat-interval-s", "0.2", "--grace-s", "0"],
+                 "60", "--heartbeat-interval-s", "0.2", "--grace-s", "0",
+                 "--http-port", str(_free_port()), *gateway_args],
                 workdir / "gateway.log")
             self.metrics_port = int(self.gateway.stdout.readline().rsplit(":", 1)[1])
+            http_port = int(self.gateway.stdout.readline().rsplit(":", 1)[1])
+            self.http_url = f"http://127.0.0.1:{http_port}"
             self.caller = Caller(self.address)
             wait_until(self._ready, timeout_s=_START_TIMEOUT_S, what="stack ready")
         except BaseException:
@@ -133,9 +140,11 @@ class LiveStack:
 
 
 class LiveStacks:
-    """The session's stack, restarted after a test broke it."""
+    """The session's stack, restarted after a test broke it. `model` and `gateway_args` as
+    LiveStack's; `model` may be a callable making the checkpoint in a directory it is given."""
 
-    def __init__(self) -> None:
+    def __init__(self, model=None, gateway_args: tuple[str, ...] = ()) -> None:
+        self._model, self._gateway_args = model, gateway_args
         self._stack: LiveStack | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="gateway-e2e-")
         self._count = 0
@@ -148,7 +157,9 @@ class LiveStacks:
             self._count += 1
             workdir = Path(self._tmp.name) / f"stack{self._count}"
             workdir.mkdir()
-            self._stack = LiveStack(workdir)
+            model = self._model(Path(self._tmp.name)) if callable(self._model) else self._model
+            args = tuple(a.replace("{model}", model or "") for a in self._gateway_args)
+            self._stack = LiveStack(workdir, model or "tiny-hybrid", args)
         return self._stack
 
     def close(self) -> None:

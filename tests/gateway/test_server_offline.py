@@ -1,16 +1,26 @@
-"""Gateway pieces without servers: no torch, tokenizers, discovery, the tenants file."""
+"""Gateway pieces without servers: no torch, its tokenizer (the workers' own), discovery, the
+tenants file."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import grpc
 import pytest
 
 from gateway.discovery import DnsWorkers, WorkerAddress, parse_static
+from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, TenantDirectory
-from gateway.tokenize import ByteTokenizer, JsonTokenizer
+from gateway.tokenize import (AUTO, BYTE, GatewayTokenizer, TokenizerUnavailable,
+                              prompt_fingerprint, prompt_ids)
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.tokenizer import NoChatTemplate
 from tests.cache_service.grpc_harness import REPO
+
+BPE = Path(__file__).resolve().parents[1] / "data" / "bpe_tokenizer"
 
 
 # ---- torch-free, and tokenizers that agree with the workers' --------------------------------
@@ -21,24 +31,58 @@ def test_gateway_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
-def test_tokenizers_produce_the_workers_ids(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def test_tokenizer_overrides_are_the_workers_tokenizers(tmp_path):
+    """--tokenizer byte / PATH build the shared classes the workers use: same ids, same
+    fingerprint; a text prompt is refused clearly until some worker shares it."""
+    from compute_service.model import ByteTokenizer as WorkerBytes
+    from compute_service.model import load_tokenizer, preset_config
 
-    from compute_service.model.tokenizer import ByteTokenizer as WorkerBytes
-    from compute_service.model.tokenizer import HFTokenizer
+    text = "héllo wörld, ünïcode ✓ and more <|im_start|>"
+    byte = GatewayTokenizer(BYTE)
+    assert byte.fingerprint == WorkerBytes().fingerprint
+    assert byte.text_ids(text) == WorkerBytes().text_prompt_ids(text)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BPE / name, tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 3}))
+    ours = GatewayTokenizer(str(tmp_path))
+    theirs = load_tokenizer(tmp_path, preset_config("tiny-transformer"))
+    assert ours.fingerprint == theirs.fingerprint
+    request = pb.GenerateRequest(text=text)
+    assert prompt_ids(request, ours) == theirs.text_prompt_ids(text)
+    assert prompt_fingerprint(request, ours) == ours.fingerprint
+    assert prompt_fingerprint(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])), ours) == ""
+    chat = [{"role": "user", "content": "hello"}]
+    assert ours.chat_prompt_ids(chat) == theirs.chat_ids(chat)
+    with pytest.raises(NoChatTemplate):
+        byte.chat_prompt_ids(chat)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        GatewayTokenizer(str(tmp_path / "nowhere"))
 
-    text = "héllo wörld, ünïcode ✓ and more"
-    assert ([ByteTokenizer.bos_token_id] + ByteTokenizer().encode(text)
-            == WorkerBytes().encode(text, add_bos=WorkerBytes().bos_token_id is not None))
-    assert ByteTokenizer.vocab_size == WorkerBytes().vocab_size
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *text.replace(",", " ,").split()])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    ours, theirs = JsonTokenizer(tmp_path), HFTokenizer(tmp_path, 1, (2,))
-    assert ours.bos_token_id == 1 and ours.vocab_size == theirs.vocab_size
-    assert [1] + ours.encode(text + " unknown") == theirs.encode(text + " unknown", add_bos=True)
+
+def test_text_waits_for_a_worker_with_the_same_tokenizer():
+    metrics = GatewayMetrics()
+    auto = GatewayTokenizer(AUTO, metrics)
+    assert auto.current() is None and auto.fingerprint == ""
+    auto.worker_joined("w0", pb.GetModelInfoResponse(worker="w0"), client=None)  # no tokenizer
+    with pytest.raises(TokenizerUnavailable, match="no worker has a tokenizer") as err:
+        auto.text_ids("hi")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    byte = GatewayTokenizer(BYTE, metrics)
+    byte.worker_joined("w1", pb.GetModelInfoResponse(worker="w1", tokenizer_fingerprint="f" * 64),
+                       client=None)
+    with pytest.raises(TokenizerUnavailable, match="w1=ffffffffffffffff") as err:
+        byte.text_ids("hi")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert metrics.registry.get_sample_value(
+        "prefixcache_gateway_tokenizer_refusals_total", {"reason": "no_compatible_worker"}) == 1
+    assert metrics.registry.get_sample_value(
+        "prefixcache_gateway_tokenizer_mismatched_workers") == 1
+    byte.worker_joined("w2", pb.GetModelInfoResponse(
+        worker="w2", tokenizer_fingerprint=byte.fingerprint), client=None)
+    assert byte.text_ids("hi") == [257, 104, 105]
+    byte.worker_left("w1")
+    assert metrics.registry.get_sample_value(
+        "prefixcache_gateway_tokenizer_mismatched_workers") == 0
 
 
 # ---- discovery and tenants, without servers ---------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from compute_service.model import (
     PRESETS,
     ForwardMode,
+    NoTokenizer,
     PagedDriver,
     UnsupportedConfigError,
     build_preset,
@@ -67,7 +68,9 @@ def test_save_load_round_trip(name: str, tmp_path: Path) -> None:
     assert read_config(tmp_path) == model.config
     ours, theirs = model.state_dict(), loaded.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert isinstance(load_tokenizer(tmp_path, loaded.config), ByteTokenizer)
+    # No tokenizer.json: token ids only, with the checkpoint's EOS (never a byte fallback).
+    tok = load_tokenizer(tmp_path, loaded.config)
+    assert isinstance(tok, NoTokenizer) and tok.eos_token_ids == (ByteTokenizer.EOS,)
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -1,0 +1,195 @@
+"""Request bodies of the OpenAI-compatible API (pydantic) and the response objects it returns.
+
+Requests follow OpenAI's and vLLM's rules for what is accepted:
+- Unknown fields are accepted and ignored (`extra="ignore"`), as OpenAI and vLLM do, so newer
+  clients keep working; known fields are validated strictly (`strict=True`: "3" is not an
+  integer, 1 is not a boolean), and a failure names the field (errors.py).
+- Fields this gateway cannot honour are refused when set to anything but their neutral value
+  (`unsupported()`), never silently ignored: an answer without the asked-for logprobs or with
+  another sampling than asked would look right and be wrong.
+- vLLM's extra sampling fields are taken where the workers implement them: `ignore_eos`,
+  `top_k`, `min_tokens`, `stop_token_ids`.
+
+Responses are plain dicts with OpenAI's exact keys (built here, so the shapes live in one
+place); `usage` carries the `prefixcache` extension (see `usage()`).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Samples of one prompt per request; each is one worker call.
+MAX_N = 128
+# Token ids are u32 on the wire (design.md §3); so are the token counts of SamplingParams.
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+_U32 = 2**32
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What /v1/completions and /v1/chat/completions share."""
+    # None: the base model. A loaded LoRA adapter's name selects that adapter.
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Neutral values only (unsupported()).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters.
+    ignore_eos: bool = False
+    top_k: int | None = Field(None, ge=-1, lt=_U32)
+    min_tokens: int = Field(0, ge=0, lt=_U32)
+    stop_token_ids: list[TokenId] | None = None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    # A string, token ids, or a batch of either.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, lt=_U32)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per entry (a bare string or id list is a batch of one)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = _unsupported_sampling(self)
+        if self.echo:
+            out.append(("echo", "echoing the prompt is not supported"))
+        if self.logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix is not supported"))
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(("best_of", "best_of other than n is not supported"))
+        return out
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    # A string, or text parts (joined); None only for an assistant turn without text.
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, lt=_U32)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=_U32)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's: render the template with the generation prompt (the assistant turn's header).
+    add_generation_prompt: bool = True
+
+    def token_limit(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) over max_tokens (the older one)."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as the chat template reads them ("developer" is OpenAI's newer name
+        for "system", which templates know)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = _unsupported_sampling(self)
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported"))
+        if self.tools:
+            out.append(("tools", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            out.append(("response_format", "only response_format {\"type\": \"text\"} is "
+                                           "supported"))
+        return out
+
+
+def _unsupported_sampling(r: _Sampling) -> list[tuple[str, str]]:
+    out = []
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(r, name):
+            out.append((name, f"{name} is not supported"))
+    if r.logit_bias:
+        out.append(("logit_bias", "logit_bias is not supported"))
+    if any(not s for s in r.stop_strings()):
+        out.append(("stop", "stop strings must not be empty"))
+    return out
+
+
+# ----- responses ------------------------------------------------------------------------------
+
+FINISH_REASONS = {1: "stop", 2: "length", 3: "abort"}  # pb.FinishReason -> OpenAI's word
+
+
+def completion_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def chat_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": finish}
+
+
+def chat_delta(index: int, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],
+             **extra: Any) -> dict[str, Any]:
+    """`kind`: text_completion, chat.completion or chat.completion.chunk."""
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+            **extra}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          extension: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage, plus `prefixcache`: where the prompt came from (see gateway/http/app.py's
+    docstring for the fields)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "prefixcache": extension}
+
+
+def model_card(model_id: str, created: int, owner: str, max_model_len: int,
+               parent: str | None = None) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owner,
+            "root": parent or model_id, "parent": parent, "max_model_len": max_model_len}

@@ -1,0 +1,48 @@
+"""Helpers of the HTTP API tests: raw HTTP calls with a tenant's bearer token, and the `data:`
+events of a Server-Sent Events body."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import httpx
+
+
+def auth(token: str | None = "tok-a") -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def post(base: str, path: str, body: dict, token: str | None = "tok-a",
+         timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(base + path, json=body, headers=auth(token), timeout=timeout)
+
+
+def events(lines: Iterable[str]) -> list:
+    """The `data:` payloads of an SSE body, JSON decoded, `[DONE]` as the string."""
+    out = []
+    for line in lines:
+        if line.startswith("data:"):
+            data = line[len("data:"):].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def stream(base: str, path: str, body: dict, token: str | None = "tok-a") -> list:
+    """The events of a streamed request (asserting a 200 and SSE)."""
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, headers=auth(token),
+                      timeout=60.0) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return events(r.iter_lines())
+
+
+def streamed_text(evts: list, chat: bool) -> dict[int, str]:
+    """Each choice's text, joined from the chunks."""
+    out: dict[int, str] = {}
+    for e in evts:
+        if e == "[DONE]" or "error" in e:
+            continue
+        for c in e["choices"]:
+            piece = c["delta"].get("content", "") if chat else c["text"]
+            out[c["index"]] = out.get(c["index"], "") + (piece or "")
+    return out
