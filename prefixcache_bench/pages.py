@@ -35,6 +35,8 @@ PAGE = RESULTS / "README.md"
 BLOCK_FILES = (Path("README.md"), Path("deploy") / "README.md")
 # `python -m compute_service.bench --parts cpu_kernels`: C kernels on vs off (block cpu-kernels).
 CPU_KERNELS = "compute/cpu_kernels.json"
+# `python -m stack.bench_http`: TTFT of a cached prompt, HTTP front vs gRPC (block http-front).
+HTTP_FRONT = "gateway/http_vs_grpc.json"
 
 
 # ---- the page ----------------------------------------------------------------------------------
@@ -115,9 +117,24 @@ def block_cpu_kernels(sources: list[Source]) -> list[str]:
     return lines
 
 
+def block_http_front(sources: list[Source]) -> list[str]:
+    """TTFT p50 of a cached prompt through the gateway's gRPC and HTTP APIs, one run."""
+    src = by_rel(sources).get(HTTP_FRONT)
+    if src is None:
+        return [f"- not measured: `docs/results/{HTTP_FRONT}` is missing (see `{PAGE}`)"]
+    d = src.data
+    return [f"- TTFT p50 over {d['requests_per_api']} requests each: gRPC "
+            f"{fmt(d['grpc_ttft_ms_p50'])} ms, HTTP {fmt(d['http_ttft_ms_p50'])} ms with the "
+            f"standard library's client (the front adds {fmt(d['http_overhead_p50_ms'])} ms), "
+            f"{fmt(d['httpx_ttft_ms_p50'])} ms with httpx, the `openai` package's client "
+            f"(+{fmt(d['httpx_overhead_p50_ms'])} ms)",
+            f"- machine: {machine_line(d.get('machine'))}; `docs/results/{HTTP_FRONT}`"]
+
+
 BLOCKS: dict[str, Callable[[list[Source]], list[str]]] = {
     "summary": block_summary,
     "cpu-kernels": block_cpu_kernels,
+    "http-front": block_http_front,
 }
 
 MARKER = re.compile(r"^(?P<indent>\s*)<!-- (?P<close>/?)results:(?P<name>[\w.-]+) -->\s*$")

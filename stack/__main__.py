@@ -3,11 +3,13 @@
     python -m stack [--keep-running] [--model tiny-hybrid] [--workers 2]
 
 Starts, each health-checked before the next: Redis (the local redis-server, as the L3 page store;
-without one the stack runs without L3 and says so), the cache service, N compute workers on a tiny
-preset on CPU, and the gateway. Logs go to runs/<time>/<service>.log. Then it sends the demo
-workload through the gateway (stack/workload.py), prints per request the TTFT, the tokens found in
-cache by medium, the worker chosen and why, and the totals, and stops everything cleanly (also on
-Ctrl-C). With --keep-running the stack stays up for outside clients until Ctrl-C.
+without one the stack runs without L3 and says so), the cache service, N compute workers on CPU
+serving the demo model (a tiny preset's weights with a real BPE tokenizer and a chat template:
+stack/demo_checkpoint.py), and the gateway with its gRPC and OpenAI-compatible HTTP ports. Logs go
+to runs/<time>/<service>.log. Then it sends the demo workload through the gateway
+(stack/workload.py: gRPC, and chat completions over HTTP), prints per request the TTFT, the tokens
+found in cache by medium, the worker chosen and why, and the totals, and stops everything cleanly
+(also on Ctrl-C). With --keep-running the stack stays up for outside clients until Ctrl-C.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import time
 
 from service_shell import sleep_until_interrupted
 from stack import workload
+from stack.demo_checkpoint import write_demo_checkpoint
 from stack.launcher import Stack, free_port, python_module, redis_server_binary
 
 TOKENS = {"alice": "demo-token-alice", "bob": "demo-token-bob"}
@@ -29,7 +32,8 @@ ADAPTER = "demo-lora"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-hybrid", help="preset every worker serves")
+    parser.add_argument("--model", default="tiny-hybrid",
+                        help="tiny preset whose weights the demo model has (default tiny-hybrid)")
     parser.add_argument("--workers", type=int, default=2, help="compute workers (default 2)")
     parser.add_argument("--keep-running", action="store_true",
                         help="after the demo, keep the stack up until Ctrl-C")
@@ -39,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(run_dir)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
-        gateway = start_stack(stack, run_dir, args)
-        client = workload.Client(gateway, TOKENS)
+        gateway, http = start_stack(stack, run_dir, args)
+        client = workload.Client(gateway, http, TOKENS)
         print("\nrunning the demo workload through the gateway...", flush=True)
         workload.run(client, ADAPTER, drain_worker=(lambda: drain_busiest(stack, client))
                      if args.workers > 1 and stack.has("redis") else None)
@@ -48,10 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         print(workload.summary(client.rows))
         client.close()
         if args.keep_running:
-            print(f"\nthe stack is up: gateway {gateway} (tokens: {', '.join(TOKENS.values())}); "
-                  f"logs in {run_dir}. Try:\n  grpcurl -plaintext -H 'authorization: Bearer "
-                  f"{TOKENS['alice']}' -d '{{\"text\": \"Hello\"}}' {gateway} "
-                  f"prefixcache.v1.ComputeService/Generate\nCtrl-C stops it.", flush=True)
+            print(f"\nthe stack is up: gateway {gateway} (gRPC), {http} (HTTP); tokens: "
+                  f"{', '.join(TOKENS.values())}; logs in {run_dir}. Try:\n"
+                  f"  grpcurl -plaintext -H 'authorization: Bearer {TOKENS['alice']}' "
+                  f"-d '{{\"text\": \"Hello\"}}' {gateway} prefixcache.v1.ComputeService/Generate\n"
+                  f"  curl {http}/v1/chat/completions -H 'Authorization: Bearer "
+                  f"{TOKENS['alice']}' -H 'Content-Type: application/json' -d "
+                  f"'{{\"model\": \"{workload.MODEL}\", \"messages\": [{{\"role\": \"user\", "
+                  f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'\n"
+                  f"Ctrl-C stops it.", flush=True)
             sleep_until_interrupted()
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the stack", flush=True)
@@ -65,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not bad else 1
 
 
-def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> str:
+def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> tuple[str, str]:
+    """Starts every service; returns the gateway's gRPC address and HTTP base URL."""
     redis_url = ""
     if redis_server_binary():
         port = free_port()
@@ -83,27 +93,31 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> str:
     stack.start("cache_service", python_module("cache_service", "--host", "127.0.0.1", "--port",
                                                cache.rsplit(":", 1)[1], *l3), cache)
     print(f"cache service     {cache}")
+    model_dir = write_demo_checkpoint(run_dir / workload.MODEL, args.model)
     adapter_dir = run_dir / ADAPTER
     write_demo_adapter(adapter_dir, args.model)
     workers = []
     for i in range(1, args.workers + 1):
         address = f"127.0.0.1:{free_port()}"
         stack.start(f"worker-{i}", python_module(
-            "compute_service", "--model", args.model, "--cache-service", cache,
+            "compute_service", "--model", str(model_dir), "--cache-service", cache,
             "--pool-id", f"worker-{i}", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
             "--threads", "1", "--device-pages", "512", "--adapter", f"{ADAPTER}={adapter_dir}",
             *(l3 + ["--l3-write-policy", "write-through", "--l3-lookup"] if l3 else [])), address)
         workers.append(f"{address}@{cache}")
-        print(f"worker-{i}          {address} ({args.model}, adapter {ADAPTER})")
+        print(f"worker-{i}          {address} ({workload.MODEL}: {args.model} weights, "
+              f"adapter {ADAPTER})")
     tenants = run_dir / "tenants.json"
     tenants.write_text(json.dumps({"tokens": {tok: {"tenant": name, "salt": f"salt-{name}"}
                                               for name, tok in TOKENS.items()}}))
-    gateway = f"127.0.0.1:{free_port()}"
+    gateway, http_port = f"127.0.0.1:{free_port()}", free_port()
     stack.start("gateway", python_module("gateway", "--host", "127.0.0.1", "--port",
                                          gateway.rsplit(":", 1)[1], "--workers", ",".join(workers),
-                                         "--tenants-file", str(tenants)), gateway)
-    print(f"gateway           {gateway} (logs: {run_dir})")
-    return gateway
+                                         "--tenants-file", str(tenants),
+                                         "--http-port", str(http_port)), gateway)
+    http = f"http://127.0.0.1:{http_port}"
+    print(f"gateway           {gateway} (gRPC), {http} (OpenAI-compatible HTTP; logs: {run_dir})")
+    return gateway, http
 
 
 def drain_busiest(stack: Stack, client: workload.Client) -> None:

@@ -1,11 +1,16 @@
 """The demo workload, sent through the gateway the way clients would: multi-turn conversations,
-a burst of requests sharing a prefix, two tenants sending the same prompt, and a request under a
-LoRA adapter. Each request is previewed (where the gateway would send it, and why) and then run;
-what comes back is one row of the summary."""
+a burst of requests sharing a prefix, two tenants sending the same prompt, a request under a
+LoRA adapter (gRPC, each previewed first: where the gateway would send it, and why), and a chat
+with a next turn through the OpenAI-compatible HTTP API (streamed; `usage.prefixcache` says
+where the prompt came from and why the worker was chosen). Each request is one row of the
+summary."""
 from __future__ import annotations
 
+import json
 import random
 import threading
+import time
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +22,7 @@ SYSTEM = ("You are the support assistant of a small bookshop. Answer briefly and
           "prices in euros, and never promise a delivery date you cannot keep. The catalogue has "
           "novels, poetry, history, cookery and children's books; orders over 40 euros ship free "
           "within the country, and returns are accepted within 30 days with the receipt. ")
+MODEL = "demo-chat"  # the demo checkpoint's directory name, which is its model id
 QUESTIONS = ["Do you have the new poetry anthology?", "How long does shipping take?",
              "Can I return a gift without a receipt?", "Is there a discount for students?",
              "Which cookery books do you recommend?", "Do you ship abroad?"]
@@ -38,9 +44,11 @@ class Row:
 
 
 class Client:
-    """Authenticated calls to the gateway (one bearer token per tenant)."""
+    """Authenticated calls to the gateway (one bearer token per tenant), over gRPC at `address`
+    and over HTTP at `http` (a base URL)."""
 
-    def __init__(self, address: str, tokens: dict[str, str]):
+    def __init__(self, address: str, http: str, tokens: dict[str, str]):
+        self.http = http
         self.channel = grpc.insecure_channel(address)
         self.compute = cgrpc.ComputeServiceStub(self.channel)
         self.gateway = ggrpc.GatewayServiceStub(self.channel)
@@ -70,6 +78,38 @@ class Client:
                 name, tenant, stats.prompt_tokens, stats.cached_tokens_device,
                 stats.cached_tokens_host, stats.cached_tokens_remote, stats.shared_tokens_in_flight,
                 stats.computed_prompt_tokens, stats.ttft_s * 1000, stats.worker, preview.reason))
+        return "".join(answer)
+
+    def chat(self, name: str, tenant: str, messages: list[dict], max_tokens: int = 24) -> str:
+        """One streamed chat completion through the HTTP API; TTFT is the first content chunk's
+        arrival as this client sees it."""
+        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        req = urllib.request.Request(
+            f"{self.http}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+            headers={"Authorization": f"Bearer {self.tokens[tenant]}",
+                     "Content-Type": "application/json"})
+        started, first, answer, usage = time.perf_counter(), None, [], None
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for line in resp:
+                data = line.decode().strip().removeprefix("data:").strip()
+                if not line.startswith(b"data:") or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                for choice in chunk.get("choices", []):
+                    text = choice["delta"].get("content")
+                    if text:
+                        first = first or time.perf_counter()
+                        answer.append(text)
+                usage = chunk.get("usage") or usage
+        ext = usage["prefixcache"]
+        with self._lock:
+            self.rows.append(Row(
+                name, tenant, usage["prompt_tokens"], ext["cached_tokens_device"],
+                ext["cached_tokens_host"], ext["cached_tokens_remote"],
+                ext["shared_tokens_in_flight"], ext["computed_prompt_tokens"],
+                ((first or time.perf_counter()) - started) * 1000, ext["worker"],
+                f"HTTP: {ext['route_reason']}"))
         return "".join(answer)
 
     def close(self) -> None:
@@ -107,7 +147,15 @@ def run(client: Client, adapter: str | None, drain_worker=None, seed: int = 7) -
         client.ask("base-hours", "alice", shared)
         client.ask("lora-hours", "alice", shared, adapter=adapter)
         client.ask("lora-hours-2", "alice", shared, adapter=adapter)
-    # 5. A rolling update: the worker holding the conversations goes away; their next turns land
+    # 5. A chat through the OpenAI-compatible HTTP API, rendered with the model's chat template,
+    #    then its next turn: the rendered history is a prefix of the next turn's, so it is reused.
+    messages = [{"role": "system", "content": SYSTEM.strip()},
+                {"role": "user", "content": "Do you have the new poetry anthology?"}]
+    answer = client.chat("http-chat", "alice", messages)
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": "And how long does shipping take?"}]
+    client.chat("http-chat-2", "alice", messages)
+    # 6. A rolling update: the worker holding the conversations goes away; their next turns land
     #    on another worker, which loads them from L3 (Redis) instead of recomputing them.
     if drain_worker is not None:
         drain_worker()

@@ -1,4 +1,6 @@
-"""The README's main job: the whole stack, the demo workload, the summary, a clean shutdown."""
+"""The README's main job: the whole stack, the demo workload, the summary, a clean shutdown;
+and the benchmark of the HTTP front against gRPC, which starts the same services."""
+import json
 import os
 import pathlib
 import subprocess
@@ -10,7 +12,7 @@ PAGE_SIZE = 16  # the stack's workers
 
 def rows(out: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split() for line in out.splitlines()
-            if line.startswith(("chat", "burst", "alice", "bob", "base", "lora"))}
+            if line.startswith(("chat", "burst", "alice", "bob", "base", "lora", "http"))}
 
 
 def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
@@ -33,4 +35,20 @@ def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
     assert r["lora-hours"][device] == "0"  # an adapter never shares the base model's pages
     assert int(r["lora-hours-2"][device]) > 0
     assert all(int(r[f"chat{i}-turn3"][remote]) > 0 for i in range(3))  # L3 after a drain
+    # A chat over the OpenAI-compatible HTTP API, then its next turn: the history is reused.
+    assert int(r["http-chat"][computed]) > 0 and r["http-chat"][10] == "HTTP:"
+    assert int(r["http-chat-2"][device]) > 0
     assert "hit ratio" in res.stdout
+
+
+def test_the_http_benchmark_measures_both_fronts(tmp_path):
+    out = tmp_path / "http.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "stack.bench_http", "--requests", "3", "--json",
+                          str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode in (0, 1), res.stdout + res.stderr  # 1: the goal failed, still measured
+    results = json.loads(out.read_text())
+    for api in ("grpc", "http", "httpx"):
+        assert 0 < results[f"{api}_ttft_ms_p50"] < 10_000
+    assert results["requests_per_api"] == 3 and "http_overhead_p50_ms" in results["goals"]
