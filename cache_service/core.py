@@ -2,44 +2,26 @@
 
 Each public method takes the request message of the RPC of the same name and returns its
 response. Calls are serialised by one lock. Bad input raises `CacheError` before any state
-changes: a whole step is validated before its first op is applied.
-
-Longer than 400 lines: validation of every op kind lives beside the step it guards; it is split
-together with `pool.py` by the cache-core rewrite (issue "The cache core at SGLang's speed").
+changes: a whole step is validated (validate.py) before its first op is applied to the pool
+(pool.py), and the pool's plain results become the response's messages here.
 """
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from cache_service import events
+from cache_service.events import split_hashes
 from cache_service.pool import MEDIA, REMOTE, Lease, Pool, PoolConfig
 from cache_service.tree import DEVICE, HOST
+from cache_service.validate import MAX_PAGE_SIZE, StepOps, check_name, check_pool_id, plan_step
 from prefixcache.v1 import cache_service_pb2 as pb, events_pb2
 from prefixcache_client.errors import invalid, not_found, precondition
-from prefixcache_client.hash import MAX_NAME_BYTES, token_bytes
 
-POOL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-MAX_PAGE_SIZE = 4096
-MAX_PROMPT_TOKENS = 1 << 20
-MAX_PAGES_PER_ALLOCATION = 65536
 DEFAULT_LEASE_TTL_S = 30.0
 SNAPSHOT_BATCH_PAGES = 4096
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """A validated step: leases resolved, tokens converted once."""
-    publishes: list[tuple[Lease, bytes, int]]
-    checkpoints: list[tuple[Lease, int, bool]]
-    releases: list[Lease]
-    renewals: list[Lease]
-    matches: list[tuple[pb.MatchOp, bytes, float]]
-    allocations: list[tuple[Lease, int]]
 
 
 class CacheCore:
@@ -60,14 +42,14 @@ class CacheCore:
     # ---- pools --------------------------------------------------------------------------
 
     def register_pool(self, req: pb.RegisterPoolRequest) -> pb.RegisterPoolResponse:
-        _check_pool_id(req.pool_id)
+        check_pool_id(req.pool_id)
         if req.epoch == 0:
             raise invalid("epoch: must be > 0 (a new value each time the worker starts)")
         if not 1 <= req.page_size <= MAX_PAGE_SIZE:
             raise invalid(f"page_size: must be in [1, {MAX_PAGE_SIZE}], got {req.page_size}")
         if req.device_pages < 1:
             raise invalid("device_pages: must be >= 1")
-        _check_name("model_id", req.model_id, allow_empty=False)
+        check_name("model_id", req.model_id, allow_empty=False)
         if req.lease_ttl_s < 0:
             raise invalid(f"lease_ttl_s: must be >= 0, got {req.lease_ttl_s}")
         if req.remote_write_policy not in pb.RemoteWritePolicy.values():
@@ -109,7 +91,7 @@ class CacheCore:
         """Ends a pool epoch: its leases die and its subscribers see everything cleared."""
         for lease_id in pool.leases:
             self._lease_pool.pop(lease_id, None)
-        pool.pending.append(["cleared"])
+        pool.events.cleared()
         self._flush(pool)
         pool.closed = True
 
@@ -138,109 +120,61 @@ class CacheCore:
                                    f"not {req.epoch} (the worker restarted: register again)")
             # A lease this step names is alive (its worker is talking to us), however long the
             # worker's last forward took: renew it before expiring the silent ones.
-            for lease_id in _named_leases(req):
+            ops = StepOps.of(req)
+            for lease_id in ops.named_leases():
                 if (held := pool.leases.get(lease_id)) is not None:
                     pool.renew(held)
             self._expire(pool)
-            plan = self._validate(pool, req)
+            plan = plan_step(pool, ops, self.max_ops_per_step,
+                             lambda lease_id, where: self._lease(pool, lease_id, where))
             resp = pb.StepResponse()
             for lease, data, pages in plan.publishes:
-                resp.publishes.append(pool.publish(lease, data, pages))
+                done = pool.publish(lease, data, pages)
+                out = resp.publishes.add(lease_id=done.lease_id, inserted_pages=done.inserted_pages)
+                for index, old, new in done.remaps:
+                    out.remaps.add(index=index, old_page=old, new_page=new)
                 pool.renew(lease)
             for lease, index, detach in plan.checkpoints:
-                resp.checkpoints.append(pool.checkpoint(lease, index, detach))
+                c = pool.checkpoint(lease, index, detach)
+                resp.checkpoints.add(lease_id=c.lease_id, page_index=c.page_index, ok=c.ok,
+                                     slot=c.slot, already_present=c.already_present,
+                                     reason=c.reason)
             pool.flush_write_through()  # after checkpoints, so the copies carry their slots
             for lease in plan.releases:
                 pool.release(lease)
                 del self._lease_pool[lease.lease_id]
             for lease in plan.renewals:
                 pool.renew(lease)
-            pool.last_match = None  # reused only between the matches of this step
+            page = pool.cfg.page_size
             for op, data, ttl in plan.matches:
                 lease_id = f"{pool.cfg.pool_id}/{pool.cfg.epoch}/{next(self._lease_ids)}"
                 self._lease_pool[lease_id] = pool.cfg.pool_id
-                resp.matches.append(pool.match(op.request_id, lease_id, op.namespace.adapter,
-                                               op.namespace.salt, data, ttl, op.is_resume,
-                                               op.skip_host_load, op.omit_page_hashes))
-            pool.last_match = None
+                m = pool.match(op.request_id, lease_id, op.namespace.adapter, op.namespace.salt,
+                               data, ttl, op.is_resume, op.skip_host_load, op.omit_page_hashes)
+                cached = len(m.device_pages)
+                resp.matches.add(
+                    request_id=op.request_id, lease_id=lease_id, device_pages=m.device_pages,
+                    cached_tokens=cached * page,
+                    device_hit_tokens=(cached - m.host_hit_pages) * page,
+                    host_hit_tokens=m.host_hit_pages * page, page_hashes=split_hashes(m.hashes),
+                    mamba_slot=m.mamba_slot, unusable_pages=m.unusable_pages,
+                    remote_pages=m.remote_pages, remote_page_hashes=m.remote_page_hashes,
+                    remote_hit_tokens=len(m.remote_pages) * page)
             for lease, n in plan.allocations:
-                resp.allocations.append(pool.allocate(lease, n))
+                a = pool.allocate(lease, n)
+                resp.allocations.add(lease_id=a.lease_id, ok=a.ok, device_pages=a.device_pages,
+                                     reason=a.reason)
                 pool.renew(lease)
             if req.HasField("load"):
                 pool.load.CopyFrom(req.load)
-            resp.copies.extend(pool.copies)
-            pool.copies.clear()
-            resp.expired_lease_ids.extend(pool.expired)
-            pool.expired.clear()
+            if pool.copies:
+                resp.copies.extend(pool.copies)
+                pool.copies.clear()
+            if pool.expired:
+                resp.expired_lease_ids.extend(pool.expired)
+                pool.expired.clear()
             self._flush(pool)
             return resp
-
-    def _validate(self, pool: Pool, req: pb.StepRequest) -> _StepPlan:
-        n_ops = (len(req.publishes) + len(req.checkpoints) + len(req.releases) + len(req.matches)
-                 + len(req.allocations) + len(req.renew_lease_ids))
-        if n_ops > self.max_ops_per_step:
-            raise invalid(f"step: {n_ops} ops exceed the limit of {self.max_ops_per_step} per step")
-        lease = lambda lease_id, where: self._lease(pool, lease_id, where)  # noqa: E731
-        plan = _StepPlan([], [], [], [], [], [])
-        published_pages: dict[str, int] = {}
-        for i, op in enumerate(req.publishes):
-            where = f"publishes[{i}]"
-            held = lease(op.lease_id, where)
-            if held.lease_id in published_pages:
-                raise invalid(f"{where}.lease_id: lease '{op.lease_id}' is published twice in one step")
-            data = _tokens_of(op.append_token_ids, op.packed_append_token_ids,
-                              f"{where}.append_token_ids")
-            full = (len(held.data) + len(data)) // pool.stride
-            if op.computed_pages > min(full, len(held.pages)):
-                raise invalid(
-                    f"{where}.computed_pages: {op.computed_pages} exceeds the lease's {full} full "
-                    f"pages of tokens or its {len(held.pages)} allocated pages")
-            published_pages[held.lease_id] = max(op.computed_pages, len(held.nodes))
-            plan.publishes.append((held, data, op.computed_pages))
-        for i, op in enumerate(req.checkpoints):
-            where = f"checkpoints[{i}]"
-            held = lease(op.lease_id, where)
-            if not pool.cfg.mamba_slots:
-                raise invalid(f"{where}: pool '{pool.cfg.pool_id}' has no Mamba slots (mamba_slots=0)")
-            published = published_pages.get(held.lease_id, len(held.nodes))
-            if op.page_index >= published:
-                raise invalid(f"{where}.page_index: page {op.page_index} is not published "
-                              f"(the lease has {published} published pages)")
-            plan.checkpoints.append((held, op.page_index, op.detach))
-        ended: set[str] = set()
-        for i, op in enumerate(req.releases):
-            held = lease(op.lease_id, f"releases[{i}]")
-            if held.lease_id in ended:
-                raise invalid(f"releases[{i}].lease_id: lease '{op.lease_id}' is released twice")
-            ended.add(held.lease_id)
-            plan.releases.append(held)
-        for i, lease_id in enumerate(req.renew_lease_ids):
-            plan.renewals.append(self._live(lease(lease_id, f"renew_lease_ids[{i}]"), ended,
-                                            f"renew_lease_ids[{i}]"))
-        for i, op in enumerate(req.matches):
-            where = f"matches[{i}]"
-            ns = op.namespace
-            if ns.model_id and ns.model_id != pool.cfg.model_id:
-                raise invalid(f"{where}.namespace.model_id: '{ns.model_id}' is not the pool's model "
-                              f"'{pool.cfg.model_id}'")
-            _check_name(f"{where}.namespace.adapter", ns.adapter)
-            _check_name(f"{where}.namespace.salt", ns.salt)
-            n_tokens = len(op.token_ids) + len(op.packed_token_ids) // 4
-            if n_tokens > MAX_PROMPT_TOKENS:
-                raise invalid(f"{where}.token_ids: {n_tokens} tokens exceed the limit of "
-                              f"{MAX_PROMPT_TOKENS}")
-            if op.lease_ttl_s < 0:
-                raise invalid(f"{where}.lease_ttl_s: must be >= 0")
-            data = _tokens_of(op.token_ids, op.packed_token_ids, f"{where}.token_ids")
-            plan.matches.append((op, data, op.lease_ttl_s or pool.cfg.lease_ttl_s))
-        for i, op in enumerate(req.allocations):
-            where = f"allocations[{i}]"
-            held = self._live(lease(op.lease_id, where), ended, f"{where}.lease_id")
-            if not 1 <= op.num_pages <= MAX_PAGES_PER_ALLOCATION:
-                raise invalid(f"{where}.num_pages: must be in [1, {MAX_PAGES_PER_ALLOCATION}], "
-                              f"got {op.num_pages}")
-            plan.allocations.append((held, op.num_pages))
-        return plan
 
     def _lease(self, pool: Pool, lease_id: str, where: str) -> Lease:
         held = pool.leases.get(lease_id)
@@ -251,12 +185,6 @@ class CacheCore:
             raise invalid(f"{where}: lease '{lease_id}' belongs to pool '{owner}', "
                           f"not '{pool.cfg.pool_id}'")
         raise not_found(f"{where}: unknown or expired lease '{lease_id}'")
-
-    @staticmethod
-    def _live(lease: Lease, ended: set[str], where: str) -> Lease:
-        if lease.lease_id in ended:
-            raise invalid(f"{where}: lease '{lease.lease_id}' is released earlier in this step")
-        return lease
 
     # ---- leases, namespaces, stats --------------------------------------------------------
 
@@ -306,7 +234,7 @@ class CacheCore:
     # ---- events ---------------------------------------------------------------------------
 
     def _flush(self, pool: Pool) -> None:
-        if pool.pending:
+        if pool.events.pending:
             pool.log.append(pool.take_events())
             self._changed.notify_all()
 
@@ -378,39 +306,6 @@ class CacheCore:
             self._changed.notify_all()
 
 
-def _named_leases(req: pb.StepRequest) -> Iterator[str]:
-    for ops in (req.publishes, req.checkpoints, req.releases, req.allocations):
-        for op in ops:
-            yield op.lease_id
-    yield from req.renew_lease_ids
-
-
-def _check_pool_id(pool_id: str) -> None:
-    if not POOL_ID.match(pool_id):
-        raise invalid(f"pool_id: '{pool_id}' must be 1..128 characters of [A-Za-z0-9._:-]")
-
-
-def _check_name(field: str, value: str, allow_empty: bool = True) -> None:
-    size = len(value.encode("utf-8"))
-    if size > MAX_NAME_BYTES or (not allow_empty and size == 0):
-        raise invalid(f"{field}: must be {0 if allow_empty else 1}..{MAX_NAME_BYTES} UTF-8 bytes, "
-                      f"got {size}")
-
-
-def _tokens_of(ids, packed: bytes, field: str) -> bytes:
-    """The u32-le bytes of a token list given either as int64 ids or already packed."""
-    if packed:
-        if ids:
-            raise invalid(f"{field}: set either {field.rsplit('.', 1)[-1]} or its packed_ form, not both")
-        if len(packed) % 4:
-            raise invalid(f"{field}: packed length {len(packed)} is not a multiple of 4 bytes")
-        return packed
-    try:
-        return token_bytes(ids, field)
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
-
-
 def _pool_stats(pool: Pool) -> pb.PoolStats:
     c = pool.counters
     hits = c.hit_tokens[DEVICE] + c.hit_tokens[HOST] + c.hit_tokens[REMOTE]
@@ -429,7 +324,7 @@ def _pool_stats(pool: Pool) -> pb.PoolStats:
         hit_tokens_remote=c.hit_tokens[REMOTE], skipped_prefill_tokens=hits,
         computed_prefill_tokens=c.queried_tokens - hits, media=media,
         mamba_slots_total=pool.cfg.mamba_slots,
-        mamba_slots_used=pool.cfg.mamba_slots - len(pool.free_slots),
-        mamba_evictions=c.mamba_evictions, active_leases=len(pool.leases),
+        mamba_slots_used=pool.cfg.mamba_slots - len(pool.slots.free),
+        mamba_evictions=pool.slots.evictions, active_leases=len(pool.leases),
         lease_expiries=c.lease_expiries, namespaces=len(pool.roots),
         duplicate_pages=c.duplicate_pages, remote_writes=c.remote_writes)

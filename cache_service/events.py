@@ -1,4 +1,12 @@
-"""The KV event log of one pool epoch: numbered batches and a bounded replay buffer.
+"""The KV events of one pool epoch: the log of numbered batches with its bounded replay buffer,
+and the protobuf messages, built from compact records only when someone reads them.
+
+A record is what `emitter.Emitter` collected during one call: `[STORED, medium, parent hash
+(b"" at a namespace root), hashes, tokens, adapter]`, `[REMOVED, medium, hashes]` or
+`[CLEARED]`, where hashes (16 bytes each) and tokens (u32-le) are lists of chunks to join. A
+batch is appended with its seq and timestamp at once, and encoded into an `EventBatch` once, the
+first time a subscriber (or a test) asks for it: pools nobody subscribes to never build a
+protobuf event.
 
 `seq` starts at 0 in every epoch and grows by one per batch. The buffer keeps the newest batches
 holding at most `capacity` page events; a subscriber that needs an older batch gets a snapshot.
@@ -6,18 +14,37 @@ holding at most `capacity` page events; a subscriber that needs an older batch g
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from array import array
 from collections import deque
 
+import numpy as np
+
 from prefixcache.v1 import events_pb2
+
+STORED, REMOVED, CLEARED = 0, 1, 2
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def split_hashes(hashes: bytes) -> list[bytes]:
+    """Concatenated 16-byte hashes as a list of bytes (one C loop)."""
+    return np.frombuffer(hashes, dtype="V16").tolist() if hashes else []
+
+
+def token_list(tokens: bytes) -> list[int]:
+    ids = array("I")
+    ids.frombytes(tokens)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    return ids.tolist()
 
 
 def stored(hashes: list[bytes], parent: bytes, tokens: bytes, page_size: int, model_id: str,
            adapter: str, medium: int) -> events_pb2.KvEvent:
     """A BlockStored event; `tokens` are the pages' u32-le bytes, `parent` b"" at a namespace root."""
     return events_pb2.KvEvent(stored=events_pb2.BlockStored(
-        block_hashes=hashes, parent_block_hash=parent, token_ids=array("I", tokens).tolist(),
+        block_hashes=hashes, parent_block_hash=parent, token_ids=token_list(tokens),
         block_size=page_size, model_id=model_id, adapter=adapter, medium=medium))
 
 
@@ -27,6 +54,27 @@ def removed(hashes: list[bytes], medium: int) -> events_pb2.KvEvent:
 
 def cleared() -> events_pb2.KvEvent:
     return events_pb2.KvEvent(cleared=events_pb2.AllBlocksCleared())
+
+
+def to_event(record: list, page_size: int, model_id: str) -> events_pb2.KvEvent:
+    kind = record[0]
+    if kind == STORED:
+        _, medium, parent, hashes, tokens, adapter = record
+        return stored(split_hashes(b"".join(hashes)), parent, b"".join(tokens), page_size,
+                      model_id, adapter, medium)
+    if kind == REMOVED:
+        return removed(split_hashes(b"".join(record[2])), record[1])
+    return cleared()
+
+
+def record_pages(record: list) -> int:
+    """Page events in one record (AllBlocksCleared counts as one)."""
+    if record[0] == CLEARED:
+        return 1
+    pages = 0
+    for chunk in record[3 if record[0] == STORED else 2]:
+        pages += len(chunk)
+    return pages >> 4
 
 
 def page_count(event: events_pb2.KvEvent) -> int:
@@ -40,32 +88,42 @@ def page_count(event: events_pb2.KvEvent) -> int:
 
 
 class EventLog:
-    def __init__(self, pool_id: str, epoch: int, capacity: int):
+    def __init__(self, pool_id: str, epoch: int, capacity: int, page_size: int, model_id: str):
         self.pool_id = pool_id
         self.epoch = epoch
         self.capacity = max(1, capacity)
+        self.page_size = page_size
+        self.model_id = model_id
         self.head_seq = -1
-        self._batches: deque[tuple[events_pb2.EventBatch, int]] = deque()
+        # [seq, timestamp, records or None, size, EventBatch or None]
+        self._batches: deque[list] = deque()
         self._held = 0
 
-    def append(self, events: list[events_pb2.KvEvent]) -> events_pb2.EventBatch:
+    def append(self, records: list[list]) -> None:
         self.head_seq += 1
-        batch = events_pb2.EventBatch(pool_id=self.pool_id, epoch=self.epoch, seq=self.head_seq,
-                                      timestamp=time.time(), events=events)
-        size = sum(page_count(e) for e in events)
-        self._batches.append((batch, size))
+        size = 0
+        for r in records:
+            size += record_pages(r)
+        self._batches.append([self.head_seq, time.time(), records, size, None])
         self._held += size
         # Keep at least the newest batch so that a live subscriber never needs a snapshot.
         while self._held > self.capacity and len(self._batches) > 1:
-            self._held -= self._batches.popleft()[1]
-        return batch
+            self._held -= self._batches.popleft()[3]
+
+    def _encoded(self, entry: list) -> events_pb2.EventBatch:
+        if entry[4] is None:
+            events = [to_event(r, self.page_size, self.model_id) for r in entry[2]]
+            entry[4] = events_pb2.EventBatch(pool_id=self.pool_id, epoch=self.epoch, seq=entry[0],
+                                             timestamp=entry[1], events=events)
+            entry[2] = None  # encoded once; the records are no longer needed
+        return entry[4]
 
     def since(self, after_seq: int) -> list[events_pb2.EventBatch] | None:
         """Batches after `after_seq`, or None when some of them are no longer held."""
         if after_seq >= self.head_seq:
             return [] if after_seq == self.head_seq else None
-        first = self._batches[0][0].seq if self._batches else self.head_seq + 1
+        first = self._batches[0][0] if self._batches else self.head_seq + 1
         if after_seq + 1 < first:
             return None
         skip = after_seq + 1 - first
-        return [b for b, _ in itertools.islice(self._batches, skip, None)]
+        return [self._encoded(e) for e in itertools.islice(self._batches, skip, None)]

@@ -18,7 +18,8 @@ def bench_match(p: Params) -> dict:
     """Latency of matching a fully cached `match_tokens` prompt (every full page but the last:
     the last token is always computed), among siblings that share its first
     `match_shared_tokens`; on the Pool (match + release of the lease) and through CacheCore.step
-    (one MatchOp; the release runs in an untimed step)."""
+    (one MatchOp; the release runs in an untimed step). Every match is cold: it walks the tree
+    from the namespace root, and nothing of the previous call is kept to start it from."""
     tok = Tokens(p.seed, p.vocab)
     prompt = tok.random(p.match_tokens)
     siblings = [np.concatenate([prompt[:p.match_shared_tokens],

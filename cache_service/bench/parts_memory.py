@@ -12,7 +12,7 @@ import numpy as np
 from cache_service.bench.params import MODEL, Params
 from cache_service.bench.workloads import Tokens, serve_on_pool
 from cache_service.pool import Pool, PoolConfig
-from cache_service.tree import DEVICE, children_of
+from cache_service.tree import DEVICE, nodes_below
 from prefixcache_bench.harness import Progress
 
 
@@ -84,21 +84,22 @@ def _growth_per_hit(pool: Pool, p: Params, hits: int) -> float:
 
 
 def _memory_breakdown(pool: Pool, cached: int) -> dict:
-    """Shallow sizes of the index's parts per cached page, to show where the bytes go."""
-    nodes, dicts, branch = 0, 0, 0
-    stack = [c for root in pool.roots.values() for c in children_of(root)]
-    while stack:
-        node = stack.pop()
-        nodes += sys.getsizeof(node) + sys.getsizeof(node.key) + sys.getsizeof(node.hash)
-        if isinstance(node.children, dict):
-            dicts += sys.getsizeof(node.children)
-            branch += 1
-        stack.extend(children_of(node))
-    heap_entries = sum(len(h) for h in pool._heaps.values())  # noqa: SLF001 (measuring internals)
-    heap = sum(sys.getsizeof(h) for h in pool._heaps.values()) + heap_entries * (
-        sys.getsizeof((0.0, 0, None)) + sys.getsizeof(1 << 40))
+    """Shallow sizes of the index's parts per cached page, to show where the bytes go: the runs
+    (node object, token run, hash run, page array), the child dicts, the LRU heap."""
+    nodes, dicts, branch, runs = 0, 0, 0, 0
+    for root in pool.roots.values():
+        for node in nodes_below(root):
+            runs += 1
+            nodes += (sys.getsizeof(node) + sys.getsizeof(node.tokens)
+                      + sys.getsizeof(node.hashes) + sys.getsizeof(node.pages))
+            if node.children:
+                dicts += sys.getsizeof(node.children)
+                branch += len(node.children) > 1
+    heap_entries = pool.pages.heap_entries()
+    heap = heap_entries * (sys.getsizeof((0.0, 0, None)) + sys.getsizeof(1 << 40) + 8)
     return {
-        "mem_node_key_hash_bytes_per_page": round(nodes / cached, 1),
+        "mem_runs": runs,
+        "mem_run_bytes_per_page": round(nodes / cached, 1),
         "mem_child_dict_bytes_per_page": round(dicts / cached, 1),
         "mem_branch_nodes": branch,
         "mem_lru_heap_entries": heap_entries,

@@ -1,0 +1,120 @@
+"""Pages, eviction order and Mamba slots of one pool: free pages per medium, the LRU over runs,
+and the checkpoint slots.
+
+Accounting invariant per medium: free + (in-tree or lease-held or dead-but-pinned) = total pages,
+and a page is in exactly one of those places. Free pages are a u32 array used as a stack: the
+lowest page number is handed out first.
+
+The LRU orders eviction *candidates*, runs that may leave their medium now: an unpinned device
+run without device children (its tail is demoted or dropped) and an unpinned host run without
+children (dropped). A match touches only the deepest run of its path; a run that leaves its
+medium hands its last use up to its parent (`hand_up_last_use`), so an ancestor becomes a
+candidate carrying the latest use of any path through it: the same order as touching every run
+of every path, at O(1) per match. Each candidate has one heap entry (`Node.queued` says which
+heap holds it); an entry whose run was touched since is pushed again with the new time when it
+comes up, and one whose run stopped being a candidate is dropped then (the run is offered again
+when it becomes one).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+
+from cache_service.tree import DEVICE, HOST, NO_SLOT, PAGE_CODE, Node, Root
+
+MEDIA = (DEVICE, HOST)
+
+
+class Pages:
+    """Free pages per medium, cached page counts, and the LRU of eviction candidates."""
+
+    def __init__(self, device_pages: int, host_pages: int):
+        self.free = {DEVICE: array(PAGE_CODE, range(device_pages - 1, -1, -1)),
+                     HOST: array(PAGE_CODE, range(host_pages - 1, -1, -1))}
+        self.cached = {DEVICE: 0, HOST: 0}
+        self._heaps: dict[int, list] = {DEVICE: [], HOST: []}
+        self._tie = itertools.count()
+
+    def take(self, medium: int, n: int) -> array:
+        """n free pages (the caller checked there are), lowest first."""
+        free = self.free[medium]
+        pages = free[-n:]
+        del free[-n:]
+        pages.reverse()
+        return pages
+
+    # ---- the LRU ------------------------------------------------------------------------
+
+    @staticmethod
+    def is_candidate(node: Node) -> bool:
+        if node.parent is None or node.pins:
+            return False
+        kids = node.children
+        if node.medium == DEVICE:
+            return not kids or not any(k.medium == DEVICE for k in kids.values())
+        return not kids
+
+    def offer(self, node: Node | Root) -> None:
+        """Queues `node` if it is a candidate and not queued on its medium already."""
+        if type(node) is Node and node.queued != node.medium and self.is_candidate(node):
+            node.queued = node.medium
+            heapq.heappush(self._heaps[node.medium], (node.last_used, next(self._tie), node))
+
+    def pop_lru(self, medium: int) -> Node | None:
+        """The least recently used candidate on `medium`, taken off the heap."""
+        heap = self._heaps[medium]
+        while heap:
+            used, _, node = heapq.heappop(heap)
+            if node.queued != medium:
+                continue  # left this medium while queued: its entry (if any) is elsewhere
+            if node.medium != medium or not self.is_candidate(node):
+                node.queued = None  # offered again when it becomes a candidate
+                continue
+            if node.last_used != used:
+                heapq.heappush(heap, (node.last_used, next(self._tie), node))
+                continue
+            node.queued = None
+            return node
+        return None
+
+    def heap_entries(self) -> int:
+        return sum(len(h) for h in self._heaps.values())
+
+
+def hand_up_last_use(node: Node) -> None:
+    """Called as (part of) a run leaves its medium: see the module docstring."""
+    parent = node.parent
+    if type(parent) is Node and parent.last_used < node.last_used:
+        parent.last_used = node.last_used
+
+
+class Slots:
+    """Mamba checkpoint slots: a slot holds the state after the last page of one run."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.free = list(range(total - 1, -1, -1))
+        # Insertion-ordered (not a set) so that LRU ties break the same way in every run.
+        self.checkpointed: dict[Node, None] = {}
+        self.evictions = 0
+
+    def take(self) -> int | None:
+        """A free slot, evicting the least recently used unpinned checkpoint if needed."""
+        if not self.free:
+            victims = [n for n in self.checkpointed if not n.pins]
+            if not victims:
+                return None
+            self.release(min(victims, key=lambda n: n.last_used))
+            self.evictions += 1
+        return self.free.pop()
+
+    def attach(self, node: Node, slot: int) -> None:
+        node.slot = slot
+        self.checkpointed[node] = None
+
+    def release(self, node: Node) -> None:
+        if node.slot != NO_SLOT:
+            self.free.append(node.slot)
+            node.slot = NO_SLOT
+            self.checkpointed.pop(node, None)

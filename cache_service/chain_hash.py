@@ -1,0 +1,195 @@
+"""The page hashes of a run of pages (design.md §3), in one call: `chain(parent, data, stride)`.
+
+Why native: a publish hashes every new page (hashes are set at insert, design.md lesson 3), one
+chained SHA-256 per page: through hashlib each page costs several Python calls and objects
+around two SHA-256 block compressions, so hashing would dominate a publish. The C loop below
+feeds each page's padded message to OpenSSL's block compression (the library hashlib itself
+uses, with its CPU-specific code), a whole run per call. It is built on first use with the
+system C compiler, linked to the libcrypto this process already loaded, and checked against
+hashlib before it is trusted.
+
+`PREFIXCACHE_CACHE_NATIVE=auto|on|off`: auto (the default) uses it when it builds and passes the
+check, and otherwise hashlib (the reason is logged once); off always uses hashlib; on fails
+loudly when it cannot be used. Builds go to `$PREFIXCACHE_KERNEL_CACHE` (default
+`~/.cache/prefixcache/kernels`), under a name that hashes the source, the compiler's version and
+the library's path; concurrent first builds are safe (temporary file, then rename).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from prefixcache_client.hash import HASH_BYTES, chain_hashes
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+/* OpenSSL's SHA256_CTX (public in openssl/sha.h since 0.9.8) and its one-block compression,
+   which runs the same CPU-specific code (SHA-NI, AVX2...) as every other SHA-256 call. */
+typedef struct {
+    unsigned int h[8];
+    unsigned int Nl, Nh;
+    unsigned int data[16];
+    unsigned int num, md_len;
+} sha256_ctx;
+void SHA256_Transform(sha256_ctx *c, const unsigned char *block);
+
+static const unsigned int IV[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+
+/* out[16*i..] = SHA-256(hash of page i-1 || page i)[:16], page -1 being `parent`. Every
+   message is 16 + stride bytes, so its padded blocks are laid out once. */
+void prefixcache_chain_hash(const unsigned char *parent, const unsigned char *data, long pages,
+                            long stride, unsigned char *out) {
+    long len = 16 + stride, blocks = (len + 9 + 63) / 64;
+    unsigned char msg[blocks * 64];
+    memset(msg, 0, sizeof msg);
+    msg[len] = 0x80;
+    uint64_t bits = (uint64_t)len * 8;
+    for (int k = 0; k < 8; k++)
+        msg[blocks * 64 - 1 - k] = (unsigned char)(bits >> (8 * k));
+    sha256_ctx ctx;
+    const unsigned char *prev = parent;
+    for (long i = 0; i < pages; i++) {
+        memcpy(msg, prev, 16);
+        memcpy(msg + 16, data + i * stride, (size_t)stride);
+        memcpy(ctx.h, IV, sizeof IV);
+        for (long b = 0; b < blocks; b++)
+            SHA256_Transform(&ctx, msg + b * 64);
+        unsigned char *hash = out + i * 16;
+        for (int k = 0; k < 4; k++) {
+            hash[4 * k] = (unsigned char)(ctx.h[k] >> 24);
+            hash[4 * k + 1] = (unsigned char)(ctx.h[k] >> 16);
+            hash[4 * k + 2] = (unsigned char)(ctx.h[k] >> 8);
+            hash[4 * k + 3] = (unsigned char)ctx.h[k];
+        }
+        prev = hash;
+    }
+}
+"""
+
+_lock = threading.Lock()
+_state: dict[str, Callable[[bytes, bytes, int], bytes] | None] = {}
+
+
+def python_chain(parent: bytes, data: bytes, stride: int) -> bytes:
+    """The same result through hashlib (prefixcache_client.hash.chain_hashes)."""
+    return b"".join(chain_hashes(parent, bytes(data), stride // 4))
+
+
+def _libcrypto() -> str | None:
+    """The libcrypto hashlib loaded into this process (Linux: /proc/self/maps)."""
+    import _hashlib  # noqa: F401  (loads libcrypto)
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        path = parts[5] if len(parts) == 6 else ""
+        if os.path.basename(path).startswith("libcrypto.so"):
+            return path
+    return None
+
+
+def _cache_dir() -> Path:
+    if env := os.environ.get("PREFIXCACHE_KERNEL_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "prefixcache" / "kernels"
+
+
+def _build(crypto: str) -> Path:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    key = hashlib.sha256("\0".join((SOURCE, version, crypto)).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    target = out_dir / f"prefixcache_chain_hash-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, src = tempfile.mkstemp(dir=out_dir, prefix=".chain_hash-", suffix=".c")
+    with os.fdopen(fd, "w") as f:
+        f.write(SOURCE)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".chain_hash-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", src, "-o", tmp, crypto],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        for path in (src, tmp):
+            if os.path.exists(path):
+                os.unlink(path)
+    return target
+
+
+def _native() -> Callable[[bytes, bytes, int], bytes]:
+    crypto = _libcrypto()
+    if crypto is None:
+        raise RuntimeError("no libcrypto mapped into this process")
+    fn = ctypes.CDLL(str(_build(crypto))).prefixcache_chain_hash
+    fn.restype = None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_long, ctypes.c_long, ctypes.c_char_p]
+    buffer = ctypes.create_string_buffer
+
+    def native_chain(parent: bytes, data: bytes, stride: int) -> bytes:
+        pages = len(data) // stride
+        out = buffer(pages * HASH_BYTES)
+        fn(parent, data, pages, stride, out)
+        return out.raw
+
+    # Trusted only once it agrees with hashlib (page sizes 1, 16 and a long one).
+    probe = hashlib.sha256(b"prefixcache-chain-hash-check").digest() * 40
+    for stride in (4, 64, 1024):
+        data = probe[:len(probe) // stride * stride]
+        if native_chain(b"\x01" * HASH_BYTES, data, stride) != python_chain(b"\x01" * HASH_BYTES,
+                                                                            data, stride):
+            raise RuntimeError("the native chain hash disagrees with hashlib")
+    return native_chain
+
+
+def _load() -> Callable[[bytes, bytes, int], bytes]:
+    mode = os.environ.get("PREFIXCACHE_CACHE_NATIVE", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"PREFIXCACHE_CACHE_NATIVE={mode!r}: expected auto, on or off")
+    if mode == "off":
+        return python_chain
+    try:
+        return _native()
+    except (ImportError, OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        if mode == "on":
+            raise RuntimeError(f"PREFIXCACHE_CACHE_NATIVE=on, but the native chain hash cannot "
+                               f"be used: {exc}") from exc
+        log.warning("event=chain_hash_fallback reason=%r (hashing pages through hashlib)", exc)
+        return python_chain
+
+
+def chain_function() -> Callable[[bytes, bytes, int], bytes]:
+    """chain(parent, data, stride) -> the concatenated 16-byte hashes of data's full pages."""
+    fn = _state.get("chain")
+    if fn is None:
+        with _lock:
+            fn = _state.get("chain")
+            if fn is None:
+                fn = _state["chain"] = _load()
+    return fn
+
+
+def is_native() -> bool:
+    return chain_function() is not python_chain
