@@ -15,6 +15,19 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one intra-op thread for a module: the tests share two cores with other xdist
+    workers, and torch's default thread count oversubscribes them (an engine step of a tiny
+    model gets many times slower). torch is imported here only when a test asks for it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class RedisServer:
     """A throwaway redis-server on a free port, which tests may stop, pause or flush."""
 

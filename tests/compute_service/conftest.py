@@ -5,20 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from compute_service.lora import write_random_adapter
 from tests.compute_service.server_harness import make_engine, running
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    # The tests share two cores with other workers; torch's default thread count oversubscribes
-    # them and makes an engine step ~20x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

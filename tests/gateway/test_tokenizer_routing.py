@@ -30,16 +30,6 @@ MODEL = "bpe-ckpt"  # the checkpoint directory's name: its model id
 
 
 @pytest.fixture(scope="module")
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """A cache service, worker `bpe` on a tiny-transformer checkpoint with the BPE tokenizer,
     and a gateway without --tokenizer over it; `addresses` takes more workers later."""
