@@ -16,6 +16,9 @@ lookup is the cache service's: with --cache-service embedded it shares this work
 client; a remote cache service needs its own --redis-url (same Redis, same key prefix), or the
 worker's registration is refused and it exits 1 (pass --no-l3-lookup to only write).
 
+--no-prefix-cache serves without any prefix caching (no cache service is reached, every prompt
+is computed, no events): the baseline what prefix caching costs is measured against.
+
 LoRA: --max-loaded-adapters slots (memory for --max-lora-rank reserved up front), at most
 --max-loras distinct adapters per engine step; --adapter NAME=PATH (repeatable) loads PEFT
 adapters at start, LoadAdapter / UnloadAdapter at run time.
@@ -100,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flag("--seed", "SEED", 0, "seed of a preset's random weights", type=int)
     flag("--cache-service", "CACHE_SERVICE", EMBEDDED,
          f"HOST:PORT of the cache service, or '{EMBEDDED}' for an in-process one")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction,
+                   default=_env_bool(p, "PREFIX_CACHE"),
+                   help="prefix caching through the cache service (env PREFIXCACHE_PREFIX_CACHE="
+                        "1/0; default on); --no-prefix-cache allocates pages locally and "
+                        "computes every prompt (no --cache-service, host pages or L3)")
     flag("--cache-wait-s", "CACHE_WAIT_S", 60.0,
          "seconds to wait for a remote cache service at startup", type=float)
     flag("--pool-id", "POOL_ID", None, "this worker's pool id; default: HOSTNAME-PORT")
@@ -129,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "seconds between readiness NOT_SERVING and refusing new requests on SIGTERM",
          type=float)
     flag("--lease-ttl-s", "LEASE_TTL_S", engine.lease_ttl_s, "seconds a request's lease in the "
-         "cache service lives without a step naming it; must exceed the slowest engine step; "
+         "cache service lives without a step naming it; the engine renews leases a quarter of it "
+         "after a step last named them, so the slowest engine step must take less than 3/4; "
          "0 = the cache service's default (30)", type=float)
     # L3 (Redis).
     l3 = L3Config(url="")
@@ -179,6 +188,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available")
     check_l3_args(p, args)
     check_lora_args(p, args)
+    if args.prefix_cache is None:
+        args.prefix_cache = True
+    if not args.prefix_cache and (args.redis_url or args.host_pages):
+        p.error("--no-prefix-cache: --redis-url and --host-pages hold cached pages; drop them")
     return args
 
 
@@ -278,7 +291,7 @@ def engine_config(args: argparse.Namespace, model: CausalLM, model_id: str, port
         l3_min_hits=args.l3_min_hits, l3_lookup=args.l3_lookup,
         l3_write_queue_bytes=args.l3_write_queue_mb << 20, l3_batch_pages=args.l3_batch_pages,
         max_loaded_adapters=args.max_loaded_adapters, max_lora_rank=args.max_lora_rank,
-        max_loras=args.max_loras)
+        max_loras=args.max_loras, prefix_cache=args.prefix_cache)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         if model.device.type == "cpu":  # builds the C kernels now, not on the first request
             log.info(kv("cpu_kernels", **cpu_native.status()))
         l3 = l3_client(args)
-        cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3)
+        if args.prefix_cache:
+            cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3)
         try:
             engine = Engine(model, tokenizer, cache, engine_config(args, model, model_id,
                                                                    server.port, l3))

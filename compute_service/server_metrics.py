@@ -44,6 +44,20 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("prefixcache_compute_engine_remote_loaded_tokens",
                                   "Prompt tokens loaded from L3 (Redis) instead of computed.",
                                   value=stats.remote_loaded_tokens)
+        yield CounterMetricFamily("prefixcache_compute_engine_step_seconds",
+                                  "Time the engine spent in steps (cache calls, forward, "
+                                  "sampling).", value=stats.step_s)
+        yield CounterMetricFamily("prefixcache_compute_cache_wait_seconds",
+                                  "Of the step time, the time the engine thread was blocked "
+                                  "waiting for the cache service's answer.",
+                                  value=stats.cache_wait_s)
+        calls = CounterMetricFamily("prefixcache_compute_cache_calls",
+                                    "Step calls to the cache service: overlapped with the "
+                                    "forward, or waited for before it (steps with nothing to "
+                                    "say send none).", labels=["mode"])
+        calls.add_metric(["overlapped"], stats.cache_calls_overlapped)
+        calls.add_metric(["waited"], stats.cache_calls - stats.cache_calls_overlapped)
+        yield calls
         yield CounterMetricFamily("prefixcache_compute_engine_recoveries",
                                   "Times the pool was re-registered under a new epoch after the "
                                   "cache service lost it.", value=stats.recoveries)

@@ -62,7 +62,8 @@ def is_harness_goals(goals: object) -> bool:
 
 COMPUTE_HEADLINE = ("ttft_cold_s", "decode_steady_tok_s", "hf_decode_steady_tok_s",
                     "lora_ratio_8", "cpu_kernels_on_tok_s", "cpu_kernels_off_tok_s",
-                    "cpu_kernels_speedup")
+                    "cpu_kernels_speedup", "decode_prefix_cache_tok_s",
+                    "decode_no_prefix_cache_tok_s", "prefix_cache_wait_frac")
 KERNEL_HEADLINE = ("decode_attn_gb_s", "decode_attn_hbm_frac", "extend_attn_tflop_s",
                    "extend_attn_bf16_frac")
 

@@ -1,7 +1,7 @@
 """Benchmarks of the compute service (engine + model + kernels), against the goals it is held to.
 
     python -m compute_service.bench [--quick] --json PATH [--presets small-hybrid,small-transformer]
-                                    [--parts ttft,burst,decode,lora,kernels]
+                                    [--parts ttft,burst,decode,lora,kernels,prefix_cache_overhead]
 
 Per preset (random weights from a fixed seed, fp32 on CPU, the embedded CacheCore):
 
@@ -18,13 +18,17 @@ Per preset (random weights from a fixed seed, fp32 on CPU, the embedded CacheCor
           adapters mixed in one batch: what serving mixed adapters costs (parts_lora).
 - cpu_kernels (only when named in --parts): the decode with PREFIXCACHE_CPU_NATIVE=on vs =off,
           in alternating child processes: what the C kernels are worth (parts_cpu_kernels).
+- prefix_cache_overhead (only when named in --parts): steady decode of a batch of distinct
+          prompts (0% hits) with prefix caching through a gRPC cache service child vs prefix
+          caching off, the two engines stepped in turn, several rounds; the ratio and the
+          engine's cache-wait fraction (parts_prefix_cache).
 
 Once per run, when CUDA is available: the Triton paged decode and extend attention against
 torch SDPA, as fractions of the device's HBM and bf16 peaks (parts_kernels). Without CUDA those
 are null with a reason.
 
 Sizes are `Params` and the goals `GOALS` (params.py). `--parts` runs a subset (default: all but
-cpu_kernels).
+cpu_kernels and prefix_cache_overhead).
 It prints a table (metric, value, goal, pass/fail) per preset and writes every metric, the goals,
 the command, the parameters and the machine to --json (prefixcache_bench.harness). Progress goes
 to stderr. The committed results and the pages made from them: docs/results/README.md
@@ -44,13 +48,17 @@ from compute_service.bench.parts_kernels import (KernelShapes, bench_kernels, de
                                                  measure_decode_attention,
                                                  measure_extend_attention, paged_cache, time_fn)
 from compute_service.bench.parts_lora import bench_lora, lora_run, write_bench_adapters
+from compute_service.bench.parts_prefix_cache import (OverheadRun, bench_prefix_cache_overhead,
+                                                      cache_service_process, overhead_engine,
+                                                      overhead_round)
 from compute_service.bench.parts_ttft import bench_ttft, shared_tokens, ttft_once
 
 __all__ = ["DEFAULT_PARTS", "DEFAULT_PRESETS", "DEVICE_PEAKS", "GOALS", "PARTS", "PRESET_PARTS",
-           "SIZE_FLAGS", "DecodeRun", "Finished", "HFRun", "KernelShapes", "Params", "agreement",
-           "bench_burst", "bench_cpu_kernels", "bench_decode", "bench_kernels", "bench_lora",
-           "bench_preset", "bench_ttft", "command_line", "device_peaks", "goals_for",
+           "SIZE_FLAGS", "DecodeRun", "Finished", "HFRun", "KernelShapes", "OverheadRun", "Params",
+           "agreement", "bench_burst", "bench_cpu_kernels", "bench_decode", "bench_kernels",
+           "bench_lora", "bench_prefix_cache_overhead", "bench_preset", "bench_ttft", "command_line", "device_peaks", "goals_for",
            "hf_generate", "load_hf", "lora_run", "main", "make_engine", "measure_decode_attention",
            "measure_extend_attention", "paged_cache", "pages_for", "parse_args", "random_tokens",
            "render", "run", "run_requests", "shared_tokens", "time_fn", "timed_run", "ttft_once",
-           "warm_up", "write_bench_adapters"]
+           "warm_up", "write_bench_adapters", "cache_service_process", "overhead_engine",
+           "overhead_round"]

@@ -21,6 +21,7 @@ from compute_service.bench.parts_cpu_kernels import bench_cpu_kernels
 from compute_service.bench.parts_decode import bench_decode
 from compute_service.bench.parts_kernels import bench_kernels
 from compute_service.bench.parts_lora import bench_lora
+from compute_service.bench.parts_prefix_cache import bench_prefix_cache_overhead
 from compute_service.bench.parts_ttft import bench_ttft
 from compute_service.kernels import cpu_native
 from compute_service.model import CausalLM, build_preset
@@ -36,7 +37,9 @@ SIZE_FLAGS = ("ttft_prompt_tokens", "ttft_token_budget", "ttft_reps", "burst_req
               "burst_prefix_tokens", "burst_suffix_tokens", "burst_new_tokens",
               "burst_token_budget", "decode_requests", "decode_prompt_tokens",
               "decode_new_tokens", "decode_reps", "lora_requests", "lora_prompt_tokens",
-              "lora_new_tokens", "lora_token_budget", "lora_reps", "cpu_kernels_rounds")
+              "lora_new_tokens", "lora_token_budget", "lora_reps", "cpu_kernels_rounds",
+              "overhead_requests", "overhead_prompt_tokens", "overhead_new_tokens",
+              "overhead_rounds")
 
 
 def command_line(argv: list[str]) -> str:
@@ -73,7 +76,8 @@ def bench_preset(name: str, p: Params) -> dict:
                      "model_type": model.config.model_type}
     warm_up(model, name, p)
     parts = {"ttft": bench_ttft, "burst": bench_burst, "decode": bench_decode,
-             "lora": bench_lora, "cpu_kernels": bench_cpu_kernels}
+             "lora": bench_lora, "cpu_kernels": bench_cpu_kernels,
+             "prefix_cache_overhead": bench_prefix_cache_overhead}
     for part, fn in parts.items():
         if part not in p.parts:
             continue
@@ -147,8 +151,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Params, argparse.Namespac
     ap.add_argument("--profile", action="store_true", help="cProfile each part to stderr")
     ap.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     ap.add_argument("--parts", metavar="PART[,PART]",
-                    help=f"what to run: {','.join(PARTS)} (default all but cpu_kernels; e.g. "
-                         "--parts lora)")
+                    help=f"what to run: {','.join(PARTS)} (default all but cpu_kernels and "
+                         "prefix_cache_overhead; e.g. --parts lora)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--hbm-peak-gb-s", type=float, dest="hbm_peak_gb_s")
     ap.add_argument("--bf16-peak-tflop-s", type=float, dest="bf16_peak_tflop_s")

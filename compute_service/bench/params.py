@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from prefixcache_bench.harness import Goal
 
 DEFAULT_PRESETS = ("small-hybrid", "small-transformer")
-PRESET_PARTS = ("ttft", "burst", "decode", "lora", "cpu_kernels")  # per preset, in this order
+# per preset, in this order
+PRESET_PARTS = ("ttft", "burst", "decode", "lora", "cpu_kernels", "prefix_cache_overhead")
 PARTS = (*PRESET_PARTS, "kernels")  # kernels: once per run
-# What a run without --parts does: cpu_kernels is asked for by name (it runs child processes).
-DEFAULT_PARTS = tuple(p for p in PARTS if p != "cpu_kernels")
+# What a run without --parts does: cpu_kernels and prefix_cache_overhead are asked for by name
+# (they run child processes).
+DEFAULT_PARTS = tuple(p for p in PARTS if p not in ("cpu_kernels", "prefix_cache_overhead"))
 
 # Goals per preset metric. `greedy_match_frac` is a goal only for pure transformers (see
 # `cli.goals_for`): HF's Mamba2 path is a different fp32 computation.
@@ -19,6 +21,8 @@ GOALS: dict[str, Goal] = {
     "burst_prefill_ratio": Goal("<=", 1.3),  # a burst's shared prefix is computed once
     "throughput_vs_hf": Goal(">=", 1.5),  # continuous batching on paged KV vs HF `generate`
     "greedy_match_frac": Goal("==", 1.0),  # the same greedy tokens as HF
+    # 0% hits: prefix caching through the gRPC sidecar costs at most 2% of decode throughput
+    "decode_prefix_cache_ratio": Goal(">=", 0.98),
 }
 
 # Dense peaks by device name (substring, most specific first): HBM GB/s and bf16 TFLOP/s
@@ -79,6 +83,12 @@ class Params:
     lora_reps: int = 2
     # cpu_kernels: alternating child runs with the C kernels on and off, this many each
     cpu_kernels_rounds: int = 3
+    # prefix_cache_overhead: this many rounds of (prefix caching through a gRPC cache service,
+    # prefix caching off), each a batch of distinct random prompts of one length decoded at once
+    overhead_requests: int = 32
+    overhead_prompt_tokens: int = 64
+    overhead_new_tokens: int = 96
+    overhead_rounds: int = 5
     parts: tuple[str, ...] = DEFAULT_PARTS
     # kernels (CUDA only): decode = batch x seq_len keys, extend = batch x new tokens (causal)
     kernel_dtype: str = "bfloat16"

@@ -10,6 +10,13 @@ from cache_service.l3 import L3Client
 @dataclass(slots=True)
 class EngineConfig:
     pool_id: str = "worker-0"
+    # False: no prefix caching at all. The engine then ignores any cache service and allocates
+    # pages from a local free list (compute_service.engine.local_pages): every prompt is
+    # computed, nothing is published, no event is emitted. No host tier, L3 or checkpoints.
+    prefix_cache: bool = True
+    # Send a step's cache call on a thread of its own while the forward runs, when the forward
+    # needs none of its answer (compute_service.engine.step_planner, "Overlap").
+    overlap_cache_calls: bool = True
     model_id: str = "model"
     page_size: int = 16
     device_pages: int = 1024
@@ -24,7 +31,9 @@ class EngineConfig:
     # (compute_service.engine.scheduler); False makes them wait for a step of their own.
     twin_first_tokens: bool = True
     max_context: int = 8192
-    lease_ttl_s: float = 0.0  # 0 = the cache service's default; must exceed the slowest step
+    # 0 = the cache service's default. Leases are renewed a quarter TTL after a call last named
+    # them (step_planner), so the slowest step must take less than 3/4 of it.
+    lease_ttl_s: float = 0.0
     # L3 (Redis) tier: a cache_service.l3.L3Client, or None for no L3. The write policy is one of
     # WRITE_POLICIES (none, write-through, write-back, hot); `l3_lookup` makes the cache service
     # probe L3 at every match (it needs its own L3 client for that).
@@ -52,3 +61,9 @@ class EngineStats:
     twin_first_tokens: int = 0  # first tokens sampled from a twin's logits (scheduler)
     preemptions: int = 0
     recoveries: int = 0  # times the cache service lost this pool and the engine re-registered
+    # Where a step's time goes (Engine.step): all of it, and the part the engine thread spent
+    # blocked on the cache (a call's answer it needed before going on).
+    step_s: float = 0.0
+    cache_wait_s: float = 0.0
+    cache_calls: int = 0  # Step calls sent (a step with nothing to say sends none)
+    cache_calls_overlapped: int = 0  # of which ran during the step's forward

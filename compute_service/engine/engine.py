@@ -1,10 +1,11 @@
 """The engine: continuous batching with chunked prefill over a paged KV cache, driven by the cache
-service through one batched Step call per engine step. Split as nano-vllm splits it:
+service through at most one batched Step call per engine step. Split as nano-vllm splits it:
 
 - `scheduler.Scheduler`: the queues (waiting, running, retiring), admission, the token budget,
   the sibling rule, twins, preemption and aborts; no tensors, no cache calls.
 - `step_planner.StepPlanner`: the step's one `StepRequest` (publishes, checkpoints, releases,
-  allocations, matches, renewals), its rollback when the call fails, and the application of the
+  allocations, matches, renewals), whether and how it is sent (skipped, overlapped with the
+  forward, or waited for), its rollback when the call fails, and the application of the
   `StepResponse` (remaps, checkpoints, tier copies, L3 loads, starts, preemptions).
 - `model_runner.ModelRunner`: the KV cache and Mamba slots, batch assembly, the forward, sampling.
 - `Engine` (here): the public, thread-safe API, the step as a sequence of those parts' calls, and
@@ -14,17 +15,22 @@ One step:
 1. Build the cache ops: the retiring requests' final publishes, checkpoints and releases, the
    running requests' publishes (design.md lesson 1: during prefill, not at the end); then the
    scheduler picks this step's tokens and admissions, and their allocations and matches follow.
-2. One `cache.step(...)` (the in-process CacheCore or the gRPC CacheClient: same messages). If it
-   fails, building the ops is undone and the loop retries (or re-registers: `_loop`).
+2. Send them: no call when there is nothing to say (most decode steps); a call on the planner's
+   caller thread when the forward needs nothing from its answer (it then runs during the
+   forward: step_planner, "Overlap"); else one call now, whose answer is applied before the
+   forward (step 3). A call that fails is undone and the loop retries (or re-registers: `_loop`).
 3. Apply its answer: remapped pages, checkpoints, tier copies, L3 loads, started matches (their
    cached prefix is skipped whole, design.md lesson 9), preemptions.
 4. One forward over every scheduled request: each computes `min(remaining, budget)` tokens, where
    remaining = tokens not yet in its KV. A request whose KV catches up with its tokens samples its
-   next token (decode is the case remaining == 1).
+   next token (decode is the case remaining == 1). An overlapped call's answer is taken and
+   applied (step 3) after the forward, before the sampled tokens are emitted.
 
-Between steps: every lease the engine holds belongs to a request in `running` or `retiring`
-(retiring ones are published and released by the next step), and `Engine._live` holds exactly
-the requests submitted and not finished, so an id is free again once its last output was sent.
+Between steps: no cache call is in flight; every lease the engine holds belongs to a request in
+`running` or `retiring` (retiring ones are published and released by the next step that calls),
+and `Engine._live` holds exactly the requests submitted and not finished, so an id is free again
+once its last output was sent. `EngineStats.cache_wait_s` counts the time the engine thread was
+blocked on a call's answer, of `step_s` in all.
 """
 from __future__ import annotations
 
@@ -32,12 +38,14 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from prefixcache_client.errors import CacheError, ErrorCode
 from compute_service.engine.config import EngineConfig, EngineStats
+from compute_service.engine.local_pages import LocalPages
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.request import FinishReason, Output, Request, RequestStats, Status
 from compute_service.engine.sampling import SamplingParams
@@ -64,14 +72,23 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, cache, cfg: EngineConfig | None = None):
         """`cache` is a CacheCore (embedded) or a CacheClient (remote): both take the same
-        RegisterPoolRequest / StepRequest messages."""
+        RegisterPoolRequest / StepRequest messages. With `cfg.prefix_cache` False it must be
+        None: the engine allocates from its own `LocalPages`."""
+        cfg = cfg or EngineConfig()
+        if not cfg.prefix_cache:
+            if cache is not None:
+                raise ValueError("cache: prefix_cache=False allocates pages locally; pass None")
+            if cfg.host_pages or cfg.l3 is not None:
+                raise ValueError("prefix_cache: host pages and L3 hold cached pages; they need "
+                                 "prefix caching on")
+            cache = LocalPages()
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
-        self.cfg = cfg = cfg or EngineConfig()
+        self.cfg = cfg
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.eos = tuple(tokenizer.eos_token_ids)
         self.mamba = bool(mc.mamba_layer_ids)
-        self.ckpt_slots = cfg.checkpoint_slots if self.mamba else 0
+        self.ckpt_slots = cfg.checkpoint_slots if self.mamba and cfg.prefix_cache else 0
         if cfg.max_loras < 1:
             raise ValueError(f"max_loras: must be >= 1 (adapter requests would wait forever), "
                              f"got {cfg.max_loras}")
@@ -94,6 +111,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.stats, tokenizer, self.eos, self.adapters,
                                    self._forget)
         self.planner = StepPlanner(cfg, cache, self.scheduler, self.runner, self.tiers, self.stats)
+        # An engine dropped without close() does not leave its caller thread behind.
+        weakref.finalize(self, self.planner.caller.close, False)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -208,21 +227,44 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One engine step: new requests and aborts in, one batched cache call, one forward."""
+        """One engine step: new requests and aborts in, at most one batched cache call, one
+        forward (see the module docstring)."""
+        started = time.perf_counter()
+        try:
+            self._step()
+        finally:
+            self.stats.step_s += time.perf_counter() - started
+
+    def _step(self) -> None:
         with self._lock:
             self.scheduler.waiting.extend(self._inbox)
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
         self.scheduler.abort(aborts)
+        planner = self.planner
         # 1. The cache ops. Publishes first: the sibling rule reads what they publish.
-        plan = self.planner.publish(self.epoch)
+        plan = planner.publish(self.epoch)
         plan.scheduled, plan.admitted = self.scheduler.schedule()
-        self.planner.allocate_and_match(plan)
-        resp = self.planner.send(plan)  # 2. raises with building the ops undone
-        batch = self.planner.apply(plan, resp)  # 3.
-        if batch:  # 4.
-            for r, tok in self.runner.run(batch, self.scheduler.twins):
-                self.scheduler.emit(r, tok)
+        planner.allocate_and_match(plan)
+        planner.send(plan)  # 2. raises with building the ops undone
+        if not plan.overlapped:
+            planner.receive(plan)  # 3.
+        batch = planner.batch(plan)
+        sampled: list = []
+        failure: Exception | None = None
+        try:
+            if batch:  # 4.
+                sampled = self.runner.run(batch, self.scheduler.twins)
+        finally:
+            if plan.overlapped:
+                try:
+                    planner.receive(plan)  # 3., after the forward
+                except Exception as exc:  # the tokens are sampled: emit them, then raise
+                    failure = exc
+        for r, tok in sampled:
+            self.scheduler.emit(r, tok)
+        if failure is not None:
+            raise failure
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -243,8 +285,11 @@ class Engine:
         return {f"l3_{k}": v for k, v in self.l3.metrics().items()} if self.l3 is not None else {}
 
     def close(self) -> None:
-        """Stops the loop, then the L3 writer once it has attempted its queue."""
+        """Stops the loop and the cache caller, then the L3 writer once it has attempted its
+        queue."""
         self.stop()
+        self.planner.caller.close()
+        self.runner.close()
         if self.l3 is not None:
             self.l3.close()
 
@@ -292,6 +337,7 @@ class Engine:
         """Registers a new epoch, then recomputes every running request from what the new pool
         holds (the old leases are gone or will expire)."""
         self._register()
+        self.planner.reset()
         self._pool_unknown = False
         self.stats.recoveries += 1
         log.warning("event=pool_reregistered epoch=%d running=%d", self.epoch, len(self.running))

@@ -3,7 +3,7 @@ state slots, assembles one forward over a step's scheduled requests, runs it, an
 
 State slots (`states`): the first `max_running` are the running slots (one per running request,
 handed out by the scheduler); the `checkpoint_slots` after them belong to the cache service,
-which names the slot each Mamba checkpoint goes to (`store_checkpoint`) or comes from.
+which names the slot each Mamba checkpoint goes to (`store_checkpoints`) or comes from.
 
 One forward (`run`):
 - Before: every scheduled request holds pages covering `computed + n` tokens (the step's
@@ -13,13 +13,15 @@ One forward (`run`):
 - After: `computed` has grown by `n`, K/V of those tokens are in their pages, the running slot
   holds the state at `computed`; the pages completed on the way have their Mamba checkpoint
   kept in `Request.checkpoints` (a tensor copy, or None for "the running slot's state"), which
-  the next step publishes. A request whose KV caught up with its tokens sampled its next token,
-  and so did the waiting twins of a request whose prompt completed (same logits row, their own
-  sampling parameters and generator: see compute_service.engine.scheduler).
+  the step's own overlapped call (the page a decode token completes) or the next step attaches
+  (prefix caching off: none are kept). A request whose KV caught up with its tokens sampled its
+  next token, and so did the waiting twins of a request whose prompt completed (same logits row,
+  their own sampling parameters and generator: see compute_service.engine.scheduler).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -32,6 +34,8 @@ from compute_service.model import (CausalLM, ForwardBatch, ForwardMode, allocate
 from compute_service.tiers import PageData
 from prefixcache.v1 import cache_service_pb2 as pb
 
+PARALLEL_COPIES = 8  # checkpoint copies in one step from which a helper thread takes half
+
 # (logits row, request whose prompt completed there) -> (logits row, waiting twin): Scheduler.twins
 TwinFinder = Callable[[list[tuple[int, Request]]], list[tuple[int, Request]]]
 
@@ -42,10 +46,14 @@ class ModelRunner:
         mc = model.config
         self.model, self.cfg, self.adapters, self.stats, self.eos = model, cfg, adapters, stats, eos
         self.mamba = bool(mc.mamba_layer_ids)
+        # Mamba checkpoints are kept only to be published: not without a prefix cache.
+        self.checkpoints = self.mamba and cfg.prefix_cache
         self.kv = allocate_kv_caches(mc, cfg.device_pages, cfg.page_size, model.dtype, model.device)
         # Running slots first, then the cache service's checkpoint slots.
         self.states = (allocate_mamba_states(mc, cfg.max_running + checkpoint_slots, model.dtype,
                                              model.device) if self.mamba else [])
+        self._copier: ThreadPoolExecutor | None = None  # store_checkpoints' helper, on CPU
+        self.parallel_copies = PARALLEL_COPIES
 
     # ---- the forward --------------------------------------------------------------------------
 
@@ -99,7 +107,7 @@ class ModelRunner:
             mamba_states=self.states, state_indices=i32([max(r.slot, 0) for r, _ in batch]),
             has_initial_state=torch.tensor([r.has_state for r, _ in batch], dtype=torch.bool,
                                            device=device),
-            mamba_checkpoint_interval=P if self.mamba and not decode else 0,
+            mamba_checkpoint_interval=P if self.checkpoints and not decode else 0,
             lora=(self.adapters.lora_batch([r.lora_slot for r, _ in batch], [n for _, n in batch])
                   if self.adapters is not None else None))
         return ids, positions, fb
@@ -115,7 +123,7 @@ class ModelRunner:
             r.has_state = True
             # A call that ends on a page boundary (e.g. a decode) leaves that page's state in the
             # running slot: the checkpoint is copied from there once the page is published.
-            if self.mamba and r.computed % P == 0:
+            if self.checkpoints and r.computed % P == 0:
                 r.checkpoints[r.computed // P - 1] = None
             if r.computed == r.num_tokens:
                 ready.append((i, r))
@@ -146,19 +154,49 @@ class ModelRunner:
             ssm[dst].copy_(ssm[src])
             conv[dst].copy_(conv[src])
 
-    def store_checkpoint(self, r: Request, res: pb.CheckpointResult) -> None:
-        """Writes the checkpoint of r's page `res.page_index` into the cache service's slot
-        `res.slot` (unless it refused it or has one already); the kept states are dropped."""
-        states = r.checkpoints.pop(res.page_index, None)
-        if not res.ok or res.already_present:
-            return
-        dst = self.cfg.max_running + res.slot
-        if states is None:  # the running slot holds the state at this page's end
-            self.copy_state(r.slot, dst)
-            return
-        for (ssm, conv), (s, c) in zip(self.states, states, strict=True):
-            ssm[dst].copy_(s)
-            conv[dst].copy_(c)
+    def snapshot_state(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of a running slot's state, per Mamba layer (as `Request.checkpoints` keeps)."""
+        return [(ssm[slot].clone(), conv[slot].clone()) for ssm, conv in self.states]
+
+    def store_checkpoints(self, stored: list[tuple[Request, pb.CheckpointResult]]) -> None:
+        """Writes the checkpoint of each r's page `res.page_index` into the cache service's slot
+        `res.slot` (unless it refused it or has one already); the kept states are dropped.
+
+        On CPU the copies are memory-bound (a state is megabytes): many of them, into distinct
+        slots, are split with a helper thread (torch releases the GIL while it copies), so a
+        decode that completes a page in every request does not stall for all of them on one
+        core. Done before returning: the step's L3 writes read these slots next."""
+        copies: list[tuple[int | list[tuple[torch.Tensor, torch.Tensor]], int]] = []
+        for r, res in stored:
+            states = r.checkpoints.pop(res.page_index, None)
+            if res.ok and not res.already_present:
+                # None: the running slot holds the state at this page's end.
+                copies.append((r.slot if states is None else states,
+                               self.cfg.max_running + res.slot))
+        if (len(copies) >= self.parallel_copies and self.model.device.type == "cpu"
+                and len({dst for _, dst in copies}) == len(copies)):
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-copy")
+            half = len(copies) // 2
+            other = self._copier.submit(self._copy, copies[half:])
+            self._copy(copies[:half])
+            other.result()
+        else:
+            self._copy(copies)
+
+    def _copy(self, copies) -> None:
+        for src, dst in copies:
+            if isinstance(src, int):
+                self.copy_state(src, dst)
+                continue
+            for (ssm, conv), (s, c) in zip(self.states, src, strict=True):
+                ssm[dst].copy_(s)
+                conv[dst].copy_(c)
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
+            self._copier = None
 
     def resume_from_remote(self, r: Request, first: int, remote: list[PageData]) -> None:
         """Puts the checkpoint of the last loaded page (TierMover guarantees it has one) into the

@@ -54,8 +54,9 @@ class RequestStats:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """Invariants while RUNNING: `pages` cover at least `computed` tokens of `tokens`; the first
-    `published` pages are in the cache service's tree; the Mamba slot `slot` holds the state at
+    """Invariants while RUNNING: `pages` cover at least `computed` tokens of `tokens` (one page
+    more after a lookahead allocation); the first `published` pages are in the cache service's
+    tree, and `lease_tokens` >= `published` * page_size; the Mamba slot `slot` holds the state at
     `computed` when `has_state`."""
     id: str
     prompt: list[int]
@@ -67,7 +68,10 @@ class Request:
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     lease: str | None = None
-    lease_tokens: int = 0  # tokens of `tokens` the lease has been told about
+    # Tokens of `tokens` the lease has been told about: its match's, then those of the pages
+    # it published (compute_service.engine.step_planner: a publish carries no more).
+    lease_tokens: int = 0
+    renewed_at: float = 0.0  # time.monotonic() of the last call that named the lease
     pages: list[int] = field(default_factory=list)
     computed: int = 0
     published: int = 0

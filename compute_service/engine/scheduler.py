@@ -21,7 +21,7 @@ the tokens not yet in its KV. A cached prefix costs nothing, however long (desig
 Same-step deduplication (the sibling rule): a waiting request that shares whole pages with a
 running (or just admitted) request that has not published them yet waits for those publishes
 instead of computing the same pages; it then matches them as a cache hit
-(`shared_tokens_in_flight`).
+(`shared_tokens_in_flight`). Not with prefix caching off: nothing is ever published there.
 
 Twins (N samples of one prompt, as RL rollouts send them): when a request's prompt completes, every
 waiting request with the same prompt in the same namespace that has sampled nothing yet samples
@@ -118,7 +118,7 @@ class Scheduler:
                 self.waiting.remove(r)  # unloaded while it waited
                 self.finish(r, FinishReason.ABORT)
                 continue
-            if self._waits_for_sibling(r, admitted):
+            if self.cfg.prefix_cache and self._waits_for_sibling(r, admitted):
                 r.waited_on_sibling = True
                 continue
             admitted.append(r)
@@ -156,14 +156,15 @@ class Scheduler:
 
     # ---- moves between the queues ------------------------------------------------------------
 
-    def start(self, r: Request, lease: str, pages: list[int], computed: int,
+    def start(self, r: Request, lease: str, pages: list[int], lease_tokens: int, computed: int,
               published: int) -> bool:
-        """Moves a matched request from `waiting` to `running` with its lease and pages, a
-        running slot and its adapter pin. False when its adapter was unloaded since admission:
-        it then ends with ABORT and retires (its lease is released in the next step)."""
+        """Moves a matched request from `waiting` to `running` with its lease (which knows its
+        first `lease_tokens` tokens) and pages, a running slot and its adapter pin. False when
+        its adapter was unloaded since admission: it then ends with ABORT and retires (its
+        lease is released in the next step)."""
         self.waiting.remove(r)
         r.status = Status.RUNNING
-        r.lease, r.lease_tokens = lease, r.num_tokens
+        r.lease, r.lease_tokens = lease, lease_tokens
         r.pages, r.computed, r.published = pages, computed, published
         r.slot = heapq.heappop(self.free_slots)
         r.has_state = False

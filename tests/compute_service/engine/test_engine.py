@@ -176,7 +176,7 @@ def test_a_cached_prefix_is_skipped_in_one_step_whatever_its_length():
     assert outs[-1].stats.cached_tokens_device == 36 and outs[-1].stats.computed_prompt_tokens == 4
 
 
-def test_one_cache_step_per_engine_step_with_every_op_batched():
+def test_at_most_one_cache_step_per_engine_step_with_every_op_batched():
     eng = make(token_budget=64, max_running=4)
     calls = []
     real = eng.cache.step
@@ -184,7 +184,7 @@ def test_one_cache_step_per_engine_step_with_every_op_batched():
     for i in range(4):
         eng.submit([i + 1] * 8, SamplingParams(max_tokens=3, ignore_eos=True), lambda o: None)
     eng.run_until_idle()
-    assert len(calls) == eng.stats.steps
+    assert len(calls) == eng.stats.cache_calls <= eng.stats.steps
     assert len(calls[0].matches) == 4  # all admitted in one call
     assert any(len(c.publishes) == 4 and len(c.allocations) == 4 for c in calls)
     assert any(len(c.releases) == 4 for c in calls)
