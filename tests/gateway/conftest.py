@@ -4,12 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.discovery import WorkerAddress
-from tests.cache_service.grpc_harness import running_server
-from tests.gateway.gateway_harness import (Caller, FakeWorker, register_pool, running_gateway,
-                                           wait_until)
 from tests.gateway.live_stack import LiveStacks
-from tests.gateway.server_helpers import list_workers
+from tests.gateway.server_helpers import fake_fleet
 
 
 @pytest.fixture(scope="session")
@@ -52,19 +48,6 @@ def chat_stacks():
 
 @pytest.fixture(scope="module")
 def fleet():
-    """A cache service with pools w1 and w2, their fake workers, and a gateway over both."""
-    with running_server() as cache:
-        workers = {name: FakeWorker(name) for name in ("w1", "w2")}
-        for name in workers:
-            register_pool(cache.core, name)
-        cache_addr = f"127.0.0.1:{cache.port}"
-        addresses = [WorkerAddress(w.address, cache_addr) for w in workers.values()]
-        try:
-            with running_gateway(lambda: addresses, metrics_port=0) as gw:
-                caller = Caller(gw.address)
-                wait_until(lambda: len(list_workers(caller)) == 2 and gw.router.ready())
-                yield gw, cache, workers, caller
-                caller.close()
-        finally:
-            for w in workers.values():
-                w.stop()
+    """`fake_fleet` with a metrics port: (gateway, cache server, workers, Caller)."""
+    with fake_fleet(metrics_port=0) as (gw, cache, workers, _, caller):
+        yield gw, cache, workers, caller

@@ -10,36 +10,18 @@ import grpc
 import httpx
 import pytest
 
-from gateway.discovery import WorkerAddress
-from tests.cache_service.grpc_harness import running_server
-from tests.gateway.gateway_harness import (MODEL, Caller, FakeWorker, register_pool,
-                                           running_gateway, wait_until)
+from tests.gateway.gateway_harness import MODEL, running_gateway, wait_until
 from tests.gateway.http_helpers import auth, events, post, stream, streamed_text
-from tests.gateway.server_helpers import list_workers, prompt
+from tests.gateway.server_helpers import fake_fleet, prompt
 
 
 @pytest.fixture(scope="module")
 def http_fleet():
-    """A cache service with pools w1 and w2, their fake workers, and a gateway over both with
-    its HTTP API (gateway, workers, addresses, base URL)."""
-    with running_server() as cache:
-        workers = {name: FakeWorker(name) for name in ("w1", "w2")}
-        for name in workers:
-            register_pool(cache.core, name)
-        cache_addr = f"127.0.0.1:{cache.port}"
-        addresses = [WorkerAddress(w.address, cache_addr) for w in workers.values()]
-        try:
-            with running_gateway(lambda: addresses, http_port=0, tokenizer="byte") as gw:
-                base = f"http://127.0.0.1:{gw.http_port}"
-                caller = Caller(gw.address)
-                wait_until(lambda: len(list_workers(caller)) == 2 and gw.router.ready())
-                wait_until(lambda: httpx.get(base + "/health").status_code == 200,
-                           what="HTTP health")
-                caller.close()
-                yield gw, workers, addresses, base
-        finally:
-            for w in workers.values():
-                w.stop()
+    """`fake_fleet` with the gateway's HTTP API: (gateway, workers, addresses, base URL)."""
+    with fake_fleet(http_port=0, tokenizer="byte") as (gw, _, workers, addresses, _caller):
+        base = f"http://127.0.0.1:{gw.http_port}"
+        wait_until(lambda: httpx.get(base + "/health").status_code == 200, what="HTTP health")
+        yield gw, workers, addresses, base
 
 
 @pytest.fixture
