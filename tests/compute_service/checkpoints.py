@@ -16,8 +16,9 @@ from cache_service.core import CacheCore
 from compute_service.__main__ import load, parse_args
 from compute_service.engine import Engine, EngineConfig
 from compute_service.model import CausalLM, init_random_, preset_config, save_model
-from compute_service.server import ComputeServer, ServerConfig, serve
+from compute_service.server import ComputeServer
 from prefixcache_client.compute import ComputeClient
+from tests.compute_service.server_harness import running
 
 BPE_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "bpe_tokenizer"
 PAGE = 4
@@ -59,10 +60,5 @@ def serving(path: Path, pool_id: str = "ckpt-worker",
     engine = Engine(model, tokenizer, cache or CacheCore(), EngineConfig(
         page_size=PAGE, device_pages=64, token_budget=64, max_running=4, max_context=256,
         model_id=model_id, pool_id=pool_id))
-    server = serve(engine, ServerConfig(host="127.0.0.1", port=0, grace_s=0.0), defaults)
-    client = ComputeClient(f"127.0.0.1:{server.port}", timeout_s=10, generate_timeout_s=60)
-    try:
+    with running(engine, defaults) as (server, client):
         yield server, client
-    finally:
-        client.close()
-        server.drain()

@@ -45,10 +45,12 @@ def make_engine(name: str = "tiny-transformer", cache=None, **cfg) -> Engine:
 
 
 @contextlib.contextmanager
-def running(engine: Engine, **config) -> Iterator[tuple[ComputeServer, ComputeClient]]:
-    """An in-process server on 127.0.0.1 over `engine` and a client of it; drained on exit."""
+def running(engine: Engine, defaults=None,
+            **config) -> Iterator[tuple[ComputeServer, ComputeClient]]:
+    """An in-process server on 127.0.0.1 over `engine` (with the checkpoint's sampling
+    `defaults`, if any) and a client of it; drained on exit."""
     config.setdefault("grace_s", 0.0)
-    server = serve(engine, ServerConfig(host="127.0.0.1", port=0, **config))
+    server = serve(engine, ServerConfig(host="127.0.0.1", port=0, **config), defaults)
     client = ComputeClient(f"127.0.0.1:{server.port}", timeout_s=10, generate_timeout_s=60)
     try:
         yield server, client
