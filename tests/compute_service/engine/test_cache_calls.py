@@ -5,7 +5,6 @@ and retried (or the pool is re-registered); leases are renewed before they expir
 spent waiting on the cache is counted and exported."""
 from __future__ import annotations
 
-import functools
 import random
 import threading
 import time
@@ -18,26 +17,11 @@ from cache_service.core import DEFAULT_LEASE_TTL_S, CacheCore
 from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.engine.local_pages import LocalPages
 from compute_service.engine.step_planner import SERVICE_LEASE_TTL_S
-from compute_service.model import ByteTokenizer, PagedDriver, build_preset
+from compute_service.model import ByteTokenizer
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache_client.cache import CacheUnavailableError
-
-FAMILIES = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
-PAGE = 4
-NEW = 6
-
-
-@functools.cache
-def model(name: str):
-    torch.manual_seed(0)
-    return build_preset(name, seed=3)
-
-
-@functools.cache
-def reference(name: str, prompt: tuple[int, ...], new: int = NEW) -> list[int]:
-    driver = PagedDriver(model(name), num_pages=96, page_size=PAGE, num_slots=2)
-    return driver.generate_greedy(list(prompt), new)
+from tests.compute_service.engine.references import FAMILIES, NEW, PAGE, model, reference
 
 
 def engine(name: str, cache=None, **cfg) -> Engine:

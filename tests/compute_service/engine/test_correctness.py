@@ -3,36 +3,20 @@
 For every family (transformer, sliding window, Mamba2, hybrid), the engine's output equals an
 independent reference (PagedDriver: one prefill call, then one decode call per token) whether the
 prompt was cold, fully cached, cached up to mid-page, published mid-flight by a concurrent
-sibling, sampled first from a twin's logits, or resumed after preemption; with multi-chunk prompts, 16 concurrent same-prefix
-requests, a prompt shorter than the conv window, and a second turn reusing the first.
+sibling, sampled first from a twin's logits, or resumed after preemption; with multi-chunk
+prompts, 16 concurrent same-prefix requests, a prompt shorter than the conv window, and a
+second turn reusing the first.
 """
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
-import torch
 
 from cache_service.core import CacheCore
 from compute_service.engine import Engine, EngineConfig, SamplingParams
-from compute_service.model import ByteTokenizer, PagedDriver, build_preset
-
-FAMILIES = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
-PAGE = 4
-NEW = 6
-
-
-@functools.cache
-def model(name: str):
-    torch.manual_seed(0)
-    return build_preset(name, seed=3)
-
-
-@functools.cache
-def reference(name: str, prompt: tuple[int, ...]) -> list[int]:
-    driver = PagedDriver(model(name), num_pages=64, page_size=PAGE, num_slots=2)
-    return driver.generate_greedy(list(prompt), NEW)
+from compute_service.model import ByteTokenizer
+from tests.compute_service.engine.references import FAMILIES, NEW, PAGE, model, reference
 
 
 def engine(name: str, **cfg) -> Engine:

@@ -30,6 +30,9 @@ from compute_service.model import ByteTokenizer, PagedDriver, build_preset
 from prefixcache.v1 import cache_service_pb2 as cpb, common_pb2
 from prefixcache_client.hash import prompt_hashes
 
+# Tiny models on two shared cores: more intra-op threads only add contention.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = ["tiny-transformer", "tiny-hybrid"]
 PAGE = 4
 NEW = 6
@@ -45,15 +48,6 @@ SPECS: dict[str, dict] = {
     "e": dict(rank=12, seed=5, strength=0.5),
     "f": dict(rank=8, seed=6, strength=0.5, targets=("k_proj", "gate_proj", "in_proj")),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny models on two shared cores: more intra-op threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @functools.cache

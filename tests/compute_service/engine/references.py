@@ -1,0 +1,25 @@
+"""What the engine tests compare against: the tiny model of each family (fixed weights) and its
+greedy continuation computed by the plain paged driver, with no cache, engine or scheduler."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from compute_service.model import PagedDriver, build_preset
+
+FAMILIES = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
+PAGE = 4
+NEW = 6
+
+
+@functools.cache
+def model(name: str):
+    torch.manual_seed(0)
+    return build_preset(name, seed=3)
+
+
+@functools.cache
+def reference(name: str, prompt: tuple[int, ...], new: int = NEW) -> list[int]:
+    driver = PagedDriver(model(name), num_pages=96, page_size=PAGE, num_slots=2)
+    return driver.generate_greedy(list(prompt), new)
