@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class Request:
     adapter: str = ""
     salt: str = ""
     arrival: float = field(default_factory=time.monotonic)
+    # Submission order (ties of `arrival` broken): the older request keeps its pages
+    # (Scheduler.make_room).
+    seq: int = field(default_factory=itertools.count().__next__)
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     lease: str | None = None
@@ -81,6 +85,9 @@ class Request:
     aborted: bool = False
     finish: FinishReason | None = None
     waited_on_sibling: bool = False
+    # Its allocation for this step's forward failed and a younger request was preempted to free
+    # pages: it sits out the forward, and nothing is admitted until it gets its pages.
+    short_of_pages: bool = False
     resumed: bool = False  # matched before: do not count its hits again
     # page index -> per-Mamba-layer (ssm, conv) states to store as a checkpoint, or None for
     # "the running slot" (a decode step ended on that page).

@@ -30,9 +30,16 @@ same step (the model runner does the sampling; `twins` finds them). It is then a
 sibling (it matches the published pages and computes the prompt's partial last page and that
 token), so its first token no longer waits for a step of its own (`first_token_from_twin`).
 
-Preemption: a request the cache service could not give pages (or whose lease expired) goes back to
-`waiting`. With its lease still held it retires first, publishing what it computed, so when it
-matches again only the unpublished tail is recomputed.
+Preemption: a request whose lease expired goes back to `waiting`. When the cache service cannot
+give a request the pages this step's forward needs, the youngest running request (by submission,
+`Request.seq`) is preempted instead, unless the short one is itself the youngest (`make_room`):
+the older one sits out this forward, retries its allocation in the next step, and no waiting
+request is admitted until it has its pages. So the oldest running request is never preempted for
+a younger one and gains tokens every few steps; as `Engine.submit` rejects a request that cannot
+fit in the pool alone, every admitted request finishes (two requests that each fit alone
+used to take each other's pages forever under chunked prefill). A preempted request with its
+lease still held retires first, publishing what it computed, so when it matches again only the
+unpublished tail is recomputed.
 """
 from __future__ import annotations
 
@@ -109,6 +116,8 @@ class Scheduler:
         admitted: list[Request] = []
         room = min(cfg.max_running - len(self.running), len(self.free_slots))
         adapters = {r.adapter for r in self.running if r.adapter}
+        if any(r.short_of_pages for r in self.running):
+            return admitted  # a newcomer would take the pages an older request waits for
         for r in list(self.waiting):
             if len(admitted) >= room:
                 break
@@ -191,6 +200,19 @@ class Scheduler:
         if r.status is Status.WAITING:
             self._requeue(r)
 
+    def make_room(self, short: list[Request]) -> None:
+        """`short`: running requests the cache service could not give the pages this step's
+        forward needs. Oldest first, each one preempts the youngest running request, or itself
+        when it is the youngest; a short request that stays running is marked
+        `short_of_pages` (see the module docstring)."""
+        for r in sorted(short, key=lambda r: r.seq):
+            if r.status is not Status.RUNNING:
+                continue  # preempted for an older one in this loop
+            victim = max(self.running, key=lambda r: r.seq)
+            if victim is not r:
+                r.short_of_pages = True
+            self.preempt(victim, released=False)
+
     def preempt(self, r: Request, released: bool) -> None:
         """Out of pages (or lease lost). `released`: the cache service already freed everything
         the lease held, so it is requeued now; else it retires first (see the module
@@ -198,6 +220,7 @@ class Scheduler:
         self.stats.preemptions += 1
         r.stats.preemptions += 1
         r.status = Status.WAITING
+        r.short_of_pages = False
         self.running.remove(r)
         if released:
             self._free_slots_of(r)

@@ -18,8 +18,9 @@ The ops of one step, in the order they are built:
    compute_service.tiers), free what the released leases held, give allocated pages, load the L3
    extensions of this step's matches (one batched load for all of them), start matched requests
    (their cached prefix, L3 pages included, is skipped whole, design.md lesson 9: `computed`
-   starts at the cached length), preempt requests whose lease expired or that it could not give
-   the pages this step's forward needs.
+   starts at the cached length), preempt requests whose lease expired, and make room for those
+   it could not give the pages this step's forward needs (Scheduler.make_room: the youngest
+   running request is preempted, never an older one for a younger).
 
 What keeps the call cheap (a decode step usually has nothing to say):
 - a publish carries only the tokens of the pages it publishes (`lease_tokens` trails the
@@ -272,8 +273,10 @@ class StepPlanner:
             r.lease_tokens, r.published = lease_tokens, published
 
     def batch(self, plan: StepPlan) -> list[tuple[Request, int]]:
-        """The forward's batch: the scheduled requests still running with their pages."""
-        return [(r, n) for r, n in plan.scheduled if r.status is Status.RUNNING and r.lease]
+        """The forward's batch: the scheduled requests still running with their pages (a
+        request short of pages sits this forward out: Scheduler.make_room)."""
+        return [(r, n) for r, n in plan.scheduled
+                if r.status is Status.RUNNING and r.lease and not r.short_of_pages]
 
     # ---- applying the answer -----------------------------------------------------------------
 
@@ -311,10 +314,12 @@ class StepPlanner:
             sched.after_release(r)
         failed = []
         for res in resp.allocations:
+            r = by_lease[res.lease_id]
             if res.ok:
-                by_lease[res.lease_id].pages.extend(res.device_pages)
+                r.pages.extend(res.device_pages)
+                r.short_of_pages = False
             elif res.lease_id in plan.now:  # a lookahead that failed is asked for again
-                failed.append(by_lease[res.lease_id])
+                failed.append(r)
         if resp.matches:
             loaded = self.tiers.load_extensions(list(resp.matches))
             for r, m, pages, n in zip(plan.admitted, resp.matches, loaded, plan.match_tokens,
@@ -326,9 +331,7 @@ class StepPlanner:
                 log.warning("event=lease_expired request=%s lease=%s", r.id, r.lease)
                 r.lease = None
                 sched.preempt(r, released=True)
-        for r in failed:
-            if r.status is Status.RUNNING and r.lease:
-                sched.preempt(r, released=False)
+        sched.make_room([r for r in failed if r.status is Status.RUNNING and r.lease])
         for r in by_lease.values():  # every op naming a lease renews it
             r.renewed_at = plan.sent_at
         if plan.load is not None:
