@@ -6,6 +6,7 @@ are `CacheError`s whose message names the field.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,12 @@ POOL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_PAGE_SIZE = 4096
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_PAGES_PER_ALLOCATION = 65536
+# Seconds fields (design.md §8 "Bad input"): NaN and inf compare false with every bound, so each
+# is checked for finiteness first (an inf or NaN lease TTL never expired). A heartbeat faster
+# than 20/s floods the subscriber and the server (NaN meant no wait at all), one slower than
+# a minute makes a live pool look dead to the gateway. The lease TTL's upper bound is the
+# server's --max-lease-ttl-s (cache_service/access.py).
+MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S = 0.05, 60.0
 
 
 @dataclass(slots=True)
@@ -111,8 +118,7 @@ def plan_step(pool, req: StepOps, max_ops: int, lease: Callable[[str, str], Leas
         if n_tokens > MAX_PROMPT_TOKENS:
             raise invalid(f"{where}.token_ids: {n_tokens} tokens exceed the limit of "
                           f"{MAX_PROMPT_TOKENS}")
-        if op.lease_ttl_s < 0:
-            raise invalid(f"{where}.lease_ttl_s: must be >= 0")
+        check_lease_ttl(f"{where}.lease_ttl_s", op.lease_ttl_s)
         data = tokens_of(ids, packed, f"{where}.token_ids")
         plan.matches.append((op, data, op.lease_ttl_s or pool.cfg.lease_ttl_s))
     for i, op in enumerate(req.allocations):
@@ -129,6 +135,34 @@ def _live(lease: Lease, ended: set[str], where: str) -> Lease:
     if lease.lease_id in ended:
         raise invalid(f"{where}: lease '{lease.lease_id}' is released earlier in this step")
     return lease
+
+
+def check_seconds(field: str, value: float, low: float, high: float, zero: str = "") -> None:
+    """`value` finite and in [low, high], or 0 when `zero` says what 0 means."""
+    if zero and value == 0:
+        return
+    if not (math.isfinite(value) and low <= value <= high):
+        allowed = f"0 ({zero}) or " if zero else ""
+        bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise invalid(f"{field}: must be {allowed}a finite number of seconds {bounds}, got "
+                      f"{value!r}")
+
+
+def check_lease_ttl(field: str, value: float) -> None:
+    check_seconds(field, value, 0.0, math.inf)
+
+
+def check_heartbeat_interval(value: float) -> None:
+    check_seconds("heartbeat_interval_s", value, MIN_HEARTBEAT_INTERVAL_S,
+                  MAX_HEARTBEAT_INTERVAL_S, zero="= 1 s")
+
+
+def check_load(req: pb.StepRequest) -> None:
+    """The worker's load report is relayed to every subscriber (the gateway routes on it)."""
+    if req.HasField("load") and not (math.isfinite(req.load.timestamp)
+                                     and req.load.timestamp >= 0):
+        raise invalid(f"load.timestamp: must be a finite Unix time >= 0, got "
+                      f"{req.load.timestamp!r}")
 
 
 def check_pool_id(pool_id: str) -> None:

@@ -10,6 +10,7 @@ import logging
 import grpc
 
 from gateway.proxy import GenerateProxy, ProxyError
+from gateway.request_checks import check_request
 from gateway.routing import Router
 from gateway.tenants import AuthError, Tenant
 from gateway.tokenize import TokenizerUnavailable
@@ -46,6 +47,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             if any(k == SALT_METADATA_KEY for k, _ in context.invocation_metadata() or ()):
                 # Never trusted from a client: the tenant's salt replaces it.
                 log.debug(kv("client_salt_ignored", tenant=tenant.name, peer=context.peer()))
+            check_request(request, proxy.fleet)
             stream = proxy.open(request, tenant, self._deadline(context),
                                 active=context.is_active)
         except ProxyError as exc:
@@ -70,6 +72,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest,
                      context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
+        # A tenant's call, like HTTP GET /v1/models: it names the model, the loaded adapters and
+        # a worker (design.md §8, "Service identities"); anonymous only with --allow-anonymous.
+        authenticate(self._proxy, context)
         info = self._proxy.model_info()
         if info is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is known yet; retry later")
@@ -77,7 +82,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
 
     def GetTokenizer(self, request: pb.GetTokenizerRequest,
                      context: grpc.ServicerContext) -> pb.GetTokenizerResponse:
-        """The gateway's tokenizer, as a worker answers it (gateway/tokenize.py)."""
+        """The gateway's tokenizer, as a worker answers it (gateway/tokenize.py); a tenant's
+        call, like GetModelInfo."""
+        authenticate(self._proxy, context)
         try:
             return self._proxy.tokenizer.tokenizer_response()
         except TokenizerUnavailable as exc:
@@ -108,6 +115,8 @@ class GatewayServicer(gpb_grpc.GatewayServiceServicer):
                      context: grpc.ServicerContext) -> gpb.RoutePreviewResponse:
         tenant = authenticate(self._proxy, context)
         try:
+            # What Generate would refuse is not previewed (the vocabulary bound, the floats).
+            check_request(request.request, self._proxy.fleet)
             route_request = self._proxy.prepare(request.request, tenant,
                                                 request.request.request_id or "preview")
         except ProxyError as exc:

@@ -6,7 +6,7 @@ to PREFIXCACHE_* environment variables.
 torch-free, so the cache service, the compute service's client and the gateway can all use it.
 """
 from service_shell.flags import (add_flag, add_server_flags, add_tls_flags, env_default,
-                                 tls_from_args)
+                                 finite_float, tls_from_args)
 from service_shell.grpc_server import bind, enable_reflection, new_server
 from service_shell.health import HealthPort, HealthProbes
 from service_shell.logs import LOG_LEVELS, configure_logging, kv
@@ -20,5 +20,5 @@ from service_shell.tls import TlsConfig, open_channel, tls_mode
 __all__ = ["LOG_LEVELS", "SALT_METADATA_KEY", "ExitGuard", "HealthPort", "HealthProbes",
            "MetricsEndpoint", "ServiceShell", "ShellPorts", "ShutdownSignal", "TlsConfig", "add_flag",
            "add_server_flags", "add_tls_flags", "bind", "channel_options", "configure_logging",
-           "enable_reflection", "env_default", "kv", "new_server", "open_channel",
+           "enable_reflection", "env_default", "finite_float", "kv", "new_server", "open_channel",
            "server_options", "sleep_until_interrupted", "tls_from_args", "tls_mode"]

@@ -2,20 +2,27 @@
 error that names the address, and reflection."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
+from service_shell.requests import RequestCheck
+
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 def new_server(max_workers: int, thread_name_prefix: str,
-               options: list[tuple[str, int | str]]) -> grpc.Server:
+               options: list[tuple[str, int | str]],
+               interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+    """A server whose every handler first goes through `RequestCheck` (a request that does not
+    parse, e.g. a string that is not UTF-8, is INVALID_ARGUMENT naming the field, not INTERNAL),
+    then through `interceptors`, in order."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                   thread_name_prefix=thread_name_prefix),
-                       options=options)
+                       options=options, interceptors=(RequestCheck(), *interceptors))
 
 
 def bind(server: grpc.Server, host: str, port: int,

@@ -35,11 +35,13 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from gateway.http import errors, schemas
+from gateway.http.body_limit import BodyLimit
 from gateway.http.errors import ApiError, bad_request, from_proxy
 from gateway.http.generation import ClientGone, Generation, Job
 from gateway.http.models import ModelCatalog
 from gateway.http.streaming import sse_events
 from gateway.proxy import GenerateProxy, ProxyError
+from gateway.request_checks import check_request, check_text_size
 from gateway.routing import Router
 from gateway.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -49,11 +51,13 @@ OWNER = "prefixcache"
 
 
 def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
-               max_streams: int = 512) -> FastAPI:
-    """The app over a gateway's proxy and router; `ready()` answers /health."""
+               max_streams: int = 512, max_body_bytes: int = 64 << 20) -> FastAPI:
+    """The app over a gateway's proxy and router; `ready()` answers /health. A request body
+    over `max_body_bytes` is refused unread (413, body_limit.py)."""
     app = FastAPI(title="prefixcache gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before any parsing
     # Blocking gRPC reads run in threads; each open stream may hold one.
     limiter = anyio.CapacityLimiter(max_streams + 16)
     catalog = ModelCatalog(router, proxy.fleet, limiter)
@@ -93,12 +97,15 @@ def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
         for i, p in enumerate(prompts):
             req = pb.GenerateRequest(adapter=adapter)
             if isinstance(p, str):
+                # Bounded by the context before the proxy tokenizes it (request_checks.py).
+                check_text_size(p, proxy.fleet, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
                 req.text = p  # tokenized by the proxy, as a gRPC text prompt is
             elif not p:
                 raise bad_request("prompt" if len(prompts) == 1 else f"prompt[{i}]",
                                   "must not be empty")
             else:
                 req.token_ids.ids.extend(p)
+                check_request(req, proxy.fleet)  # the vocabulary, as RoutePreview checks it
             requests.append(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await _generate(body, requests, body.max_tokens, request, who, rid,
@@ -109,6 +116,8 @@ def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
                                who: Tenant = Depends(tenant)) -> Response:
         _refuse_unsupported(body.unsupported())
         adapter, models = await catalog.resolve(body.model)
+        # The messages' text bounded by the context before the template renders it.
+        check_text_size("".join(m.text() for m in body.messages), proxy.fleet, "messages")
         ids, fingerprint = await to_thread.run_sync(_chat_ids, proxy, body, limiter=limiter)
         max_tokens = body.token_limit()
         if max_tokens is None:  # OpenAI's default: whatever the context leaves

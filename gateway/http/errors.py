@@ -140,6 +140,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI could not read the body (e.g. it is not UTF-8)
+            return bad_request("body", "must be a UTF-8 JSON object: "
+                               f"{str(exc.detail).lower()}").response()
         message = (f"{request.method} {request.url.path}: no such endpoint"
                    if exc.status_code in (404, 405) else str(exc.detail))
         return ApiError(exc.status_code, message, "invalid_request_error").response()

@@ -27,7 +27,8 @@ _U32 = 2**32
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # allow_inf_nan=False: Python's JSON parser takes NaN and Infinity, which pass every bound.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -38,7 +39,7 @@ class _Sampling(_Body):
     """What /v1/completions and /v1/chat/completions share."""
     # None: the base model. A loaded LoRA adapter's name selects that adapter.
     model: str | None = None
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=100)  # the workers' bound
     top_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**64)
     n: int = Field(1, ge=1, le=MAX_N)
