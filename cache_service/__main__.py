@@ -5,7 +5,12 @@ line on stdout is `listening on HOST:PORT` (with the real port when --port 0 was
 
 --tls-cert/--tls-key make the gRPC port TLS, and --tls-ca mutual TLS; --health-port serves
 health on a port of its own, plaintext even then, for Kubernetes `grpc:` probes (which cannot
-present a client certificate).
+present a client certificate). --service-identities-file admits only the service identities it
+lists, each to its role's RPCs and its own pools (service_shell/auth.py, cache_service/access.py);
+without it every caller is served and `event=auth_disabled` is logged.
+
+--kv-events-zmq-endpoint also publishes every pool's KV events in vLLM's format over ZMQ (the
+second line on stdout is then `kv events on ENDPOINT [replay ENDPOINT]`; docs/kv-events.md).
 """
 from __future__ import annotations
 
@@ -13,11 +18,15 @@ import argparse
 import logging
 import sys
 
+from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from cache_service.server import CacheServer, ServerConfig
+from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
 from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging,
                            tls_from_args)
+from service_shell.auth_flags import add_identities_flag, identities_from_args
+from service_shell.redis import add_redis_flags, settings_from_args
 
 log = logging.getLogger("cache_service")
 
@@ -34,16 +43,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "seconds in-flight calls get on SIGTERM", type=float)
     add_flag(p, "--drain-delay-s", "DRAIN_DELAY_S", defaults.drain_delay_s,
              "seconds between readiness NOT_SERVING and refusing calls on SIGTERM", type=float)
-    add_flag(p, "--redis-url", "REDIS_URL", "",
-             "L3 page store, redis://[:password@]host:port/db or rediss:// for TLS; "
-             "empty = no L3 lookups")
+    add_redis_flags(p, "L3 page store probed for remote lookups")
     add_flag(p, "--l3-prefix", "L3_PREFIX", "pc", "key prefix in Redis")
     add_flag(p, "--l3-timeout-ms", "L3_TIMEOUT_MS", 100,
              "per-call Redis timeout; a slower Redis is a miss", type=float)
     add_flag(p, "--l3-max-connections", "L3_MAX_CONNECTIONS", 16,
              "Redis connection pool size", type=int)
+    limits = CacheLimits()
+    add_identities_flag(p)
+    add_flag(p, "--max-pool-pages", "MAX_POOL_PAGES", limits.max_pool_pages,
+             "largest device_pages, host_pages and mamba_slots a RegisterPool may ask for", type=int)
+    add_flag(p, "--max-lease-ttl-s", "MAX_LEASE_TTL_S", limits.max_lease_ttl_s,
+             "longest lease TTL a RegisterPool or a Step's match may ask for", type=float)
+    add_flag(p, "--max-subscriptions-per-identity", "MAX_SUBSCRIPTIONS_PER_IDENTITY",
+             limits.max_subscriptions_per_identity,
+             "concurrent Subscribe streams one service identity may hold (with "
+             "--service-identities-file)", type=int)
+    add_kv_events_flags(p)
     args = p.parse_args(argv)
     args.tls = tls_from_args(p, args)
+    args.redis = settings_from_args(p, args)
+    args.kv_events = kv_events_from_args(p, args)
+    args.auth = identities_from_args(p, args)
+    try:
+        args.limits = CacheLimits(args.max_pool_pages, args.max_lease_ttl_s,
+                                  args.max_subscriptions_per_identity)
+    except ValueError as exc:
+        p.error(f"--{str(exc).replace('_', '-')}")
+    if args.max_subscriptions_per_identity > defaults.max_subscriptions:
+        p.error(f"--max-subscriptions-per-identity: must be <= {defaults.max_subscriptions}, the "
+                "server's limit on all subscriptions")
     return args
 
 
@@ -54,15 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(host=args.host, port=args.port,
                           metrics_port=args.metrics_port or None,
                           health_port=args.health_port or None, tls=args.tls,
+                          auth=args.auth, limits=args.limits,
                           max_message_mb=args.max_message_mb, grace_s=args.grace_s,
                           drain_delay_s=args.drain_delay_s)
     remote = None
     if args.redis_url:
         remote = L3Client(L3Config(args.redis_url, prefix=args.l3_prefix,
                                    timeout_s=args.l3_timeout_ms / 1000,
-                                   max_connections=args.l3_max_connections))
-    server = CacheServer(CacheCore(replay_events=args.replay_events, remote=remote), config).start()
+                                   max_connections=args.l3_max_connections, redis=args.redis))
+        # A wrong URL shows at start (log, "l3" health name, l3_up gauge); lookups miss until
+        # Redis answers, and a background re-check notices when it does.
+        remote.check(1.0)
+        remote.watch()
+    core = CacheCore(replay_events=args.replay_events, remote=remote)
+    kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
+    server = CacheServer(core, config, kv_events).start()
     print(f"listening on {server.address}", flush=True)
+    if kv_events is not None:
+        print(f"kv events on {kv_events.endpoint}"
+              + (f" replay {kv_events.replay_endpoint}" if kv_events.replay_endpoint else ""),
+              flush=True)
     if server.metrics_port is not None:
         print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
     if server.health_port is not None:

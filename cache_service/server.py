@@ -16,13 +16,16 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cache_service.access import CacheAccess, CacheLimits
 from cache_service.core import CacheCore
+from cache_service.zmq_publisher import ZmqEventPublisher
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import common_pb2
 from prefixcache_client.errors import CacheError
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
+from service_shell.auth import CACHE_POLICY, ServiceIdentities, interceptors
 
 log = logging.getLogger("cache_service.server")
 
@@ -41,6 +44,10 @@ class ServerConfig:
     health_port: int | None = None
     # None = plaintext; else TLS on `port` (mTLS when it has a CA).
     tls: TlsConfig | None = None
+    # None = no service authentication (logged as event=auth_disabled); else only these callers,
+    # each limited to its role's RPCs (service_shell/auth.py) and its own pools (access.py).
+    auth: ServiceIdentities | None = None
+    limits: CacheLimits = CacheLimits()
     max_message_mb: int = 64
     # Each Subscribe stream holds a worker thread for its whole life, so subscriptions are capped
     # below the pool size: Step calls (once per engine step) must never wait for a thread.
@@ -137,6 +144,12 @@ class ServerMetrics:
             "prefixcache_cache_active_subscriptions", "Open Subscribe streams.",
             registry=self.registry)
         self.registry.register(_PoolStatsCollector(core))
+        if core.remote is not None:  # L3 reachability (design.md §4): a gauge, not readiness
+            l3_up = prometheus_client.Gauge(
+                "prefixcache_cache_l3_up", "1 while the L3 Redis (every master of a cluster) "
+                "answers; 0 from a failed start check or an opened breaker until it does.",
+                registry=self.registry)
+            l3_up.set_function(lambda: 0.0 if core.remote.up is False else 1.0)
         prometheus_client.ProcessCollector(registry=self.registry)
 
     def finished(self, method: str, code: grpc.StatusCode, seconds: float | None) -> None:
@@ -149,32 +162,43 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     """Maps each RPC onto the core method of the same name and `CacheError` onto its status."""
 
     def __init__(self, core: CacheCore, metrics: ServerMetrics, max_subscriptions: int,
-                 draining: threading.Event):
+                 draining: threading.Event, access: CacheAccess):
         self._core = core
+        self._access = access
         self._metrics = metrics
         self._subscription_slots = threading.BoundedSemaphore(max_subscriptions)
         self._max_subscriptions = max_subscriptions
         self._draining = draining
 
     def RegisterPool(self, request, context):
-        return self._unary("RegisterPool", self._core.register_pool, request, context)
+        with self._access.pool_call("RegisterPool", request, context):
+            return self._unary("RegisterPool", self._core.register_pool, request, context)
 
     def UnregisterPool(self, request, context):
-        return self._unary("UnregisterPool", self._core.unregister_pool, request, context)
+        with self._access.pool_call("UnregisterPool", request, context):
+            return self._unary("UnregisterPool", self._core.unregister_pool, request, context)
 
     def ListPools(self, request, context):
         return self._unary("ListPools", self._core.list_pools, request, context)
 
     def Step(self, request, context):
-        return self._unary("Step", self._core.step, request, context)
+        with self._access.pool_call("Step", request, context):
+            return self._unary("Step", self._core.step, request, context)
 
     def EvictNamespace(self, request, context):
-        return self._unary("EvictNamespace", self._core.evict_namespace, request, context)
+        with self._access.pool_call("EvictNamespace", request, context):
+            return self._unary("EvictNamespace", self._core.evict_namespace, request, context)
 
     def GetStats(self, request, context):
         return self._unary("GetStats", self._core.get_stats, request, context)
 
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
+        # The caller's own share first (auth on), so that one identity's flood never holds the
+        # slots every other subscriber (the gateway) needs.
+        with self._access.subscription(request, context):
+            yield from self._subscribe(request, context)
+
+    def _subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
         if not self._subscription_slots.acquire(blocking=False):
             self._metrics.finished("Subscribe", grpc.StatusCode.RESOURCE_EXHAUSTED, None)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -232,31 +256,43 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 class CacheServer(ShellPorts):
     """A running cache service: gRPC server, health, reflection, metrics and lease expiry."""
 
-    def __init__(self, core: CacheCore, config: ServerConfig | None = None):
+    def __init__(self, core: CacheCore, config: ServerConfig | None = None,
+                 kv_events: ZmqEventPublisher | None = None):
+        """`kv_events`: also publish every pool's events in vLLM's format (off when None)."""
         self.core = core
         self.config = cfg = config or ServerConfig()
         self.metrics = ServerMetrics(core)
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.metrics.registry.register(kv_events.collector())
+        auth, refusals = interceptors(cfg.auth, SERVICE_NAME, CACHE_POLICY, self.metrics.registry)
         self._shell = ServiceShell(
             SERVICE_NAME, host=cfg.host, port=cfg.port, max_workers=cfg.max_workers,
             thread_name_prefix="cache-rpc", options=cfg.grpc_options(),
             registry=self.metrics.registry, metrics_port=cfg.metrics_port,
-            health_port=cfg.health_port, tls=cfg.tls)
+            health_port=cfg.health_port, tls=cfg.tls, interceptors=auth)
         self.health = self._shell.health
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self._expirer = threading.Thread(target=self._expire_loop, name="lease-expirer",
                                          daemon=True)
-        servicer = CacheServicer(core, self.metrics, cfg.max_subscriptions, self._draining)
+        servicer = CacheServicer(core, self.metrics, cfg.max_subscriptions, self._draining,
+                                 CacheAccess(cfg.limits, refusals))
         pb_grpc.add_CacheServiceServicer_to_server(servicer, self._shell.server)
 
     def start(self) -> CacheServer:
         cfg = self.config
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._shell.start()
         self._expirer.start()
         self.health.set_ready(True)
+        if self.core.remote is not None:  # health name "l3": SERVING while Redis answers
+            self.core.remote.on_change(lambda up: self.health.set_detail("l3", up))
         log.info(kv("server_started", address=self.address, metrics_port=self.metrics_port,
                     health_port=self.health_port, tls=tls_mode(cfg.tls),
+                    auth="on" if cfg.auth is not None else "off",
                     max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers))
         return self
 
@@ -280,6 +316,8 @@ class CacheServer(ShellPorts):
         # they finish with UNAVAILABLE so clients resubscribe (here after a restart, or elsewhere).
         self.core.close()
         stopped.wait()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._shell.close()
         self._stopped.set()
         self._expirer.join(timeout=self.config.expire_interval_s + 1)
@@ -300,6 +338,7 @@ class CacheServer(ShellPorts):
                 log.info(kv("leases_expired", count=expired))
 
 
-def serve(core: CacheCore, config: ServerConfig | None = None) -> CacheServer:
+def serve(core: CacheCore, config: ServerConfig | None = None,
+          kv_events: ZmqEventPublisher | None = None) -> CacheServer:
     """Builds and starts a server."""
-    return CacheServer(core, config).start()
+    return CacheServer(core, config, kv_events).start()

@@ -10,6 +10,8 @@ without a token are the tenant "anonymous" with salt "".
 
 With --http-port the gateway also serves an OpenAI-compatible HTTP API (gateway/http/) on that
 port, with the same tenants (`Authorization: Bearer TOKEN` headers), routing and drain.
+With --epp-port it is also an Endpoint Picker of the Gateway API Inference Extension on that
+port (gateway/epp/): Envoy's ext_proc protocol, the same tenants, router and drain.
 
 Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
 line on stdout is `listening on HOST:PORT`. Readiness turns SERVING once a worker is known and
@@ -31,7 +33,8 @@ from gateway.tokenize import AUTO
 from gateway.workers import WorkerSettings
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
-                           tls_from_args)
+                           finite_float, tls_from_args)
+from service_shell.auth_flags import add_token_flag, token_from_args
 
 log = logging.getLogger("gateway")
 
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "names none (its sidecar, at the worker's host)", type=int)
     flag("--http-port", "HTTP_PORT", 0, "port of the OpenAI-compatible HTTP API "
          "(/v1/completions, /v1/chat/completions, /v1/models, /health), 0 = off", type=int)
+    flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
+         "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
     flag("--tenants-file", "TENANTS_FILE", None,
          'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
@@ -79,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
-         "heartbeat interval asked of the cache services", type=float)
+         "heartbeat interval asked of the cache services, in [0.05, 60] (the cache service's "
+         "bounds)", type=finite_float(0.05, 60.0))
     flag("--max-streams", "MAX_STREAMS", cfg.max_streams, "concurrent Generate streams",
          type=int)
     flag("--generate-timeout-s", "GENERATE_TIMEOUT_S", cfg.generate_timeout_s,
@@ -88,8 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "SIGTERM before they are aborted", type=float)
     flag("--drain-delay-s", "DRAIN_DELAY_S", cfg.drain_delay_s, "seconds between readiness "
          "NOT_SERVING and refusing new calls on SIGTERM", type=float)
+    add_token_flag(p, to="the workers' compute and cache services")
     args = p.parse_args(argv)
     args.tls = tls_from_args(p, args)
+    args.service_token = token_from_args(p, args)
     if (args.workers is None) == (args.workers_dns is None):
         p.error("give exactly one of --workers (PREFIXCACHE_WORKERS) and --workers-dns "
                 "(PREFIXCACHE_WORKERS_DNS)")
@@ -113,12 +121,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         workers=args.source, host=args.host, port=args.port,
         metrics_port=args.metrics_port or None, health_port=args.health_port or None,
-        http_port=args.http_port or None,
+        http_port=args.http_port or None, epp_port=args.epp_port or None,
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
         dead_after_s=args.dead_after_s, resolve_interval_s=args.resolve_interval_s,
-        worker=WorkerSettings(tls=args.tls, max_message_mb=args.max_message_mb,
+        worker=WorkerSettings(tls=args.tls, service_token=args.service_token,
+                              max_message_mb=args.max_message_mb,
                               probe_interval_s=args.probe_interval_s,
                               heartbeat_interval_s=args.heartbeat_interval_s),
         generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
@@ -141,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"health on {args.host}:{server.health_port}", flush=True)
     if server.http_port is not None:
         print(f"http on {args.host}:{server.http_port}", flush=True)
+    if server.epp is not None:
+        print(f"epp on {server.epp.address}", flush=True)
     shutdown.wait()
     guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
     server.drain()

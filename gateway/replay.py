@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     tls: TlsConfig | None = tls_from_args(parser, args)
     if args.concurrency < 1 or not 1 <= args.block_tokens <= BLOCK_TOKENS:
         parser.error("--concurrency must be >= 1 and --block-tokens in [1, 512]")
-    with ComputeClient(args.target, tls=tls) as client:
+    with ComputeClient(args.target, tls=tls, auth_token=args.token) as client:
         info = client.model_info()
     requests = load_trace(args.trace, args.max_requests, args.time_scale, args.max_output_tokens)
     token_ids = prompts(requests, info, args.block_tokens, args.max_input_tokens, args.seed)

@@ -187,6 +187,20 @@ def write_json(path: str | Path, results: Mapping[str, object]) -> Path:
     return path
 
 
+def report(results: dict, goals: Mapping[str, Goal], title: str, command: str,
+           machine: Mapping[str, object], json_path: str | None) -> bool:
+    """Judges `results` against `goals`, records the command and the machine in them, prints
+    the table and writes the JSON when asked; True when every goal passed."""
+    results["goals"] = check_goals(results, goals)
+    results["command"] = command
+    results["machine"] = machine
+    shown = {k: v for k, v in results.items() if k != "command"}
+    print(metric_table(shown, results["goals"], title))
+    if json_path:
+        write_json(json_path, results)
+    return all(g["pass"] for g in results["goals"].values())
+
+
 # ---- progress and profiling --------------------------------------------------------------------
 
 def log(message: str) -> None:

@@ -21,6 +21,7 @@ from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from service_shell import TlsConfig, channel_options, open_channel
+from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY, with_service_token
 
 log = logging.getLogger("prefixcache_client.cache")
 
@@ -224,16 +225,23 @@ class CacheClient:
     """Client of one cache service. Thread-safe; close() it (or use `with`) when done.
 
     `tls` (PEM files, e.g. `TlsConfig.from_env()`) or `credentials` make the channel TLS;
-    plaintext without either."""
+    plaintext without either. `service_token` is sent on every call as this process's service
+    identity (`x-prefixcache-service-token`; service_shell/auth.py)."""
 
     def __init__(self, target: str, *, timeout_s: float = 5.0, max_message_mb: int = 64,
                  tls: TlsConfig | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None,
+                 service_token: str | None = None):
         self.target = target
         self.timeout_s = timeout_s
         self._channel = open_channel(target, channel_options(max_message_mb, _SERVICE_CONFIG),
                                      tls=tls, credentials=credentials)
+        # Unary calls (Step: once per engine step) add the token themselves, which costs less
+        # than a channel interceptor on every call; subscriptions go through one.
+        self._metadata = ((SERVICE_TOKEN_METADATA_KEY, service_token),) if service_token else None
         self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._stream_stub = pb_grpc.CacheServiceStub(with_service_token(self._channel,
+                                                                        service_token))
         self._subscriptions: list[Subscription] = []
         self._lock = threading.Lock()
 
@@ -282,7 +290,7 @@ class CacheClient:
         """
         if stall_timeout_s is not None and stall_timeout_s < 0:
             stall_timeout_s = max(10.0, 5 * (heartbeat_interval_s or 1.0))
-        sub = Subscription(self._stub, pool_id, epoch=epoch, after_seq=after_seq,
+        sub = Subscription(self._stream_stub, pool_id, epoch=epoch, after_seq=after_seq,
                            heartbeat_interval_s=heartbeat_interval_s, backoff=backoff or Backoff(),
                            stall_timeout_s=stall_timeout_s, pool_wait_s=pool_wait_s)
         with self._lock:
@@ -305,6 +313,7 @@ class CacheClient:
 
     def _unary(self, method: str, stub_method, req, timeout_s: float | None):
         try:
-            return stub_method(req, timeout=self.timeout_s if timeout_s is None else timeout_s)
+            return stub_method(req, timeout=self.timeout_s if timeout_s is None else timeout_s,
+                               metadata=self._metadata)
         except grpc.RpcError as err:
             raise _error(method, err) from None

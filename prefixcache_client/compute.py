@@ -92,17 +92,19 @@ class ComputeClient:
 
     `tls` (PEM files, e.g. `TlsConfig.from_env()`) or `credentials` make the channel TLS;
     plaintext without either. `auth_token` is sent as `authorization: Bearer TOKEN` on every call
-    (the gateway maps it to a tenant)."""
+    (the gateway maps it to a tenant); `service_token` as this process's service identity
+    (`x-prefixcache-service-token`, for a worker's own port: service_shell/auth.py)."""
 
     def __init__(self, target: str, *, timeout_s: float = 10.0, generate_timeout_s: float = 600.0,
                  max_message_mb: int = 64, tls: TlsConfig | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None,
+                 service_token: str | None = None):
         self.target = target
         self._auth = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
         self._channel = open_channel(target, channel_options(max_message_mb, _SERVICE_CONFIG),
-                                     tls=tls, credentials=credentials)
+                                     tls=tls, credentials=credentials, service_token=service_token)
         self._stub = pb_grpc.ComputeServiceStub(self._channel)
 
     def wait_until_ready(self, timeout_s: float | None = None) -> None:

@@ -3,7 +3,9 @@ service adds only its servicer and its drain."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
+import grpc
 import prometheus_client
 
 from service_shell.grpc_server import bind, enable_reflection, new_server
@@ -28,10 +30,12 @@ class ServiceShell:
                  thread_name_prefix: str, options: list[tuple[str, int | str]],
                  registry: prometheus_client.CollectorRegistry,
                  metrics_port: int | None = None, health_port: int | None = None,
-                 tls: TlsConfig | None = None):
+                 tls: TlsConfig | None = None,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()):
         self.host = host
         self.health = HealthProbes(service_name)
-        self.server = new_server(max_workers, thread_name_prefix, options)
+        # `interceptors`: service authentication (service_shell/auth.py), when on.
+        self.server = new_server(max_workers, thread_name_prefix, options, interceptors)
         self.health.add_to(self.server)
         enable_reflection(self.server, service_name)
         self.tls = tls

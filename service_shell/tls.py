@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from service_shell.service_token import with_service_token
 from service_shell.logs import kv
 
 log = logging.getLogger("service_shell.tls")
@@ -174,17 +175,19 @@ def _read(field: str, path: str) -> bytes:
 
 def open_channel(target: str, options: Sequence[tuple[str, int | str]], *,
                  tls: TlsConfig | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 service_token: str | None = None) -> grpc.Channel:
     """A channel to `target`: TLS from `tls` (files) or `credentials` (built by the caller),
-    plaintext when neither is given."""
+    plaintext when neither is given; `service_token` goes with every call (service_shell/auth.py)."""
     if tls is not None:
         if credentials is not None:
             raise ValueError("pass tls or credentials, not both")
         credentials = tls.channel_credentials()
         options = [*options, *tls.channel_options()]
     if credentials is None:
-        return grpc.insecure_channel(target, list(options))
-    return grpc.secure_channel(target, credentials, list(options))
+        return with_service_token(grpc.insecure_channel(target, list(options)), service_token)
+    return with_service_token(grpc.secure_channel(target, credentials, list(options)),
+                              service_token)
 
 
 def tls_mode(tls: TlsConfig | None) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import secrets
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ import time
 from service_shell import sleep_until_interrupted
 from stack import workload
 from stack.demo_checkpoint import write_demo_checkpoint
+from stack.identities import write_credentials
 from stack.launcher import Stack, free_port, python_module, redis_server_binary
 
 TOKENS = {"alice": "demo-token-alice", "bob": "demo-token-bob"}
@@ -89,9 +91,16 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> tuple[str, str]:
         print("redis-server is not installed: running WITHOUT the L3 tier (scripts/setup.sh "
               "installs it with apt-get where it can)")
     l3 = ["--redis-url", redis_url] if redis_url else []
+    mac = []
+    if redis_url:  # L3 pages authenticated, as in the manifests: a throwaway key of this run
+        (run_dir / "l3-mac-key").write_text(secrets.token_hex(32))
+        mac = ["--l3-mac-key-file", str(run_dir / "l3-mac-key")]
+    # Service authentication on, as in the manifests: throwaway tokens in the run directory.
+    auth = write_credentials(run_dir, [f"worker-{i}" for i in range(1, args.workers + 1)])
+    identities = ["--service-identities-file", str(auth.identities)]
     cache = f"127.0.0.1:{free_port()}"
     stack.start("cache_service", python_module("cache_service", "--host", "127.0.0.1", "--port",
-                                               cache.rsplit(":", 1)[1], *l3), cache)
+                                               cache.rsplit(":", 1)[1], *l3, *identities), cache)
     print(f"cache service     {cache}")
     model_dir = write_demo_checkpoint(run_dir / workload.MODEL, args.model)
     adapter_dir = run_dir / ADAPTER
@@ -103,7 +112,9 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> tuple[str, str]:
             "compute_service", "--model", str(model_dir), "--cache-service", cache,
             "--pool-id", f"worker-{i}", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
             "--threads", "1", "--device-pages", "512", "--adapter", f"{ADAPTER}={adapter_dir}",
-            *(l3 + ["--l3-write-policy", "write-through", "--l3-lookup"] if l3 else [])), address)
+            *identities, "--service-token-file", str(auth.tokens[f"worker-{i}"]),
+            *(l3 + mac + ["--l3-write-policy", "write-through", "--l3-lookup"] if l3 else [])),
+            address)
         workers.append(f"{address}@{cache}")
         print(f"worker-{i}          {address} ({workload.MODEL}: {args.model} weights, "
               f"adapter {ADAPTER})")
@@ -114,9 +125,12 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> tuple[str, str]:
     stack.start("gateway", python_module("gateway", "--host", "127.0.0.1", "--port",
                                          gateway.rsplit(":", 1)[1], "--workers", ",".join(workers),
                                          "--tenants-file", str(tenants),
+                                         "--service-token-file", str(auth.tokens["gateway"]),
                                          "--http-port", str(http_port)), gateway)
     http = f"http://127.0.0.1:{http_port}"
     print(f"gateway           {gateway} (gRPC), {http} (OpenAI-compatible HTTP; logs: {run_dir})")
+    print(f"service auth      on: identities {auth.identities}, operator token "
+          f"{auth.tokens['operator']}")
     return gateway, http
 
 

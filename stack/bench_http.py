@@ -29,9 +29,10 @@ import grpc
 import httpx
 
 from prefixcache.v1 import compute_service_pb2 as pb, compute_service_pb2_grpc as pb_grpc
-from prefixcache_bench.harness import (Goal, check_goals, log, machine_info, metric_table,
-                                       percentile, summarize, write_json)
+from prefixcache_bench.harness import (Goal, log, machine_info, percentile, report,
+                                       summarize)
 from stack.demo_checkpoint import write_demo_checkpoint
+from stack.identities import write_credentials
 from stack.launcher import Stack, free_port, python_module
 from stack.workload import MODEL, SYSTEM
 
@@ -99,17 +100,21 @@ def http_ttft(conn: http.client.HTTPConnection, i: int) -> float:
 
 def start(stack: Stack, workdir: pathlib.Path, preset: str) -> tuple[str, str]:
     model = write_demo_checkpoint(workdir / MODEL, preset)
+    auth = write_credentials(workdir, ["w1"])  # service authentication on, as deployed
+    identities = ["--service-identities-file", str(auth.identities)]
     cache = f"127.0.0.1:{free_port()}"
     stack.start("cache_service", python_module("cache_service", "--host", "127.0.0.1", "--port",
-                                               cache.rsplit(":", 1)[1]), cache)
+                                               cache.rsplit(":", 1)[1], *identities), cache)
     worker = f"127.0.0.1:{free_port()}"
     stack.start("worker", python_module(
         "compute_service", "--model", str(model), "--cache-service", cache, "--pool-id", "w1",
-        "--host", "127.0.0.1", "--port", worker.rsplit(":", 1)[1], "--threads", "1"), worker)
+        "--host", "127.0.0.1", "--port", worker.rsplit(":", 1)[1], "--threads", "1", *identities,
+        "--service-token-file", str(auth.tokens["w1"])), worker)
     gateway, http_port = f"127.0.0.1:{free_port()}", free_port()
     stack.start("gateway", python_module(
         "gateway", "--host", "127.0.0.1", "--port", gateway.rsplit(":", 1)[1], "--workers",
-        f"{worker}@{cache}", "--allow-anonymous", "--http-port", str(http_port)), gateway)
+        f"{worker}@{cache}", "--allow-anonymous", "--http-port", str(http_port),
+        "--service-token-file", str(auth.tokens["gateway"])), gateway)
     return gateway, f"http://127.0.0.1:{http_port}"
 
 
@@ -162,14 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         log(f"[http vs grpc] {args.requests} cached-prompt requests through each API")
         results = run(args.requests, args.model, pathlib.Path(tmp))
-    results["goals"] = check_goals(results, GOALS)
-    results["command"] = "python -m stack.bench_http " + " ".join(argv or sys.argv[1:])
-    results["machine"] = machine
-    shown = {k: v for k, v in results.items() if k != "command"}
-    print(metric_table(shown, results["goals"], "TTFT of a cached prompt: HTTP vs gRPC"))
-    if args.json:
-        write_json(args.json, results)
-    return 0 if all(g["pass"] for g in results["goals"].values()) else 1
+    passed = report(results, GOALS, "TTFT of a cached prompt: HTTP vs gRPC",
+                    "python -m stack.bench_http " + " ".join(argv or sys.argv[1:]), machine, args.json)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

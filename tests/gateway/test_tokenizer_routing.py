@@ -57,7 +57,8 @@ def test_the_gateway_learns_the_workers_tokenizer(stack):
     gw, _, caller, worker, client, _ = stack
     info, mine = client.model_info(), worker.engine.tokenizer
     assert gw.proxy.tokenizer.fingerprint == info.tokenizer_fingerprint == mine.fingerprint
-    at_gateway = caller.compute.GetTokenizer(pb.GetTokenizerRequest(), timeout=10)
+    at_gateway = caller.compute.GetTokenizer(pb.GetTokenizerRequest(), timeout=10,
+                                             metadata=caller.meta())
     assert from_files({f.name: f.content for f in at_gateway.files}).fingerprint == \
         mine.fingerprint == at_gateway.fingerprint
     gw_info = caller.compute.GetModelInfo(pb.GetModelInfoRequest(), timeout=10,
