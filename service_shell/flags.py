@@ -3,6 +3,7 @@ configure every service), and the flags every server shares."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from service_shell.logs import LOG_LEVELS
@@ -19,9 +20,26 @@ def env_default(name: str, default: object) -> str | None:
     return None if default is None else str(default)
 
 
+def finite_float(low: float = 0.0, high: float = math.inf):
+    """An argparse type: a finite number in [low, high]. float() alone takes "nan" and "inf",
+    which compare false with every bound (a NaN interval is a busy loop, an inf timeout never
+    fires), and every float flag of the services is a duration, a weight or a size: >= 0."""
+    def convert(text: str) -> float:
+        value = float(text)  # ValueError: argparse says "invalid float value"
+        if not (math.isfinite(value) and low <= value <= high):
+            bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
+        return value
+    convert.__name__ = "float"
+    return convert
+
+
 def add_flag(parser: argparse.ArgumentParser, name: str, env: str, default: object, help: str,
              **kwargs: object) -> None:
-    """`--name` with its default from $PREFIXCACHE_<env>, both named in its help."""
+    """`--name` with its default from $PREFIXCACHE_<env>, both named in its help. `type=float`
+    means `finite_float()`: finite and >= 0."""
+    if kwargs.get("type") is float:
+        kwargs["type"] = finite_float()
     shown = "" if default is None else "; default %(default)s"
     parser.add_argument(name, default=env_default(env, default),
                         help=f"{help} (env PREFIXCACHE_{env}{shown})", **kwargs)

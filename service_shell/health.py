@@ -33,6 +33,12 @@ class HealthProbes:
         for name in self._ready_names:
             self.servicer.set(name, _SERVING if ready else _NOT_SERVING)
 
+    def set_detail(self, name: str, ok: bool) -> None:
+        """The state of a part the service runs without when it fails (e.g. "l3": the Redis
+        page store), under its own health name: readiness does not follow it, since taking the
+        service out of traffic would not bring the part back."""
+        self.servicer.set(name, _SERVING if ok else _NOT_SERVING)
+
     def shutdown(self) -> None:
         """Everything NOT_SERVING for good (later `set_ready` calls are ignored)."""
         self.servicer.enter_graceful_shutdown()

@@ -77,3 +77,34 @@ def redis_server(tmp_path):
     finally:
         server.resume() if server.proc and server.proc.poll() is None else None
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def _session_redis_cluster(tmp_path_factory):
+    from prefixcache_bench.local_redis import RedisClusterServers
+
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(_session_redis_cluster):
+    """A 3-master Redis Cluster (prefixcache_bench/local_redis.py) shared by the session,
+    emptied for each test; a test that kills a master uses `own_redis_cluster`."""
+    _session_redis_cluster.flush()
+    return _session_redis_cluster
+
+
+@pytest.fixture
+def own_redis_cluster(tmp_path):
+    """A 3-master Redis Cluster of this test alone (it may kill masters)."""
+    from prefixcache_bench.local_redis import RedisClusterServers
+
+    cluster = RedisClusterServers(tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

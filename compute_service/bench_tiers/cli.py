@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Iterator
 
-import redis
 import torch
 
 from cache_service.l3 import L3Client, L3Config
@@ -20,12 +19,14 @@ from compute_service.bench_tiers.parts_sim import bench_shared_l3_sim
 from compute_service.bench_tiers.parts_ttft import bench_model
 from prefixcache_bench.harness import (choose_threads, columns_table, fmt, load_average,
                                        machine_info, write_json)
+from service_shell.redis import redact
 
 PROG = "python -m compute_service.bench_tiers"
 WATCHED = ("compute_service", "cache_service", "prefixcache_bench")
 
 
-def run(p: Params, redis_url: str | None, threads: int | None, simulate: bool, quick: bool) -> dict:
+def run(p: Params, redis_url: str | None, threads: int | None, simulate: bool, quick: bool,
+        cluster: bool = False) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     n_threads, why = choose_threads(threads, torch.get_num_threads(), busy_applies=device == "cpu")
@@ -36,19 +37,23 @@ def run(p: Params, redis_url: str | None, threads: int | None, simulate: bool, q
         "threads_reason": why, "cuda": torch.cuda.get_device_name() if device == "cuda" else None},
         watched=WATCHED)
     results: dict = {"params": dataclasses.asdict(p), "machine": machine}
-    with redis_at(redis_url) as url:
-        results["redis_url"] = url if redis_url else "own redis-server"
+    with redis_at(redis_url, cluster) as url:
+        results["redis_url"] = redact(url) if redis_url else (
+            "own 3-master Redis Cluster" if cluster else "own redis-server")
+        client = L3Client(L3Config(url, prefix=prefix, timeout_s=10.0, connect_timeout_s=1.0))
+        results["l3_store"] = "redis-cluster" if client.settings.cluster else "redis"
         try:
-            client = L3Client(L3Config(url, prefix=prefix, timeout_s=10.0, connect_timeout_s=1.0))
             results["redis"] = bench_redis(p, client)
             results["ttft"], results["break_even"] = {}, {}
             for name in p.models:
                 results["ttft"][name], results["break_even"][name] = bench_model(
                     name, p, url, prefix, device, dtype)
         finally:
-            admin = redis.Redis.from_url(url)
-            for keys in _chunks(list(admin.scan_iter(f"{prefix}:*", count=1000)), 1000):
-                admin.delete(*keys)
+            admin = client.redis
+            keys = list(admin.scan_iter(f"{prefix}:*", count=1000))
+            # One key per DEL on a cluster: a multi-key DEL across slots is CROSSSLOT.
+            for chunk in _chunks(keys, 1 if client.settings.cluster else 1000):
+                admin.delete(*chunk)
     results["shared_l3_sim"] = (bench_shared_l3_sim(quick) if simulate else
                                 {"measured": False, "reason": "--no-simulate"})
     sim = results["shared_l3_sim"]
@@ -76,7 +81,7 @@ def _chunks(items: list, n: int) -> Iterator[list]:
 def render(r: dict) -> str:
     red, m = r["redis"], r["machine"]
     mb = ("write_one_by_one", "write_pipelined", "read_one_by_one", "read_pipelined", "encode",
-          "decode")
+          "decode", "decode_checksum")
     redis_rows = [[kind, k["payload_bytes"] / 1e3, *(k[label]["mb_s"] for label in mb)]
                   for kind, k in red["kinds"].items()]
     goal = GOALS["ttft_l3_over_cold"]
@@ -90,11 +95,13 @@ def render(r: dict) -> str:
                 ", ".join(f"{q['prompt_tokens']}: {q['ttft_cold_s']:.3f}/{q['ttft_l3_s']:.3f}"
                           for q in e["points"])]
                for name, e in r["break_even"].items()]
-    lines = [f"L3 Redis throughput in MB/s ({red['payload_preset']} payloads, page "
+    lines = [f"L3 store: {r.get('l3_store', 'redis')} ({r.get('redis_url')})",
+             f"L3 Redis throughput in MB/s ({red['payload_preset']} payloads, page "
              f"{red['page_size']}, {red['dtype']}, pipelined = {red['batch_pages']} pages per "
              "round trip)",
              columns_table(["payload", "KB/page", "write 1x1", "write pipe", "read 1x1",
-                            "read pipe", "encode", "decode"], redis_rows),
+                            "read pipe", "encode", "decode (MAC)", "decode (checksum)"],
+                           redis_rows),
              "", f"TTFT ({m['device']}, {m['dtype']}, {m['threads']} threads; goal L3/cold "
              f"{goal} on prompts of {GOAL_PROMPT_TOKENS}+ tokens)",
              columns_table(["model", "prompt", "cold s", "L1 s", "L2 s", "L3 s", "L1/cold",
@@ -125,7 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=PROG, description=bench_tiers.__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, a short run")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--redis-url", help="use this Redis instead of starting one")
+    ap.add_argument("--redis-url", help="use this Redis instead of starting one "
+                    "(redis+cluster://host:port for a Redis Cluster)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="start a 3-master Redis Cluster instead of one redis-server")
     ap.add_argument("--models",
                     help="comma-separated presets (default small-hybrid,small-transformer)")
     ap.add_argument("--prompt-tokens", type=int)
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(p, field, getattr(args, field))
     started = time.perf_counter()
     results = {"command": shlex.join([*PROG.split(), *argv])}
-    results |= run(p, args.redis_url, args.threads, not args.no_simulate, args.quick)
+    results |= run(p, args.redis_url, args.threads, not args.no_simulate, args.quick, args.cluster)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     print(render(results))
     print(f"wall time {results['wall_s']} s")

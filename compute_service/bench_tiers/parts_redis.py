@@ -1,15 +1,19 @@
 """redis: page payloads with and without a Mamba checkpoint written to and read from Redis,
 pipelined (one round trip per `batch_pages`) vs one page per round trip; payload encode and
-decode+validate throughput."""
+decode+validate throughput, with the page MAC (keyed BLAKE2b, what the services run with a
+--l3-mac-key-file) and with the unkeyed checksum: their difference is the MAC's cost on the load
+path."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import redis
 import torch
@@ -19,13 +23,23 @@ from compute_service.bench_tiers.params import Params
 from compute_service.model import preset_config
 from compute_service.tiers import PageLayout, decode, encode
 from prefixcache_bench.harness import log
+from prefixcache_bench.local_redis import RedisClusterServers
+
+
+BENCH_MAC_KEY = b"prefixcache-bench-l3-mac-key-0123"  # any 16+ bytes: the cost is the same
 
 
 @contextlib.contextmanager
-def redis_at(url: str | None) -> Iterator[str]:
-    """`url`, or a throwaway redis-server's (no persistence, allkeys-lru)."""
+def redis_at(url: str | None, cluster: bool = False) -> Iterator[str]:
+    """`url`, or a throwaway redis-server's (no persistence, allkeys-lru), or with `cluster` a
+    throwaway 3-master Redis Cluster's (prefixcache_bench.local_redis)."""
     if url:
         yield url
+        return
+    if cluster:
+        with tempfile.TemporaryDirectory() as tmp, \
+                RedisClusterServers(Path(tmp), masters=3, maxmemory="1gb") as servers:
+            yield servers.url
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,9 +82,12 @@ def bench_redis(p: Params, client: L3Client) -> dict:
                    torch.randn(lay.conv_shape, generator=gen))
                   for _ in range(lay.mamba_layers)] if ckpt and lay.mamba_layers else None)
         hashes = [os.urandom(16) for _ in range(n)]
+        ctx = {h: client.key("bench", h).encode() for h in hashes}
         start = time.perf_counter()
-        payloads = [encode(h, lay, kv, mamba) for h in hashes]
+        payloads = [encode(h, lay, kv, mamba, mac_key=BENCH_MAC_KEY, context=ctx[h])
+                    for h in hashes]
         encode_s = time.perf_counter() - start
+        unkeyed = [encode(h, lay, kv, mamba, context=ctx[h]) for h in hashes]
         size = len(payloads[0])
         items = list(zip(hashes, payloads, strict=True))
         batches = [items[i:i + p.batch_pages] for i in range(0, n, p.batch_pages)]
@@ -86,10 +103,31 @@ def bench_redis(p: Params, client: L3Client) -> dict:
             got = [v for group in groups for v in client.get_many("bench", group)]
             res[label] = rate(n, n * size, time.perf_counter() - start) | {
                 "found": sum(v is not None for v in got)}
+        assert all(g == p for g, p in zip(got, payloads, strict=True))
+        # Keyed and unkeyed decodes interleaved, best of three each: their ratio is the MAC's
+        # cost, not the order they ran in.
+        decode_s = checksum_s = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for h, payload in zip(hashes, got, strict=True):
+                decode(payload, h, lay, mac_key=BENCH_MAC_KEY, context=ctx[h])
+            decode_s = min(decode_s, time.perf_counter() - start)
+            start = time.perf_counter()
+            for h, payload in zip(hashes, unkeyed, strict=True):
+                decode(payload, h, lay, context=ctx[h])
+            checksum_s = min(checksum_s, time.perf_counter() - start)
+        res["decode"] = rate(n, n * size, decode_s)
+        res["decode_checksum"] = rate(n, n * size, checksum_s)
+        # The MAC's cost on the load path: keyed over unkeyed decode, and per page against a
+        # pipelined read of the same page.
+        res["mac_over_checksum_decode"] = round(decode_s / checksum_s, 3)
+        res["decode_us_per_page"] = round(decode_s / n * 1e6, 1)
+        # The MAC alone (keyed BLAKE2b over a whole payload), against no digest at all.
         start = time.perf_counter()
-        for h, payload in zip(hashes, got, strict=True):
-            decode(payload, h, lay)
-        res["decode"] = rate(n, n * size, time.perf_counter() - start)
+        for payload in got:
+            hashlib.blake2b(payload, key=BENCH_MAC_KEY, digest_size=16).digest()
+        res["mac_us_per_page"] = round((time.perf_counter() - start) / n * 1e6, 1)
+        res["read_pipelined_us_per_page"] = round(res["read_pipelined"]["seconds"] / n * 1e6, 1)
         out["kinds"][kind] = res
         log(f"redis {kind}: {size / 1e3:.0f} KB/page, write pipelined "
             f"{res['write_pipelined']['mb_s']} MB/s, read pipelined "

@@ -14,6 +14,7 @@ import torch
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from compute_service.bench_tiers.params import LEASE_TTL_S, Params
+from compute_service.bench_tiers.parts_redis import BENCH_MAC_KEY
 from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.model import ByteTokenizer, CausalLM, build_preset
 from prefixcache_bench.harness import log
@@ -28,7 +29,11 @@ class Bench:
 
     def client(self) -> L3Client:
         # The production defaults (socket timeouts included) with the bench's key prefix.
-        return L3Client(L3Config(self.url, prefix=self.prefix))
+        # With the page MAC on, as the manifests run it (its cost is inside the L3 TTFT), and
+        # checked as the services do at start (on a cluster that also learns the slot map).
+        client = L3Client(L3Config(self.url, prefix=self.prefix, mac_key=BENCH_MAC_KEY))
+        client.check(1.0)
+        return client
 
     def worker(self, tokens: int, host_pages: int = 0, **l3) -> Engine:
         pages = -(-(tokens + 1) // self.p.page_size) + 2

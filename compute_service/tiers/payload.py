@@ -1,18 +1,21 @@
-"""The L3 page payload: one self-describing, checksummed Redis value per page.
+"""The L3 page payload: one self-describing, authenticated Redis value per page.
 
 Byte layout (little-endian; the magic and the version keep their offsets in every version):
 
     offset size  field
          0    8  magic b"PCKVPAGE"
          8    2  u16 format version (FORMAT_VERSION)
-        10    2  u16 flags: bit 0 = a Mamba checkpoint follows the KV
+        10    2  u16 flags: bit 0 = a Mamba checkpoint follows the KV; bit 1 = the digest is a
+                 keyed MAC (written with an L3 MAC key)
         12    1  u8 KV dtype code (DTYPE_CODES); 13: u8 SSM-state dtype code; 14: u8 conv-state
                  dtype code (0 when the model has no Mamba layers); 15: reserved, 0
         16   40  u32 x 10: page_size, kv heads, head dim, attention layers, Mamba layers,
                  Mamba heads, Mamba head dim, Mamba state size, conv dim, conv width - 1
         56   16  page hash (design.md §3)
         72    8  u64 body length in bytes
-        80   16  BLAKE2b-128 over bytes [0, 80) and the body
+        80   16  BLAKE2b-128, keyed with the L3 MAC key when there is one (flag bit 1), over
+                 the u16 length and bytes of the Redis key the page is stored under, bytes
+                 [0, 80) and the body
         96       body: for each attention layer (model order) K then V, each [page_size, kv heads,
                  head dim] C-order in the KV dtype; then, when flag bit 0 is set, the SSM state of
                  every Mamba layer ([heads, head dim, state], SSM dtype), then the conv state of
@@ -20,12 +23,19 @@ Byte layout (little-endian; the magic and the version keep their offsets in ever
                  before all conv states so that every tensor starts aligned to its element size.
 
 Invariant: `decode` returns tensors only for a payload that is whole, of this format, written
-for exactly the expected page hash and layout, and whose checksum matches; anything else raises
-`PayloadRejected` with one of REASONS, and the caller treats the page as a miss.
+for exactly the expected page hash, Redis key and layout, and whose digest matches; with a MAC
+key, only for a payload written with that same key (design.md §4, "Authenticated pages"): a
+page forged by anyone who can write to Redis but lacks the key, written without a key, or
+copied from another key is rejected. Anything else raises `PayloadRejected` with one of
+REASONS, and the caller treats the page as a miss.
+
+Without a MAC key the digest is a plain checksum: it catches corruption, not forgery (the
+compute service warns at start: `event=l3_unauthenticated`).
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import struct
 from dataclasses import dataclass
@@ -35,15 +45,19 @@ import torch
 from compute_service.model import ModelConfig
 
 MAGIC = b"PCKVPAGE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the digest covers the Redis key and may be a keyed MAC (flag bit 1)
 FLAG_CHECKPOINT = 1
+FLAG_MAC = 2
 HEADER = struct.Struct("<8sHHBBBB10I16sQ")
 CHECKSUM_BYTES = 16
 BODY_OFFSET = HEADER.size + CHECKSUM_BYTES  # 96
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+# bad_mac: the MAC does not match (forged, written with another key, copied from another Redis
+# key, or corrupted); unauthenticated: a payload without a MAC read with a key; unverifiable: a
+# payload with a MAC read without a key.
 REASONS = ("truncated", "foreign_format", "unsupported_version", "corrupted", "wrong_hash",
-           "wrong_layout")
+           "wrong_layout", "bad_mac", "unauthenticated", "unverifiable")
 
 
 class PayloadRejected(Exception):
@@ -126,9 +140,20 @@ class PageData:
     mamba: MambaStates | None
 
 
+def _digest(mac_key: bytes | None, context: bytes, header) -> hashlib.blake2b:
+    """The digest over the Redis key and the header; the caller adds the body."""
+    digest = hashlib.blake2b(key=mac_key or b"", digest_size=CHECKSUM_BYTES)
+    digest.update(struct.pack("<H", len(context)))
+    digest.update(context)
+    digest.update(header)
+    return digest
+
+
 def encode(page_hash: bytes, layout: PageLayout, kv: torch.Tensor,
-           mamba: MambaStates | None = None) -> bytes:
-    """Serializes one page (CPU tensors of the layout's shapes and dtypes)."""
+           mamba: MambaStates | None = None, *, mac_key: bytes | None = None,
+           context: bytes = b"") -> bytes:
+    """Serializes one page (CPU tensors of the layout's shapes and dtypes); `context` is the
+    Redis key it is written under, `mac_key` the L3 MAC key (None: an unkeyed checksum)."""
     if len(page_hash) != 16:
         raise ValueError(f"page_hash: 16 bytes expected, got {len(page_hash)}")
     _check(kv, layout.kv_shape, layout.kv_dtype, "kv")
@@ -141,16 +166,19 @@ def encode(page_hash: bytes, layout: PageLayout, kv: torch.Tensor,
             _check(conv, layout.conv_shape, layout.conv_dtype, "conv")
         parts += [_raw(ssm) for ssm, _ in mamba] + [_raw(conv) for _, conv in mamba]
     body_len = sum(len(p) for p in parts)
-    header = HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_CHECKPOINT if mamba is not None else 0,
-                         *layout._codes(), 0, *layout._fields(), page_hash, body_len)
-    digest = hashlib.blake2b(header, digest_size=CHECKSUM_BYTES)
+    flags = (FLAG_CHECKPOINT if mamba is not None else 0) | (FLAG_MAC if mac_key else 0)
+    header = HEADER.pack(MAGIC, FORMAT_VERSION, flags, *layout._codes(), 0, *layout._fields(),
+                         page_hash, body_len)
+    digest = _digest(mac_key, context, header)
     for part in parts:
         digest.update(part)
     return b"".join([header, digest.digest(), *parts])
 
 
-def decode(payload: bytes, expected_hash: bytes, layout: PageLayout) -> PageData:
-    """The page in `payload`, or PayloadRejected (see the module invariant)."""
+def decode(payload: bytes, expected_hash: bytes, layout: PageLayout, *,
+           mac_key: bytes | None = None, context: bytes = b"") -> PageData:
+    """The page in `payload` stored under the Redis key `context`, or PayloadRejected (see the
+    module invariant)."""
     if len(payload) < BODY_OFFSET:
         if payload[:len(MAGIC)] != MAGIC[:len(payload)]:
             raise PayloadRejected("foreign_format", "bad magic")
@@ -166,14 +194,24 @@ def decode(payload: bytes, expected_hash: bytes, layout: PageLayout) -> PageData
                                            f"says {body_len}")
     if len(payload) - BODY_OFFSET > body_len:
         raise PayloadRejected("corrupted", "bytes after the body")
-    view = memoryview(payload)
-    digest = hashlib.blake2b(view[:HEADER.size], digest_size=CHECKSUM_BYTES)
-    digest.update(view[BODY_OFFSET:])
-    if digest.digest() != payload[HEADER.size:BODY_OFFSET]:
-        raise PayloadRejected("corrupted", "checksum mismatch")
+    # Any failed check rejects the page; the order only picks the reason reported. The page
+    # hash first: another page's value under this key is named as such, keyed or not.
     if page_hash != expected_hash:
         raise PayloadRejected("wrong_hash", f"payload of page {page_hash.hex()}, expected "
                                             f"{expected_hash.hex()}")
+    keyed = bool(flags & FLAG_MAC)
+    if mac_key and not keyed:
+        raise PayloadRejected("unauthenticated", "written without an L3 MAC key")
+    if keyed and not mac_key:
+        raise PayloadRejected("unverifiable", "written with an L3 MAC key; this reader has none")
+    view = memoryview(payload)
+    digest = _digest(mac_key, context, view[:HEADER.size])
+    digest.update(view[BODY_OFFSET:])
+    if not hmac.compare_digest(digest.digest(), payload[HEADER.size:BODY_OFFSET]):
+        if keyed:
+            raise PayloadRejected("bad_mac", "MAC mismatch: forged, written with another key, "
+                                             "copied from another Redis key, or corrupted")
+        raise PayloadRejected("corrupted", "checksum mismatch")
     has_ckpt = bool(flags & FLAG_CHECKPOINT)
     if tuple(fields[:-2]) != layout._fields() or (kv_code, ssm_code, conv_code) != layout._codes():
         raise PayloadRejected("wrong_layout", f"fields {tuple(fields[:-2])} dtypes "

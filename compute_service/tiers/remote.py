@@ -8,9 +8,14 @@ is slower than the engine, new writes are dropped and counted, never waited for.
 Loads: `load` fetches every page wanted in one step at once, for all requests, as consecutive
 MGETs of `batch_pages` (L3Client.get_many), stopping at the first batch that returns nothing
 (a failing Redis costs one timeout per step, not one per batch); it decodes each needed payload
-and returns, per request, the contiguous prefix of valid pages. A missing page ends that
-prefix; a rejected one (payload.decode) also ends it, is counted under its reason and its key is
-deleted (in the background, after any write queued before it).
+and returns, per request, the contiguous prefix of valid pages. A missing page, or one on a
+Redis Cluster master that cannot be asked, ends that prefix; a rejected one (payload.decode)
+also ends it, is counted under its reason and its key is deleted (in the background, after any
+write queued before it).
+
+Payloads carry a MAC keyed with the L3 MAC key (L3Config.mac_key) over the Redis key and the
+bytes: a page forged, written without the key or copied from another key is rejected
+(payload.decode) like any invalid one. Without a key this tier warns once at start.
 
 Invariant: nothing here raises because of Redis. The L3Client bounds every call by its timeout
 and circuit breaker and turns every failure into "missing"; a failed write is counted and lost.
@@ -25,14 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_service.l3 import L3Client
+from cache_service.l3 import UNAVAILABLE, L3Client
 from compute_service.tiers.payload import (REASONS, MambaStates, PageData, PageLayout,
                                            PayloadRejected, decode, encode)
 
 log = logging.getLogger("compute_service.tiers")
 # L3Client counters always reported (0 until they happen), so the metric set is stable.
 CLIENT_COUNTERS = ("probes", "probe_hit_pages", "get_pages", "set_pages", "set_failed_pages",
-                   "deleted", "timeouts", "errors", "skipped_breaker_open")
+                   "deleted", "timeouts", "errors", "skipped_breaker_open", "moved",
+                   "topology_refreshes")
 
 
 @dataclass(slots=True)
@@ -54,6 +60,7 @@ class RemoteCounters:
     load_pages_requested: int = 0
     load_pages_ok: int = 0
     load_pages_missing: int = 0
+    load_pages_unavailable: int = 0  # on a cluster master that could not be asked
     load_pages_skipped: int = 0  # after a missing or rejected page of the same request
     load_bytes: int = 0
     load_seconds: float = 0.0
@@ -82,6 +89,11 @@ class RemoteTier:
         self.client, self.model_id, self.layout = client, model_id, layout
         self.cfg = cfg or RemoteTierConfig()
         self.counters = RemoteCounters()
+        self.mac_key = client.cfg.mac_key
+        if not self.mac_key:
+            log.warning("event=l3_unauthenticated model=%s: no L3 MAC key (--l3-mac-key-file): "
+                        "pages are checksummed, not authenticated; anyone who can write to "
+                        "Redis can change this worker's output", model_id)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queued_bytes = 0
         self._busy = False
@@ -166,13 +178,16 @@ class RemoteTier:
             j = i
             while j < len(batch) and batch[j].kv is not None:
                 j += 1
-            items = [(job.page_hash, encode(job.page_hash, self.layout, job.kv, job.mamba))
+            items = [(job.page_hash, encode(job.page_hash, self.layout, job.kv, job.mamba,
+                                            mac_key=self.mac_key,
+                                            context=self._context(job.page_hash)))
                      for job in batch[i:j]]
-            if self.client.set_many(self.model_id, items):
-                self.counters.write_pages_ok += len(items)
-                self.counters.write_bytes += sum(len(p) for _, p in items)
-            else:
-                self.counters.write_pages_failed += len(items)
+            # On a cluster, a dead master's share of the batch fails and the rest is written.
+            written = self.client.set_many(self.model_id, items)
+            self.counters.write_pages_ok += written
+            self.counters.write_pages_failed += len(items) - written
+            if written:
+                self.counters.write_bytes += written * len(items[0][1])
             i = j
         self.counters.write_seconds += time.perf_counter() - start
 
@@ -198,7 +213,7 @@ class RemoteTier:
             for h, value in zip(batch, fetched, strict=True):
                 if value is None:  # the probe saw the key: a value of another type, or just
                     self._delete(h)  # evicted; either way it must not be probed again
-            if all(v is None for v in fetched):
+            if all(v is None or v is UNAVAILABLE for v in fetched):
                 break  # these pages are gone: later batches are not worth a wait
         pages: dict[bytes, PageData | None] = {}
         out = []
@@ -209,6 +224,7 @@ class RemoteTier:
                     pages[h] = self._decode(h, payloads[h])
                 if pages[h] is None:
                     c.load_pages_missing += payloads[h] is None
+                    c.load_pages_unavailable += payloads[h] is UNAVAILABLE
                     break
                 valid.append(pages[h])
             c.load_pages_ok += len(valid)
@@ -217,12 +233,17 @@ class RemoteTier:
         c.load_seconds += time.perf_counter() - start
         return out
 
-    def _decode(self, page_hash: bytes, payload: bytes | None) -> PageData | None:
-        if payload is None:
+    def _context(self, page_hash: bytes) -> bytes:
+        """What the MAC binds a payload to besides its bytes: the Redis key it is stored under."""
+        return self.client.key(self.model_id, page_hash).encode()
+
+    def _decode(self, page_hash: bytes, payload) -> PageData | None:
+        if payload is None or payload is UNAVAILABLE:
             return None
         self.counters.load_bytes += len(payload)
         try:
-            return decode(payload, page_hash, self.layout)
+            return decode(payload, page_hash, self.layout, mac_key=self.mac_key,
+                          context=self._context(page_hash))
         except PayloadRejected as err:
             self.counters.rejected[err.reason] += 1
             log.warning("event=l3_payload_rejected page=%s reason=%s detail=%s", page_hash.hex(),
@@ -240,7 +261,8 @@ class RemoteTier:
         out.update({f"rejected_{reason}": c.rejected[reason] for reason in REASONS})
         calls = self.client.counters.calls
         out.update({f"client_{name}": calls[name] for name in (*CLIENT_COUNTERS, *calls)})
-        out["breaker_open"] = {"closed": 0, "half-open": 1, "open": 2}[self.client.breaker.state]
+        out["breaker_open"] = {"closed": 0, "half-open": 1, "open": 2}[self.client.breaker_state()]
+        out["up"] = 1 if self.client.up is not False else 0
         with self._cv:
             out["write_queue_bytes"] = self._queued_bytes
         return out

@@ -105,11 +105,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_two_workers_share_pages_through_redis(redis_server, adapter_dirs):
+def test_cli_two_workers_share_pages_through_redis(redis_server, adapter_dirs, tmp_path):
     """Two `python -m compute_service` workers, embedded cache services, one Redis: what the
     first computed under adapter "a" the second loads from L3 (and not under the base model);
-    --adapter loads at start; the L3 counters reach the metrics endpoint."""
-    flags = ["--model", "tiny-transformer", "--cache-service", "embedded", "--page-size",
+    --adapter loads at start; pages carry the MAC of --l3-mac-key-file; the L3 counters reach
+    the metrics endpoint."""
+    mac_key = tmp_path / "l3-mac-key"
+    mac_key.write_text("a-test-l3-mac-key-0123456789\n")
+    flags = ["--model", "tiny-transformer", "--l3-mac-key-file", str(mac_key), "--cache-service", "embedded", "--page-size",
              str(PAGE), "--device-pages", "64", "--grace-s", "0", "--redis-url",
              redis_server.url, "--l3-key-prefix", "cli", "--l3-timeout-s", "1",
              "--l3-batch-pages", "4", "--max-lora-rank", "8", "--max-loaded-adapters", "2",
@@ -141,12 +144,15 @@ def test_cli_two_workers_share_pages_through_redis(redis_server, adapter_dirs):
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_one}/metrics",
                                          timeout=5).read().decode()
         assert "prefixcache_compute_l3_write_pages_ok_total" in scraped
+        assert "prefixcache_compute_l3_up 1.0" in scraped
+        assert 'prefixcache_compute_l3_rejected_total{reason="bad_mac"} 0.0' in scraped
         assert "prefixcache_compute_adapters_loaded 1.0" in scraped
         for proc in (one, two):
             proc.send_signal(signal.SIGTERM)
         assert one.wait(timeout=30) == 0, log_one()
         assert two.wait(timeout=30) == 0, log_two()
         assert "event=adapter_loaded" in log_one()
+        assert "event=l3_unauthenticated" not in log_one() + log_two()
 
 
 def test_cli_remote_cache_service_without_l3_refuses_lookup():

@@ -43,3 +43,20 @@ def test_a_simulator_without_a_shared_l3_option_is_reported_as_not_measured(monk
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: Help())
     sim = bench_tiers.bench_shared_l3_sim(quick=True)
     assert sim["measured"] is False and "no shared L3 tier option" in sim["reason"]
+
+
+def test_bench_tiers_on_its_own_redis_cluster(tmp_path):
+    """--cluster: the same run on a 3-master Redis Cluster it starts (the L3 TTFT goal holds
+    for a cluster as for one node); the MAC's cost on decode is reported."""
+    out = tmp_path / "tiers_cluster.json"
+    assert bench_tiers.main([
+        "--cluster", "--models", "tiny-transformer", "--prompt-tokens", "64", "--lengths", "32",
+        "--payload-preset", "tiny-transformer", "--throughput-pages", "32", "--threads", "1",
+        "--no-simulate", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["l3_store"] == "redis-cluster" and r["redis_url"] == "own 3-master Redis Cluster"
+    k = r["redis"]["kinds"]["kv"]
+    assert k["read_pipelined"]["found"] == k["pages"] and k["write_pipelined"]["ok"]
+    assert k["decode_checksum"]["mb_s"] > 0 and k["mac_over_checksum_decode"] > 0
+    t = r["ttft"]["tiny-transformer"]
+    assert t["l3_hit_tokens"] > 0 and t["ttft_l3_over_cold"] > 0

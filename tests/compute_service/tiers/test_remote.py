@@ -38,7 +38,8 @@ def test_worker_b_loads_what_worker_a_wrote_through(redis_server, workers, name)
     assert a.flush_l3()
     # Every published page is in L3, with its Mamba checkpoint for the hybrid model.
     for h in hashes(name):
-        page = decode(l3.redis.get(key(l3, name, h)), h, layout(name))
+        k = key(l3, name, h)
+        page = decode(l3.redis.get(k), h, layout(name), context=k.encode())
         assert (page.mamba is not None) == (name == "tiny-hybrid")
     b = workers(name, l3, lookup=True)
     toks, sb = generate(b, PROMPT)
@@ -125,7 +126,8 @@ def _patch_version(payload: bytes) -> bytes:
 def _reencode(name: str, payload: bytes, h: bytes, **changes) -> bytes:
     """The same page written by a worker whose model has another layout."""
     lay = layout(name)
-    page = decode(payload, h, lay)
+    context = f"pc:{name}:{h.hex()}".encode()
+    page = decode(payload, h, lay, context=context)
     kv = page.kv
     if "attention_layers" in changes:
         kv = kv[:-1]
@@ -133,7 +135,7 @@ def _reencode(name: str, payload: bytes, h: bytes, **changes) -> bytes:
         kv = kv.reshape(*kv.shape[:3], changes["kv_heads"], -1)
     if "kv_dtype" in changes:
         kv = kv.to(changes["kv_dtype"])
-    return encode(h, dataclasses.replace(lay, **changes), kv, page.mamba)
+    return encode(h, dataclasses.replace(lay, **changes), kv, page.mamba, context=context)
 
 
 def _mutate(case: str, name: str, payload: bytes, h: bytes, next_payload: bytes) -> bytes:

@@ -1,0 +1,129 @@
+"""A throwaway Redis Cluster of real redis-server processes on loopback ports: what the L3
+cluster tests (fixtures `redis_cluster` and `own_redis_cluster` in tests/conftest.py) and
+`python -m compute_service.bench_tiers --cluster` run against.
+
+Three masters, no replicas, `cluster-require-full-coverage no` (as deploy/k8s/components/
+redis-cluster runs it): a master that dies leaves the other slots served.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+from redis.crc import key_slot
+
+
+def free_ports(n: int) -> list[int]:
+    """n free loopback ports whose port + 10000 (the cluster bus port) is free too."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535 or port in ports:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
+
+
+class RedisClusterServers:
+    """`masters` redis-server processes joined into one cluster (`redis-cli --cluster create`)."""
+
+    def __init__(self, tmp_path: Path, masters: int = 3, maxmemory: str = "128mb",
+                 extra_args: tuple[str, ...] = (), admin: tuple[str, str] | None = None):
+        """`extra_args` go to every redis-server (e.g. ACL users); `admin` (user, password)
+        is who runs the cluster's creation and administration when `default` is off."""
+        self.maxmemory, self.extra_args, self.admin = maxmemory, tuple(extra_args), admin
+        self.ports = free_ports(masters)
+        self.dir = tmp_path
+        self.procs: dict[int, subprocess.Popen] = {}
+        for port in self.ports:
+            self.start(port)
+        hosts = [f"127.0.0.1:{p}" for p in self.ports]
+        subprocess.run(["redis-cli", *self._auth_args(), "--cluster", "create", *hosts,
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+        self.url = f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def start(self, port: int) -> None:
+        node_dir = self.dir / str(port)
+        node_dir.mkdir(exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled", "yes",
+             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+             "--cluster-require-full-coverage", "no", "--maxmemory", self.maxmemory,
+             "--maxmemory-policy", "allkeys-lru", *self.extra_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if self.node(port, socket_timeout=0.2).ping():
+                    return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not start") from None
+                time.sleep(0.02)
+
+    def _auth_args(self) -> list[str]:
+        if self.admin is None:
+            return []
+        return ["--user", self.admin[0], "--pass", self.admin[1], "--no-auth-warning"]
+
+    def node(self, port: int, **kwargs) -> redis.Redis:
+        """An admin client of one node."""
+        if self.admin is not None:
+            kwargs.update(username=self.admin[0], password=self.admin[1])
+        return redis.Redis(port=port, **kwargs)
+
+    def wait_ok(self, timeout_s: float = 20.0) -> None:
+        """Until every live node reports cluster_state:ok (slots assigned, gossip settled)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [self.node(p).cluster("info")["cluster_state"]
+                      for p, proc in self.procs.items() if proc.poll() is None]
+            if all(s == "ok" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ok: {states}")
+            time.sleep(0.05)
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving `key`'s slot."""
+        slot = key_slot(key.encode())
+        live = next(p for p, proc in self.procs.items() if proc.poll() is None)
+        for start, end, (_, port, *_), *_ in self.node(live).execute_command(
+                "CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return port
+        raise KeyError(slot)
+
+    def flush(self) -> None:
+        for port, proc in self.procs.items():
+            if proc.poll() is None:
+                self.node(port).flushall()
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
