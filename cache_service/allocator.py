@@ -21,7 +21,7 @@ import heapq
 import itertools
 from array import array
 
-from cache_service.tree import DEVICE, HOST, NO_SLOT, PAGE_CODE, Node, Root
+from cache_service.tree import DEVICE, HASH, HOST, NO_SLOT, PAGE_CODE, Node, Root, event_parent
 
 MEDIA = (DEVICE, HOST)
 
@@ -92,12 +92,16 @@ def hand_up_last_use(node: Node) -> None:
 class Slots:
     """Mamba checkpoint slots: a slot holds the state after the last page of one run."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, emit=None):
+        """`emit`: the pool's `emitter.Emitter`, told of every checkpoint that appears or goes
+        (the vLLM-format stream publishes them as its Mamba group's blocks)."""
         self.total = total
         self.free = list(range(total - 1, -1, -1))
-        # Insertion-ordered (not a set) so that LRU ties break the same way in every run.
-        self.checkpointed: dict[Node, None] = {}
+        # Insertion-ordered (not a set) so that LRU ties break the same way in every run. The
+        # value is the hash of the checkpointed page: a cut run's hashes no longer hold it.
+        self.checkpointed: dict[Node, bytes] = {}
         self.evictions = 0
+        self.emit = emit
 
     def take(self) -> int | None:
         """A free slot, evicting the least recently used unpinned checkpoint if needed."""
@@ -111,10 +115,25 @@ class Slots:
 
     def attach(self, node: Node, slot: int) -> None:
         node.slot = slot
-        self.checkpointed[node] = None
+        page_hash = node.hashes[-HASH:]
+        self.checkpointed[node] = page_hash
+        if self.emit is not None:
+            emit_checkpoint(self.emit, node)
 
     def release(self, node: Node) -> None:
         if node.slot != NO_SLOT:
             self.free.append(node.slot)
             node.slot = NO_SLOT
-            self.checkpointed.pop(node, None)
+            page_hash = self.checkpointed.pop(node, None)
+            if self.emit is not None and page_hash is not None:
+                self.emit.checkpoint_dropped(page_hash)
+
+
+def emit_checkpoint(emit, node: Node) -> None:
+    """Tells `emit` (an `emitter.Emitter`) that a checkpoint holds the state after the run's
+    last page: that page's hash, parent hash and tokens."""
+    hashes = node.hashes
+    stride = len(node.tokens) // (len(hashes) // HASH)
+    parent = hashes[-2 * HASH:-HASH] if len(hashes) > HASH else event_parent(node)
+    emit.checkpointed(hashes[-HASH:], parent, node.tokens[-stride:], node.root.adapter,
+                      node.root.hash)

@@ -16,7 +16,9 @@ from cache_service import events
 from cache_service.events import split_hashes
 from cache_service.pool import MEDIA, REMOTE, Lease, Pool, PoolConfig
 from cache_service.tree import DEVICE, HOST
-from cache_service.validate import MAX_PAGE_SIZE, StepOps, check_name, check_pool_id, plan_step
+from cache_service.validate import (MAX_PAGE_SIZE, StepOps, check_heartbeat_interval,
+                                    check_lease_ttl, check_load, check_name, check_pool_id,
+                                    plan_step)
 from prefixcache.v1 import cache_service_pb2 as pb, events_pb2
 from prefixcache_client.errors import invalid, not_found, precondition
 
@@ -38,6 +40,9 @@ class CacheCore:
         self._lease_pool: dict[str, str] = {}
         self._lease_ids = itertools.count(1)
         self._closed = False
+        # Called as sink(pool, log entry) for every batch, under the lock, in seq order: the
+        # vLLM-format publisher (cache_service/zmq_publisher.py), which must never block.
+        self.event_sinks: list[Callable[[Pool, list], None]] = []
 
     # ---- pools --------------------------------------------------------------------------
 
@@ -50,8 +55,7 @@ class CacheCore:
         if req.device_pages < 1:
             raise invalid("device_pages: must be >= 1")
         check_name("model_id", req.model_id, allow_empty=False)
-        if req.lease_ttl_s < 0:
-            raise invalid(f"lease_ttl_s: must be >= 0, got {req.lease_ttl_s}")
+        check_lease_ttl("lease_ttl_s", req.lease_ttl_s)
         if req.remote_write_policy not in pb.RemoteWritePolicy.values():
             raise invalid(f"remote_write_policy: unknown value {req.remote_write_policy}")
         if req.remote_write_policy == pb.REMOTE_WRITE_POLICY_HOT and req.remote_min_hits < 1:
@@ -73,6 +77,7 @@ class CacheCore:
             if old is not None:
                 self._retire(old)
             pool = self._pools[req.pool_id] = Pool(cfg, self.replay_events, self.clock, self.remote)
+            pool.log.keep_records = bool(self.event_sinks)  # replayed in vLLM's format
             self._flush(pool)
             return pb.RegisterPoolResponse(reset=True, next_seq=pool.log.head_seq + 1)
 
@@ -120,6 +125,7 @@ class CacheCore:
                                    f"not {req.epoch} (the worker restarted: register again)")
             # A lease this step names is alive (its worker is talking to us), however long the
             # worker's last forward took: renew it before expiring the silent ones.
+            check_load(req)
             ops = StepOps.of(req)
             for lease_id in ops.named_leases():
                 if (held := pool.leases.get(lease_id)) is not None:
@@ -235,16 +241,34 @@ class CacheCore:
 
     def _flush(self, pool: Pool) -> None:
         if pool.events.pending:
-            pool.log.append(pool.take_events())
+            entry = pool.log.append(pool.take_events())
+            for sink in self.event_sinks:
+                sink(pool, entry)
             self._changed.notify_all()
+
+    def pool_records(self, pool_id: str, after_seq: int) -> tuple[Pool, list] | None:
+        """For replaying in vLLM's format: the pool and the (seq, timestamp, records) of its
+        batches after `after_seq`, or, when the replay buffer no longer holds them, one
+        snapshot batch tagged with the head seq. None when no such pool is registered."""
+        with self._lock:
+            pool = self._pools.get(pool_id)
+            if pool is None:
+                return None
+            batches = pool.log.records_since(after_seq)
+            if batches is None:
+                batches = [(pool.log.head_seq, time.time(), pool.snapshot_records())]
+            return pool, batches
+
+    def pool_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._pools)
 
     def subscribe(self, req: pb.SubscribeRequest,
                   is_active: Callable[[], bool] = lambda: True) -> Iterator[pb.SubscribeResponse]:
         """Batches after (req.epoch, req.after_seq) when the replay buffer still holds them,
         otherwise a snapshot first; then live batches, and heartbeats when quiet."""
+        check_heartbeat_interval(req.heartbeat_interval_s)
         interval = req.heartbeat_interval_s or 1.0
-        if interval < 0.05:
-            raise invalid("heartbeat_interval_s: must be >= 0.05")
         with self._lock:
             pool = self._pool(req.pool_id)
         epoch, after = req.epoch, req.after_seq

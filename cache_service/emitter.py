@@ -9,7 +9,7 @@ bytes objects (a list of chunks, never a copy), and nothing here builds a protob
 """
 from __future__ import annotations
 
-from cache_service.events import CLEARED, REMOVED, STORED
+from cache_service.events import CHECKPOINT_DROPPED, CHECKPOINTED, CLEARED, REMOVED, STORED
 
 
 class Emitter:
@@ -20,9 +20,10 @@ class Emitter:
         self.pending: list[list] = [[CLEARED]]
 
     def stored(self, medium: int, parent: bytes, hashes: bytes, tokens: bytes,
-               adapter: str) -> None:
+               adapter: str, namespace: bytes = b"") -> None:
         """Pages entering `medium`; `parent` is the hash their chain continues (b"" at a
-        namespace root)."""
+        namespace root); `namespace` is the namespace's seed (its root's hash), which only the
+        vLLM-format publisher reads (a keyed hash of it names the namespace on that wire)."""
         pending = self.pending
         if pending and parent:
             last = pending[-1]
@@ -30,7 +31,16 @@ class Emitter:
                 last[3].append(hashes)
                 last[4].append(tokens)
                 return
-        pending.append([STORED, medium, parent, [hashes], [tokens], adapter])
+        pending.append([STORED, medium, parent, [hashes], [tokens], adapter, namespace])
+
+    def checkpointed(self, page_hash: bytes, parent: bytes, tokens: bytes, adapter: str,
+                     namespace: bytes) -> None:
+        """A Mamba checkpoint now holds the state after page `page_hash` (hybrid pools). The
+        gRPC stream does not carry it; the vLLM-format stream does (its Mamba group)."""
+        self.pending.append([CHECKPOINTED, page_hash, parent, tokens, adapter, namespace])
+
+    def checkpoint_dropped(self, page_hash: bytes) -> None:
+        self.pending.append([CHECKPOINT_DROPPED, page_hash])
 
     def removed(self, medium: int, hashes: bytes) -> None:
         pending = self.pending

@@ -2,8 +2,11 @@
 and the protobuf messages, built from compact records only when someone reads them.
 
 A record is what `emitter.Emitter` collected during one call: `[STORED, medium, parent hash
-(b"" at a namespace root), hashes, tokens, adapter]`, `[REMOVED, medium, hashes]` or
-`[CLEARED]`, where hashes (16 bytes each) and tokens (u32-le) are lists of chunks to join. A
+(b"" at a namespace root), hashes, tokens, adapter, namespace seed]`, `[REMOVED, medium,
+hashes]` or `[CLEARED]`, where hashes (16 bytes each) and tokens (u32-le) are lists of chunks to
+join; hybrid pools add `[CHECKPOINTED, page hash, parent, tokens, adapter, namespace seed]` and
+`[CHECKPOINT_DROPPED, page hash]`, which only the vLLM-format stream publishes
+(cache_service/vllm_events.py): a gRPC batch made of them alone has no events. A
 batch is appended with its seq and timestamp at once, and encoded into an `EventBatch` once, the
 first time a subscriber (or a test) asks for it: pools nobody subscribes to never build a
 protobuf event.
@@ -23,7 +26,7 @@ import numpy as np
 
 from prefixcache.v1 import events_pb2
 
-STORED, REMOVED, CLEARED = 0, 1, 2
+STORED, REMOVED, CLEARED, CHECKPOINTED, CHECKPOINT_DROPPED = 0, 1, 2, 3, 4
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -56,20 +59,23 @@ def cleared() -> events_pb2.KvEvent:
     return events_pb2.KvEvent(cleared=events_pb2.AllBlocksCleared())
 
 
-def to_event(record: list, page_size: int, model_id: str) -> events_pb2.KvEvent:
+def to_event(record: list, page_size: int, model_id: str) -> events_pb2.KvEvent | None:
+    """The record's protobuf event; None for the checkpoint records, which it does not carry."""
     kind = record[0]
     if kind == STORED:
-        _, medium, parent, hashes, tokens, adapter = record
+        _, medium, parent, hashes, tokens, adapter = record[:6]
         return stored(split_hashes(b"".join(hashes)), parent, b"".join(tokens), page_size,
                       model_id, adapter, medium)
     if kind == REMOVED:
         return removed(split_hashes(b"".join(record[2])), record[1])
-    return cleared()
+    if kind == CLEARED:
+        return cleared()
+    return None
 
 
 def record_pages(record: list) -> int:
-    """Page events in one record (AllBlocksCleared counts as one)."""
-    if record[0] == CLEARED:
+    """Page events in one record (AllBlocksCleared and checkpoint records count as one)."""
+    if record[0] >= CLEARED:
         return 1
     pages = 0
     for chunk in record[3 if record[0] == STORED else 2]:
@@ -95,28 +101,48 @@ class EventLog:
         self.page_size = page_size
         self.model_id = model_id
         self.head_seq = -1
+        # True while a vLLM-format publisher may replay from this log: records stay after the
+        # batch is encoded (they share the tree's bytes, so they cost little on top).
+        self.keep_records = False
         # [seq, timestamp, records or None, size, EventBatch or None]
         self._batches: deque[list] = deque()
         self._held = 0
 
-    def append(self, records: list[list]) -> None:
+    def append(self, records: list[list]) -> list:
+        """Appends one batch; returns its entry (`[seq, timestamp, records, ...]`)."""
         self.head_seq += 1
         size = 0
         for r in records:
             size += record_pages(r)
-        self._batches.append([self.head_seq, time.time(), records, size, None])
+        entry = [self.head_seq, time.time(), records, size, None]
+        self._batches.append(entry)
         self._held += size
         # Keep at least the newest batch so that a live subscriber never needs a snapshot.
         while self._held > self.capacity and len(self._batches) > 1:
             self._held -= self._batches.popleft()[3]
+        return entry
 
     def _encoded(self, entry: list) -> events_pb2.EventBatch:
         if entry[4] is None:
-            events = [to_event(r, self.page_size, self.model_id) for r in entry[2]]
+            events = [e for e in (to_event(r, self.page_size, self.model_id) for r in entry[2])
+                      if e is not None]
             entry[4] = events_pb2.EventBatch(pool_id=self.pool_id, epoch=self.epoch, seq=entry[0],
                                              timestamp=entry[1], events=events)
-            entry[2] = None  # encoded once; the records are no longer needed
+            if not self.keep_records:
+                entry[2] = None  # encoded once; the records are no longer needed
         return entry[4]
+
+    def records_since(self, after_seq: int) -> list[tuple[int, float, list[list]]] | None:
+        """(seq, timestamp, records) of the batches after `after_seq`, or None when some of them
+        are no longer held (or were held without their records: `keep_records` was off)."""
+        if after_seq >= self.head_seq:
+            return []
+        first = self._batches[0][0] if self._batches else self.head_seq + 1
+        if after_seq + 1 < first:
+            return None
+        out = [(e[0], e[1], e[2]) for e in
+               itertools.islice(self._batches, max(0, after_seq + 1 - first), None)]
+        return None if any(r is None for _, _, r in out) else out
 
     def since(self, after_seq: int) -> list[events_pb2.EventBatch] | None:
         """Batches after `after_seq`, or None when some of them are no longer held."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from array import array
 
-from cache_service.allocator import MEDIA, Pages, Slots
+from cache_service.allocator import MEDIA, Pages, Slots, emit_checkpoint
 from cache_service.chain_hash import chain_function
 from cache_service.emitter import Emitter
 from cache_service.events import CLEARED, EventLog, to_event
@@ -40,10 +40,10 @@ class Pool:
         self.leases: dict[str, Lease] = {}
         self.pages = Pages(cfg.device_pages, cfg.host_pages)
         self.free, self.cached = self.pages.free, self.pages.cached
-        self.slots = Slots(cfg.mamba_slots)
+        self.events = Emitter()
+        self.slots = Slots(cfg.mamba_slots, self.events)
         self.checkpointed = self.slots.checkpointed
         self.counters = Counters()
-        self.events = Emitter()
         self.chain = chain_function()
         self.tiers = Tiers(cfg, self.pages, self.slots, self.events, self.counters, remote,
                            self.chain)
@@ -262,7 +262,7 @@ class Pool:
         self.tiers.published(node)
         self.cached[DEVICE] += end - depth
         self.events.stored(DEVICE, b"" if type(parent) is Root else chained, hashes, tokens,
-                           lease.root.adapter)
+                           lease.root.adapter, lease.root.hash)
         return node
 
     def checkpoint(self, lease: Lease, page_index: int, detach: bool) -> Checkpointed:
@@ -326,13 +326,22 @@ class Pool:
         """The event records of this call, for `EventLog.append`."""
         return self.events.take()
 
-    def snapshot_events(self) -> list[events_pb2.KvEvent]:
-        """Events that rebuild the current page set from empty: AllBlocksCleared, then every
-        page of every live namespace, parents first."""
+    def snapshot_records(self) -> list[list]:
+        """Records that rebuild the current page set from empty: AllBlocksCleared, then every
+        page of every live namespace, parents first, each checkpointed page after its run."""
         emit = Emitter()
         emit.pending = [[CLEARED]]
+        hybrid = self.cfg.mamba_slots > 0
         for root in self.roots.values():
             for node in nodes_below(root):
                 emit.stored(node.medium, event_parent(node), node.hashes, node.tokens,
-                            root.adapter)
-        return [to_event(r, self.cfg.page_size, self.cfg.model_id) for r in emit.take()]
+                            root.adapter, root.hash)
+                if hybrid and node.slot != NO_SLOT:
+                    emit_checkpoint(emit, node)
+        return emit.take()
+
+    def snapshot_events(self) -> list[events_pb2.KvEvent]:
+        """`snapshot_records` as the gRPC stream's events."""
+        events = (to_event(r, self.cfg.page_size, self.cfg.model_id)
+                  for r in self.snapshot_records())
+        return [e for e in events if e is not None]

@@ -142,7 +142,8 @@ class Tiers:
         self.pages.cached[medium] += n
         node.medium = medium
         node.pages = pages
-        self.emit.stored(medium, event_parent(node), node.hashes, node.tokens, node.root.adapter)
+        self.emit.stored(medium, event_parent(node), node.hashes, node.tokens, node.root.adapter,
+                         node.root.hash)
 
     def split(self, node: Node, k: int) -> Node:
         """tree.split, keeping this step's pending write-through in page order."""

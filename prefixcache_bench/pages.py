@@ -32,11 +32,13 @@ __all__ = ["BLOCKS", "BlockError", "Source", "expected", "fill_blocks", "load_so
 
 PROG = "python -m prefixcache_bench.pages"
 PAGE = RESULTS / "README.md"
-BLOCK_FILES = (Path("README.md"), Path("deploy") / "README.md")
+BLOCK_FILES = (Path("README.md"), Path("deploy") / "README.md", Path("docs") / "kv-events.md")
 # `python -m compute_service.bench --parts cpu_kernels`: C kernels on vs off (block cpu-kernels).
 CPU_KERNELS = "compute/cpu_kernels.json"
 # `python -m stack.bench_http`: TTFT of a cached prompt, HTTP front vs gRPC (block http-front).
 HTTP_FRONT = "gateway/http_vs_grpc.json"
+# `python -m cache_service.bench --only zmq`: the vLLM-format ZMQ stream (block vllm-kv-events).
+KV_EVENTS = "cache/vllm_kv_events.json"
 
 
 # ---- the page ----------------------------------------------------------------------------------
@@ -131,10 +133,30 @@ def block_http_front(sources: list[Source]) -> list[str]:
             f"- machine: {machine_line(d.get('machine'))}; `docs/results/{HTTP_FRONT}`"]
 
 
+def block_vllm_kv_events(sources: list[Source]) -> list[str]:
+    """Page events/s over the vLLM-format ZMQ stream beside the gRPC stream's, in one run, and
+    step_rpc_32 with that stream off and on."""
+    src = by_rel(sources).get(KV_EVENTS)
+    if src is None:
+        return [f"- not measured: `docs/results/{KV_EVENTS}` is missing (see `{PAGE}`)"]
+    d = src.data
+    return [f"- {fmt(d['zmq_events_generated'])} page events: {fmt(d['zmq_events_per_s'])}/s "
+            f"delivered over ZMQ, {fmt(d['zmq_grpc_events_per_s'])}/s over gRPC at the same "
+            f"time; lost: {fmt(d['zmq_events_lost'])} (ZMQ), {fmt(d['zmq_grpc_events_lost'])} "
+            f"(gRPC); the ZMQ consumer's index differs from the tree in "
+            f"{fmt(d['zmq_index_mismatch'])} pages",
+            f"- step_rpc_32 p50 {fmt(d['zmq_off_step_rpc_32_ms_p50'])} ms with the stream off, "
+            f"{fmt(d['zmq_on_step_rpc_32_ms_p50'])} ms on; step_rpc_32_mixed (publishes, so "
+            f"events) p50 {fmt(d['zmq_off_step_rpc_32_mixed_ms_p50'])} ms off, "
+            f"{fmt(d['zmq_on_step_rpc_32_mixed_ms_p50'])} ms on",
+            f"- machine: {machine_line(d.get('machine'))}; `docs/results/{KV_EVENTS}`"]
+
+
 BLOCKS: dict[str, Callable[[list[Source]], list[str]]] = {
     "summary": block_summary,
     "cpu-kernels": block_cpu_kernels,
     "http-front": block_http_front,
+    "vllm-kv-events": block_vllm_kv_events,
 }
 
 MARKER = re.compile(r"^(?P<indent>\s*)<!-- (?P<close>/?)results:(?P<name>[\w.-]+) -->\s*$")

@@ -10,6 +10,9 @@ Parts (each a function returning a flat dict of metrics; `run` merges them):
 - events: page events delivered end to end to a gRPC subscriber (CacheClient.subscribe), and a
           check that the stream, applied to an empty set, reproduces the pool's page set
           (parts_events).
+- zmq:    the same page events over the vLLM-format ZMQ stream to a SUB consumer while a gRPC
+          subscriber follows too (events/s, lost, replayed), and step_rpc_32 with that stream off
+          and on (parts_zmq).
 - memory: tracemalloc bytes per cached page of the index (Pool filled with multi-turn chats)
           (parts_memory).
 - trace:  replay of a Mooncake conversation trace through CacheCore (match, allocate, publish,
@@ -27,11 +30,13 @@ from cache_service.bench.parts_match import bench_match
 from cache_service.bench.parts_memory import bench_memory
 from cache_service.bench.parts_step import bench_step_rpc
 from cache_service.bench.parts_trace import bench_trace
+from cache_service.bench.parts_zmq import bench_zmq
 from cache_service.bench.serving import ServerHandle, cache_server
 from cache_service.bench.workloads import (CoreSteps, Tokens, block_tokens, ideal_hit_tokens,
                                            load_trace, serve_on_pool)
 
 __all__ = ["GOALS", "MODEL", "PARTS", "SIZE_FLAGS", "TRACE_BLOCK_TOKENS", "CoreSteps", "EventIndex",
            "Params", "ServerHandle", "Tokens", "bench_events", "bench_match", "bench_memory",
-           "bench_step_rpc", "bench_trace", "block_tokens", "cache_server", "ideal_hit_tokens",
-           "load_trace", "main", "parse_args", "run", "serve_on_pool", "snapshot_pages"]
+           "bench_step_rpc", "bench_trace", "bench_zmq", "block_tokens", "cache_server",
+           "ideal_hit_tokens", "load_trace", "main", "parse_args", "run", "serve_on_pool",
+           "snapshot_pages"]

@@ -12,6 +12,7 @@ from cache_service.bench.parts_match import bench_match
 from cache_service.bench.parts_memory import bench_memory
 from cache_service.bench.parts_step import bench_step_rpc
 from cache_service.bench.parts_trace import bench_trace
+from cache_service.bench.parts_zmq import bench_zmq
 from cache_service.bench.serving import cache_server
 from prefixcache_bench import CONVERSATION_TRACE
 from prefixcache_bench.harness import (check_goals, load_average, log, machine_info,
@@ -44,6 +45,12 @@ def run(p: Params) -> dict:
                         t = time.perf_counter()
                         results.update(fn(p, server))
                         results[f"{part}_s"] = round(time.perf_counter() - t, 2)
+    if "zmq" in p.parts:  # its own servers, with the ZMQ stream off and on
+        log("[zmq]")
+        with maybe_profile(p.profile, "zmq"):
+            t = time.perf_counter()
+            results.update(bench_zmq(p))
+            results["zmq_s"] = round(time.perf_counter() - t, 2)
     results["total_s"] = round(time.perf_counter() - started, 2)
     machine["load_avg_end"] = load_average()
     results["goals"] = check_goals(results, GOALS)

@@ -12,7 +12,7 @@ from prefixcache_bench.harness import Goal
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "bench-model"
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces: one hash id = 512 prompt tokens
-PARTS = ("match", "step", "events", "memory", "trace")
+PARTS = ("match", "step", "events", "zmq", "memory", "trace")
 
 
 @dataclass(slots=True)
@@ -64,6 +64,11 @@ GOALS: dict[str, Goal] = {
     "events_per_s": Goal(">=", 50_000),
     "events_lost": Goal("==", 0),
     "events_index_mismatch": Goal("==", 0),
+    # The vLLM-format ZMQ stream (part zmq), with the gRPC stream running too.
+    "zmq_events_per_s": Goal(">=", 150_000),
+    "zmq_events_lost": Goal("==", 0),
+    "zmq_index_mismatch": Goal("==", 0),
+    "zmq_step_rpc_32_p50_ratio": Goal("<=", 1.1),
     "bytes_per_page": Goal("<=", 300),
 }
 

@@ -79,40 +79,9 @@ def bench_events(p: Params, server: ServerHandle) -> dict:
     Generated = pages inserted (publish results) + pages evicted (stats); received = hashes in the
     live batches; and the subscriber's set must equal a fresh snapshot and the cached page count.
     """
-    tok = Tokens(p.seed + 3, p.vocab)
-    base = tok.random(p.event_prompt_pages * p.page_size + 1)
-    n_tokens = len(base)
     with CacheClient(server.target, timeout_s=30) as client:
-        client.wait_until_ready(30)
-        client.register_pool(register("events", p, p.event_pool_pages))
-        index = EventIndex()
-        sub = client.subscribe("events", heartbeat_interval_s=0.1)
-        consumer = threading.Thread(target=_consume, args=(sub, index), daemon=True)
-        consumer.start()
-        _wait(lambda: index.snapshots >= 1, 30, "the subscriber's initial snapshot")
-        steps = CoreSteps(client.step, "events", p.page_size)
-        need = ceil_div(n_tokens, p.page_size)
-        # Once the pool is full every inserted page evicts one: generated ~ 2 * inserted - pool.
-        target = (p.event_pages + p.event_pool_pages) // 2
-        inserted, counter, progress = 0, 0, Progress("events", p.event_pages)
-        start = time.perf_counter()
-        while inserted < target:
-            matches = []
-            for _ in range(p.event_requests):
-                counter += 1
-                tokens = base.copy()
-                tokens[0] = counter  # a new first page: every page of the prompt is new
-                matches.append(pb.MatchOp(token_ids=tokens.tolist()))
-            leases = [m.lease_id for m in steps.step(steps.req(matches=matches)).matches]
-            steps.step(steps.req(allocations=[pb.AllocateOp(lease_id=lease, num_pages=need)
-                                              for lease in leases]))
-            resp = steps.step(steps.req(
-                publishes=[pb.PublishOp(lease_id=lease, computed_pages=n_tokens // p.page_size)
-                           for lease in leases],
-                releases=[pb.ReleaseOp(lease_id=lease) for lease in leases]))
-            inserted += sum(r.inserted_pages for r in resp.publishes)
-            progress.update(max(inserted, 2 * inserted - p.event_pool_pages))
-        produced_s = time.perf_counter() - start
+        index, sub, consumer = follow_events(p, client)
+        inserted, start, produced_s = produce_events(p, client, "events")
         head = next(pool.head_seq for pool in client.list_pools().pools if pool.pool_id == "events")
         _wait(lambda: index.last_seq >= head or index.error is not None, 60,
               f"the subscriber to reach seq {head}")
@@ -136,6 +105,50 @@ def bench_events(p: Params, server: ServerHandle) -> dict:
         "events_deliver_s": round(elapsed, 3),
         "events_subscriber_error": None if index.error is None else repr(index.error),
     }
+
+
+def follow_events(p: Params, client: CacheClient) -> tuple[EventIndex, object, threading.Thread]:
+    """Registers the pool "events" and a gRPC subscriber applying its stream to an index, on a
+    thread of its own; returns once the subscriber's initial snapshot arrived."""
+    client.wait_until_ready(30)
+    client.register_pool(register("events", p, p.event_pool_pages))
+    index = EventIndex()
+    sub = client.subscribe("events", heartbeat_interval_s=0.1)
+    consumer = threading.Thread(target=_consume, args=(sub, index), daemon=True)
+    consumer.start()
+    _wait(lambda: index.snapshots >= 1, 30, "the subscriber's initial snapshot")
+    return index, sub, consumer
+
+
+def produce_events(p: Params, client: CacheClient, label: str) -> tuple[int, float, float]:
+    """Rounds on the registered pool "events" until about `event_pages` page events were
+    generated (see bench_events): (pages inserted, perf_counter at the start, seconds taken)."""
+    tok = Tokens(p.seed + 3, p.vocab)
+    base = tok.random(p.event_prompt_pages * p.page_size + 1)
+    n_tokens = len(base)
+    steps = CoreSteps(client.step, "events", p.page_size)
+    need = ceil_div(n_tokens, p.page_size)
+    # Once the pool is full every inserted page evicts one: generated ~ 2 * inserted - pool.
+    target = (p.event_pages + p.event_pool_pages) // 2
+    inserted, counter, progress = 0, 0, Progress(label, p.event_pages)
+    start = time.perf_counter()
+    while inserted < target:
+        matches = []
+        for _ in range(p.event_requests):
+            counter += 1
+            tokens = base.copy()
+            tokens[0] = counter  # a new first page: every page of the prompt is new
+            matches.append(pb.MatchOp(token_ids=tokens.tolist()))
+        leases = [m.lease_id for m in steps.step(steps.req(matches=matches)).matches]
+        steps.step(steps.req(allocations=[pb.AllocateOp(lease_id=lease, num_pages=need)
+                                          for lease in leases]))
+        resp = steps.step(steps.req(
+            publishes=[pb.PublishOp(lease_id=lease, computed_pages=n_tokens // p.page_size)
+                       for lease in leases],
+            releases=[pb.ReleaseOp(lease_id=lease) for lease in leases]))
+        inserted += sum(r.inserted_pages for r in resp.publishes)
+        progress.update(max(inserted, 2 * inserted - p.event_pool_pages))
+    return inserted, start, time.perf_counter() - start
 
 
 def _evictions(client: CacheClient, pool_id: str) -> int:

@@ -67,6 +67,13 @@ def test_cli_writes_every_metric_with_sane_values(tmp_path, trace, capsys):
     assert r["events_subscriber_error"] is None
     assert r["events_received"] == r["events_generated"] >= 20_000
 
+    # The vLLM-format ZMQ stream, beside the gRPC one: nothing lost, the same page set.
+    assert r["zmq_events_lost_after_replay"] == 0 and r["zmq_grpc_events_lost"] == 0
+    assert r["zmq_index_mismatch"] == 0 and r["zmq_consumer_error"] is None
+    assert r["zmq_events_generated"] >= 20_000 and r["zmq_events_per_s"] > 0
+    assert r["zmq_on_step_rpc_32_ms_p50"] > 0 and r["zmq_off_step_rpc_32_ms_p50"] > 0
+    assert r["zmq_on_step_batches_received"] > 0
+
     # A cached page's tokens alone are 64 bytes (its hash and page number add 20 more; runs of
     # pages share one node); 2 kB would be a leak.
     assert 64 < r["bytes_per_page"] < 2000
