@@ -10,11 +10,19 @@ model is loaded and its pool is registered with the cache service. A failed star
 channel to a remote cache service. --health-port serves health on a port of its own, plaintext
 even then, for Kubernetes `grpc:` probes (which cannot present a client certificate).
 
-L3 (Redis): --redis-url turns it on: this worker writes its pages there (--l3-write-policy,
+L3 (Redis): --redis-url turns it on (a Redis Cluster with redis+cluster://, ACL password and TLS
+files with --redis-password-file and --redis-tls-*; pages carry a MAC keyed by
+--l3-mac-key-file; a Redis that does not answer at start is logged as l3_unreachable and the
+worker serves without it until it does): this worker writes its pages there (--l3-write-policy,
 write-through by default) and loads pages other workers wrote (--l3-lookup, on by default). The
 lookup is the cache service's: with --cache-service embedded it shares this worker's Redis
 client; a remote cache service needs its own --redis-url (same Redis, same key prefix), or the
 worker's registration is refused and it exits 1 (pass --no-l3-lookup to only write).
+
+Pools: --device-pages / --host-pages / --checkpoint-slots, or memory budgets (the
+compute_service.sizing rules): --kv-memory-fraction F of the device memory free once the model
+is loaded (CUDA), --kv-memory-bytes (any device), --host-memory-bytes; logged as
+event=kv_sizing and reported by GetModelInfo.
 
 --no-prefix-cache serves without any prefix caching (no cache service is reached, every prompt
 is computed, no events): the baseline what prefix caching costs is measured against.
@@ -46,11 +54,16 @@ from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, SamplingDef
                                    build_preset, load_model, load_tokenizer,
                                    read_sampling_defaults)
 from compute_service.server import ComputeServer, ServerConfig
+from compute_service.sizing import (KvSizing, SizingError, add_sizing_flags, check_flags,
+                                    size_from_args, sizing_request)
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
 from service_shell import (ExitGuard, ShutdownSignal, TlsConfig, add_flag, add_server_flags,
                            configure_logging, kv, tls_from_args)
+from service_shell.redis import add_redis_flags, settings_from_args
+from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
+                                token_from_args)
 
 log = logging.getLogger("compute_service")
 
@@ -111,10 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flag("--cache-wait-s", "CACHE_WAIT_S", 60.0,
          "seconds to wait for a remote cache service at startup", type=float)
     flag("--pool-id", "POOL_ID", None, "this worker's pool id; default: HOSTNAME-PORT")
-    flag("--device-pages", "DEVICE_PAGES", engine.device_pages, "KV pages on the device", type=int)
-    flag("--host-pages", "HOST_PAGES", engine.host_pages, "KV pages in host memory (L2)", type=int)
-    flag("--checkpoint-slots", "CHECKPOINT_SLOTS", engine.checkpoint_slots,
-         "Mamba checkpoint slots (hybrid and Mamba models)", type=int)
+    add_sizing_flags(flag, engine)
     flag("--page-size", "PAGE_SIZE", engine.page_size, "tokens per KV page", type=int)
     flag("--token-budget", "TOKEN_BUDGET", engine.token_budget,
          "tokens computed per engine step", type=int)
@@ -142,8 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "0 = the cache service's default (30)", type=float)
     # L3 (Redis).
     l3 = L3Config(url="")
-    flag("--redis-url", "REDIS_URL", "", "L3 page store shared by the workers, "
-         "redis://[:password@]host:port/db or rediss:// for TLS; empty = no L3")
+    add_redis_flags(p, "L3 page store shared by the workers", mac_key=True)
     flag("--l3-write-policy", "L3_WRITE_POLICY", None, "which pages this worker writes to L3: "
          "none, write-through (every page once published), write-back (a page when it leaves "
          "this worker's last local tier), hot (a page once hit --l3-min-hits times); default "
@@ -179,19 +188,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapter", action="append", metavar="NAME=PATH", default=None,
                    help="a PEFT adapter directory to load at start under NAME; repeatable "
                         "(env PREFIXCACHE_ADAPTERS: NAME=PATH,NAME=PATH)")
+    add_identities_flag(p)
+    add_token_flag(p, to="the cache service (--cache-service)")
     args = p.parse_args(argv)
     # One TLS config for both sides: this worker's server and its channel to the cache service.
     args.tls = tls_from_args(p, args)
+    args.auth, args.service_token = identities_from_args(p, args), token_from_args(p, args)
     if args.model is None:
         p.error("--model (or PREFIXCACHE_MODEL) is required")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     check_l3_args(p, args)
+    args.redis = settings_from_args(p, args)  # and args.l3_mac_key
     check_lora_args(p, args)
     if args.prefix_cache is None:
         args.prefix_cache = True
-    if not args.prefix_cache and (args.redis_url or args.host_pages):
-        p.error("--no-prefix-cache: --redis-url and --host-pages hold cached pages; drop them")
+    if not args.prefix_cache and (args.redis_url or args.host_pages or args.host_memory_bytes):
+        p.error("--no-prefix-cache: --redis-url and --host-pages / --host-memory-bytes hold "
+                "cached pages; drop them")
+    try:
+        check_flags(sizing_request(args, max_context=1), args.device)
+    except SizingError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -234,9 +252,18 @@ def l3_client(args: argparse.Namespace) -> L3Client | None:
     if not args.redis_url:
         return None
     default = L3Config(args.redis_url)
-    return L3Client(L3Config(args.redis_url, prefix=args.l3_key_prefix, ttl_s=args.l3_ttl_s,
-                             timeout_s=args.l3_timeout_s,
-                             connect_timeout_s=max(default.connect_timeout_s, args.l3_timeout_s)))
+    client = L3Client(L3Config(args.redis_url, prefix=args.l3_key_prefix, ttl_s=args.l3_ttl_s,
+                               timeout_s=args.l3_timeout_s,
+                               connect_timeout_s=max(default.connect_timeout_s, args.l3_timeout_s),
+                               redis=args.redis, mac_key=args.l3_mac_key))
+    # A wrong URL must show at start (logged with the cause, the l3 health name and the l3_up
+    # gauge), not only as breaker events under traffic; the worker serves without L3 meanwhile.
+    client.check(L3_CHECK_TIMEOUT_S)
+    client.watch()
+    return client
+
+
+L3_CHECK_TIMEOUT_S = 1.0  # the start-up PING: short, a worker must not wait on a wrong URL
 
 
 def default_pool_id(port: int) -> str:
@@ -265,12 +292,13 @@ def load(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, str, SamplingDe
 
 
 def open_cache(spec: str, wait_s: float, tls: TlsConfig | None,
-               l3: L3Client | None = None) -> CacheCore | CacheClient:
+               l3: L3Client | None = None, *,
+               service_token: str | None = None) -> CacheCore | CacheClient:
     """The embedded cache service (probing `l3` for remote lookups), or a client of a remote
     one (which has its own L3 client, if any)."""
     if spec == EMBEDDED:
         return CacheCore(remote=l3)
-    client = CacheClient(spec, tls=tls)
+    client = CacheClient(spec, tls=tls, service_token=service_token)
     try:
         client.wait_until_ready(wait_s)
     except CacheClientError:
@@ -280,12 +308,14 @@ def open_cache(spec: str, wait_s: float, tls: TlsConfig | None,
 
 
 def engine_config(args: argparse.Namespace, model: CausalLM, model_id: str, port: int,
-                  l3: L3Client | None) -> EngineConfig:
+                  l3: L3Client | None, sizing: KvSizing | None = None) -> EngineConfig:
+    sizing = sizing or size_from_args(args, model)
     return EngineConfig(
         pool_id=args.pool_id or default_pool_id(port), model_id=model_id,
-        page_size=args.page_size, device_pages=args.device_pages, host_pages=args.host_pages,
-        checkpoint_slots=args.checkpoint_slots, max_running=args.max_running,
-        token_budget=args.token_budget,
+        page_size=args.page_size, device_pages=sizing.device_pages,
+        host_pages=sizing.host_pages,
+        checkpoint_slots=sizing.checkpoint_slots,
+        max_running=args.max_running, token_budget=args.token_budget,
         max_context=args.max_context or model.config.max_position_embeddings,
         lease_ttl_s=args.lease_ttl_s, l3=l3, l3_write_policy=args.l3_write_policy,
         l3_min_hits=args.l3_min_hits, l3_lookup=args.l3_lookup,
@@ -301,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     shutdown = ShutdownSignal(log)
     config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port or None,
-                          health_port=args.health_port or None, tls=args.tls,
+                          health_port=args.health_port or None, tls=args.tls, auth=args.auth,
                           max_message_mb=args.max_message_mb, max_streams=args.max_streams,
                           grace_s=args.grace_s, drain_delay_s=args.drain_delay_s)
     server = ComputeServer(config).start()
@@ -319,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info(kv("cpu_kernels", **cpu_native.status()))
         l3 = l3_client(args)
         if args.prefix_cache:
-            cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3)
+            cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3,
+                               service_token=args.service_token)
         try:
             engine = Engine(model, tokenizer, cache, engine_config(args, model, model_id,
                                                                    server.port, l3))

@@ -13,13 +13,18 @@ class RequestStream:
     (which takes them). The engine never blocks on a slow client: outputs queue up here and the
     handler sends everything queued as one message."""
 
-    __slots__ = ("request_id", "cancel_requested", "_outputs")
+    __slots__ = ("request_id", "cancel_requested", "sent", "handed_back", "_outputs")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         # Set when the client left or Abort named the request: from then on the engine is asked
         # to abort it again at every token, until it does (see ComputeServicer._sink).
         self.cancel_requested = False
+        # The handler sent the client a message (from then on its answer can only be finished).
+        self.sent = False
+        # A drain aborted it before anything was sent: the call ends UNAVAILABLE, which the
+        # gateway retries on another worker (ComputeServer.drain).
+        self.handed_back = False
         self._outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
 
     def put(self, out: Output) -> None:
@@ -67,6 +72,12 @@ class RunningRequests:
     def snapshot(self) -> list[RequestStream]:
         with self._changed:
             return list(self._streams.values())
+
+    def unsent(self, skip: set[str] | frozenset[str] = frozenset()) -> list[RequestStream]:
+        """The streams that sent their client nothing yet (a drain may hand them back), but
+        those whose id is in `skip`."""
+        with self._changed:
+            return [s for s in self._streams.values() if not s.sent and s.request_id not in skip]
 
     def wait_empty(self, timeout_s: float) -> bool:
         with self._changed:

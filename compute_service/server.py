@@ -6,6 +6,9 @@ and adds what every production server needs (design.md §8). The server starts
 before the model is loaded (liveness SERVING, readiness NOT_SERVING, Generate UNAVAILABLE) and
 becomes ready when `attach` hands it an engine whose pool is registered.
 
+Longer than 400 lines: the servicer and the server's lifecycle (start, attach, drain with its
+hand-backs) share the request registry and the drain state, and are read together.
+
 Status codes; every message starts with the field it is about:
 - FAILED_PRECONDITION: `prompt.text` on a worker without a tokenizer (a checkpoint without
   tokenizer.json serves token-id prompts only); GetTokenizer on such a worker.
@@ -27,12 +30,13 @@ Status codes; every message starts with the field it is about:
 - INVALID_ARGUMENT for LoadAdapter: `name` not 1..256 characters of [A-Za-z0-9._-], `path`
   empty or not a readable PEFT adapter directory, or the adapter's own field that this worker
   cannot serve (`r` above `--max-lora-rank`, `target_modules`, `use_dora`, ...).
-- UNAVAILABLE: the model is still loading, or the server is draining: retry on another worker;
+- UNAVAILABLE: the model is still loading, or the server is draining: retry on another worker
+  (also a request a drain handed back before its first token: queued, or past the grace);
   UnloadAdapter when the cache service could not be reached to evict the adapter's namespace
   (the adapter itself is unloaded; its cached pages age out by LRU).
 
-LoadAdapter reads a directory on the worker's own file system, so it is an operator's call:
-expose the compute port to clients only through the gateway.
+LoadAdapter reads a directory on the worker's own file system: an operator's call (callers by
+role: service_shell/auth.py); expose the compute port to clients only through the gateway.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
+from service_shell.auth import COMPUTE_POLICY, ServiceIdentities, interceptors
 
 log = logging.getLogger("compute_service.server")
 
@@ -82,13 +87,16 @@ class ServerConfig:
     health_port: int | None = None
     # None = plaintext; else TLS on `port` (mTLS when it has a CA).
     tls: TlsConfig | None = None
+    # None = no service authentication (event=auth_disabled); else callers by role (auth.py).
+    auth: ServiceIdentities | None = None
     max_message_mb: int = 64
     # Each Generate stream holds a server thread for its whole life; the pool has a few more so
     # that Abort, GetModelInfo and health checks always find one.
     max_streams: int = 256
-    # Drain: readiness goes NOT_SERVING; `drain_delay_s` later new Generate calls are refused;
-    # running requests get `grace_s` to finish, then the rest are aborted and get `abort_wait_s`
-    # to send their last message.
+    # Drain: readiness goes NOT_SERVING; `drain_delay_s` later new Generate calls are refused
+    # and queued ones handed back (UNAVAILABLE); running requests get `grace_s` to finish, then
+    # the rest are aborted (handed back if they sent nothing) and get `abort_wait_s` to send
+    # their last message.
     grace_s: float = 20.0
     drain_delay_s: float = 0.0
     abort_wait_s: float = 5.0
@@ -99,7 +107,9 @@ class ServerConfig:
 
     @property
     def max_workers(self) -> int:
-        return self.max_streams + 16
+        # + 32 for the health Watch streams gateways hold (one thread each, for the worker's
+        # life: gateway/workers.py learns of a drain through them).
+        return self.max_streams + 16 + 32
 
 
 class ComputeServicer(pb_grpc.ComputeServiceServicer):
@@ -132,6 +142,11 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                     if not context.is_active():
                         return  # the done-callback already asked the engine to abort
                     continue
+                if stream.handed_back and not stream.sent and outs[-1].stats is not None:
+                    code = grpc.StatusCode.UNAVAILABLE  # the client saw nothing: retry elsewhere
+                    context.abort(code, "worker is draining; request handed back before its "
+                                        "first token; retry on another worker")
+                stream.sent = True
                 yield response(outs)
                 if outs[-1].stats is not None:
                     code = grpc.StatusCode.OK
@@ -242,7 +257,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         try:
             request_id = request_id_of(request)
             salt = salt_of(context.invocation_metadata())
-            prompt = prompt_of(request, engine.tokenizer)
+            prompt = prompt_of(request, engine.tokenizer, self.info.max_context_tokens)
             sampling = sampling_of(request.sampling, engine.vocab_size, self.defaults)
             check_fits(len(prompt), sampling.max_tokens, self.info.max_context_tokens)
             stream = RequestStream(request_id)
@@ -321,11 +336,12 @@ class ComputeServer(ShellPorts):
         self.config = cfg = config or ServerConfig()
         self.running = RunningRequests()
         self.metrics = ComputeMetrics(lambda: self._servicer.engine, lambda: len(self.running))
+        auth, _ = interceptors(cfg.auth, SERVICE_NAME, COMPUTE_POLICY, self.metrics.registry)
         self._shell = ServiceShell(
             SERVICE_NAME, host=cfg.host, port=cfg.port, max_workers=cfg.max_workers,
             thread_name_prefix="compute-rpc", options=server_options(cfg.max_message_mb),
             registry=self.metrics.registry, metrics_port=cfg.metrics_port,
-            health_port=cfg.health_port, tls=cfg.tls)
+            health_port=cfg.health_port, tls=cfg.tls, interceptors=auth)
         self.health = self._shell.health
         self._draining = threading.Event()
         self._drain_started = False
@@ -357,6 +373,8 @@ class ComputeServer(ShellPorts):
         self._servicer.engine = engine
         engine.start()
         self.health.set_ready(True)
+        if engine.cfg.l3 is not None:  # health name "l3": SERVING while Redis answers
+            engine.cfg.l3.on_change(lambda up: self.health.set_detail("l3", up))
         info = self._servicer.info
         log.info(kv("worker_ready", worker=info.worker, model=info.model_id,
                     architecture=info.architecture, max_context=info.max_context_tokens,
@@ -381,9 +399,16 @@ class ComputeServer(ShellPorts):
         if cfg.drain_delay_s > 0:
             time.sleep(cfg.drain_delay_s)
         self._draining.set()  # Generate answers UNAVAILABLE from here on
+        # Queued requests (waiting, or still in the engine's inbox) would only wait behind the
+        # running ones: hand them back now (one admitted meanwhile too: it has sent nothing).
+        self._hand_back(self.running.unsent({r.id for r in list(self.engine.running)}
+                                            if self.engine is not None else set()))
         if not self.running.wait_empty(grace):
             left = self.running.snapshot()
             log.info(kv("drain_aborting", requests=len(left)))
+            # Those without a token sent are handed back (retried elsewhere), the rest end
+            # with FINISH_REASON_ABORT and the tokens they have.
+            self._hand_back(self.running.unsent())
             for stream in left:
                 self._servicer.cancel(stream)
             if not self.running.wait_empty(cfg.abort_wait_s):
@@ -397,6 +422,14 @@ class ComputeServer(ShellPorts):
         self._shell.close()
         self._stopped.set()
         log.info(kv("server_stopped", address=self.address))
+
+    def _hand_back(self, streams: list[RequestStream]) -> None:
+        """Aborts requests whose clients saw nothing; their calls end UNAVAILABLE."""
+        if streams:
+            log.info(kv("drain_handing_back", requests=len(streams)))
+        for stream in streams:
+            stream.handed_back = True
+            self._servicer.cancel(stream)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until drained; True when stopped."""

@@ -11,8 +11,10 @@ import grpc
 
 from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
 from compute_service.model import SamplingDefaults, Tokenizer
+from compute_service.sizing import kv_bytes_per_page, mamba_bytes_per_slot
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.hash import MAX_NAME_BYTES
+from prefixcache_client.limits import text_too_long
 from service_shell import SALT_METADATA_KEY
 
 DEFAULT_MAX_TOKENS = 16  # what max_tokens = 0 means (the proto's contract)
@@ -44,6 +46,15 @@ def model_info(engine: Engine, defaults: SamplingDefaults) -> pb.GetModelInfoRes
                                             top_k=defaults.top_k, top_p=defaults.top_p))
     if tok.adds_bos and tok.bos_token_id is not None:
         info.bos_token_id = tok.bos_token_id
+    # The pools as sized (compute_service.sizing), so operators and gateways see the capacity.
+    cfg, dtype = engine.cfg, engine.model.dtype
+    info.device_pages, info.host_pages = cfg.device_pages, cfg.host_pages
+    info.mamba_slots = engine.ckpt_slots
+    info.kv_bytes_per_page = kv_bytes_per_page(mc, cfg.page_size, dtype)
+    info.mamba_bytes_per_slot = mamba_bytes_per_slot(mc, dtype)
+    running_slots = cfg.max_running if engine.mamba else 0
+    info.kv_device_bytes = (cfg.device_pages * info.kv_bytes_per_page
+                            + (running_slots + engine.ckpt_slots) * info.mamba_bytes_per_slot)
     return info
 
 
@@ -78,11 +89,18 @@ def salt_of(metadata) -> str:
     return salt
 
 
-def prompt_of(request: pb.GenerateRequest, tok: Tokenizer) -> list[int]:
+def prompt_of(request: pb.GenerateRequest, tok: Tokenizer,
+              max_context_tokens: int | None = None) -> list[int]:
+    """The prompt's ids. A text longer than `max_context_tokens` allows (prefixcache_client.
+    limits) is refused before it is tokenized: tokenizing costs memory in proportion to it."""
     which = request.WhichOneof("prompt")
     if which == "token_ids":
         return list(request.token_ids.ids)  # taken exactly as sent
     if which == "text" and request.text:
+        if max_context_tokens is not None:
+            problem = text_too_long(request.text, max_context_tokens)
+            if problem is not None:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if not tok.fingerprint:  # NoTokenizer: a state of this worker, not bad input
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                            "prompt.text: this worker has no tokenizer (its checkpoint has no "

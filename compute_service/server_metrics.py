@@ -33,6 +33,25 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("prefixcache_compute_waiting_requests",
                                 "Requests queued for admission (new or preempted).",
                                 value=len(engine.waiting))
+        # The autoscaling signals (deploy/k8s/components/autoscaling-workers): waiting requests
+        # above, and how full the device KV pool is with pages requests hold.
+        pages = engine.cfg.device_pages
+        held = held_device_pages(engine)
+        yield GaugeMetricFamily("prefixcache_compute_kv_device_pages",
+                                "KV pages of the device pool (its capacity, as sized at start).",
+                                value=pages)
+        yield GaugeMetricFamily("prefixcache_compute_kv_device_pages_used",
+                                "Device KV pages held by running requests (each shared page "
+                                "once); cached pages no request holds are free to evict and "
+                                "do not count.", value=held)
+        yield GaugeMetricFamily("prefixcache_compute_kv_device_usage_ratio",
+                                "prefixcache_compute_kv_device_pages_used / "
+                                "prefixcache_compute_kv_device_pages, 0..1: 1 means new "
+                                "requests wait for pages (or preempt).",
+                                value=held / pages if pages else 0.0)
+        yield GaugeMetricFamily("prefixcache_compute_max_running_requests",
+                                "Requests that may run at once (--max-running).",
+                                value=engine.cfg.max_running)
         stats = engine.stats
         yield CounterMetricFamily("prefixcache_compute_engine_steps", "Engine steps.",
                                   value=stats.steps)
@@ -67,17 +86,39 @@ class _EngineCollector(Collector):
         yield from tier_metric_families(engine.tier_metrics())
 
 
+def held_device_pages(engine: Engine) -> int:
+    """Distinct device pages the running and retiring requests hold. Read from the scrape thread
+    while the engine thread steps: copies of the queues (taken whole under the GIL) and of each
+    page list, so a page freed meanwhile is at worst counted once more for one scrape."""
+    held: set[int] = set()
+    for queue in (engine.running, engine.retiring):
+        for r in list(queue):
+            held.update(list(r.pages))
+    return len(held)
+
+
 # Engine.tier_metrics() keys that are levels, not monotonic counts.
 _TIER_GAUGES = {
     "l3_breaker_open": "L3 circuit breaker: 0 closed, 1 half-open, 2 open.",
     "l3_write_queue_bytes": "Page bytes queued for L3 writes.",
+    "l3_up": "1 while Redis (every master of a cluster) answers, 0 from a failed start check "
+             "or an opened breaker until a call or a re-check succeeds.",
 }
+_REJECTED = "l3_rejected_"
 
 
 def tier_metric_families(values: dict[str, float]) -> Iterator[prometheus_client.Metric]:
     """Engine.tier_metrics() as `prefixcache_compute_<key>`: gauges for levels, counters (with
     `_total`) for everything else. Empty without an L3 tier, so no series exists then."""
-    for key in sorted(values):
+    rejected = {k: v for k, v in values.items() if k.startswith(_REJECTED)}
+    if rejected:  # one family, the reason a label: forged pages are one alert, not nine
+        family = CounterMetricFamily("prefixcache_compute_l3_rejected",
+                                     "L3 pages rejected on load (a miss), by reason "
+                                     "(compute_service.tiers.payload.REASONS).", labels=["reason"])
+        for key in sorted(rejected):
+            family.add_metric([key.removeprefix(_REJECTED)], rejected[key])
+        yield family
+    for key in sorted(values.keys() - rejected.keys()):
         name = f"prefixcache_compute_{key}"
         if key in _TIER_GAUGES:
             yield GaugeMetricFamily(name, _TIER_GAUGES[key], value=values[key])

@@ -11,6 +11,10 @@ Per address, one thread (`WorkerHandle._run`):
 3. follow: a second thread feeds its cache service's event stream for its pool into the router,
    resubscribing from where the index says when it reports a gap or a new epoch; this thread
    probes the worker's `readiness` health, so a dead or draining worker stops being routed to.
+   A third holds a health `Watch` on `readiness`: a worker that starts draining (SIGTERM:
+   readiness NOT_SERVING, design.md §8) is out of the routing within a round trip, before it
+   starts refusing new requests `--drain-delay-s` later, instead of up to a probe interval
+   later; the probes remain the fallback, and the only way back up (after re-identifying).
    A worker that comes back under another pool id (restarted elsewhere, new pod on the same
    address) is removed and admitted again under its new name.
 """
@@ -41,6 +45,8 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 @dataclass(slots=True)
 class WorkerSettings:
     tls: TlsConfig | None = None
+    # The gateway's service identity at the workers' compute and cache ports (auth.py).
+    service_token: str | None = None
     max_message_mb: int = 64
     rpc_timeout_s: float = 5.0
     # Seconds between readiness probes of each worker.
@@ -97,7 +103,8 @@ class WorkerHandle:
         self._router, self._fleet, self._settings = router, fleet, settings
         s = settings
         self.cache = CacheClient(address.cache, timeout_s=s.rpc_timeout_s,
-                                 max_message_mb=s.max_message_mb, tls=s.tls)
+                                 max_message_mb=s.max_message_mb, tls=s.tls,
+                                 service_token=s.service_token)
         self._health_channel = open_channel(address.compute, channel_options(1), tls=s.tls)
         self._health = health_pb2_grpc.HealthStub(self._health_channel)
         self._stopped = threading.Event()
@@ -126,7 +133,8 @@ class WorkerHandle:
                 # One client per admission: the router closes it once the worker it was
                 # admitted as is removed and its last call ended.
                 client = ComputeClient(self.address.compute, timeout_s=s.rpc_timeout_s,
-                                       max_message_mb=s.max_message_mb, tls=s.tls)
+                                       max_message_mb=s.max_message_mb, tls=s.tls,
+                                       service_token=s.service_token)
                 info = self._identify(client)
                 reason = "stopped" if info is None else self._fleet.admit(info,
                                                                         self.address.compute)
@@ -166,11 +174,15 @@ class WorkerHandle:
         worker = Worker(name, self.address.compute, self.address.cache, client, info)
         self._router.add(worker)
         log.info(kv("worker_added", worker=name, address=self.address.compute,
-                    cache=self.address.cache, model=info.model_id, page_size=info.page_size))
+                    cache=self.address.cache, model=info.model_id, page_size=info.page_size,
+                    device_pages=info.device_pages, host_pages=info.host_pages))
         left = threading.Event()  # tells the feed this registration ended
         feed = threading.Thread(target=self._feed, args=(name, left), name=f"feed-{name}",
                                 daemon=True)
         feed.start()
+        watches: list[grpc.Future] = []  # the current Watch call, cancelled when it left
+        threading.Thread(target=self._watch, args=(name, left, watches), name=f"watch-{name}",
+                         daemon=True).start()
         try:
             while not self._stopped.wait(self._settings.probe_interval_s):
                 tokenizer.learn(name, info, client)  # no-op once known; retries a failed fetch
@@ -185,10 +197,38 @@ class WorkerHandle:
                     log.info(kv("worker_up" if up else "worker_down", worker=name))
         finally:
             left.set()
+            for call in list(watches):
+                call.cancel()
             self._router.remove(name)
             tokenizer.worker_left(name)
             self._fleet.release(name, self.address.compute)
             log.info(kv("worker_removed", worker=name, address=self.address.compute))
+
+    def _watch(self, name: str, left: threading.Event, watches: list) -> None:
+        """Takes the worker out of the routing the moment its readiness turns NOT_SERVING (it
+        drains), as a health Watch stream reports it; reconnects after a failure."""
+        failures = 0
+        backoff = self._settings.backoff or Backoff(initial_s=0.1, max_s=5.0)
+        done: Callable[[], bool] = lambda: left.is_set() or self._stopped.is_set()
+        while not done():
+            call = None
+            try:
+                call = self._health.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+                watches[:] = [call]
+                if done():  # left between the check and the registration: none would cancel it
+                    return
+                for resp in call:
+                    failures = 0
+                    if resp.status != _SERVING and self._router.set_up(name, False):
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+                        log.info(kv("worker_down", worker=name, reason=f"readiness {status}"))
+            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
+                pass
+            finally:
+                if call is not None:
+                    call.cancel()
+            failures += 1
+            self._stopped.wait(backoff.delay(failures))
 
     def _ready(self) -> bool:
         try:

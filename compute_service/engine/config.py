@@ -19,6 +19,8 @@ class EngineConfig:
     overlap_cache_calls: bool = True
     model_id: str = "model"
     page_size: int = 16
+    # Pool sizes; `python -m compute_service` may size them from memory budgets instead
+    # (compute_service.sizing: --kv-memory-fraction, --kv-memory-bytes, --host-memory-bytes).
     device_pages: int = 1024
     host_pages: int = 0
     checkpoint_slots: int = 64  # Mamba checkpoint slots (hybrid and Mamba models only)

@@ -115,7 +115,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_context_tokens", "page_size", "num_attention_layers", "num_mamba_layers", "eos_token_ids", "worker", "adapters", "tokenizer_fingerprint", "bos_token_id", "has_chat_template", "sampling_defaults")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_context_tokens", "page_size", "num_attention_layers", "num_mamba_layers", "eos_token_ids", "worker", "adapters", "tokenizer_fingerprint", "bos_token_id", "has_chat_template", "sampling_defaults", "device_pages", "host_pages", "mamba_slots", "kv_bytes_per_page", "mamba_bytes_per_slot", "kv_device_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,12 @@ class GetModelInfoResponse(_message.Message):
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -144,7 +150,13 @@ class GetModelInfoResponse(_message.Message):
     bos_token_id: int
     has_chat_template: bool
     sampling_defaults: SamplingParams
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., num_attention_layers: _Optional[int] = ..., num_mamba_layers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., worker: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., tokenizer_fingerprint: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    device_pages: int
+    host_pages: int
+    mamba_slots: int
+    kv_bytes_per_page: int
+    mamba_bytes_per_slot: int
+    kv_device_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., num_attention_layers: _Optional[int] = ..., num_mamba_layers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., worker: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., tokenizer_fingerprint: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ..., device_pages: _Optional[int] = ..., host_pages: _Optional[int] = ..., mamba_slots: _Optional[int] = ..., kv_bytes_per_page: _Optional[int] = ..., mamba_bytes_per_slot: _Optional[int] = ..., kv_device_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
