@@ -16,6 +16,11 @@ the same core (`GenerateProxy.open`): its calls are routed, counted and drained 
 Readiness requires it serving; the drain closes its listener when it starts refusing new gRPC
 calls and lets its running responses finish within the same grace.
 
+With `epp_port`, it is also an Endpoint Picker of the Gateway API Inference Extension
+(gateway/epp/): Envoy asks it over ext_proc which worker a request goes to, and gets the choice
+of the same router. Its health follows readiness; the drain refuses new ext_proc streams with
+the gRPC port and gives those in flight the same grace.
+
 Status codes: UNAUTHENTICATED names the `authorization` header; INVALID_ARGUMENT names the field
 (`prompt`, `request_id`); ALREADY_EXISTS: the tenant already runs `request_id`; UNAVAILABLE: no
 worker can take the request, the gateway is draining, or the worker failed; the workers' own
@@ -67,6 +72,8 @@ class GatewayConfig:
     health_port: int | None = None
     # The OpenAI-compatible HTTP API (gateway/http/); None = off, 0 = any free port.
     http_port: int | None = None
+    # The Endpoint Picker (gateway/epp/): Envoy's ext_proc protocol; None = off, 0 = any port.
+    epp_port: int | None = None
     tls: TlsConfig | None = None
     max_message_mb: int = 64
     # Each Generate stream holds a server thread for its whole life.
@@ -127,6 +134,7 @@ class GatewayServer(ShellPorts):
         # lists both. TODO(service_shell): take several service names.
         enable_reflection(self._shell.server, COMPUTE_SERVICE_NAME, GATEWAY_SERVICE_NAME)
         self.http = None  # gateway.http.server.HttpServer once started
+        self.epp = None  # gateway.epp.server.EppServer once started
         self._ready = False
         self._stop = threading.Event()
         self._stopped = threading.Event()
@@ -148,6 +156,15 @@ class GatewayServer(ShellPorts):
                 self._shell.stop(0).wait()
                 self._shell.close()
                 raise
+        if cfg.epp_port is not None:
+            try:
+                self.epp = self._start_epp()
+            except BaseException:
+                if self.http is not None:
+                    self.http.stop(0.0)
+                self._shell.stop(0).wait()
+                self._shell.close()
+                raise
         self.workers.refresh()
         self._loop.start()
         log.info(kv("server_started", address=self.address, metrics_port=self.metrics_port,
@@ -163,9 +180,21 @@ class GatewayServer(ShellPorts):
         from gateway.http.server import HttpServer
 
         cfg = self.config
-        app = create_app(self.proxy, self.router, lambda: self._ready, cfg.max_streams)
+        app = create_app(self.proxy, self.router, lambda: self._ready, cfg.max_streams,
+                         max_body_bytes=cfg.max_message_mb << 20)
         return HttpServer(app, cfg.host, cfg.http_port, tls=cfg.tls,
                           graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0).start()
+
+    def _start_epp(self):
+        # Imported here: the ext_proc protos come with the `gateway` extra (xds-protos).
+        from gateway.epp.server import EppServer
+
+        cfg = self.config
+        return EppServer(self.proxy, self.router, self.metrics.registry, host=cfg.host,
+                         port=cfg.epp_port, max_streams=cfg.max_streams,
+                         max_message_mb=cfg.max_message_mb, tls=cfg.tls,
+                         service_token=cfg.worker.service_token,
+                         gateway_calls=self.running).start()
 
     def _watch(self) -> None:
         """Readiness (a worker with a live stream) and periodic discovery."""
@@ -183,6 +212,8 @@ class GatewayServer(ShellPorts):
             if now_ready != ready and not self._drain_started:
                 ready = self._ready = now_ready
                 self.health.set_ready(ready)
+                if self.epp is not None:
+                    self.epp.set_ready(ready)
                 log.info(kv("readiness", ready=ready, workers=len(self.router.names())))
 
     def drain(self, grace_s: float | None = None) -> None:
@@ -196,11 +227,15 @@ class GatewayServer(ShellPorts):
         log.info(kv("drain_started", grace_s=grace, open_requests=len(self.running)))
         self._ready = False
         self.health.set_ready(False)
+        if self.epp is not None:
+            self.epp.set_ready(False)
         if cfg.drain_delay_s > 0:
             time.sleep(cfg.drain_delay_s)
         self._draining.set()
         if self.http is not None:  # no new connections; running responses go on
             self.http.stop_accepting()
+        # No new ext_proc streams; requests the data plane is proxying get the same grace.
+        epp_stopped = self.epp.stop(grace) if self.epp is not None else None
         if not self.running.wait_empty(grace):
             log.info(kv("drain_aborting", requests=len(self.running)))
             self.proxy.abort_all()
@@ -208,6 +243,8 @@ class GatewayServer(ShellPorts):
                 log.warning(kv("drain_abort_timeout", requests=len(self.running)))
         if self.http is not None:  # the last chunks of streams whose calls ended
             self.http.stop(5.0)
+        if epp_stopped is not None:
+            epp_stopped.wait()
         self.health.shutdown()
         self._shell.stop(1.0).wait()
         self._stop.set()
