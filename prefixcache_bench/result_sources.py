@@ -1,6 +1,7 @@
 """The committed results as the pages show them: each `docs/results/**/*.json`, the command
 that produced it, its machine and its headline rows (metric, value, goal, verdict), by kind of
-JSON (the compute bench, the tier bench, the gateway simulator, or any harness JSON).
+JSON (the compute bench, the tier bench, the gateway simulator, the fault drill, or any harness
+JSON).
 
 Where the command comes from: the JSON's `command` (the benchmarks that use the harness record
 it), else the `# python ...` header lines of the `.txt` beside the JSON, else a `# ...` line of
@@ -95,6 +96,8 @@ def tiers_rows(src: Source) -> None:
     for key, ok in (d.get("goals") or {}).items():
         if m := GOAL_KEY.match(key):
             goals[(m["metric"], m["scope"])] = (f"{m['op']} {m['bound']}", ok)
+    if d.get("l3_store"):  # "redis" (one node) or "redis-cluster" (bench_tiers --cluster)
+        src.rows.append(Row("L3 store", f"{d['l3_store']} ({d.get('redis_url', '')})"))
     for name, t in (d.get("ttft") or {}).items():
         goal, ok = goals.get(("ttft_l3_over_cold", name), ("", ""))
         src.rows.append(Row(f"{name} ttft_l3_over_cold", t.get("ttft_l3_over_cold"), goal,
@@ -107,6 +110,11 @@ def tiers_rows(src: Source) -> None:
     for kind, k in ((d.get("redis") or {}).get("kinds") or {}).items():
         src.rows += [Row(f"redis {kind} {op} MB/s", k[op]["mb_s"])
                      for op in ("write_pipelined", "read_pipelined") if op in k]
+        if "mac_over_checksum_decode" in k:  # the page MAC's cost on the load path
+            src.rows.append(Row(f"redis {kind} decode MAC/checksum time",
+                                k["mac_over_checksum_decode"]))
+            src.rows += [Row(f"redis {kind} {f}", k[f]) for f in (
+                "mac_us_per_page", "decode_us_per_page", "read_pipelined_us_per_page") if f in k]
     sim = d.get("shared_l3_sim") or {}
     if sim.get("measured"):
         goal, ok = goals.get(("shared_l3_hit_over_bound", None), ("", ""))
@@ -153,6 +161,15 @@ def simulate_rows(src: Source) -> None:
     src.rows += [Row(f"routing bench {k}", bench[k]) for k in SIM_BENCH_HEADLINE if k in bench]
 
 
+def drill_rows(src: Source) -> None:
+    """python -m stack.fault_drill: per fault, the requests that ran, failed and went wrong."""
+    for phase, t in src.data["phases"].items():
+        src.rows.append(Row(f"{phase}: requests", t["requests"]))
+        src.rows.append(Row(f"{phase}: failed", t["failed"], "== 0", verdict(t["failed"] == 0)))
+        src.rows.append(Row(f"{phase}: wrong output", t["wrong"], "== 0",
+                            verdict(t["wrong"] == 0)))
+
+
 def generic_rows(src: Source) -> None:
     """A JSON of `prefixcache_bench.harness` (flat metrics + check_goals), or any other: its
     goals, else its top-level numbers."""
@@ -171,6 +188,8 @@ def kind_of(data: dict) -> Callable[[Source], None]:
         return tiers_rows
     if "policies" in data and "config" in data:
         return simulate_rows
+    if "phases" in data and "exit_codes" in data:
+        return drill_rows
     return generic_rows
 
 

@@ -47,11 +47,25 @@ class Stack:
         wait_ready(svc, ready_timeout_s, grpc_health)
         return svc
 
+    def restart(self, name: str, ready_timeout_s: float = 120.0, grpc_health: bool = True) -> Service:
+        """Starts a service that exited (killed by a fault drill) again with the same command
+        and address, appending to its log, and waits until it is ready."""
+        svc = self.get(name)
+        if svc.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {svc.proc.pid})")
+        svc.proc = subprocess.Popen(svc.argv, stdout=svc.log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        wait_ready(svc, ready_timeout_s, grpc_health)
+        return svc
+
+    def get(self, name: str) -> Service:
+        return next(svc for svc in self.services if svc.name == name)
+
     def has(self, name: str) -> bool:
         return any(svc.name == name for svc in self.services)
 
     def stop_one(self, name: str, grace_s: float = 20.0) -> int | None:
-        svc = next(svc for svc in self.services if svc.name == name)
+        svc = self.get(name)
         if svc.proc.poll() is None:
             svc.proc.send_signal(signal.SIGTERM)
             try:

@@ -52,3 +52,18 @@ def test_the_http_benchmark_measures_both_fronts(tmp_path):
     for api in ("grpc", "http", "httpx"):
         assert 0 < results[f"{api}_ttft_ms_p50"] < 10_000
     assert results["requests_per_api"] == 3 and "http_overhead_p50_ms" in results["goals"]
+
+
+def test_the_fault_drill_costs_no_request_and_no_wrong_output(tmp_path):
+    """Forged pages in Redis and a killed cache service, under load through the whole stack."""
+    out = tmp_path / "drill.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "stack.fault_drill", "--faults",
+                          "redis-garbage,cache-sigkill", "--quiet-s", "3", "--clients", "2",
+                          "--json", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    phases = json.loads(out.read_text())["phases"]
+    assert set(phases) == {"baseline", "redis-garbage", "cache-sigkill"}
+    for name, phase in phases.items():
+        assert phase["requests"] > 0 and phase["failed"] == 0 and phase["wrong"] == 0, (name, phase)

@@ -30,6 +30,18 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dev-cpu+mtls": ("overlays/dev-cpu", ("mtls",)),
     "dev-cpu+monitoring+mtls": ("overlays/dev-cpu", ("monitoring", "mtls")),
     "gpu+monitoring+mtls": ("overlays/gpu", ("monitoring", "mtls")),
+    "dev-cpu+inference-extension": ("overlays/dev-cpu", ("inference-extension",)),
+    "gpu+monitoring+inference-extension": ("overlays/gpu", ("monitoring", "inference-extension")),
+    "dev-cpu+monitoring+autoscaling-workers": ("overlays/dev-cpu",
+                                               ("monitoring", "autoscaling-workers")),
+    "gpu+monitoring+mtls+autoscaling-workers": ("overlays/gpu",
+                                                ("monitoring", "mtls", "autoscaling-workers")),
+    "dev-cpu+vllm-kv-events": ("overlays/dev-cpu", ("vllm-kv-events",)),
+    "gpu+monitoring+mtls+vllm-kv-events": ("overlays/gpu", ("monitoring", "mtls", "vllm-kv-events")),
+    "dev-cpu+mtls+redis-tls": ("overlays/dev-cpu", ("mtls", "redis-tls")),
+    "gpu+monitoring+mtls+redis-tls": ("overlays/gpu", ("monitoring", "mtls", "redis-tls")),
+    "dev-cpu+redis-cluster": ("overlays/dev-cpu", ("redis-cluster",)),
+    "gpu+monitoring+mtls+redis-cluster": ("overlays/gpu", ("monitoring", "mtls", "redis-cluster")),
 }
 
 # The oldest Kubernetes the manifests support (native sidecars are on by default from 1.29; gRPC
@@ -121,9 +133,13 @@ def _crd_validator(kind: str, api_version: str):
     return jsonschema.Draft202012Validator(json.loads(path.read_text()), registry=registry)
 
 
+# API groups under k8s.io whose kinds are CRDs, not built in (schemas in CRD_SCHEMAS).
+CRD_GROUPS = frozenset({"gateway.networking.k8s.io", "inference.networking.k8s.io"})
+
+
 def is_builtin(doc: Doc) -> bool:
     group = doc["apiVersion"].rpartition("/")[0]
-    return "." not in group or group.endswith(".k8s.io")
+    return group not in CRD_GROUPS and ("." not in group or group.endswith(".k8s.io"))
 
 
 def schema_errors(doc: Doc, version: str) -> list[str]:
@@ -185,9 +201,13 @@ class Container:
         return {m["mountPath"]: m for m in self.spec.get("volumeMounts", [])}
 
     def volume(self, name: str) -> dict:
+        """The pod's volume `name`; a StatefulSet's claim template as {"name", "claimTemplate"}."""
         for v in self.pod.get("volumes", []):
             if v["name"] == name:
                 return v
+        for t in self.workload["spec"].get("volumeClaimTemplates", []):
+            if t["metadata"]["name"] == name:
+                return {"name": name, "claimTemplate": t["spec"]}
         raise AssertionError(f"{self.name}: no volume {name}")
 
 

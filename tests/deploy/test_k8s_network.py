@@ -14,6 +14,11 @@ KUBE_DNS = Peer("kube-dns", "10.244.7.1", "kube-system", {"k8s-app": "kube-dns"}
 OTHER_SYSTEM = Peer("other-system-pod", "10.244.7.2", "kube-system", {"k8s-app": "metrics-server"})
 API_SERVER = Peer("api-server", "172.18.0.2")  # a control-plane address, not a pod
 INTERNET = Peer("internet", "93.184.216.34")
+# The Gateway's proxies, where the inference-extension component admits them.
+DATA_PLANE = Peer("data-plane", "10.244.6.1", "inference-gateway", {"app": "envoy"})
+# A KV event indexer (llm-d, Dynamo), where the vllm-kv-events component admits it.
+KV_CONSUMER = Peer("kv-events-consumer", "10.244.5.1", "llm-d",
+                   {"prefixcache.io/kv-events-consumer": "true"})
 
 
 @pytest.fixture
@@ -48,7 +53,6 @@ def test_needed_flows_are_allowed(net):
         (gateway, compute, 50052), (gateway, compute, 50051),    # Generate, Subscribe
         (PROMETHEUS, compute, 9092), (PROMETHEUS, compute, 9091),
         (compute, redis, 6379),                                  # L3 pages
-        (gateway, API_SERVER, 443), (gateway, API_SERVER, 6443),  # EndpointSlice watch
     ]
     for pod in pods.values():
         allowed += [(pod, KUBE_DNS, 53)]
@@ -68,8 +72,10 @@ def test_everything_else_is_denied(net):
         (PROMETHEUS, redis, 6379), (PROMETHEUS, compute, 50052),
         (compute, gateway, 50050), (redis, compute, 50052),      # no reverse flows
         (CLIENT, compute, 8000), (CLIENT, redis, 8000),          # the HTTP API is the gateway's
-        (compute, API_SERVER, 443), (redis, API_SERVER, 443),    # no API access but the gateway's
+        (compute, API_SERVER, 443), (redis, API_SERVER, 443),    # no pod needs the API server:
+        (gateway, API_SERVER, 443), (gateway, API_SERVER, 6443),  # discovery is DNS only
         (compute, INTERNET, 443), (redis, INTERNET, 443), (gateway, INTERNET, 80),
+        (gateway, INTERNET, 443), (gateway, INTERNET, 6443),     # no 0.0.0.0/0 egress
         (gateway, OTHER_SYSTEM, 53), (compute, OTHER_SYSTEM, 443),
         (compute, compute, 50051),  # the engine reaches its own sidecar on localhost, not the pod IP
     ]
@@ -81,7 +87,7 @@ def test_every_listening_port_is_reachable_by_someone(net, docs):
     # Guards against a policy typo that would silently cut a service off: each gRPC and metrics
     # port of every pod is allowed from at least one peer.
     policies, pods = net
-    peers = [CLIENT, PROMETHEUS, *pods.values()]
+    peers = [CLIENT, PROMETHEUS, DATA_PLANE, KV_CONSUMER, *pods.values()]
     for w in workloads(docs):
         pod = pods[w["metadata"]["name"]]
         spec = w["spec"]["template"]["spec"]

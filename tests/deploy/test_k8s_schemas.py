@@ -14,7 +14,6 @@ EXPECTED = {  # (kind, name) that every rendering must contain
     ("Namespace", NAMESPACE),
     ("Deployment", "gateway"), ("Service", "gateway"), ("HorizontalPodAutoscaler", "gateway"),
     ("PodDisruptionBudget", "gateway"), ("ServiceAccount", "gateway"),
-    ("Role", "gateway-discovery"), ("RoleBinding", "gateway-discovery"),
     ("Deployment", "compute"), ("Service", "compute-headless"), ("Service", "cache-headless"),
     ("PodDisruptionBudget", "compute"), ("ServiceAccount", "compute"),
     ("StatefulSet", "redis"), ("Service", "redis"), ("Service", "redis-headless"),
@@ -41,6 +40,8 @@ def test_components_add_their_resources(renders):
         components = VARIANTS[name][1]
         assert bool(by_kind(docs, "ServiceMonitor")) == ("monitoring" in components), name
         assert bool(by_kind(docs, "Certificate")) == ("mtls" in components), name
+        assert bool(by_kind(docs, "InferencePool")) == ("inference-extension" in components), name
+        assert bool(by_kind(docs, "ScaledObject")) == ("autoscaling-workers" in components), name
 
 
 @pytest.mark.parametrize("which", ["oldest", "newest"])
@@ -61,7 +62,10 @@ def test_custom_resources_are_only_the_known_ones(renders):
     custom = {(d["apiVersion"], d["kind"]) for docs in renders.values() for d in docs
               if not is_builtin(d)}
     assert custom == {("monitoring.coreos.com/v1", "ServiceMonitor"),
-                      ("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate")}
+                      ("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
+                      ("inference.networking.k8s.io/v1", "InferencePool"),
+                      ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+                      ("keda.sh/v1alpha1", "ScaledObject")}
 
 
 # Negative controls: the validators really are strict, so a green run means something.

@@ -91,8 +91,14 @@ def test_grpc_probes_on_the_dedicated_health_port(docs, service):
     assert c.env_value("PREFIXCACHE_HEALTH_PORT") == str(ports["health"])
     assert c.env_value("PREFIXCACHE_METRICS_PORT") == str(ports["metrics"])
     container_ports = {p["containerPort"] for p in c.spec["ports"]}
+    epp = c.env_value("PREFIXCACHE_EPP_PORT")  # the inference-extension component's
+    # The vllm-kv-events component's PUB and replay ports (tcp://*:PORT).
+    kv_events = [int(c.env_value(f"PREFIXCACHE_KV_EVENTS_ZMQ_{e}").rpartition(":")[2])
+                 for e in ("ENDPOINT", "REPLAY_ENDPOINT")
+                 if c.env_value(f"PREFIXCACHE_KV_EVENTS_ZMQ_{e}")]
     assert container_ports == {ports["grpc"], ports["health"], ports["metrics"],
-                               *([ports["http"]] if "http" in ports else [])}
+                               *([ports["http"]] if "http" in ports else []),
+                               *([int(epp)] if epp else []), *kv_events}
     if "http" in ports:
         assert c.env_value("PREFIXCACHE_HTTP_PORT") == str(ports["http"])
     for probe, health_service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"),
@@ -229,22 +235,18 @@ def test_gateway_discovers_workers_through_the_headless_service(docs):
     assert [p["port"] for p in headless["ports"]][0] == SERVICES["compute"]["grpc"]
 
 
-def test_only_the_gateway_talks_to_the_api_server(docs):
-    role = one(docs, "Role", "gateway-discovery")
-    granted = {(g, r): set(rule["verbs"]) for rule in role["rules"]
-               for g in rule["apiGroups"] for r in rule["resources"]}
-    assert granted == {("", "endpoints"): {"get", "list", "watch"},
-                       ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}}
-    binding = one(docs, "RoleBinding", "gateway-discovery")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": "gateway-discovery"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gateway",
-                                    "namespace": NAMESPACE}]
+def test_no_pod_talks_to_the_api_server(docs):
+    """Discovery is DNS only (gateway/discovery.py): no Role or binding grants anything, and no
+    pod or service account mounts an API token."""
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRole",
+                                                 "ClusterRoleBinding")]
     for w in workloads(docs):
         pod = pod_spec(w)
+        assert pod["automountServiceAccountToken"] is False, w["metadata"]["name"]
         is_gateway = w["metadata"]["name"] == "gateway"
-        assert pod["automountServiceAccountToken"] is is_gateway, w["metadata"]["name"]
         assert (pod["serviceAccountName"] == "gateway") is is_gateway
+    for account in (d for d in docs if d["kind"] == "ServiceAccount"):
+        assert account.get("automountServiceAccountToken") is not True, account["metadata"]
 
 
 def test_gateway_tenants_come_from_a_mounted_secret(docs):
@@ -263,6 +265,8 @@ def test_autoscaling_and_disruption_budgets(docs):
     assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
     assert "replicas" not in one(docs, "Deployment", "gateway")["spec"], "the HPA owns replicas"
     for w in workloads(docs):
+        if w["kind"] in ("Job", "CronJob"):  # run to completion: nothing to keep available
+            continue
         pdbs = [p for p in by_kind(docs, "PodDisruptionBudget")
                 if selects(p["spec"]["selector"], pod_labels(w))]
         assert len(pdbs) == 1, w["metadata"]["name"]
@@ -276,7 +280,8 @@ def test_services_select_pods_and_target_their_ports(docs):
     expected = {"gateway": ("ClusterIP", SERVICES["gateway"]["grpc"]),
                 "compute-headless": ("None", SERVICES["compute"]["grpc"]),
                 "cache-headless": ("None", SERVICES["cache"]["grpc"]),
-                "redis": ("ClusterIP", 6379), "redis-headless": ("None", 6379)}
+                "redis": ("ClusterIP", 6379), "redis-headless": ("None", 6379),
+                "gateway-epp": ("ClusterIP", 9002)}  # the inference-extension component's
     for svc in by_kind(docs, "Service"):
         name, spec = svc["metadata"]["name"], svc["spec"]
         kind, port = expected[name]
@@ -297,15 +302,17 @@ def test_services_select_pods_and_target_their_ports(docs):
             assert resolved in every, (name, p)
 
 
-def test_redis_is_a_bounded_lru_cache_without_persistence(docs):
+def test_redis_is_a_bounded_lru_cache_without_persistence(docs, variant):
+    components = VARIANTS[variant][1]
     sts = one(docs, "StatefulSet", "redis")
-    assert sts["spec"]["replicas"] == 1
+    # One node; 3 masters of a Redis Cluster with components/redis-cluster.
+    assert sts["spec"]["replicas"] == (3 if "redis-cluster" in components else 1)
     c = container(docs, "redis", "redis")
-    args = c.spec["args"]
-    flags = {args[i]: args[i + 1] for i in range(0, len(args), 2)}
+    flags = {k: v[0] for k, v in redis_flags(c.spec["args"]).items() if len(v) == 1}
     assert flags["--maxmemory-policy"] == "allkeys-lru"
     assert flags["--save"] == "" and flags["--appendonly"] == "no"
-    assert flags["--requirepass"] == "$(REDIS_PASSWORD)"
+    # ACL users, not --requirepass (tests/deploy/test_k8s_redis.py runs them on a real Redis).
+    assert "--requirepass" not in flags
     env = c.env()
     password = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert password["name"].startswith("redis-auth-")
@@ -315,11 +322,35 @@ def test_redis_is_a_bounded_lru_cache_without_persistence(docs):
     # Headroom beyond the data (fragmentation, client buffers): at least 20 % of the limit.
     assert redis_bytes(maxmemory) <= limit * Decimal("0.8"), (maxmemory, limit)
     assert c.spec["livenessProbe"] and c.spec["readinessProbe"]
-    # Every worker container reaches it with the same password.
+    # Every worker container reaches it as the ACL user `prefixcache`, with the same password
+    # read from the Secret mounted as a file (never in its environment).
     for name in ("compute", "cache"):
         w = service_container(docs, name)
-        assert w.env()["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == password
-        assert w.env_value("PREFIXCACHE_REDIS_URL") == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+        assert "REDIS_PASSWORD" not in w.env()
+        url = {"redis-tls": "rediss://prefixcache@redis:6379/0",
+               "redis-cluster": "redis+cluster://prefixcache@redis:6379"}
+        assert w.env_value("PREFIXCACHE_REDIS_URL") == next(
+            (url[c] for c in components if c in url), "redis://prefixcache@redis:6379/0")
+        path = w.env_value("PREFIXCACHE_REDIS_PASSWORD_FILE")
+        mount = w.mounts()[path.rpartition("/")[0]]
+        assert w.volume(mount["name"])["secret"]["secretName"] == password["name"]
+
+
+def redis_flags(args: list[str]) -> dict[str, list[str]]:
+    """redis-server arguments as {"--flag": [its words]}; `--user` repeats: its entries are
+    joined, one user per line."""
+    out: dict[str, list[str]] = {}
+    flag = ""
+    for a in args:
+        if a.startswith("--"):
+            flag = a
+            if flag == "--user" and flag in out:
+                out[flag].append("\n")
+            else:
+                out[flag] = []
+        else:
+            out[flag].append(a)
+    return out
 
 
 def test_example_secrets_are_marked_as_examples(docs):

@@ -44,13 +44,22 @@ def test_the_own_overlay_recipe_renders(deploy_tools, tmp_path):
     recipe = recipe.replace("../../deploy/k8s/", os.path.relpath(K8S, mine) + "/")
     (mine / "kustomization.yaml").write_text(recipe)
     (mine / "secrets" / "redis-password").write_text("0123456789abcdef")
+    (mine / "secrets" / "l3-mac-key").write_text("0123456789abcdef0123456789abcdef")
     tenants = {"tokens": {"t0k3n": {"tenant": "acme", "salt": "s4lt"}}}
     (mine / "secrets" / "tenants.json").write_text(json.dumps(tenants))
+    identities = {"identities": [{"name": "gw", "role": "gateway", "token_sha256": "ab" * 32}]}
+    (mine / "secrets" / "service-identities.json").write_text(json.dumps(identities))
+    (mine / "secrets" / "gateway-service-token").write_text("gateway-token-0123456789")
+    (mine / "secrets" / "worker-service-token").write_text("worker-token-0123456789")
 
     docs = render_dir(deploy_tools.kustomize, mine)
     secrets = {d["metadata"]["name"].rsplit("-", 1)[0]: d for d in by_kind(docs, "Secret")}
     assert base64.b64decode(secrets["redis-auth"]["data"]["password"]) == b"0123456789abcdef"
     assert json.loads(base64.b64decode(secrets["gateway-tenants"]["data"]["tenants.json"])) == tenants
+    assert json.loads(base64.b64decode(
+        secrets["service-identities"]["data"]["service-identities.json"])) == identities
+    assert base64.b64decode(secrets["worker-service-token"]["data"]["token"]) == \
+        b"worker-token-0123456789"
     assert by_kind(docs, "ServiceMonitor") and by_kind(docs, "Certificate")
     images = {c.spec["image"] for c in containers(docs)}
     assert images == {"registry.example.com/prefixcache/gateway:0.1.0",
