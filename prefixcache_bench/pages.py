@@ -39,6 +39,10 @@ CPU_KERNELS = "compute/cpu_kernels.json"
 HTTP_FRONT = "gateway/http_vs_grpc.json"
 # `python -m cache_service.bench --only zmq`: the vLLM-format ZMQ stream (block vllm-kv-events).
 KV_EVENTS = "cache/vllm_kv_events.json"
+# `python -m stack.fault_drill`: faults under load through the whole stack (block fault-drill).
+FAULT_DRILL = "stack/fault_drill.json"
+# `python -m stack.bench_auth`: a cache Step round trip, service auth off vs on (block service-auth).
+SERVICE_AUTH = "cache/service_auth.json"
 
 
 # ---- the page ----------------------------------------------------------------------------------
@@ -152,11 +156,44 @@ def block_vllm_kv_events(sources: list[Source]) -> list[str]:
             f"- machine: {machine_line(d.get('machine'))}; `docs/results/{KV_EVENTS}`"]
 
 
+def block_fault_drill(sources: list[Source]) -> list[str]:
+    """One row per fault of the drill: what failed, the requests that ran from its injection to
+    the next one, how many failed and how many answered other tokens than the baseline."""
+    src = by_rel(sources).get(FAULT_DRILL)
+    if src is None:
+        return [f"- not measured: `docs/results/{FAULT_DRILL}` is missing (see `{PAGE}`)"]
+    d = src.data
+    lines = ["| fault | requests | failed | outage | wrong output |", "|---|---|---|---|---|"]
+    for t in d["phases"].values():
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(t["errors"].items()))
+        outage = f"{fmt(t['outage_s'])} s" if t["failed"] else "-"
+        lines.append(f"| {t['fault']} | {fmt(t['requests'])} | {fmt(t['failed'])}"
+                     f"{f' ({errors})' if errors else ''} | {outage} | {fmt(t['wrong'])} |")
+    lines += ["", f"{d['clients']} clients, greedy, {d['max_tokens']} tokens per request, no "
+                  f"retries (a client waits {fmt(d['backoff_s'])} s after a failure); the outage "
+                  f"runs from the first failure to the last; machine: "
+                  f"{machine_line(d.get('machine'))}; `docs/results/{FAULT_DRILL}`"]
+    return lines
+
+
+def block_service_auth(sources: list[Source]) -> list[str]:
+    """What authenticating and authorizing every call adds to the engine's cache Step."""
+    src = by_rel(sources).get(SERVICE_AUTH)
+    if src is None:
+        return [f"- not measured: `docs/results/{SERVICE_AUTH}` is missing (see `{PAGE}`)"]
+    d = src.data
+    return [f"- cache Step round trip p50: {fmt(d['step_auth_off_us_p50'])} us with service auth "
+            f"off, {fmt(d['step_auth_on_us_p50'])} us on (+{fmt(d['auth_overhead_p50_us'])} us)",
+            f"- machine: {machine_line(d.get('machine'))}; `docs/results/{SERVICE_AUTH}`"]
+
+
 BLOCKS: dict[str, Callable[[list[Source]], list[str]]] = {
     "summary": block_summary,
     "cpu-kernels": block_cpu_kernels,
     "http-front": block_http_front,
     "vllm-kv-events": block_vllm_kv_events,
+    "fault-drill": block_fault_drill,
+    "service-auth": block_service_auth,
 }
 
 MARKER = re.compile(r"^(?P<indent>\s*)<!-- (?P<close>/?)results:(?P<name>[\w.-]+) -->\s*$")

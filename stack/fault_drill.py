@@ -8,9 +8,11 @@ client sends conversations whose turns resend a growing history (the assistant's
 history are fixed text, so each prompt's greedy answer is known): a baseline pass computes each
 prompt's answer once, then the clients loop over them while the faults are injected in turn,
 each followed by its recovery and a quiet period. A request fails when its stream ends in an
-error (the clients do not retry: a retry would hide a failure); an output is wrong when its
+error (the clients do not retry a request: a retry would hide a failure; after a failure a client
+waits BACKOFF_S before its next request, as real clients back off); an output is wrong when its
 tokens differ from the baseline's. The summary is one row per fault, the requests that ran
-from its injection to the next one's: sent, failed, wrong.
+from its injection to the next one's: sent, failed, wrong, and the outage (first to last
+failure).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from stack.launcher import Stack
 from stack.workload import QUESTIONS, SYSTEM
 
 MAX_TOKENS = 8
+BACKOFF_S = 0.1
 
 
 @dataclass
@@ -43,11 +46,17 @@ class Tally:
     failed: int = 0
     wrong: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    first_failure: float = 0.0
+    last_failure: float = 0.0
+
+    @property
+    def outage_s(self) -> float:
+        return round(self.last_failure - self.first_failure, 2)
 
 
 class Load:
-    """`clients` threads looping over the prompts through the gateway; results are added to
-    the tally of the current phase (`phase`), which the drill moves on."""
+    """`clients` threads looping over the prompts through the gateway; each result is added to
+    the tally of the phase (`phase`, which the drill moves on) in which the request ended."""
 
     def __init__(self, gateway: str, prompts: list[str], expected: dict[str, list[int]],
                  clients: int):
@@ -75,20 +84,25 @@ class Load:
         n = 0
         while not self._stop.is_set():
             prompt = rng.choice(self.prompts)
-            phase = self.phase
             try:
                 tokens = ask(stub, f"drill-{index}-{n}", prompt)
                 wrong, error = tokens != self.expected[prompt], None
             except grpc.RpcError as exc:
                 wrong, error = False, exc.code().name
+            phase = self.phase  # when it ended: a fault fails the requests it interrupts
             n += 1
             with self._lock:
                 tally = self.tallies.setdefault(phase, Tally())
                 tally.sent += 1
                 tally.wrong += wrong
                 if error is not None:
+                    now = time.monotonic()
+                    tally.first_failure = tally.first_failure or now
+                    tally.last_failure = now
                     tally.failed += 1
                     tally.errors[error] = tally.errors.get(error, 0) + 1
+            if error is not None:
+                time.sleep(BACKOFF_S)
         channel.close()
 
 
@@ -216,16 +230,18 @@ def main(argv: list[str] | None = None) -> int:
             load.stop()
         codes = stack.stop()
     rows = [[phase, FAULTS[phase][0] if phase in FAULTS else "no fault", t.sent, t.failed,
-             t.wrong, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-"]
+             t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-"]
             for phase, t in load.tallies.items()]
     print()
-    print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "errors"], rows))
+    print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
+                         "errors"], rows))
     if args.json:
         write_json(args.json, {
             "command": " ".join(["python -m stack.fault_drill", *argv]),
             "machine": machine_info(), "clients": args.clients, "max_tokens": MAX_TOKENS,
+            "backoff_s": BACKOFF_S,
             "phases": {phase: {"fault": row[1], "requests": t.sent, "failed": t.failed,
-                               "wrong": t.wrong, "errors": t.errors}
+                               "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors}
                        for (phase, t), row in zip(load.tallies.items(), rows)},
             "exit_codes": dict(codes)})
     return 0

@@ -4,11 +4,12 @@
   the same pool (the `events` part's workload, on a server with the ZMQ stream on), beside the
   gRPC subscriber's figure in the same run; events lost (after asking the replay socket for any
   gap) and the consumer's index against the tree.
-- step_rpc_32 with the ZMQ stream off and on (a SUB consumer attached), one after the other on
-  two servers of the same kind: the stream must not slow the Step path.
+- step_rpc_32 with the ZMQ stream off and on (a SUB consumer attached), alternating on fresh
+  servers of the same kind: the stream must not slow the Step path.
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -26,6 +27,7 @@ from prefixcache_client.cache import CacheClient
 
 MEDIUM = {common_pb2.MEDIUM_DEVICE: "GPU", common_pb2.MEDIUM_HOST: "CPU"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ROUNDS = 2  # of the step measurement, ZMQ off and on alternating
 
 
 class ZmqIndex:
@@ -121,32 +123,42 @@ def bench_zmq(p: Params) -> dict:
     with cache_server(p.server, kv_events=True) as server:
         log(f"[zmq] events server={p.server} {server.target} {server.kv_endpoint}")
         out.update(_events(p, server))
-    # Step latency, ZMQ off then on, each on a fresh server of the same kind.
-    for label, on in (("off", False), ("on", True)):
-        with cache_server(p.server, kv_events=on) as server:
-            log(f"[zmq] step_rpc_32 with the ZMQ stream {label}")
-            consumer = ZmqIndex(server.kv_endpoint, b"", apply=False) if on else None
-            drain = None
-            if consumer is not None:
-                drain = threading.Thread(target=consumer.run, daemon=True)
-                drain.start()
-            try:
-                step = bench_step_rpc(p, server)
-            finally:
-                if consumer is not None:
-                    consumer.stop.set()
-                    drain.join(5)
-                    consumer.close()
-            out[f"zmq_{label}_step_rpc_32_ms_p50"] = step["step_rpc_32_ms_p50"]
-            out[f"zmq_{label}_step_rpc_32_ms_p99"] = step["step_rpc_32_ms_p99"]
-            out[f"zmq_{label}_step_rpc_32_mixed_ms_p50"] = step["step_rpc_32_mixed_ms_p50"]
-            out[f"zmq_{label}_step_rpc_32_mixed_server_cpu_ms"] = step[
-                "step_rpc_32_mixed_server_cpu_ms"]
-            if consumer is not None:
-                out["zmq_on_step_batches_received"] = consumer.batches
+    # Step latency, ZMQ off and on alternating (ROUNDS each, every one on a fresh server of the
+    # same kind), so that drift on a shared machine does not favour either: medians of the p50s.
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for round_ in range(ROUNDS):
+        for label, on in (("off", False), ("on", True)):
+            with cache_server(p.server, kv_events=on) as server:
+                log(f"[zmq] step_rpc_32 with the ZMQ stream {label} (round {round_ + 1})")
+                runs[label].append(_step_with_consumer(p, server, on))
+    for label, results in runs.items():
+        for key in ("step_rpc_32_ms_p50", "step_rpc_32_ms_p99", "step_rpc_32_mixed_ms_p50",
+                    "step_rpc_32_mixed_server_cpu_ms"):
+            values = [r[key] for r in results if r[key] is not None]  # None: CPU not read
+            out[f"zmq_{label}_{key}"] = statistics.median(values) if values else None
+    out["zmq_on_step_batches_received"] = min(r["batches"] for r in runs["on"])
     out["zmq_step_rpc_32_p50_ratio"] = round(
         out["zmq_on_step_rpc_32_ms_p50"] / out["zmq_off_step_rpc_32_ms_p50"], 3)
+    out["zmq_step_rounds"] = ROUNDS
     return out
+
+
+def _step_with_consumer(p: Params, server: ServerHandle, on: bool) -> dict:
+    """bench_step_rpc on `server`, with a SUB consumer attached when the ZMQ stream is on."""
+    consumer = ZmqIndex(server.kv_endpoint, b"", apply=False) if on else None
+    drain = None
+    if consumer is not None:
+        drain = threading.Thread(target=consumer.run, daemon=True)
+        drain.start()
+    try:
+        step = bench_step_rpc(p, server)
+    finally:
+        if consumer is not None:
+            consumer.stop.set()
+            drain.join(5)
+            consumer.close()
+    step["batches"] = consumer.batches if consumer is not None else 0
+    return step
 
 
 def _events(p: Params, server: ServerHandle) -> dict:
