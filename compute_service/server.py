@@ -266,7 +266,8 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: '{request_id}' is already running")
             engine.submit(prompt, sampling, lambda out: self._sink(stream, out),
-                          request_id=request_id, adapter=request.adapter, salt=salt)
+                          request_id=request_id, adapter=request.adapter, salt=salt,
+                          resume_output=request.resume_output.ids)
         except BaseException as exc:
             if stream is not None:
                 self._running.remove(stream.request_id)

@@ -45,6 +45,9 @@ class GatewayMetrics:
         self.retries = prometheus_client.Counter(
             "prefixcache_gateway_retries", "Generate calls moved to another worker after this one "
             "failed before the first token.", ["worker"], registry=r)
+        self.resumes = prometheus_client.Counter(
+            "prefixcache_gateway_resumes", "Generate streams moved to another worker, with the "
+            "tokens already streamed, after this one failed mid-stream.", ["worker"], registry=r)
         self.decision_seconds = prometheus_client.Histogram(
             "prefixcache_gateway_routing_decision_seconds", "Time the routing policy took to "
             "choose a worker.", buckets=_DECISION_BUCKETS, registry=r)

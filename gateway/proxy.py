@@ -20,6 +20,7 @@ import grpc
 from gateway.metrics import MEDIA, GatewayMetrics
 from gateway.policies import RouteRequest
 from gateway.routing import Router, Worker
+from gateway.running_calls import ProxiedCall, RunningCalls
 from gateway.tenants import Tenant, TenantDirectory
 from gateway.tokenize import (PromptTokenizer, TokenizerUnavailable, prompt_fingerprint,
                               prompt_ids)
@@ -35,6 +36,9 @@ MAX_REQUEST_ID_BYTES = 128  # the workers' limit
 # Failures before the first token that another worker may not have: nothing was streamed, so
 # the request can move. (Other codes are about the request itself and pass through.)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# A stream whose worker failed after it sent tokens moves at most this many times (design.md §6,
+# "Resuming a stream").
+MAX_RESUMES = 2
 _OUTCOME = {pb.FINISH_REASON_STOP: "ok", pb.FINISH_REASON_LENGTH: "ok",
             pb.FINISH_REASON_ABORT: "abort"}
 
@@ -48,67 +52,6 @@ class ProxyError(Exception):
         self.code, self.message = code, message
 
 
-@dataclass(eq=False)
-class ProxiedCall:
-    """One Generate call at the gateway: whom it runs on, and how to cancel it from any thread."""
-    tenant: Tenant
-    request_id: str
-    worker: Worker | None = None
-    stream: GenerateStream | None = None
-    cancelled: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def attach(self, worker: Worker, stream: GenerateStream) -> None:
-        with self._lock:
-            self.worker, self.stream = worker, stream
-            if self.cancelled:  # the client left while the call was being routed
-                stream.cancel()
-
-    def cancel(self) -> None:
-        """The client left: cancelling the worker call aborts the request on the worker."""
-        with self._lock:
-            self.cancelled = True
-            if self.stream is not None:
-                self.stream.cancel()
-
-
-class RunningCalls:
-    """Calls in progress by (tenant, request id): ids are unique per tenant, Abort and the drain
-    find calls here."""
-
-    def __init__(self) -> None:
-        self._calls: dict[tuple[str, str], ProxiedCall] = {}
-        self._changed = threading.Condition()
-
-    def add(self, call: ProxiedCall) -> bool:
-        with self._changed:
-            key = (call.tenant.name, call.request_id)
-            if key in self._calls:
-                return False
-            self._calls[key] = call
-            return True
-
-    def remove(self, call: ProxiedCall) -> None:
-        with self._changed:
-            self._calls.pop((call.tenant.name, call.request_id), None)
-            self._changed.notify_all()
-
-    def get(self, tenant: Tenant, request_id: str) -> ProxiedCall | None:
-        with self._changed:
-            return self._calls.get((tenant.name, request_id))
-
-    def snapshot(self) -> list[ProxiedCall]:
-        with self._changed:
-            return list(self._calls.values())
-
-    def wait_empty(self, timeout_s: float) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: not self._calls, timeout_s)
-
-    def __len__(self) -> int:
-        return len(self._calls)
-
-
 class ProxiedStream(Iterator[pb.GenerateResponse]):
     """One routed Generate call: the worker's messages, as they come.
 
@@ -118,8 +61,13 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
       so the policy's memory of recent pages sends samples of one prompt to one worker (twins).
     - Before the first message, a worker failing with UNAVAILABLE or RESOURCE_EXHAUSTED is
       retried once on the next best one; any other failure raises `ProxyError` with the worker's
-      code and message. After the first message a failure raises UNAVAILABLE naming the worker:
-      a truncated stream never passes for a complete one.
+      code and message.
+    - After the first message, a worker failing with UNAVAILABLE (it died or went away) hands
+      the request to the next best worker with the output tokens streamed so far
+      (GenerateRequest.resume_output), which goes on after them: the caller sees one stream.
+      Not for a request with a seed (the other worker's draws would not be the seed's), and at
+      most MAX_RESUMES times. Otherwise the failure raises UNAVAILABLE naming the worker: a
+      truncated stream never passes for a complete one.
     - The last message carries `stats`; after it the iterator ends. A cancelled call ends
       without raising (whoever cancelled knows why).
     - The call leaves `RunningCalls` and the router's load exactly once: when the stream ends,
@@ -132,6 +80,9 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
         self._deadline = time.monotonic() + timeout_s
         self._active = active
         self._failed: list[str] = []
+        self._output: list[int] = []  # the tokens streamed so far, for a resume
+        self._resumes = 0
+        self._fresh = False  # no message yet from the current worker's stream
         self._stream: GenerateStream | None = None
         self._worker: Worker | None = None
         self._routed = self._ended = False
@@ -177,9 +128,10 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
         proxy, route = self._proxy, self._route
         chosen = proxy._router.route(route, exclude=self._failed)
         if chosen is None:
-            proxy._count("", "unavailable")
+            if not self._output:  # a resume that finds no worker fails as the stream it was
+                proxy._count("", "unavailable")
             why = (f"; {', '.join(self._failed)} failed before the first token"
-                   if self._failed else "")
+                   if self._failed and not self._output else "")
             raise ProxyError(grpc.StatusCode.UNAVAILABLE, f"no worker is available{why}")
         with self._lock:
             self._worker, self._routed = chosen.worker, True
@@ -187,8 +139,9 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
         req, call = self._request, self._call
         stream = chosen.worker.client.generate(
             route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,
-            salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()))
-        self._stream = stream
+            salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()),
+            resume_output=self._output)
+        self._stream, self._fresh = stream, True
         call.attach(chosen.worker, stream)
 
     def _unroute(self) -> None:
@@ -231,9 +184,11 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
             except ComputeClientError as err:
                 exc = err
             else:
-                if self.sent == 0:
+                if self._fresh:  # the router counts a worker's load until its first token
                     proxy._router.first_token(self._route.request_id)
+                    self._fresh = False
                 self.sent += 1
+                self._output.extend(msg.token_ids)
                 if msg.HasField("stats"):
                     proxy._finished(worker, msg.stats)
                     self._end()
@@ -247,7 +202,23 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
                 self._failed.append(worker.name)
                 self._start()
                 continue
+            if self._resumable(exc):
+                proxy._resume(worker, exc, len(self._output))
+                self._failed.append(worker.name)
+                self._resumes += 1
+                try:
+                    self._start()
+                    continue
+                except ProxyError:
+                    pass  # no worker left to take it: fail as the stream it was
             raise proxy._failure(worker, exc, self.sent, self._failed)
+
+    def _resumable(self, exc: ComputeClientError) -> bool:
+        """Whether another worker may go on with this stream (see the class docstring)."""
+        sampling = self._request.sampling
+        return (self.sent > 0 and bool(self._output) and exc.status == grpc.StatusCode.UNAVAILABLE
+                and not sampling.HasField("seed") and self._resumes < MAX_RESUMES
+                and not 0 < sampling.max_tokens <= len(self._output))
 
 
 class GenerateProxy:
@@ -379,6 +350,13 @@ class GenerateProxy:
         self._metrics.retries.labels(worker.name).inc()
         log.info(kv("generate_retry", worker=worker.name, code=exc.status.name,
                     message=exc.message))
+
+    def _resume(self, worker: Worker, exc: ComputeClientError, tokens: int) -> None:
+        if self._router.set_up(worker.name, False):
+            log.info(kv("worker_down", worker=worker.name, reason=exc.message))
+        self._metrics.resumes.labels(worker.name).inc()
+        log.warning(kv("generate_resumed", worker=worker.name, tokens=tokens,
+                       code=exc.status.name, message=exc.message))
 
     def _failure(self, worker: Worker, exc: ComputeClientError, sent: int,
                  failed: list[str]) -> ProxyError:

@@ -38,7 +38,8 @@ from gateway.discovery import WorkerAddress
 from gateway.index import IndexConfig
 from gateway.metrics import GatewayMetrics
 from gateway.policies import make_policy
-from gateway.proxy import GenerateProxy, RunningCalls
+from gateway.proxy import GenerateProxy
+from gateway.running_calls import RunningCalls
 from gateway.routing import Router
 from gateway.servicer import ComputeServicer, GatewayServicer
 from gateway.tenants import TenantDirectory

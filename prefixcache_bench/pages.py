@@ -171,7 +171,8 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
                      f"{f' ({errors})' if errors else ''} | {outage} | {fmt(t['wrong'])} |")
     lines += ["", f"{d['clients']} clients, greedy, {d['max_tokens']} tokens per request, no "
                   f"retries (a client waits {fmt(d['backoff_s'])} s after a failure); the outage "
-                  f"runs from the first failure to the last; machine: "
+                  f"runs from the first failure to the last; streams the gateway moved to another "
+                  f"worker mid-answer: {fmt(d.get('resumed_streams', 0))}; machine: "
                   f"{machine_line(d.get('machine'))}; `docs/results/{FAULT_DRILL}`"]
     return lines
 

@@ -117,12 +117,15 @@ class ComputeClient:
 
     def generate(self, prompt: Sequence[int] | str, sampling: pb.SamplingParams | None = None, *,
                  request_id: str = "", adapter: str = "", salt: str | None = None,
-                 timeout_s: float | None = None) -> GenerateStream:
+                 timeout_s: float | None = None,
+                 resume_output: Sequence[int] = ()) -> GenerateStream:
         """Starts a completion of `prompt` (token ids, or text the worker tokenizes).
 
         `salt` sets the tenant metadata, which only a trusted caller (the gateway) may send.
-        Errors are raised when the stream is read."""
+        `resume_output`: output tokens already received from a worker that failed mid-stream
+        (GenerateRequest.resume_output). Errors are raised when the stream is read."""
         req = pb.GenerateRequest(request_id=request_id, adapter=adapter, sampling=sampling)
+        req.resume_output.ids.extend(resume_output)
         if isinstance(prompt, str):
             req.text = prompt
         else:

@@ -17,6 +17,7 @@ failure).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import pathlib
 import random
@@ -67,6 +68,12 @@ class Load:
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
                          for i in range(clients)]
+        self._recent: collections.deque[str] = collections.deque(maxlen=50)  # serving workers
+
+    def busiest_worker(self) -> str:
+        """The worker that served most of the last requests (the one a kill hurts most)."""
+        with self._lock:
+            return collections.Counter(self._recent).most_common(1)[0][0]
 
     def start(self) -> None:
         for t in self._threads:
@@ -85,13 +92,15 @@ class Load:
         while not self._stop.is_set():
             prompt = rng.choice(self.prompts)
             try:
-                tokens = ask(stub, f"drill-{index}-{n}", prompt)
+                tokens, worker = ask(stub, f"drill-{index}-{n}", prompt)
                 wrong, error = tokens != self.expected[prompt], None
             except grpc.RpcError as exc:
                 wrong, error = False, exc.code().name
             phase = self.phase  # when it ended: a fault fails the requests it interrupts
             n += 1
             with self._lock:
+                if error is None:
+                    self._recent.append(worker)
                 tally = self.tallies.setdefault(phase, Tally())
                 tally.sent += 1
                 tally.wrong += wrong
@@ -106,14 +115,17 @@ class Load:
         channel.close()
 
 
-def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str) -> list[int]:
+def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str) -> tuple[list[int], str]:
+    """The answer's tokens and the worker that finished it."""
     req = cpb.GenerateRequest(request_id=request_id, text=prompt, sampling=cpb.SamplingParams(
         max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens: list[int] = []
+    worker = ""
     for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {TOKENS['alice']}"),),
                              timeout=60):
         tokens.extend(msg.token_ids)
-    return tokens
+        worker = msg.stats.worker or worker
+    return tokens, worker
 
 
 def conversation_prompts(conversations: int, turns: int) -> list[str]:
@@ -170,17 +182,19 @@ def _gateway_restart(stack: Stack) -> None:
     stack.restart("gateway")
 
 
-FAULTS: dict[str, tuple[str, Callable[[Stack], None]]] = {
-    "redis-sigstop": ("Redis paused (SIGSTOP) for 3 s", lambda s: _pause(s, "redis", 3.0)),
-    "redis-flushall": ("Redis FLUSHALL", lambda s: _redis(s).flushall()),
-    "redis-garbage": ("every page in Redis overwritten with random bytes", _garbage),
+FAULTS: dict[str, tuple[str, Callable[[Stack, Load], None]]] = {
+    "redis-sigstop": ("Redis paused (SIGSTOP) for 3 s", lambda s, _: _pause(s, "redis", 3.0)),
+    "redis-flushall": ("Redis FLUSHALL", lambda s, _: _redis(s).flushall()),
+    "redis-garbage": ("every page in Redis overwritten with random bytes",
+                      lambda s, _: _garbage(s)),
     "redis-sigkill": ("Redis killed (SIGKILL), back 2 s later, empty",
-                      lambda s: _kill_and_restart(s, "redis", 2.0, grpc_health=False)),
-    "worker-sigkill": ("worker-2 killed (SIGKILL), restarted",
-                       lambda s: _kill_and_restart(s, "worker-2", 0.5)),
+                      lambda s, _: _kill_and_restart(s, "redis", 2.0, grpc_health=False)),
+    "worker-sigkill": ("the busiest worker killed (SIGKILL), restarted",
+                       lambda s, load: _kill_and_restart(s, load.busiest_worker(), 0.5)),
     "cache-sigkill": ("the cache service killed (SIGKILL), restarted",
-                      lambda s: _kill_and_restart(s, "cache_service", 0.5)),
-    "gateway-sigterm": ("the only gateway stopped (SIGTERM: drain), restarted", _gateway_restart),
+                      lambda s, _: _kill_and_restart(s, "cache_service", 0.5)),
+    "gateway-sigterm": ("the only gateway stopped (SIGTERM: drain), restarted",
+                        lambda s, _: _gateway_restart(s)),
 }
 
 
@@ -212,14 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts = conversation_prompts(conversations=6, turns=4)
         with grpc.insecure_channel(gateway) as channel:
             stub = cgrpc.ComputeServiceStub(channel)
-            expected = {p: ask(stub, f"baseline-{i}", p) for i, p in enumerate(prompts)}
+            expected = {p: ask(stub, f"baseline-{i}", p)[0] for i, p in enumerate(prompts)}
         load = Load(gateway, prompts, expected, args.clients)
         load.start()
         time.sleep(args.quiet_s)
         for name in names:
             print(f"fault: {FAULTS[name][0]}", flush=True)
             load.phase = name
-            FAULTS[name][1](stack)
+            FAULTS[name][1](stack, load)
             time.sleep(args.quiet_s)
         load.stop()
     except RuntimeError as exc:
@@ -229,17 +243,20 @@ def main(argv: list[str] | None = None) -> int:
         if load is not None:
             load.stop()
         codes = stack.stop()
+    # Streams the gateway moved to another worker mid-answer (design.md §6, "Resuming a stream").
+    resumed = stack.get("gateway").log_path.read_text().count("event=generate_resumed")
     rows = [[phase, FAULTS[phase][0] if phase in FAULTS else "no fault", t.sent, t.failed,
              t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-"]
             for phase, t in load.tallies.items()]
     print()
     print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
                          "errors"], rows))
+    print(f"streams the gateway moved to another worker mid-answer: {resumed}")
     if args.json:
         write_json(args.json, {
             "command": " ".join(["python -m stack.fault_drill", *argv]),
             "machine": machine_info(), "clients": args.clients, "max_tokens": MAX_TOKENS,
-            "backoff_s": BACKOFF_S,
+            "backoff_s": BACKOFF_S, "resumed_streams": resumed,
             "phases": {phase: {"fault": row[1], "requests": t.sent, "failed": t.failed,
                                "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors}
                        for (phase, t), row in zip(load.tallies.items(), rows)},

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -178,14 +178,21 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, prompt: list[int], sampling: SamplingParams, sink: Callable[[Output], None],
-               request_id: str = "", adapter: str = "", salt: str = "") -> Request:
-        """Queues a request; raises ValueError naming the bad field."""
+               request_id: str = "", adapter: str = "", salt: str = "",
+               resume_output: Sequence[int] = ()) -> Request:
+        """Queues a request; raises ValueError naming the bad field. `resume_output`: output
+        tokens the caller already has (another worker streamed them, then failed): the request
+        goes on after them, as a preempted one does, and streams only what follows."""
         if not prompt:
             raise ValueError("prompt: must not be empty")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt.token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for field, ids in (("prompt.token_ids", prompt), ("resume_output.ids", resume_output)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{field}: {bad} is outside the vocabulary [0, {self.vocab_size})")
         sampling.validate(self.vocab_size)
+        if len(resume_output) >= sampling.max_tokens:
+            raise ValueError(f"resume_output: {len(resume_output)} tokens already reach "
+                             f"max_tokens {sampling.max_tokens}")
         if adapter and adapter not in self.adapter_names():
             raise LookupError(f"adapter: '{adapter}' is not loaded on this worker")
         if len(salt.encode()) > 256:
@@ -196,6 +203,9 @@ class Engine:
                              f"this worker's context of {limit} tokens")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), sampling, sink,
                       adapter=adapter, salt=salt)
+        for i in range(len(resume_output)):  # the text stream where the other worker left it
+            req.output.append(resume_output[i])
+            req.text.next(self.tokenizer, req.output)
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
         req.stats = RequestStats(req.id, self.cfg.pool_id, len(prompt))

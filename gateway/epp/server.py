@@ -14,7 +14,8 @@ import prometheus_client
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from gateway.epp.protocol import EXT_PROC_SERVICE
 from gateway.epp.servicer import EndpointPicker, EppMetrics
-from gateway.proxy import GenerateProxy, RunningCalls
+from gateway.proxy import GenerateProxy
+from gateway.running_calls import RunningCalls
 from gateway.routing import Router
 from service_shell import (HealthProbes, TlsConfig, bind, enable_reflection, new_server,
                            server_options)

@@ -41,7 +41,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from gateway.epp import protocol as wire
 from gateway.epp.protocol import Refusal
 from gateway.policies import RouteRequest
-from gateway.proxy import GenerateProxy, ProxyError, RunningCalls
+from gateway.proxy import GenerateProxy, ProxyError
+from gateway.running_calls import RunningCalls
 from gateway.routing import Router
 from gateway.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from service_shell import SALT_METADATA_KEY, kv

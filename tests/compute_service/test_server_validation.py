@@ -28,6 +28,10 @@ def _request(prompt_ids: list[int] | str | None = (1, 2, 3), **fields) -> pb.Gen
 @pytest.mark.parametrize("req, metadata, code, field", [
     pytest.param(_request([1, VOCAB]), (), INVALID, "prompt.token_ids", id="token-too-big"),
     pytest.param(_request([1, -1]), (), INVALID, "prompt.token_ids", id="token-negative"),
+    pytest.param(_request(resume_output=pb.TokenIds(ids=[1, VOCAB])), (), INVALID,
+                 "resume_output.ids", id="resumed-token-too-big"),
+    pytest.param(_request(sampling=greedy(2), resume_output=pb.TokenIds(ids=[1, 2])), (),
+                 INVALID, "resume_output", id="resumed-output-reaches-max-tokens"),
     pytest.param(_request(None), (), INVALID, "prompt", id="no-prompt"),
     pytest.param(_request([]), (), INVALID, "prompt", id="empty-token-ids"),
     pytest.param(_request(""), (), INVALID, "prompt", id="empty-text"),

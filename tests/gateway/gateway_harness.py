@@ -97,7 +97,8 @@ class FakeWorker(pb_grpc.ComputeServiceServicer):
         self.seen.append(seen)
         if self.fail == "before":
             context.abort(self.fail_code, "fake worker is down")
-        for i in range(self.tokens):
+        # A resumed request goes on after the tokens it is given, as a real worker does.
+        for i in range(len(request.resume_output.ids), self.tokens):
             if i and self.delay_s:
                 time.sleep(self.delay_s)
             if not context.is_active():

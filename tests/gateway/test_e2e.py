@@ -1,7 +1,8 @@
 """End to end: `python -m gateway` in front of two real tiny-hybrid workers sharing one real cache
 service (two pools). Prefix affinity with real cache hits, tenant isolation, text prompts
-tokenized as the workers would, a worker killed before the first token (retried on the other)
-and one killed mid-stream (a clear UNAVAILABLE naming it), and a gateway free of torch."""
+tokenized as the workers would, a worker killed before the first token (retried on the other),
+one killed mid-stream (the other goes on with the same output; with no other left, a clear
+UNAVAILABLE naming it), and a gateway free of torch."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,6 +65,27 @@ def test_gateway_process_never_loads_torch(live_stacks):
     stack = live_stacks.get()
     maps = Path(f"/proc/{stack.gateway.pid}/maps").read_text()
     assert "python" in maps and "torch" not in maps
+
+
+def test_a_stream_whose_worker_is_killed_goes_on_elsewhere_with_the_same_output(live_stacks):
+    """SIGKILL of the worker while it streams a greedy answer: the gateway hands the request,
+    with the tokens already streamed, to the other worker, and the caller gets the answer a
+    worker gives alone, token for token and character for character."""
+    stack = live_stacks.get()
+    tokens, n = prompt(6, 32), 300
+    alone = generate(stack, tokens, max_tokens=n)
+    victim = alone[-1].stats.worker
+    survivor = next(w for w in stack.workers if w != victim)
+    wait_until(lambda: holder(stack, tokens)[0] == victim, what="index holds the prompt")
+    stream = stack.caller.compute.Generate(request(tokens, max_tokens=n), timeout=60,
+                                           metadata=stack.caller.meta())
+    msgs = [next(stream)]
+    stack.kill(victim)
+    msgs += list(stream)
+    assert [t for m in msgs for t in m.token_ids] == [t for m in alone for t in m.token_ids]
+    assert "".join(m.text for m in msgs) == "".join(m.text for m in alone)
+    assert msgs[-1].stats.worker == survivor and msgs[-1].stats.output_tokens == n
+    assert stack.metric("prefixcache_gateway_resumes_total", worker=victim) == 1
 
 
 def test_killed_workers_retry_before_the_first_token_and_fail_clearly_after(live_stacks):

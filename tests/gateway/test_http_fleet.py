@@ -154,12 +154,15 @@ def test_every_worker_shedding_load_or_down(http_fleet, workers, code, status):
 
 
 def test_a_failure_mid_stream_is_an_error_event_or_a_503(http_fleet, workers):
-    _, _, _, base = http_fleet
+    """Both workers fail mid-stream: the stream moves once (the second worker goes on after
+    the first's token) and then fails, as an error event or a 503."""
+    gw, _, _, base = http_fleet
     for w in workers.values():
         w.fail = "mid"
     evts = stream(base, "/v1/completions", {"prompt": P})
-    assert evts[0]["choices"][0]["text"] == "A"
+    assert "".join(e["choices"][0]["text"] for e in evts[:2]) == "AB"
     assert "mid-stream" in evts[-2]["error"]["message"] and evts[-1] == "[DONE]"
+    wait_until(lambda: all(gw.router.get(n).up for n in workers), what="both workers up")
     r = post(base, "/v1/completions", {"prompt": P})
     assert r.status_code == 503 and "mid-stream" in r.json()["error"]["message"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from prefixcache.v1 import compute_service_pb2 as pb
-from tests.gateway.gateway_harness import wait_until
+from tests.gateway.gateway_harness import request, wait_until
 from tests.gateway.server_helpers import cached_on, list_workers, prompt, rpc_error, sample
 
 
@@ -98,13 +98,37 @@ def test_worker_failing_before_the_first_token_is_retried_on_the_next(fleet):
     wait_until(lambda: gw.router.get("w1").up and gw.router.get("w2").up, what="both up")
 
 
-def test_worker_failing_mid_stream_is_a_clear_error(fleet):
+def test_a_stream_whose_worker_fails_mid_stream_goes_on_elsewhere(fleet):
+    """w2 dies after one token: w1 is given that token and sends the rest; one stream."""
     gw, _, workers, caller = fleet
     tokens = prompt(10)
     cached_on(fleet, "w2", tokens)
     workers["w2"].fail = "mid"
     try:
-        stream = caller.stream(tokens)
+        msgs = caller.generate(tokens)
+    finally:
+        workers["w2"].fail = ""
+    assert [t for m in msgs for t in m.token_ids] == [65, 66, 67]
+    assert msgs[-1].stats.worker == "w1"
+    assert list(workers["w1"].seen[-1].request.resume_output.ids) == [65]
+    assert list(workers["w1"].seen[-1].request.token_ids.ids) == tokens
+    assert sample(gw, "prefixcache_gateway_resumes_total", worker="w2") == 1
+    assert sample(gw, "prefixcache_gateway_requests_total", worker="w2",
+                  outcome="failed_mid_stream") == 0
+    wait_until(lambda: gw.router.get("w2").up, what="w2 up again")
+
+
+def test_a_seeded_stream_whose_worker_fails_mid_stream_is_a_clear_error(fleet):
+    """Another worker's draws would not be the seed's: the caller is told instead."""
+    gw, _, workers, caller = fleet
+    tokens = prompt(11)
+    cached_on(fleet, "w2", tokens)
+    workers["w2"].fail = "mid"
+    req = request(tokens)
+    req.sampling.seed = 7
+    seen_by_w1 = len(workers["w1"].seen)
+    try:
+        stream = caller.compute.Generate(req, timeout=10, metadata=caller.meta("tok-a"))
         assert next(stream).token_ids == [65]
         err = rpc_error(lambda: list(stream))
     finally:
@@ -113,4 +137,5 @@ def test_worker_failing_mid_stream_is_a_clear_error(fleet):
     assert "worker w2" in err.details() and "mid-stream" in err.details()
     assert sample(gw, "prefixcache_gateway_requests_total", worker="w2",
                   outcome="failed_mid_stream") == 1
+    assert len(workers["w1"].seen) == seen_by_w1  # nobody was asked to go on with it
     wait_until(lambda: gw.router.get("w2").up, what="w2 up again")

@@ -9,6 +9,7 @@ import torch
 
 from cache_service.core import CacheCore
 from compute_service.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from compute_service.engine.detokenize import TextStream
 from compute_service.engine.sampling import sample
 from compute_service.model import ByteTokenizer, build_preset
 from prefixcache.v1 import cache_service_pb2 as pb
@@ -203,3 +204,26 @@ def test_background_loop_serves_submissions_from_other_threads():
         assert outs[-1].stats.output_tokens == 4
     finally:
         eng.stop()
+
+
+def test_a_resumed_request_goes_on_after_the_output_it_is_given():
+    """The output another worker streamed before it failed: this one computes it as context,
+    streams only what follows (tokens and text), and counts it all as the request's output."""
+    eng = make()
+    whole, outs = generate(eng, max_tokens=12, ignore_eos=True)
+    text = "".join(o.text for o in outs)
+    got: list = []
+    eng.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), got.append,
+               resume_output=whole[:5])
+    eng.run_until_idle()
+    assert [t for o in got for t in o.token_ids] == whole[5:]
+    # What the first worker had streamed of its five tokens' text (an incomplete character is
+    # held back), then this worker's text: together the whole text, nothing twice or missing.
+    stream, tok = TextStream(), ByteTokenizer()
+    before = "".join(stream.next(tok, whole[:i + 1]) for i in range(5))
+    assert before + "".join(o.text for o in got) == text
+    assert got[-1].stats.output_tokens == 12 and got[-1].stats.prompt_tokens == len(PROMPT)
+    with pytest.raises(ValueError, match="resume_output: 12 tokens already reach max_tokens 12"):
+        eng.submit(PROMPT, SamplingParams(max_tokens=12), got.append, resume_output=whole)
+    with pytest.raises(ValueError, match="resume_output.ids: 999 is outside the vocabulary"):
+        eng.submit(PROMPT, SamplingParams(max_tokens=12), got.append, resume_output=[999])
