@@ -121,9 +121,12 @@ class CacheAccess:
         if rpc == "RegisterPool":
             if owner is not None and owner != identity.name:
                 raise _denied(f"pool_id: pool '{pool_id}' belongs to identity '{owner}'")
+        elif owner is None:
+            raise _denied(f"pool_id: no worker registered pool '{pool_id}' with this cache "
+                          "service (a restarted cache service knows no pool until its worker "
+                          "registers it again)")
         elif owner != identity.name:
-            whose = f"identity '{owner}'" if owner else "no worker (register it first)"
-            raise _denied(f"pool_id: pool '{pool_id}' belongs to {whose}, not to "
+            raise _denied(f"pool_id: pool '{pool_id}' belongs to identity '{owner}', not to "
                           f"'{identity.name}'")
 
     def _check_limits(self, rpc: str, request) -> None:
