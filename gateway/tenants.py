@@ -10,13 +10,13 @@ forwarded (the gateway sets that header itself), and GenerateRequest has no salt
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache_client.hash import MAX_NAME_BYTES
+from service_shell.auth import token_digest
 
 AUTH_METADATA_KEY = "authorization"
 ANONYMOUS = "anonymous"
@@ -33,18 +33,12 @@ class Tenant:
     salt: str
 
 
-def _digest(token: str) -> bytes:
-    # Tokens are looked up by digest: no plaintext secret kept in memory, and a dict probe on a
-    # fixed-length digest leaks nothing useful through timing.
-    return hashlib.sha256(token.encode()).digest()
-
-
 class TenantDirectory:
     """Bearer token -> tenant. `allow_anonymous`: requests without a token are the tenant
     "anonymous" with salt "" (the namespace of unsalted requests to a worker)."""
 
     def __init__(self, tokens: dict[str, Tenant], allow_anonymous: bool = False) -> None:
-        self._tenants = {_digest(t): tenant for t, tenant in tokens.items()}
+        self._tenants = {token_digest(t): tenant for t, tenant in tokens.items()}
         self.allow_anonymous = allow_anonymous
 
     def __len__(self) -> int:
@@ -89,7 +83,7 @@ class TenantDirectory:
         value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
         if not value.lower().startswith(_BEARER) or not value[len(_BEARER):].strip():
             raise AuthError(f"{AUTH_METADATA_KEY}: expected 'Bearer TOKEN'")
-        tenant = self._tenants.get(_digest(value[len(_BEARER):].strip()))
+        tenant = self._tenants.get(token_digest(value[len(_BEARER):].strip()))
         if tenant is None:
             raise AuthError(f"{AUTH_METADATA_KEY}: unknown bearer token")
         return tenant

@@ -5,12 +5,13 @@ may use only its own pool; the operator token is for the person at the keyboard 
 examples/), printed by --keep-running."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import secrets
 from dataclasses import dataclass
+
+from service_shell.auth import token_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ def write_credentials(run_dir: pathlib.Path, workers: list[str]) -> StackCredent
             f.write(token + "\n")
         tokens[name] = path
         entry = {"name": name, "role": role,
-                 "token_sha256": hashlib.sha256(token.encode()).hexdigest()}
+                 "token_sha256": token_digest(token).hex()}
         if role == "worker":
             entry["pools"] = [name]
         entries.append(entry)
