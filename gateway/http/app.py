@@ -34,16 +34,16 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from gateway.core.proxy import GenerateProxy, ProxyError
+from gateway.core.request_checks import check_request, check_text_size
+from gateway.core.router import Router
+from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from gateway.http import errors, schemas
 from gateway.http.body_limit import BodyLimit
 from gateway.http.errors import ApiError, bad_request, from_proxy
 from gateway.http.generation import ClientGone, Generation, Job
 from gateway.http.models import ModelCatalog
 from gateway.http.streaming import sse_events
-from gateway.proxy import GenerateProxy, ProxyError
-from gateway.request_checks import check_request, check_text_size
-from gateway.routing import Router
-from gateway.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.tokenizer import NoChatTemplate
 
@@ -199,7 +199,7 @@ def _sampling(body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
 def _chat_ids(proxy: GenerateProxy,
               body: schemas.ChatCompletionRequest) -> tuple[list[int], str]:
     """The prompt ids of a chat, rendered with the chat template of the tokenizer the workers
-    use (gateway/tokenize.py's `chat_prompt_ids`), and that tokenizer's fingerprint (only
+    use (gateway/core/tokenize.py's `chat_prompt_ids`), and that tokenizer's fingerprint (only
     workers with it may run these ids). 400 naming `messages` when the model has no template
     or the template fails on these messages; 503 while the gateway knows no tokenizer yet."""
     tokenizer = proxy.tokenizer
