@@ -2,9 +2,9 @@
 stream to the chosen worker (gateway/grpc_api/servicer.py's docstring is the contract).
 
 The routing and proxying core (`GenerateProxy.open` -> `ProxiedStream`) takes a request and an
-authenticated tenant and needs no grpc.ServicerContext: the gRPC servicer methods below and the
-OpenAI-compatible HTTP app (gateway/http/) are two front ends of the same calls, so retries,
-cancellation, load accounting and the drain behave alike on both. Refusals and failures are
+authenticated tenant and needs no grpc.ServicerContext: the gRPC servicers (gateway/grpc_api/)
+and the OpenAI-compatible HTTP app (gateway/http/) are two front ends of the same calls, so
+retries, cancellation, load accounting and the drain behave alike on both. Refusals and failures are
 `ProxyError`s carrying the gRPC status each front end translates."""
 from __future__ import annotations
 
