@@ -108,7 +108,7 @@ class ServerConfig:
     @property
     def max_workers(self) -> int:
         # + 32 for the health Watch streams gateways hold (one thread each, for the worker's
-        # life: gateway/workers.py learns of a drain through them).
+        # life: gateway/core/workers.py learns of a drain through them).
         return self.max_streams + 16 + 32
 
 

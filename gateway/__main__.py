@@ -25,12 +25,12 @@ import logging
 import os
 import sys
 
-from gateway.discovery import DnsWorkers, parse_static, static_workers
-from gateway.policies import POLICY_NAMES
-from gateway.server import GatewayConfig, GatewayServer
-from gateway.tenants import TenantDirectory
-from gateway.tokenize import AUTO
-from gateway.workers import WorkerSettings
+from gateway.assembly import GatewayConfig, GatewayServer
+from gateway.core.discovery import DnsWorkers, parse_static, static_workers
+from gateway.core.policies import POLICY_NAMES
+from gateway.core.tenants import TenantDirectory
+from gateway.core.tokenize import AUTO
+from gateway.core.workers import WorkerSettings
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
                            finite_float, tls_from_args)

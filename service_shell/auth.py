@@ -1,7 +1,7 @@
 """Service-to-service authentication and per-RPC authorization (design.md §8, "Service
 identities").
 
-The gateway authenticates tenants (gateway/tenants.py); this module authenticates the services
+The gateway authenticates tenants (gateway/core/tenants.py); this module authenticates the services
 behind it. A server started with a service-identities file (--service-identities-file,
 PREFIXCACHE_SERVICE_IDENTITIES_FILE, a mounted Secret in Kubernetes) refuses every call of its
 service from a caller that is not in the file (UNAUTHENTICATED), and every call whose RPC the
@@ -218,7 +218,7 @@ def _parse_entry(entry: object, at: str) -> tuple[Identity, list[bytes], list[st
 
 def _lookup(tokens: Mapping[bytes, Identity], digest: bytes) -> Identity | None:
     # A dict probe on a fixed-length digest of the secret leaks nothing useful through timing
-    # (as with tenant tokens, gateway/tenants.py).
+    # (as with tenant tokens, gateway/core/tenants.py).
     return tokens.get(digest)
 
 

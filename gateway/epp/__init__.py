@@ -1,4 +1,5 @@
-"""The gateway as an Endpoint Picker (EPP) of the Gateway API Inference Extension (design.md §6):
-Envoy's ext_proc gRPC protocol on `--epp-port`, picking workers with the gateway's own router,
-policy and index. protocol.py: the wire (headers, bodies, the answers the EPP protocol defines);
+"""The gateway's Envoy front end: an Endpoint Picker (EPP) of the Gateway API Inference Extension
+(design.md §6). It exposes Envoy's ext_proc gRPC protocol (ExternalProcessor) and its health on
+`--epp-port`: Envoy asks which worker a request goes to and gets the choice of the routing core
+(gateway/core/: the same tenants, router, policy and index); Envoy then proxies the request. protocol.py: the wire (headers, bodies, the answers the EPP protocol defines);
 servicer.py: one ext_proc stream per HTTP request; server.py: its port, health and drain."""

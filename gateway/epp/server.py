@@ -12,11 +12,11 @@ import threading
 import prometheus_client
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from gateway.core.proxy import GenerateProxy
+from gateway.core.router import Router
+from gateway.core.running_calls import RunningCalls
 from gateway.epp.protocol import EXT_PROC_SERVICE
 from gateway.epp.servicer import EndpointPicker, EppMetrics
-from gateway.proxy import GenerateProxy
-from gateway.running_calls import RunningCalls
-from gateway.routing import Router
 from service_shell import (HealthProbes, TlsConfig, bind, enable_reflection, new_server,
                            server_options)
 

@@ -38,13 +38,13 @@ import prometheus_client
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from gateway.core.policies import RouteRequest
+from gateway.core.proxy import GenerateProxy, ProxyError
+from gateway.core.router import Router
+from gateway.core.running_calls import RunningCalls
+from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from gateway.epp import protocol as wire
 from gateway.epp.protocol import Refusal
-from gateway.policies import RouteRequest
-from gateway.proxy import GenerateProxy, ProxyError
-from gateway.running_calls import RunningCalls
-from gateway.routing import Router
-from gateway.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from service_shell import SALT_METADATA_KEY, kv
 from service_shell.auth import SERVICE_TOKEN_METADATA_KEY
 

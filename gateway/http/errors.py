@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.proxy import ProxyError
+from gateway.core.proxy import ProxyError
 from service_shell import kv
 
 log = logging.getLogger("gateway.http")

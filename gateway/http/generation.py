@@ -25,10 +25,10 @@ from typing import Any
 import anyio
 from anyio import to_thread
 
+from gateway.core.proxy import GenerateProxy, ProxiedStream
+from gateway.core.tenants import Tenant
 from gateway.http.schemas import FINISH_REASONS
 from gateway.http.streaming import StopMatcher
-from gateway.proxy import GenerateProxy, ProxiedStream
-from gateway.tenants import Tenant
 from prefixcache.v1 import compute_service_pb2 as pb
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import anyio
 from anyio import to_thread
 
+from gateway.core.router import Router
+from gateway.core.workers import Fleet
 from gateway.http.errors import ApiError
-from gateway.routing import Router
-from gateway.workers import Fleet
 from prefixcache_client.compute import ComputeClientError
 
 

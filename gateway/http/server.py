@@ -3,7 +3,7 @@
 Why in process and not a second server: the HTTP API is a front end of the same routing state
 (the index, the load, the running calls), which lives in this process.
 
-Lifecycle, tied to the gateway's (gateway/server.py):
+Lifecycle, tied to the gateway's (gateway/assembly.py):
 - `start()` binds the port itself (so port 0 picks a free one and a port in use fails the
   gateway's start, before anything is served), then runs uvicorn on a thread and waits until
   it serves. uvicorn installs no signal handlers off the main thread: SIGTERM stays the

@@ -26,9 +26,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from gateway.core.proxy import ProxyError
 from gateway.http import schemas
 from gateway.http.errors import ApiError, from_proxy
-from gateway.proxy import ProxyError
 from service_shell import kv
 
 log = logging.getLogger("gateway.http")

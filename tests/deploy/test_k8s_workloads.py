@@ -236,7 +236,7 @@ def test_gateway_discovers_workers_through_the_headless_service(docs):
 
 
 def test_no_pod_talks_to_the_api_server(docs):
-    """Discovery is DNS only (gateway/discovery.py): no Role or binding grants anything, and no
+    """Discovery is DNS only (gateway/core/discovery.py): no Role or binding grants anything, and no
     pod or service account mounts an API token."""
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRole",
                                                  "ClusterRoleBinding")]

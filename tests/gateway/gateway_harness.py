@@ -13,10 +13,10 @@ import grpc
 import prometheus_client
 
 from cache_service.core import CacheCore
-from gateway.discovery import WorkerAddress
-from gateway.server import GatewayConfig, GatewayServer
-from gateway.tenants import Tenant, TenantDirectory
-from gateway.workers import WorkerSettings
+from gateway.assembly import GatewayConfig, GatewayServer
+from gateway.core.discovery import WorkerAddress
+from gateway.core.tenants import Tenant, TenantDirectory
+from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import common_pb2
 from prefixcache.v1 import compute_service_pb2 as pb

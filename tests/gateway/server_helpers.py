@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from gateway.discovery import WorkerAddress
+from gateway.core.discovery import WorkerAddress
 from prefixcache.v1 import gateway_pb2 as gpb
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (Caller, FakeWorker, cache_prompt, register_pool,

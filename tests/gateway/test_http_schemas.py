@@ -9,10 +9,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from gateway.core.proxy import ProxyError
 from gateway.http import errors
 from gateway.http.errors import from_proxy
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.proxy import ProxyError
 
 
 @pytest.mark.parametrize("prompt,prompts", [

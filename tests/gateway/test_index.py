@@ -5,8 +5,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.index import ApplyStatus, IndexConfig, KvIndex, PrefixMatch
-from gateway.routed import RoutedPrefixes
+from gateway.core.index import ApplyStatus, IndexConfig, KvIndex, PrefixMatch
+from gateway.core.routed_prefixes import RoutedPrefixes
 from tests.gateway.helpers import (DEVICE, HOST, REMOTE, FakeClock, batch, cleared, heartbeat, page, pages,
                                    removed, stored)
 

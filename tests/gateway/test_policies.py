@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from gateway.index import IndexConfig, KvIndex
-from gateway.policies import (POLICY_NAMES, AffinityConfig, AffinityPolicy, ApproxPolicy, LeastLoadedPolicy,
-                              LoadTracker, RoundRobinPolicy, RouteRequest, SglangConfig, SglangPolicy,
-                              make_policy)
+from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.policies import (POLICY_NAMES, AffinityConfig, AffinityPolicy, ApproxPolicy,
+                                   LeastLoadedPolicy, LoadTracker, RoundRobinPolicy, RouteRequest,
+                                   SglangConfig, SglangPolicy, make_policy)
 from prefixcache.v1 import common_pb2
 from prefixcache_client.hash import prompt_hashes
 from tests.gateway.helpers import HOST, FakeClock, batch, heartbeat, pages, stored

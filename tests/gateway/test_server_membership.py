@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from gateway.discovery import WorkerAddress
+from gateway.core.discovery import WorkerAddress
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from service_shell import new_server

@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.discovery import DnsWorkers, WorkerAddress, parse_static
-from gateway.metrics import GatewayMetrics
-from gateway.tenants import Tenant, TenantDirectory
-from gateway.tokenize import (AUTO, BYTE, GatewayTokenizer, TokenizerUnavailable,
+from gateway.core.discovery import DnsWorkers, WorkerAddress, parse_static
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.tenants import Tenant, TenantDirectory
+from gateway.core.tokenize import (AUTO, BYTE, GatewayTokenizer, TokenizerUnavailable,
                               prompt_fingerprint, prompt_ids)
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.tokenizer import NoChatTemplate
@@ -26,7 +26,7 @@ BPE = Path(__file__).resolve().parents[1] / "data" / "bpe_tokenizer"
 # ---- torch-free, and tokenizers that agree with the workers' --------------------------------
 
 def test_gateway_never_imports_torch():
-    code = ("import sys, gateway.server, gateway.__main__, gateway.replay; "
+    code = ("import sys, gateway.assembly, gateway.__main__, gateway.replay; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 

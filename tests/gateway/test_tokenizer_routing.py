@@ -10,7 +10,7 @@ import logging
 import grpc
 import pytest
 
-from gateway.discovery import WorkerAddress
+from gateway.core.discovery import WorkerAddress
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
 from prefixcache_client.tokenizer import ByteTokenizer, from_files

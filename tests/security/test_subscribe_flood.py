@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from gateway.discovery import WorkerAddress
+from gateway.core.discovery import WorkerAddress
 from prefixcache.v1 import cache_service_pb2 as pb
 from tests.gateway.gateway_harness import Caller, FakeWorker, running_gateway, settings, wait_until
 from tests.gateway.server_helpers import list_workers

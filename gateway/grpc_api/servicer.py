@@ -1,27 +1,44 @@
 """The gateway's gRPC front end: prefixcache.v1.ComputeService (the workers' API, routed) and
-GatewayService (RoutePreview, ListWorkers), thin adapters over `gateway.proxy.GenerateProxy`
-(see gateway/server.py's docstring for the contract). Everything here translates between a
-grpc.ServicerContext and the core: metadata -> tenant, the client's deadline -> the call's
-timeout, the client leaving -> cancel, `ProxyError` -> the call's status."""
+GatewayService (RoutePreview, ListWorkers), thin adapters over `gateway.core.proxy.GenerateProxy`.
+Everything here translates between a grpc.ServicerContext and the core: metadata -> tenant, the
+client's deadline -> the call's timeout, the client leaving -> cancel, `ProxyError` -> the call's
+status. `register` adds both services, and reflection, to the gateway's gRPC server.
+
+Generate: authenticate the caller (core/tenants.py), tokenize a text prompt as the worker would
+(core/tokenize.py), hash the prompt's pages in the request's namespace (model id, adapter, tenant
+salt), let the policy pick a worker, and proxy the stream with the token ids and the tenant's
+salt as `x-prefixcache-salt` metadata. Salt metadata sent by the client is never forwarded. The
+client's deadline becomes the worker call's; a client that leaves cancels the worker call, which
+aborts the request there. A worker that fails before the first token (UNAVAILABLE: refused,
+dead, draining) is retried once on the next best one; after the first token the client gets
+UNAVAILABLE naming the worker, never a silently truncated stream.
+
+Status codes: UNAUTHENTICATED names the `authorization` header; INVALID_ARGUMENT names the field
+(`prompt`, `request_id`); ALREADY_EXISTS: the tenant already runs `request_id`; UNAVAILABLE: no
+worker can take the request, the gateway is draining, or the worker failed; the workers' own
+codes (INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND, ...) pass through unchanged.
+"""
 from __future__ import annotations
 
 import logging
 
 import grpc
 
-from gateway.proxy import GenerateProxy, ProxyError
-from gateway.request_checks import check_request
-from gateway.routing import Router
-from gateway.tenants import AuthError, Tenant
-from gateway.tokenize import TokenizerUnavailable
+from gateway.core.proxy import GenerateProxy, ProxyError
+from gateway.core.request_checks import check_request
+from gateway.core.router import Router
+from gateway.core.tenants import AuthError, Tenant
+from gateway.core.tokenize import TokenizerUnavailable
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import gateway_pb2 as gpb
 from prefixcache.v1 import gateway_pb2_grpc as gpb_grpc
-from service_shell import SALT_METADATA_KEY, kv
+from service_shell import SALT_METADATA_KEY, enable_reflection, kv
 
 log = logging.getLogger("gateway.servicer")
 
+COMPUTE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
+GATEWAY_SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["GatewayService"].full_name
 # gRPC reports "no deadline" as ~2^63 s.
 _NO_DEADLINE_S = 1e9
 
@@ -82,7 +99,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
 
     def GetTokenizer(self, request: pb.GetTokenizerRequest,
                      context: grpc.ServicerContext) -> pb.GetTokenizerResponse:
-        """The gateway's tokenizer, as a worker answers it (gateway/tokenize.py); a tenant's
+        """The gateway's tokenizer, as a worker answers it (gateway/core/tokenize.py); a tenant's
         call, like GetModelInfo."""
         authenticate(self._proxy, context)
         try:
@@ -127,3 +144,14 @@ class GatewayServicer(gpb_grpc.GatewayServiceServicer):
                     context: grpc.ServicerContext) -> gpb.ListWorkersResponse:
         authenticate(self._proxy, context)
         return self._router.list_workers()
+
+
+def register(server: grpc.Server, proxy: GenerateProxy, router: Router,
+             default_timeout_s: float) -> None:
+    """ComputeService and GatewayService over `proxy` and `router` on `server`, and reflection
+    listing both."""
+    pb_grpc.add_ComputeServiceServicer_to_server(ComputeServicer(proxy, default_timeout_s), server)
+    gpb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(proxy, router), server)
+    # The shell's reflection names one service; this registration (the later one wins)
+    # lists both. TODO(service_shell): take several service names.
+    enable_reflection(server, COMPUTE_SERVICE_NAME, GATEWAY_SERVICE_NAME)

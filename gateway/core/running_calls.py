@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from gateway.routing import Worker
-from gateway.tenants import Tenant
+from gateway.core.router import Worker
+from gateway.core.tenants import Tenant
 from prefixcache_client.compute import GenerateStream
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from gateway.index import bit_positions
+from gateway.core.index import bit_positions
 
 
 class RoutedPrefixes:

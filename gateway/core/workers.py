@@ -6,7 +6,7 @@ Per address, one thread (`WorkerHandle._run`):
 2. admit: its model id and page size must be the fleet's (`Fleet`), else it is refused with a
    logged reason and asked again later (the address may get another worker); its tokenizer is
    compared with the gateway's, which the first worker with one gives a gateway started with
-   `--tokenizer auto` (gateway/tokenize.py): a worker with another tokenizer is admitted for
+   `--tokenizer auto` (gateway/core/tokenize.py): a worker with another tokenizer is admitted for
    token-id prompts only;
 3. follow: a second thread feeds its cache service's event stream for its pool into the router,
    resubscribing from where the index says when it reports a gap or a new epoch; this thread
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.discovery import WorkerAddress
-from gateway.index import ApplyStatus
-from gateway.routing import Router, Worker, log_resync
-from gateway.tokenize import GatewayTokenizer
+from gateway.core.discovery import WorkerAddress
+from gateway.core.index import ApplyStatus
+from gateway.core.router import Router, Worker, log_resync
+from gateway.core.tokenize import GatewayTokenizer
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.cache import Backoff, CacheClient, CacheClientError
 from prefixcache_client.compute import ComputeClient, ComputeClientError

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from gateway.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
-from gateway.metrics import MEDIA, GatewayMetrics
-from gateway.policies import LoadTracker, Policy, RouteDecision, RouteRequest
+from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
+from gateway.core.metrics import MEDIA, GatewayMetrics
+from gateway.core.policies import LoadTracker, Policy, RouteDecision, RouteRequest
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
@@ -145,7 +145,7 @@ class Router:
     def _candidates(self, exclude: Collection[str],
                     tokenizer_fingerprint: str = "") -> tuple[list[str], bool]:
         """Workers the request may go to: not excluded, and with the tokenizer its ids came
-        from when it names one (gateway/tokenize.py)."""
+        from when it names one (gateway/core/tokenize.py)."""
         now = self._clock()
         usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
             not tokenizer_fingerprint or w.info.tokenizer_fingerprint == tokenizer_fingerprint)]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gateway.index import KvIndex
-    from gateway.policies.load import LoadTracker
+    from gateway.core.index import KvIndex
+    from gateway.core.policies.load import LoadTracker
 
 @dataclass(slots=True)
 class RouteRequest:

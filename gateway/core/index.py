@@ -21,7 +21,7 @@ first, REMOTE before HOST before DEVICE (the cheapest hits to lose first), in ba
 `evict_fraction` so that eviction is amortised O(1). An evicted key only turns a hit into a miss
 for routing; the worker still has the page.
 
-`gateway.routed.RoutedPrefixes` is the event-less variant: what the gateway itself routed where.
+`routed_prefixes.RoutedPrefixes` is the event-less variant: what the gateway itself routed where.
 """
 from __future__ import annotations
 

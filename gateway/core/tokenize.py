@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from gateway.metrics import GatewayMetrics
+from gateway.core.metrics import GatewayMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.compute import ComputeClient, ComputeClientError
 from prefixcache_client.tokenizer import (ByteTokenizer, Tokenizer, TokenizerError,
@@ -118,7 +118,7 @@ class GatewayTokenizer:
         if tok is not None and tok.adds_bos and tok.bos_token_id is not None:
             info.bos_token_id = tok.bos_token_id
 
-    # ----- workers (gateway.workers) -----------------------------------------------------------
+    # ----- workers (gateway.core.workers) ------------------------------------------------------
 
     def worker_joined(self, name: str, info: pb.GetModelInfoResponse,
                       client: ComputeClient) -> None:
@@ -206,7 +206,7 @@ class GatewayTokenizer:
         self._metrics.tokenizer_mismatched_workers.set(n)
 
 
-# The name gateway.proxy types its tokenizer with.
+# The name gateway.core.proxy types its tokenizer with.
 PromptTokenizer = GatewayTokenizer
 
 

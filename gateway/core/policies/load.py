@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gateway.policies.base import WorkerLoad
+from gateway.core.policies.base import WorkerLoad
 from prefixcache.v1 import common_pb2
 
 # Half-life of LoadTracker.recent_prefill_tokens: long enough that a relative load is an estimate

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.index import KvIndex
-from gateway.routed import RoutedPrefixes
-from gateway.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
-from gateway.policies.load import LoadTracker
+from gateway.core.index import KvIndex
+from gateway.core.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
+from gateway.core.policies.load import LoadTracker
+from gateway.core.routed_prefixes import RoutedPrefixes
 
 
 class RoundRobinPolicy:

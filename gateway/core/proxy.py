@@ -1,10 +1,10 @@
 """ComputeService at the gateway: authenticate, tokenize, hash, route, and proxy each Generate
-stream to the chosen worker (see gateway/server.py's docstring for the contract).
+stream to the chosen worker (gateway/grpc_api/servicer.py's docstring is the contract).
 
 The routing and proxying core (`GenerateProxy.open` -> `ProxiedStream`) takes a request and an
-authenticated tenant and needs no grpc.ServicerContext: the gRPC servicer methods below and the
-OpenAI-compatible HTTP app (gateway/http/) are two front ends of the same calls, so retries,
-cancellation, load accounting and the drain behave alike on both. Refusals and failures are
+authenticated tenant and needs no grpc.ServicerContext: the gRPC servicers (gateway/grpc_api/)
+and the OpenAI-compatible HTTP app (gateway/http/) are two front ends of the same calls, so
+retries, cancellation, load accounting and the drain behave alike on both. Refusals and failures are
 `ProxyError`s carrying the gRPC status each front end translates."""
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.metrics import MEDIA, GatewayMetrics
-from gateway.policies import RouteRequest
-from gateway.routing import Router, Worker
-from gateway.running_calls import ProxiedCall, RunningCalls
-from gateway.tenants import Tenant, TenantDirectory
-from gateway.tokenize import (PromptTokenizer, TokenizerUnavailable, prompt_fingerprint,
+from gateway.core.metrics import MEDIA, GatewayMetrics
+from gateway.core.policies import RouteRequest
+from gateway.core.router import Router, Worker
+from gateway.core.running_calls import ProxiedCall, RunningCalls
+from gateway.core.tenants import Tenant, TenantDirectory
+from gateway.core.tokenize import (PromptTokenizer, TokenizerUnavailable, prompt_fingerprint,
                               prompt_ids)
-from gateway.workers import Fleet
+from gateway.core.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.compute import ComputeClientError, GenerateStream
 from prefixcache_client.hash import chain_hashes, namespace_seed, token_bytes
@@ -223,8 +223,9 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
 
 class GenerateProxy:
     """The gateway's Generate path, callable from Python: `open` takes a request and an
-    authenticated tenant and returns a `ProxiedStream`. The gRPC servicer (gateway/servicer.py)
-    and the HTTP app (gateway/http/) are its front ends."""
+    authenticated tenant and returns a `ProxiedStream`. The gRPC servicer
+    (gateway/grpc_api/servicer.py), the HTTP app (gateway/http/) and the Endpoint Picker
+    (gateway/epp/) are its front ends."""
 
     def __init__(self, router: Router, fleet: Fleet, tenants: TenantDirectory,
                  tokenizer: PromptTokenizer, metrics: GatewayMetrics, running: RunningCalls,

@@ -14,8 +14,8 @@ import math
 
 import grpc
 
-from gateway.proxy import ProxyError
-from gateway.workers import Fleet
+from gateway.core.proxy import ProxyError
+from gateway.core.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.limits import text_too_long
 

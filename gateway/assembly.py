@@ -1,30 +1,18 @@
-"""The gateway server: prefixcache.v1.ComputeService (the workers' API, routed) and
-GatewayService (RoutePreview, ListWorkers) on one port (gateway/servicer.py), with health,
-reflection, metrics, TLS and drain from `service_shell` (design.md §6, §8).
+"""The gateway process: builds the one routing core all front ends share (gateway/core/: the
+router with its index and policy, the fleet and its workers, the tokenizer, the running calls,
+the proxy, the metrics) and serves it through the front ends, with health, reflection, metrics,
+TLS and drain from `service_shell` (design.md §6, §8).
 
-Generate: authenticate the caller (tenants.py), tokenize a text prompt as the worker would
-(tokenize.py), hash the prompt's pages in the request's namespace (model id, adapter, tenant
-salt), let the policy pick a worker, and proxy the stream with the token ids and the tenant's
-salt as `x-prefixcache-salt` metadata. Salt metadata sent by the client is never forwarded. The
-client's deadline becomes the worker call's; a client that leaves cancels the worker call, which
-aborts the request there. A worker that fails before the first token (UNAVAILABLE: refused,
-dead, draining) is retried once on the next best one; after the first token the client gets
-UNAVAILABLE naming the worker, never a silently truncated stream.
-
-With `http_port`, the same process serves the OpenAI-compatible HTTP API (gateway/http/) over
-the same core (`GenerateProxy.open`): its calls are routed, counted and drained like gRPC ones.
-Readiness requires it serving; the drain closes its listener when it starts refusing new gRPC
-calls and lets its running responses finish within the same grace.
-
-With `epp_port`, it is also an Endpoint Picker of the Gateway API Inference Extension
-(gateway/epp/): Envoy asks it over ext_proc which worker a request goes to, and gets the choice
-of the same router. Its health follows readiness; the drain refuses new ext_proc streams with
-the gRPC port and gives those in flight the same grace.
-
-Status codes: UNAUTHENTICATED names the `authorization` header; INVALID_ARGUMENT names the field
-(`prompt`, `request_id`); ALREADY_EXISTS: the tenant already runs `request_id`; UNAVAILABLE: no
-worker can take the request, the gateway is draining, or the worker failed; the workers' own
-codes (INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND, ...) pass through unchanged.
+- gRPC (gateway/grpc_api/), on `port`: ComputeService (Generate, routed) and GatewayService
+  (RoutePreview, ListWorkers); its docstring is the contract of Generate.
+- With `http_port`, the OpenAI-compatible HTTP API (gateway/http/) over the same core
+  (`GenerateProxy.open`): its calls are routed, counted and drained like gRPC ones. Readiness
+  requires it serving; the drain closes its listener when it starts refusing new gRPC calls and
+  lets its running responses finish within the same grace.
+- With `epp_port`, an Endpoint Picker of the Gateway API Inference Extension (gateway/epp/):
+  Envoy asks it over ext_proc which worker a request goes to, and gets the choice of the same
+  router. Its health follows readiness; the drain refuses new ext_proc streams with the gRPC port
+  and gives those in flight the same grace.
 """
 from __future__ import annotations
 
@@ -34,28 +22,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.discovery import WorkerAddress
-from gateway.index import IndexConfig
-from gateway.metrics import GatewayMetrics
-from gateway.policies import make_policy
-from gateway.proxy import GenerateProxy
-from gateway.running_calls import RunningCalls
-from gateway.routing import Router
-from gateway.servicer import ComputeServicer, GatewayServicer
-from gateway.tenants import TenantDirectory
-from gateway.tokenize import AUTO, load_tokenizer
-from gateway.workers import Fleet, WorkerSet, WorkerSettings
-from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
-from prefixcache.v1 import gateway_pb2 as gpb
-from prefixcache.v1 import gateway_pb2_grpc as gpb_grpc
-from service_shell import (ServiceShell, ShellPorts, TlsConfig, enable_reflection, kv,
-                           server_options, tls_mode)
+from gateway.core.discovery import WorkerAddress
+from gateway.core.index import IndexConfig
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.proxy import GenerateProxy
+from gateway.core.router import Router
+from gateway.core.running_calls import RunningCalls
+from gateway.core.tenants import TenantDirectory
+from gateway.core.tokenize import AUTO, load_tokenizer
+from gateway.core.workers import Fleet, WorkerSet, WorkerSettings
+from gateway.grpc_api.servicer import GATEWAY_SERVICE_NAME, register
+from service_shell import ServiceShell, ShellPorts, TlsConfig, kv, server_options, tls_mode
 
 log = logging.getLogger("gateway.server")
 
-COMPUTE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
-GATEWAY_SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["GatewayService"].full_name
 # The shell registers one service name for health; readiness covers the whole server.
 _HEALTH_NAME = GATEWAY_SERVICE_NAME
 # How often readiness is re-evaluated (a worker's stream going live or stale flips it).
@@ -127,13 +108,7 @@ class GatewayServer(ShellPorts):
             registry=self.metrics.registry, metrics_port=cfg.metrics_port,
             health_port=cfg.health_port, tls=cfg.tls)
         self.health = self._shell.health
-        pb_grpc.add_ComputeServiceServicer_to_server(
-            ComputeServicer(self.proxy, cfg.generate_timeout_s), self._shell.server)
-        gpb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(self.proxy, self.router),
-                                                      self._shell.server)
-        # The shell's reflection names one service; this registration (the later one wins)
-        # lists both. TODO(service_shell): take several service names.
-        enable_reflection(self._shell.server, COMPUTE_SERVICE_NAME, GATEWAY_SERVICE_NAME)
+        register(self._shell.server, self.proxy, self.router, cfg.generate_timeout_s)
         self.http = None  # gateway.http.server.HttpServer once started
         self.epp = None  # gateway.epp.server.EppServer once started
         self._ready = False

@@ -16,10 +16,12 @@ lock.
 """
 from __future__ import annotations
 
-from gateway.policies.affinity import AffinityConfig, AffinityPolicy, ApproxPolicy
-from gateway.policies.base import Policy, RouteDecision, RouteRequest, WorkerLoad, WorkerScore
-from gateway.policies.baselines import LeastLoadedPolicy, RoundRobinPolicy, SglangConfig, SglangPolicy
-from gateway.policies.load import RECENT_HALFLIFE_S, LoadTracker
+from gateway.core.policies.affinity import AffinityConfig, AffinityPolicy, ApproxPolicy
+from gateway.core.policies.base import (Policy, RouteDecision, RouteRequest, WorkerLoad,
+                                        WorkerScore)
+from gateway.core.policies.baselines import (LeastLoadedPolicy, RoundRobinPolicy, SglangConfig,
+                                             SglangPolicy)
+from gateway.core.policies.load import RECENT_HALFLIFE_S, LoadTracker
 
 POLICY_NAMES = ("affinity", "approx", "round_robin", "least_loaded", "sglang")
 

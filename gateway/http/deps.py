@@ -1,0 +1,70 @@
+"""The HTTP routes' dependencies (FastAPI `Depends`): what a route needs of the gateway, taken
+from the `HttpCore` that `create_app` (app.py) puts on `app.state.core`. A route asks for the
+narrowest one it needs, so a test can serve one router (gateway/http/routes/) on a bare FastAPI
+app and override just those (`app.dependency_overrides[deps.catalog] = ...`).
+
+All are `async def`: FastAPI runs a plain `def` dependency in its thread pool, and these only
+read attributes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Depends, Request
+
+from gateway.core.proxy import GenerateProxy
+from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
+from gateway.http.errors import ApiError
+from gateway.http.models import ModelCatalog
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCore:
+    """The gateway as the HTTP routes see it."""
+    # The routing core's Generate path (tenants, fleet and tokenizer included).
+    proxy: GenerateProxy
+    # Whether the gateway is ready (GET /health).
+    ready: Callable[[], bool]
+    # The base model and the workers' adapters (GET /v1/models, a request's `model`).
+    catalog: ModelCatalog
+    # Blocking gRPC reads and tokenizations run in threads under this limiter.
+    limiter: anyio.CapacityLimiter
+    # The `created` time of the model cards: when the app was built.
+    created: int
+
+
+async def core(request: Request) -> HttpCore:
+    return request.app.state.core
+
+
+async def proxy(core: HttpCore = Depends(core)) -> GenerateProxy:
+    return core.proxy
+
+
+async def readiness(core: HttpCore = Depends(core)) -> Callable[[], bool]:
+    return core.ready
+
+
+async def catalog(core: HttpCore = Depends(core)) -> ModelCatalog:
+    return core.catalog
+
+
+async def limiter(core: HttpCore = Depends(core)) -> anyio.CapacityLimiter:
+    return core.limiter
+
+
+async def created(core: HttpCore = Depends(core)) -> int:
+    return core.created
+
+
+async def tenant(request: Request, proxy: GenerateProxy = Depends(proxy)) -> Tenant:
+    """The caller's tenant from its `Authorization: Bearer TOKEN` header (the gRPC API's
+    metadata, the same tenants); 401 otherwise."""
+    values = request.headers.getlist(AUTH_METADATA_KEY)
+    try:
+        return proxy.tenants.authenticate([(AUTH_METADATA_KEY, v) for v in values])
+    except AuthError as exc:
+        raise ApiError(401, str(exc), "authentication_error", None,
+                       "invalid_api_key") from None

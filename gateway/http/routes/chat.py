@@ -1,0 +1,67 @@
+"""`POST /v1/chat/completions`: the messages rendered with the model's chat template by the
+gateway's tokenizer (the one the workers use), so the gateway routes on exactly the ids the
+worker computes; `n` choices (gateway/http/respond.py)."""
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import grpc
+from anyio import to_thread
+from fastapi import APIRouter, Depends, Request, Response
+
+from gateway.core.proxy import GenerateProxy, ProxyError
+from gateway.core.request_checks import check_text_size
+from gateway.core.tenants import Tenant
+from gateway.http import deps, respond, schemas
+from gateway.http.errors import bad_request, from_proxy
+from gateway.http.models import ModelCatalog
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.tokenizer import NoChatTemplate
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: schemas.ChatCompletionRequest, request: Request,
+                           who: Tenant = Depends(deps.tenant),
+                           proxy: GenerateProxy = Depends(deps.proxy),
+                           catalog: ModelCatalog = Depends(deps.catalog),
+                           limiter: anyio.CapacityLimiter = Depends(deps.limiter)) -> Response:
+    respond.refuse_unsupported(body.unsupported())
+    adapter, models = await catalog.resolve(body.model)
+    # The messages' text bounded by the context before the template renders it.
+    check_text_size("".join(m.text() for m in body.messages), proxy.fleet, "messages")
+    ids, fingerprint = await to_thread.run_sync(chat_ids, proxy, body, limiter=limiter)
+    max_tokens = body.token_limit()
+    if max_tokens is None:  # OpenAI's default: whatever the context leaves
+        max_tokens = models.max_model_len - len(ids)
+        if max_tokens < 1:
+            raise bad_request("messages", f"the prompt has {len(ids)} tokens and the "
+                              f"model's context is {models.max_model_len}")
+    req = pb.GenerateRequest(adapter=adapter)
+    req.token_ids.ids.extend(ids)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    return await respond.generate(body, [req], max_tokens, request, who, rid, chat=True,
+                                  proxy=proxy, limiter=limiter, fingerprint=fingerprint)
+
+
+def chat_ids(proxy: GenerateProxy,
+             body: schemas.ChatCompletionRequest) -> tuple[list[int], str]:
+    """The prompt ids of a chat, rendered with the chat template of the tokenizer the workers
+    use (gateway/core/tokenize.py's `chat_prompt_ids`), and that tokenizer's fingerprint (only
+    workers with it may run these ids). 400 naming `messages` when the model has no template
+    or the template fails on these messages; 503 while the gateway knows no tokenizer yet."""
+    tokenizer = proxy.tokenizer
+    try:
+        ids = tokenizer.chat_prompt_ids(body.chat(), body.add_generation_prompt)
+    except NoChatTemplate:
+        raise bad_request("messages", "this model has no chat template; send the prompt as "
+                                      "text or token ids to /v1/completions") from None
+    except ValueError as exc:  # TokenizerUnavailable (with its status), ChatTemplateError
+        code = getattr(exc, "code", grpc.StatusCode.INVALID_ARGUMENT)
+        message = str(exc).removeprefix("messages: ")
+        raise from_proxy(ProxyError(code, f"messages: {message}")) from None
+    if not ids:
+        raise bad_request("messages", "the chat template rendered an empty prompt")
+    return list(ids), tokenizer.fingerprint
