@@ -24,8 +24,8 @@ import random
 import torch
 import torch.nn.functional as F
 
-from prefixcache_bench.gpu_check.device import (fractions, measured_ceilings, rel_err, sync,
-                                                time_ms)
+from prefixcache_bench.gpu_check.device import (fractions, free_memory, measured_ceilings, rel_err,
+                                                sync, time_ms)
 from prefixcache_bench.gpu_check.runner import Context, check, skipped
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Llama-3-8B
@@ -100,48 +100,52 @@ def bench_decode(ctx: Context, sh: Shapes, peaks: dict, gen) -> list[dict]:
     out: list[dict] = []
     for batch, seq_len in sh.decode:
         row: dict = {"batch": batch, "seq_len": seq_len}
-        kv_bytes = 2 * batch * seq_len * hkv * d * isz
-        if ctx.left() < 8:
-            out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
-            continue
-        if kv_bytes > MAX_KV_BYTES:
-            out.append(row | skipped(f"K/V of {kv_bytes / 2**30:.1f} GiB > the "
-                                     f"{MAX_KV_BYTES / 2**30:.0f} GiB cap"))
-            continue
-        sets = max(1, min(8, math.ceil(L2_ROTATE_BYTES / kv_bytes))) if not ctx.dry_run else 1
-        k_cache, v_cache, tables = _paged_sets(batch, seq_len, hkv, d, sh.dtype, ctx.device,
-                                               gen, sets)
-        q = torch.randn(batch, hq, d, dtype=sh.dtype, device=ctx.device, generator=gen)
-        seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=ctx.device)
-        scale = d ** -0.5
-        got = attention_triton.paged_decode_attention(q, k_cache, v_cache, tables[0], seq_lens,
-                                                      scale)
-        n_ref = min(batch, 4)
-        ref = attention_ref.paged_decode_attention(q[:n_ref], k_cache, v_cache,
-                                                   tables[0][:n_ref], seq_lens[:n_ref], scale)
-        err = rel_err(got[:n_ref], ref)
-        row["check"] = check(f"decode b{batch} L{seq_len} vs attention_ref", err <=
-                             _tol(sh.dtype, ctx.dry_run), rel_err=err)
-        t = time_ms(lambda i: attention_triton.paged_decode_attention(
-            q, k_cache, v_cache, tables[i % sets], seq_lens, scale), ctx.device, sh.warmup,
-            sh.reps)
-        moved = kv_bytes + 2 * q.numel() * isz
-        gb_s = moved / (t["median_ms"] * 1e-3) / 1e9
-        row |= {"kv_bytes": kv_bytes, "input_sets": sets, "triton": t, "gb_s": round(gb_s, 1),
-                "hbm": fractions(gb_s, peaks.get("hbm_gb_s"), peaks.get("measured_copy_gb_s"))}
         try:
-            kd, vd = _dense(k_cache, tables[0], seq_len), _dense(v_cache, tables[0], seq_len)
-            qd = q[:, :, None, :]  # [B, Hq, 1, D]
-            s_out = _sdpa(qd, kd, vd, False)[:, :, 0]
-            row["sdpa_rel_err_vs_triton"] = rel_err(got, s_out)
-            ts = time_ms(lambda i: _sdpa(qd, kd, vd, False), ctx.device, sh.warmup, sh.reps)
-            row["sdpa_dense"] = ts | {"gb_s": round(moved / (ts["median_ms"] * 1e-3) / 1e9, 1),
-                                      "note": "dense K/V, one set (may sit in L2 when small)"}
-            del kd, vd
-        except Exception as e:  # noqa: BLE001 - the side-by-side is optional
-            row["sdpa_dense"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        out.append(row)
-        del k_cache, v_cache, tables
+            kv_bytes = 2 * batch * seq_len * hkv * d * isz
+            if ctx.left() < 8:
+                out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
+                continue
+            if kv_bytes > MAX_KV_BYTES:
+                out.append(row | skipped(f"K/V of {kv_bytes / 2**30:.1f} GiB > the "
+                                         f"{MAX_KV_BYTES / 2**30:.0f} GiB cap"))
+                continue
+            sets = max(1, min(64, math.ceil(L2_ROTATE_BYTES / kv_bytes))) if not ctx.dry_run else 1
+            k_cache, v_cache, tables = _paged_sets(batch, seq_len, hkv, d, sh.dtype, ctx.device,
+                                                   gen, sets)
+            q = torch.randn(batch, hq, d, dtype=sh.dtype, device=ctx.device, generator=gen)
+            seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=ctx.device)
+            scale = d ** -0.5
+            got = attention_triton.paged_decode_attention(q, k_cache, v_cache, tables[0], seq_lens,
+                                                          scale)
+            n_ref = min(batch, 4)
+            ref = attention_ref.paged_decode_attention(q[:n_ref], k_cache, v_cache,
+                                                       tables[0][:n_ref], seq_lens[:n_ref], scale)
+            err = rel_err(got[:n_ref], ref)
+            row["check"] = check(f"decode b{batch} L{seq_len} vs attention_ref", err <=
+                                 _tol(sh.dtype, ctx.dry_run), rel_err=err)
+            t = time_ms(lambda i: attention_triton.paged_decode_attention(
+                q, k_cache, v_cache, tables[i % sets], seq_lens, scale), ctx.device, sh.warmup,
+                sh.reps)
+            moved = kv_bytes + 2 * q.numel() * isz
+            gb_s = moved / (t["median_ms"] * 1e-3) / 1e9
+            row |= {"kv_bytes": kv_bytes, "input_sets": sets, "triton": t, "gb_s": round(gb_s, 1),
+                    "hbm": fractions(gb_s, peaks.get("hbm_gb_s"), peaks.get("measured_copy_gb_s"))}
+            try:
+                kd, vd = _dense(k_cache, tables[0], seq_len), _dense(v_cache, tables[0], seq_len)
+                qd = q[:, :, None, :]  # [B, Hq, 1, D]
+                s_out = _sdpa(qd, kd, vd, False)[:, :, 0]
+                row["sdpa_rel_err_vs_triton"] = rel_err(got, s_out)
+                ts = time_ms(lambda i: _sdpa(qd, kd, vd, False), ctx.device, sh.warmup, sh.reps)
+                row["sdpa_dense"] = ts | {"gb_s": round(moved / (ts["median_ms"] * 1e-3) / 1e9, 1),
+                                          "note": "dense K/V, one set (may sit in L2 when small)"}
+                del kd, vd
+            except Exception as e:  # noqa: BLE001 - the side-by-side is optional
+                row["sdpa_dense"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            out.append(row)
+            del k_cache, v_cache, tables
+        except Exception as e:  # noqa: BLE001 - this row's error, the next row runs
+            out.append(row | {"error": f"{type(e).__name__}: {e}"[:400]})
+            free_memory(ctx.device)
     return out
 
 
@@ -152,42 +156,46 @@ def bench_extend(ctx: Context, sh: Shapes, peaks: dict, gen) -> list[dict]:
     out: list[dict] = []
     for batch, length in sh.extend:
         row: dict = {"batch": batch, "new_tokens": length, "prefix": 0}
-        if ctx.left() < 10:
-            out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
-            continue
-        k_cache, v_cache, (table,) = _paged_sets(batch, length, hkv, d, sh.dtype, ctx.device,
-                                                 gen, 1)
-        q = torch.randn(batch * length, hq, d, dtype=sh.dtype, device=ctx.device, generator=gen)
-        cu = torch.arange(0, batch + 1, dtype=torch.int32, device=ctx.device) * length
-        prefix = torch.zeros(batch, dtype=torch.int32, device=ctx.device)
-        scale = d ** -0.5
-        got = attention_triton.extend_attention(q, k_cache, v_cache, table, cu, prefix, scale)
-        kd, vd = _dense(k_cache, table, length), _dense(v_cache, table, length)
-        qd = q.view(batch, length, hq, d).transpose(1, 2)
-        s_out = _sdpa(qd, kd, vd, True).transpose(1, 2).reshape(batch * length, hq, d)
-        err_sdpa = rel_err(got, s_out)
-        row["check_sdpa"] = check(f"extend b{batch} L{length} vs SDPA", err_sdpa <=
-                                  _tol(sh.dtype, ctx.dry_run), rel_err=err_sdpa)
-        if length <= 4096:  # the reference's fp32 [Hq, L, L] scores: 2 GiB at 4096
-            ref = attention_ref.extend_attention(q[:length], k_cache, v_cache, table[:1],
-                                                 cu[:2], prefix[:1], scale)
-            err = rel_err(got[:length], ref)
-            row["check"] = check(f"extend b{batch} L{length} vs attention_ref",
-                                 err <= _tol(sh.dtype, ctx.dry_run), rel_err=err)
-            del ref
-        flops = 4 * batch * hq * d * length * length / 2  # QK^T and PV, causal half
-        t = time_ms(lambda i: attention_triton.extend_attention(
-            q, k_cache, v_cache, table, cu, prefix, scale), ctx.device, sh.warmup, sh.reps)
-        tf = flops / (t["median_ms"] * 1e-3) / 1e12
-        ts = time_ms(lambda i: _sdpa(qd, kd, vd, True), ctx.device, sh.warmup, sh.reps)
-        tfs = flops / (ts["median_ms"] * 1e-3) / 1e12
-        row |= {"flops": flops, "triton": t, "tflop_s": round(tf, 2),
-                "bf16": fractions(tf, peaks.get("bf16_dense_tflop_s"),
-                                  peaks.get("measured_matmul_tflop_s")),
-                "sdpa_dense_causal": ts | {"tflop_s": round(tfs, 2)},
-                "triton_over_sdpa_time": round(t["median_ms"] / ts["median_ms"], 3)}
-        out.append(row)
-        del k_cache, v_cache, kd, vd
+        try:
+            if ctx.left() < 10:
+                out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
+                continue
+            k_cache, v_cache, (table,) = _paged_sets(batch, length, hkv, d, sh.dtype, ctx.device,
+                                                     gen, 1)
+            q = torch.randn(batch * length, hq, d, dtype=sh.dtype, device=ctx.device, generator=gen)
+            cu = torch.arange(0, batch + 1, dtype=torch.int32, device=ctx.device) * length
+            prefix = torch.zeros(batch, dtype=torch.int32, device=ctx.device)
+            scale = d ** -0.5
+            got = attention_triton.extend_attention(q, k_cache, v_cache, table, cu, prefix, scale)
+            kd, vd = _dense(k_cache, table, length), _dense(v_cache, table, length)
+            qd = q.view(batch, length, hq, d).transpose(1, 2)
+            s_out = _sdpa(qd, kd, vd, True).transpose(1, 2).reshape(batch * length, hq, d)
+            err_sdpa = rel_err(got, s_out)
+            row["check_sdpa"] = check(f"extend b{batch} L{length} vs SDPA", err_sdpa <=
+                                      _tol(sh.dtype, ctx.dry_run), rel_err=err_sdpa)
+            if length <= 4096:  # the reference's fp32 [Hq, L, L] scores: 2 GiB at 4096
+                ref = attention_ref.extend_attention(q[:length], k_cache, v_cache, table[:1],
+                                                     cu[:2], prefix[:1], scale)
+                err = rel_err(got[:length], ref)
+                row["check"] = check(f"extend b{batch} L{length} vs attention_ref",
+                                     err <= _tol(sh.dtype, ctx.dry_run), rel_err=err)
+                del ref
+            flops = 4 * batch * hq * d * length * length / 2  # QK^T and PV, causal half
+            t = time_ms(lambda i: attention_triton.extend_attention(
+                q, k_cache, v_cache, table, cu, prefix, scale), ctx.device, sh.warmup, sh.reps)
+            tf = flops / (t["median_ms"] * 1e-3) / 1e12
+            ts = time_ms(lambda i: _sdpa(qd, kd, vd, True), ctx.device, sh.warmup, sh.reps)
+            tfs = flops / (ts["median_ms"] * 1e-3) / 1e12
+            row |= {"flops": flops, "triton": t, "tflop_s": round(tf, 2),
+                    "bf16": fractions(tf, peaks.get("bf16_dense_tflop_s"),
+                                      peaks.get("measured_matmul_tflop_s")),
+                    "sdpa_dense_causal": ts | {"tflop_s": round(tfs, 2)},
+                    "triton_over_sdpa_time": round(t["median_ms"] / ts["median_ms"], 3)}
+            out.append(row)
+            del k_cache, v_cache, kd, vd
+        except Exception as e:  # noqa: BLE001 - this row's error, the next row runs
+            out.append(row | {"error": f"{type(e).__name__}: {e}"[:400]})
+            free_memory(ctx.device)
     return out
 
 
@@ -222,25 +230,29 @@ def bench_mamba_scan(ctx: Context, sh: Shapes, peaks: dict, gen) -> list[dict]:
     for seqs, length in m["seqs"]:
         row: dict = {"seqs": seqs, "tokens_per_seq": length, "heads": H, "head_dim": P,
                      "state": N, "chunk": chunk}
-        if ctx.left() < 8:
-            out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
-            continue
-        T = seqs * length
-        inp = _ssm_inputs(T, H, P, N, G, sh.dtype, ctx.device, gen)
-        args = (inp["x"], inp["dt"], inp["dt_bias"], inp["A"], inp["B"], inp["C"], inp["D"])
-        cu = torch.arange(seqs + 1, dtype=torch.int32, device=ctx.device) * length
-        start = torch.zeros(seqs, dtype=torch.int32, device=ctx.device)
-        t = time_ms(lambda i: mamba_triton.mamba_chunk_scan(*args, cu, None, start, chunk),
-                    ctx.device, sh.warmup, max(3, sh.reps // 2))
-        chunks = seqs * math.ceil(length / chunk)
-        moved = (2 * T * H * P * isz + 2 * T * G * N * isz + T * H * isz
-                 + (chunks + seqs) * H * P * N * 4)
-        gb_s = moved / (t["median_ms"] * 1e-3) / 1e9
-        row |= {"triton": t, "tokens_per_s": round(T / (t["median_ms"] * 1e-3)),
-                "min_bytes": moved, "gb_s": round(gb_s, 1),
-                "hbm": fractions(gb_s, peaks.get("hbm_gb_s"), peaks.get("measured_copy_gb_s")),
-                "note": "bytes: x, y, B, C, dt once and every chunk-end state (fp32) written"}
-        out.append(row)
+        try:
+            if ctx.left() < 8:
+                out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
+                continue
+            T = seqs * length
+            inp = _ssm_inputs(T, H, P, N, G, sh.dtype, ctx.device, gen)
+            args = (inp["x"], inp["dt"], inp["dt_bias"], inp["A"], inp["B"], inp["C"], inp["D"])
+            cu = torch.arange(seqs + 1, dtype=torch.int32, device=ctx.device) * length
+            start = torch.zeros(seqs, dtype=torch.int32, device=ctx.device)
+            t = time_ms(lambda i: mamba_triton.mamba_chunk_scan(*args, cu, None, start, chunk),
+                        ctx.device, sh.warmup, max(3, sh.reps // 2))
+            chunks = seqs * math.ceil(length / chunk)
+            moved = (2 * T * H * P * isz + 2 * T * G * N * isz + T * H * isz
+                     + (chunks + seqs) * H * P * N * 4)
+            gb_s = moved / (t["median_ms"] * 1e-3) / 1e9
+            row |= {"triton": t, "tokens_per_s": round(T / (t["median_ms"] * 1e-3)),
+                    "min_bytes": moved, "gb_s": round(gb_s, 1),
+                    "hbm": fractions(gb_s, peaks.get("hbm_gb_s"), peaks.get("measured_copy_gb_s")),
+                    "note": "bytes: x, y, B, C, dt once and every chunk-end state (fp32) written"}
+            out.append(row)
+        except Exception as e:  # noqa: BLE001 - this row's error, the next row runs
+            out.append(row | {"error": f"{type(e).__name__}: {e}"[:400]})
+            free_memory(ctx.device)
     return out
 
 
@@ -345,6 +357,8 @@ def run(ctx: Context) -> dict:
             continue
         try:
             result[name] = fn(ctx, sh, peaks, gen)
+            if any("error" in row for row in result[name]):
+                result.setdefault("part_errors", []).append(name)
         except Exception as e:  # noqa: BLE001 - one part's failure is recorded, the next runs
             import traceback
             result[name] = {"error": f"{type(e).__name__}: {e}"[:500],

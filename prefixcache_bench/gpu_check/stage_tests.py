@@ -11,7 +11,9 @@ which the JSON then says).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,23 +72,34 @@ def run_pytest(label: str, selection: list[str], ctx: Context, timeout_s: float,
         with open(log_path, "a") as log:
             log.write(f"\n===== {label}: {' '.join(cmd)}\n")
             log.flush()
+            # A session of its own: at the budget the whole group goes (xdist's workers too,
+            # which would otherwise keep their GPU memory).
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, timeout=timeout_s)
-                rc: int | None = proc.returncode
-            except subprocess.TimeoutExpired:
+                rc: int | None = proc.wait(timeout=timeout_s)
+            except BaseException:  # the budget, or the stage's alarm
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 rc = None
+                if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                    raise
         out: dict = {"command": cmd[1:], "returncode": rc,
                      "seconds": round(time.monotonic() - started, 2)}
         if rc is None:
             out["timed_out"] = f"killed after {timeout_s:.0f} s (budget); see pytest.log"
-        if junit.exists():
+        junit_found = junit.exists()
+        if junit_found:
             out |= parse_junit(junit)
         else:
             out["junit"] = "not written (pytest killed or crashed before the end)"
     # pytest: 0 all passed, 1 some failed, 5 nothing collected (e.g. every test deselected).
-    out["check"] = check(f"pytest {label}", rc in (0, 5) and not out.get("failed")
-                         and not out.get("errors"), returncode=rc)
+    # Killed at the budget with no junit: no verdict (an error of the stage, not a failed
+    # check); pytest.log holds what ran.
+    if rc is not None or junit_found:
+        out["check"] = check(f"pytest {label}", rc in (0, 5) and not out.get("failed")
+                             and not out.get("errors"), returncode=rc)
     return out
 
 
@@ -119,6 +132,9 @@ def run(ctx: Context) -> dict:
     else:
         result["kernels_on_device"] = run_pytest("kernel tests on device", rest_sel, ctx, left,
                                                  workers)
+    if any("timed_out" in r for r in (result["gpu_marked"], result["kernels_on_device"])):
+        result["part_errors"] = [k for k in ("gpu_marked", "kernels_on_device")
+                                 if "timed_out" in result[k]]
     g = result["gpu_marked"]
     result["headline"] = {"gpu_tests_passed": f"{g.get('passed', '?')}/{g.get('tests', '?')}"}
     k = result["kernels_on_device"]
