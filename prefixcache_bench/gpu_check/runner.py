@@ -156,6 +156,32 @@ def summary_line(name: str, r: dict) -> str:
         f"  {head or why}"[:400]
 
 
+# Goals of the whole run, judged in the JSON the way prefixcache_bench.harness.check_goals
+# writes them ({metric: {goal, pass}}), so that committed results render in docs/results.
+GOALS = {"correctness_checks_failed": ("==", 0), "decode_prefix_cache_ratio": (">=", 0.98),
+         "ttft_ratio_90": ("<=", 0.2)}
+
+
+def goals_of(report: dict, failed: dict) -> dict:
+    """Flat headline metrics and the goals judged on them (None: not measured this run)."""
+    stages = report["stages"]
+    engine = stages.get("engine", {})
+    metrics = {
+        "correctness_checks_failed": sum(len(v) for v in failed.values()),
+        "decode_prefix_cache_ratio": engine.get("prefix_cache_overhead", {}).get(
+            "decode_prefix_cache_ratio") if isinstance(engine.get("prefix_cache_overhead"),
+                                                      dict) else None,
+        "ttft_ratio_90": engine.get("ttft", {}).get("ttft_ratio_90")
+        if isinstance(engine.get("ttft"), dict) else None,
+    }
+    goals = {}
+    for name, (op, bound) in GOALS.items():
+        v = metrics.get(name)
+        ok = None if v is None else {"==": v == bound, ">=": v >= bound, "<=": v <= bound}[op]
+        goals[name] = {"goal": f"{op} {bound}", "pass": ok}
+    return metrics | {"goals": goals}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prefixcache_bench.gpu_check",
                                 description=__doc__)
@@ -192,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     report: dict = {"schema": "prefixcache.gpu_check/1", "dry_run": args.dry_run,
                     "started_unix": round(time.time(), 1), "deadline_s": deadline_s,
-                    "budgets_s": budgets, "argv": sys.argv, "stages": {}}
+                    "budgets_s": budgets, "argv": sys.argv,
+                    "command": " ".join(["scripts/gpu_check.sh", "OUTDIR", *(argv if argv
+                                         is not None else sys.argv[2:])]),
+                    "stages": {}}
     if not args.dry_run and not cuda:
         report["error"] = "no CUDA device: run on a GPU, or pass --dry-run"
         write_json(args.outdir / "gpu_check.json", report)
@@ -227,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         - {"prefixcache_bench", "compute_service", "cache_service", "prefixcache",
            "prefixcache_client", "service_shell", "gateway", "stack", "tests"}
         - {m for m in list(sys.modules) if m.startswith("_")})
+    report |= goals_of(report, failed)
     report["correctness_failures"] = failed
     report["stage_errors"] = errors
     report["exit_status"] = 1 if failed else (2 if errors else 0)
