@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,11 +59,36 @@ def parse_junit(path: Path) -> dict:
     return {**counts, "failures": failures[:40], "skip_reasons": skip_reasons}
 
 
+_VERBOSE_LINE = re.compile(r"(?:\[gw\d+\] \[\s*\d+%\] |^)(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+                           r" (\S+::\S+)|^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+
+
+def counts_from_log(text: str) -> dict:
+    """What a killed `pytest -v` run printed before it died: counts and the failed tests."""
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+           "XFAIL": "skipped", "XPASS": "passed"}
+    for line in text.splitlines():
+        m = _VERBOSE_LINE.search(line.strip())
+        if not m:
+            continue
+        outcome, name = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+        counts["tests"] += 1
+        counts[key[outcome]] += 1
+        if outcome in ("FAILED", "ERROR"):
+            failures.append({"test": name, "kind": outcome.lower(),
+                             "message": "see pytest.log (run killed before its junit)"})
+    return {**counts, "failures": failures[:40], "counted_from": "pytest.log"}
+
+
 def run_pytest(label: str, selection: list[str], ctx: Context, timeout_s: float,
                workers: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu-check-junit-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-p", "no:cacheprovider",
+        # -v: one line per test in pytest.log, which tells what ran when the budget kills the
+        # run before its junit is written.
+        cmd = [sys.executable, "-m", "pytest", *selection, "-v", "-p", "no:cacheprovider",
                f"--junitxml={junit}", f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "addopts="]
         if workers > 1:
             cmd += ["-n", str(workers)]
@@ -72,6 +98,7 @@ def run_pytest(label: str, selection: list[str], ctx: Context, timeout_s: float,
         with open(log_path, "a") as log:
             log.write(f"\n===== {label}: {' '.join(cmd)}\n")
             log.flush()
+            log_start = log.tell()
             # A session of its own: at the budget the whole group goes (xdist's workers too,
             # which would otherwise keep their GPU memory).
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
@@ -94,10 +121,13 @@ def run_pytest(label: str, selection: list[str], ctx: Context, timeout_s: float,
             out |= parse_junit(junit)
         else:
             out["junit"] = "not written (pytest killed or crashed before the end)"
+            with open(log_path) as log:
+                log.seek(log_start)
+                out |= counts_from_log(log.read())
     # pytest: 0 all passed, 1 some failed, 5 nothing collected (e.g. every test deselected).
     # Killed at the budget with no junit: no verdict (an error of the stage, not a failed
     # check); pytest.log holds what ran.
-    if rc is not None or junit_found:
+    if rc is not None or junit_found or out.get("failed") or out.get("errors"):
         out["check"] = check(f"pytest {label}", rc in (0, 5) and not out.get("failed")
                              and not out.get("errors"), returncode=rc)
     return out
@@ -120,7 +150,8 @@ def run(ctx: Context) -> dict:
     workers = _workers(ctx)
     result: dict = {"workers": workers, "log": "pytest.log"}
     # The gpu-marked tests first: they are the point; the rest gets what is left.
-    result["gpu_marked"] = run_pytest("gpu-marked", gpu_sel, ctx, max(5.0, ctx.left() * 0.6),
+    result["gpu_marked"] = run_pytest("gpu-marked", gpu_sel, ctx,
+                                      max(5.0, ctx.left() * (0.9 if ctx.dry_run else 0.5)),
                                       workers)
     left = ctx.left() - 3.0
     if ctx.dry_run:

@@ -14,7 +14,7 @@ import pytest
 
 from prefixcache_bench.gpu_check import runner
 from prefixcache_bench.gpu_check.device import peaks_for
-from prefixcache_bench.gpu_check.stage_tests import parse_junit
+from prefixcache_bench.gpu_check.stage_tests import counts_from_log, parse_junit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_dry_run_runs_every_stage(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "prefixcache_bench.gpu_check", str(tmp_path),
                            "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stage    status" in proc.stdout  # the table
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -107,3 +107,13 @@ def test_parse_junit(tmp_path):
 @pytest.mark.parametrize("argv", [["--stages", "nope"]])
 def test_unknown_stage_is_refused(tmp_path, argv):
     assert runner.main([str(tmp_path), "--dry-run", *argv]) == 2
+
+
+def test_killed_pytest_is_counted_from_its_log():
+    got = counts_from_log(
+        "tests/a.py::test_x[1] PASSED                    [ 10%]\n"
+        "[gw0] [ 20%] PASSED tests/a.py::test_y\n"
+        "[gw1] [ 30%] FAILED tests/a.py::test_z[cuda-bf16]\n"
+        "tests/a.py::test_w SKIPPED (needs a CUDA GPU)   [ 40%]\n")
+    assert (got["tests"], got["passed"], got["failed"], got["skipped"]) == (4, 2, 1, 1)
+    assert got["failures"][0]["test"] == "tests/a.py::test_z[cuda-bf16]"
