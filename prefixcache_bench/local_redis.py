@@ -1,6 +1,6 @@
 """A throwaway Redis Cluster of real redis-server processes on loopback ports: what the L3
 cluster tests (fixtures `redis_cluster` and `own_redis_cluster` in tests/conftest.py) and
-`python -m compute_service.bench_tiers --cluster` run against.
+`python -m prefixcache_bench.tiers --cluster` run against.
 
 Three masters, no replicas, `cluster-require-full-coverage no` (as deploy/k8s/components/
 redis-cluster runs it): a master that dies leaves the other slots served.

@@ -33,15 +33,15 @@ __all__ = ["BLOCKS", "BlockError", "Source", "expected", "fill_blocks", "load_so
 PROG = "python -m prefixcache_bench.pages"
 PAGE = RESULTS / "README.md"
 BLOCK_FILES = (Path("README.md"), Path("deploy") / "README.md", Path("docs") / "kv-events.md")
-# `python -m compute_service.bench --parts cpu_kernels`: C kernels on vs off (block cpu-kernels).
+# `python -m prefixcache_bench.compute --parts cpu_kernels`: C kernels on vs off (block cpu-kernels).
 CPU_KERNELS = "compute/cpu_kernels.json"
-# `python -m stack.bench_http`: TTFT of a cached prompt, HTTP front vs gRPC (block http-front).
+# `python -m prefixcache_bench.stack.http`: TTFT of a cached prompt, HTTP front vs gRPC (block http-front).
 HTTP_FRONT = "gateway/http_vs_grpc.json"
-# `python -m cache_service.bench --only zmq`: the vLLM-format ZMQ stream (block vllm-kv-events).
+# `python -m prefixcache_bench.cache --only zmq`: the vLLM-format ZMQ stream (block vllm-kv-events).
 KV_EVENTS = "cache/vllm_kv_events.json"
-# `python -m stack.fault_drill`: faults under load through the whole stack (block fault-drill).
+# `python -m prefixcache_bench.stack.fault_drill`: faults under load through the whole stack (block fault-drill).
 FAULT_DRILL = "stack/fault_drill.json"
-# `python -m stack.bench_auth`: a cache Step round trip, service auth off vs on (block service-auth).
+# `python -m prefixcache_bench.stack.auth`: a cache Step round trip, service auth off vs on (block service-auth).
 SERVICE_AUTH = "cache/service_auth.json"
 
 

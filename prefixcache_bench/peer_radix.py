@@ -542,7 +542,7 @@ class VLLM:
 def load_project(path: str) -> SimpleNamespace:
     root = str(Path(path).resolve())
     sys.path.insert(0, root)
-    from cache_service.bench import workloads
+    from prefixcache_bench.cache import workloads
     from cache_service.core import CacheCore
     from cache_service.pool import Pool, PoolConfig
     from prefixcache.v1 import cache_service_pb2 as pb

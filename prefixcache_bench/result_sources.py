@@ -70,7 +70,7 @@ KERNEL_HEADLINE = ("decode_attn_gb_s", "decode_attn_hbm_frac", "extend_attn_tflo
 
 
 def compute_rows(src: Source) -> None:
-    """python -m compute_service.bench: per preset its goals, then a few figures."""
+    """python -m prefixcache_bench.compute: per preset its goals, then a few figures."""
     d = src.data
     for name, r in d["presets"].items():
         goals = r.get("goals") or {}
@@ -90,7 +90,7 @@ GOAL_KEY = re.compile(r"^(?P<metric>\w+?)(?P<op><=|>=|==|<|>)(?P<bound>[-\d.]+)"
 
 
 def tiers_rows(src: Source) -> None:
-    """python -m compute_service.bench_tiers: goals are `metric<=bound[model]` -> bool | None."""
+    """python -m prefixcache_bench.tiers: goals are `metric<=bound[model]` -> bool | None."""
     d = src.data
     goals = {}
     for key, ok in (d.get("goals") or {}).items():
@@ -124,7 +124,7 @@ def tiers_rows(src: Source) -> None:
         src.notes.append(f"shared L3 simulation not measured: {sim.get('reason')}")
 
 
-# gateway.simulate's goals before it recorded them as {goal, pass}: (metric, goal, flag).
+# prefixcache_bench.sim.simulate's goals before it recorded them as {goal, pass}: (metric, goal, flag).
 LEGACY_SIM_GOALS = (("hit_vs_bound", ">= 0.97", "hit_vs_bound_ok"),
                     ("hit_vs_l3_bound", ">= 0.97", "hit_vs_l3_bound_ok"),
                     ("imbalance", "<= 1.1", "imbalance_ok"),
@@ -135,7 +135,7 @@ SIM_BENCH_HEADLINE = ("decision_p99_us", "hash_p99_us", "lookup_p99_us",
 
 
 def simulate_rows(src: Source) -> None:
-    """python -m gateway.simulate: the affinity policy against the bound and the baselines."""
+    """python -m prefixcache_bench.sim.simulate: the affinity policy against the bound and the baselines."""
     d = src.data
     policies = d["policies"]
     name = "affinity" if "affinity" in policies else next(iter(policies))
@@ -162,7 +162,7 @@ def simulate_rows(src: Source) -> None:
 
 
 def drill_rows(src: Source) -> None:
-    """python -m stack.fault_drill: per fault, the requests that ran, failed and went wrong."""
+    """python -m prefixcache_bench.stack.fault_drill: per fault, the requests that ran, failed and went wrong."""
     for phase, t in src.data["phases"].items():
         src.rows.append(Row(f"{phase}: requests", t["requests"]))
         src.rows.append(Row(f"{phase}: failed", t["failed"], "== 0", verdict(t["failed"] == 0)))

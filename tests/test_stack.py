@@ -44,7 +44,7 @@ def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
 def test_the_http_benchmark_measures_both_fronts(tmp_path):
     out = tmp_path / "http.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "stack.bench_http", "--requests", "3", "--json",
+    res = subprocess.run([sys.executable, "-m", "prefixcache_bench.stack.http", "--requests", "3", "--json",
                           str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode in (0, 1), res.stdout + res.stderr  # 1: the goal failed, still measured
@@ -58,7 +58,7 @@ def test_the_fault_drill_costs_no_request_and_no_wrong_output(tmp_path):
     """Forged pages in Redis and a killed cache service, under load through the whole stack."""
     out = tmp_path / "drill.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "stack.fault_drill", "--faults",
+    res = subprocess.run([sys.executable, "-m", "prefixcache_bench.stack.fault_drill", "--faults",
                           "redis-garbage,cache-sigkill", "--quiet-s", "3", "--clients", "2",
                           "--json", str(out)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)

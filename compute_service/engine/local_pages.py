@@ -3,7 +3,7 @@
 interface, so the engine runs the same code either way, but it only hands out and takes back
 device pages: no tree, no matches (every match is a miss), no publishes, no checkpoints, no
 events, no leases that expire. In process and trivial, it is what "no prefix caching" costs:
-the baseline the prefix cache's overhead is measured against (compute_service.bench,
+the baseline the prefix cache's overhead is measured against (prefixcache_bench.compute,
 `prefix_cache_overhead`).
 
 Its contract with the engine (the step planner sends it only these ops):

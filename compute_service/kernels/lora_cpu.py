@@ -3,7 +3,7 @@
 
 Why (see the C file): the reference loops over a batch's adapters in Python, several torch ops
 per adapter and projection; the kernel is one call per projection. What mixed adapters cost a
-decode: the `lora` part of `python -m compute_service.bench` (docs/results/README.md).
+decode: the `lora` part of `python -m prefixcache_bench.compute` (docs/results/README.md).
 """
 from __future__ import annotations
 

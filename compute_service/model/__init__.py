@@ -11,7 +11,6 @@ from compute_service.model.batch import (
 )
 from compute_service.model.checkpoint import load_model, read_config, save_model
 from compute_service.model.config import ATTENTION, MAMBA, ModelConfig, RopeScaling
-from compute_service.model.driver import PagedDriver, SequenceState
 from compute_service.model.hf_config import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedConfigError,
@@ -44,10 +43,8 @@ __all__ = [
     "ModelConfig",
     "NoTokenizer",
     "NoTokenizerError",
-    "PagedDriver",
     "RopeScaling",
     "SamplingDefaults",
-    "SequenceState",
     "Tokenizer",
     "UnsupportedConfigError",
     "allocate_kv_caches",

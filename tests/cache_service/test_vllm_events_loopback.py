@@ -15,7 +15,7 @@ import time
 import prometheus_client
 import zmq
 
-from cache_service.bench.parts_events import EventIndex
+from prefixcache_bench.cache.parts_events import EventIndex
 from cache_service.core import CacheCore
 from cache_service.tree import NO_SLOT, nodes_below
 from cache_service.zmq_publisher import ZmqEventPublisher, ZmqEventsConfig

@@ -8,7 +8,6 @@ import pytest
 
 from compute_service.engine import Engine
 from compute_service.lora import merged_model, read_adapter
-from compute_service.model import PagedDriver
 from compute_service.server import ComputeServer
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -16,6 +15,7 @@ from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from tests.compute_service.server_harness import (PAGE, LENGTH, INVALID, model, make_engine,
                                                   running, greedy, prompt, wait_until, sample,
                                                   fails)
+from tests.compute_service.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from compute_service.model import PagedDriver
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.tokenizer import from_directory, from_files
 from tests.compute_service.checkpoints import (BPE_TOKENIZER, preset_model, serving,
                                                write_checkpoint)
 from tests.compute_service.server_harness import fails, greedy
+from tests.compute_service.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -46,7 +46,7 @@ def make_repo(tmp_path, readme: str) -> None:
     results = tmp_path / "docs" / "results" / "cache"
     results.mkdir(parents=True)
     (results / "bench.json").write_text(json.dumps({
-        "command": "python -m cache_service.bench --json docs/results/cache/bench.json",
+        "command": "python -m prefixcache_bench.cache --json docs/results/cache/bench.json",
         "match_us_p50": 12.5, "goals": {"match_us_p50": {"goal": "<= 200", "pass": True}},
         "machine": {"cpu_count": 2, "python": "3.11.7"}}))
     (tmp_path / "README.md").write_text(readme)
@@ -64,7 +64,7 @@ def test_check_then_write_then_check(tmp_path, capsys):
     assert "typed" not in readme
     page = (tmp_path / "docs" / "results" / "README.md").read_text()
     assert "do not edit" in page
-    assert "python -m cache_service.bench --json docs/results/cache/bench.json" in page
+    assert "python -m prefixcache_bench.cache --json docs/results/cache/bench.json" in page
     assert "| match_us_p50 | 12.5 | <= 200 | PASS |" in page
     # A figure typed into the page afterwards is caught.
     (tmp_path / "docs" / "results" / "README.md").write_text(page.replace("12.5", "10"))
@@ -81,11 +81,11 @@ def test_the_command_comes_from_the_txt_header_when_the_json_has_none(tmp_path):
     folder = tmp_path / "docs" / "results" / "gateway"
     folder.mkdir(parents=True)
     (folder / "a.json").write_text("{}")
-    (folder / "a.txt").write_text("# python -m gateway.simulate --json a.json\n# a note\nbody\n")
+    (folder / "a.txt").write_text("# python -m prefixcache_bench.sim.simulate --json a.json\n# a note\nbody\n")
     (folder / "b.json").write_text("{}")
-    (folder / "c.txt").write_text("# python -m gateway.simulate --json c.json\n"
+    (folder / "c.txt").write_text("# python -m prefixcache_bench.sim.simulate --json c.json\n"
                                   "# the same, --no-l3-events (b.json)\n")
     by_rel = {s.rel: s for s in pages.load_sources(tmp_path)}
-    assert by_rel["gateway/a.json"].commands == ["python -m gateway.simulate --json a.json"]
-    assert by_rel["gateway/b.json"].commands == ["python -m gateway.simulate --json c.json",
+    assert by_rel["gateway/a.json"].commands == ["python -m prefixcache_bench.sim.simulate --json a.json"]
+    assert by_rel["gateway/b.json"].commands == ["python -m prefixcache_bench.sim.simulate --json c.json",
                                                  "the same, --no-l3-events (b.json)"]

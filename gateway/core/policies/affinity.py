@@ -15,7 +15,7 @@ holds: if the winner would, but a holder is within a near-tie of the best balanc
 queue is at most move_queue_tokens, the best-scoring holder wins.
 
 Why each term and weight is what it is: docs/design.md §6 "Routing policy"; the measurements
-behind them are the committed results of `gateway.simulate` (docs/results/).
+behind them are the committed results of `prefixcache_bench.sim.simulate` (docs/results/).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from compute_service.model import PagedDriver, build_preset
+from compute_service.model import build_preset
+from tests.compute_service.paged_driver import PagedDriver
 
 FAMILIES = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
 PAGE = 4

@@ -26,9 +26,10 @@ from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.engine.request import FinishReason
 from compute_service.lora import (AdapterRegistry, LoraAdapter, NoFreeSlotError, merged_model,
                                   write_random_adapter)
-from compute_service.model import ByteTokenizer, PagedDriver, build_preset
+from compute_service.model import ByteTokenizer, build_preset
 from prefixcache.v1 import cache_service_pb2 as cpb, common_pb2
 from prefixcache_client.hash import prompt_hashes
+from tests.compute_service.paged_driver import PagedDriver
 
 # Tiny models on two shared cores: more intra-op threads only add contention.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

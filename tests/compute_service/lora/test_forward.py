@@ -11,7 +11,8 @@ import torch
 
 from compute_service import kernels
 from compute_service.lora import AdapterRegistry, LoraAdapter, merged_model, random_adapter
-from compute_service.model import CausalLM, ForwardMode, PagedDriver, build_preset
+from compute_service.model import CausalLM, ForwardMode, build_preset
+from tests.compute_service.paged_driver import PagedDriver
 
 TOL = {"atol": 2e-4, "rtol": 1e-4}
 PAGE = 16

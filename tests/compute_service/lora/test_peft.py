@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from compute_service.lora import AdapterRegistry, read_adapter, write_random_adapter
-from compute_service.model import ForwardMode, PagedDriver, build_preset, load_model, save_model
+from compute_service.model import ForwardMode, build_preset, load_model, save_model
 from tests.compute_service.model.hf_reference import VOCAB, build_hf_model, hf_logits
+from tests.compute_service.paged_driver import PagedDriver
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")

@@ -18,7 +18,8 @@ from compute_service.lora import (
     random_adapter,
     write_random_adapter,
 )
-from compute_service.model import CausalLM, PagedDriver, build_preset
+from compute_service.model import CausalLM, build_preset
+from tests.compute_service.paged_driver import PagedDriver
 
 PRESET = "tiny-transformer"
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute_service.model import ForwardMode, PagedDriver, load_model
+from compute_service.model import ForwardMode, load_model
 from tests.compute_service.model.hf_reference import HF_CASES, VOCAB, build_hf_model, hf_logits
+from tests.compute_service.paged_driver import PagedDriver
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.model import ForwardBatch, ForwardMode, PagedDriver, build_preset
+from compute_service.model import ForwardBatch, ForwardMode, build_preset
+from tests.compute_service.paged_driver import PagedDriver
 
 TINY = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
 MAMBA = ["tiny-mamba2", "tiny-hybrid"]

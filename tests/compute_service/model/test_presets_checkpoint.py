@@ -12,7 +12,6 @@ from compute_service.model import (
     PRESETS,
     ForwardMode,
     NoTokenizer,
-    PagedDriver,
     UnsupportedConfigError,
     build_preset,
     load_model,
@@ -22,6 +21,7 @@ from compute_service.model import (
     save_model,
 )
 from compute_service.model.tokenizer import ByteTokenizer
+from tests.compute_service.paged_driver import PagedDriver
 
 TINY = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
 

@@ -8,7 +8,8 @@ import random
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from compute_service.engine import Engine, EngineConfig, SamplingParams
-from compute_service.model import ByteTokenizer, PagedDriver, build_preset
+from compute_service.model import ByteTokenizer, build_preset
+from tests.compute_service.paged_driver import PagedDriver
 
 PAGE = 4
 NEW = 4

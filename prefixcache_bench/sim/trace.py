@@ -1,0 +1,180 @@
+"""Mooncake-format traces: loading, hash id -> tokens, and a small synthetic trace generator.
+
+A trace line is `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`;
+each hash id names a block of 512 prompt tokens, and requests sharing leading ids share that
+prefix. Here each id becomes a fixed block of token ids: SHAKE-256(seed, id) read as u32 and
+reduced modulo the vocabulary, so equal ids give equal tokens in any process and any version.
+
+    python -m prefixcache_bench.sim.trace --synth chat|rollout --out PATH [--requests N] [--seed S]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import random
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prefixcache_client.hash import chain_hashes, namespace_seed
+
+BLOCK_TOKENS = 512
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, max_requests: int | None = None, time_scale: float = 1.0,
+               max_output_tokens: int = 4096, block_tokens: int = BLOCK_TOKENS) -> list[TraceRequest]:
+    """Requests in arrival order. time_scale > 1 compresses time (more load); outputs are capped."""
+    if time_scale <= 0:
+        raise ValueError(f"time_scale: must be > 0, got {time_scale}")
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if max_requests is not None and len(out) >= max_requests:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            ids, n = tuple(int(h) for h in rec["hash_ids"]), int(rec["input_length"])
+            if n < 1 or n > len(ids) * block_tokens:
+                raise ValueError(f"{path}:{lineno}: input_length {n} does not fit {len(ids)} blocks")
+            out.append(TraceRequest(len(out), float(rec["timestamp"]) / 1000.0 / time_scale, n,
+                                    min(max(int(rec["output_length"]), 1), max_output_tokens), ids))
+    out.sort(key=lambda r: (r.arrival_s, r.index))
+    return out
+
+
+class BlockTokens:
+    """Deterministic tokens of trace blocks, with a small LRU of recent blocks."""
+
+    def __init__(self, vocab_size: int = 128256, seed: int = 0, block_tokens: int = BLOCK_TOKENS,
+                 cache_blocks: int = 8192) -> None:
+        if not 1 <= vocab_size <= 2**32:
+            raise ValueError(f"vocab_size: must be in [1, 2^32], got {vocab_size}")
+        self.vocab_size, self.seed, self.block_tokens = vocab_size, seed, block_tokens
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cache_blocks = cache_blocks
+
+    def block_bytes(self, hash_id: int) -> bytes:
+        """The block's tokens as u32 little-endian bytes (what prefixcache_client.hash hashes)."""
+        data = self._cache.get(hash_id)
+        if data is not None:
+            self._cache.move_to_end(hash_id)
+            return data
+        raw = hashlib.shake_256(struct.pack("<qq", self.seed, hash_id)).digest(4 * self.block_tokens)
+        tokens = np.frombuffer(raw, dtype="<u4") % np.uint64(self.vocab_size)
+        data = tokens.astype("<u4").tobytes()
+        self._cache[hash_id] = data
+        if len(self._cache) > self._cache_blocks:
+            self._cache.popitem(last=False)
+        return data
+
+    def prompt_bytes(self, req: TraceRequest) -> bytes:
+        return b"".join(self.block_bytes(h) for h in req.hash_ids)[: 4 * req.input_length]
+
+    def prompt_tokens(self, req: TraceRequest) -> list[int]:
+        return np.frombuffer(self.prompt_bytes(req), dtype="<u4").tolist()
+
+    def page_hashes(self, req: TraceRequest, page_size: int, model_id: str, adapter: str = "",
+                    salt: str = "") -> list[bytes]:
+        """Hashes of the prompt's full pages in a namespace (prefixcache_client.hash's chain)."""
+        return chain_hashes(namespace_seed(model_id, adapter, salt), self.prompt_bytes(req), page_size)
+
+
+# ----- synthetic traces ------------------------------------------------------------------------
+
+def _chat(n: int, rng: random.Random) -> Iterator[dict]:
+    """Multi-turn chat: shared system prompts, conversations whose context grows every turn."""
+    next_id = 0
+
+    def new_ids(k: int) -> list[int]:
+        nonlocal next_id
+        next_id += k
+        return list(range(next_id - k, next_id))
+
+    systems = [new_ids(rng.randint(1, 4)) for _ in range(16)]
+    # (time ms, conversation, turns left, block ids of the context, its full blocks, its tokens)
+    heap: list[tuple[float, int, int, list[int], int, int]] = []
+    t = 0.0
+    for conv in range(max(n // 4, 1)):
+        t += rng.expovariate(1 / 900.0)  # a conversation starts every ~0.9 s
+        sys_ids = systems[min(int(rng.paretovariate(1.2)) - 1, 15)]
+        turns = 1 + int(rng.expovariate(1 / 4.0))
+        heapq.heappush(heap, (t, conv, turns, sys_ids, len(sys_ids), len(sys_ids) * BLOCK_TOKENS))
+    for _ in range(n):
+        if not heap:
+            return
+        t, conv, turns, ids, kept, tokens = heapq.heappop(heap)
+        user = int(rng.lognormvariate(6.5, 1.0)) + 16
+        output = min(int(rng.lognormvariate(5.5, 0.8)) + 8, 2000)
+        total = tokens + user
+        # Blocks that were full in the previous prompt are unchanged; the rest is new content.
+        ids = ids[:kept] + new_ids(-(-total // BLOCK_TOKENS) - kept)
+        yield {"timestamp": int(t), "input_length": total, "output_length": output, "hash_ids": ids}
+        if turns > 1:  # the answer joins the context; the user thinks ~30 s
+            heapq.heappush(heap, (t + rng.expovariate(1 / 30000.0), conv, turns - 1, ids,
+                                  total // BLOCK_TOKENS, total + output))
+
+
+def _rollout(n: int, rng: random.Random) -> Iterator[dict]:
+    """RL rollouts / agents: bursts of G samples of one long prompt, few-shot prefixes shared."""
+    fewshot = [list(range(i * 8, i * 8 + rng.randint(2, 8))) for i in range(8)]
+    next_id = 64
+    t, out = 0.0, 0
+    while out < n:
+        t += rng.expovariate(1 / 2000.0)
+        shared = fewshot[rng.randrange(len(fewshot))]
+        task = rng.randint(1, 12)
+        ids = shared + list(range(next_id, next_id + task))
+        next_id += task
+        length = (len(ids) - 1) * BLOCK_TOKENS + rng.randint(1, BLOCK_TOKENS)
+        for _ in range(min(rng.choice((4, 8, 16)), n - out)):
+            yield {"timestamp": int(t), "input_length": length,
+                   "output_length": int(rng.lognormvariate(6.0, 0.7)) + 16, "hash_ids": ids}
+            out += 1
+
+
+SYNTH_KINDS = {"chat": _chat, "rollout": _rollout}
+
+
+def write_synthetic(kind: str, path: str | Path, requests: int, seed: int = 0) -> int:
+    if kind not in SYNTH_KINDS:
+        raise ValueError(f"kind: unknown {kind!r}, expected one of {', '.join(SYNTH_KINDS)}")
+    rng = random.Random(seed)
+    rows = sorted(SYNTH_KINDS[kind](requests, rng), key=lambda r: r["timestamp"])
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return len(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prefixcache_bench.sim.trace",
+                                     description="Generate a synthetic Mooncake-format trace.")
+    parser.add_argument("--synth", required=True, choices=sorted(SYNTH_KINDS), help="workload kind")
+    parser.add_argument("--out", required=True, help="output .jsonl path")
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    n = write_synthetic(args.synth, args.out, args.requests, args.seed)
+    print(f"wrote {n} requests to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.core.index import KvIndex
+from gateway.core.policies import RoundRobinPolicy
+from prefixcache_bench.sim.bench import run_bench
+from prefixcache_bench.sim.cache import PageCache, SharedL3
+from prefixcache_bench.sim.engine import SimConfig, run_policy
+from prefixcache_bench.sim.simulate import main
+from prefixcache_bench.sim.trace import TraceRequest
+from prefixcache_bench import CONVERSATION_TRACE
+from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, pages
+
+KEYS = {"hit_ratio", "bound_hit_ratio", "imbalance", "mean_ttft_s", "p99_ttft_s", "decision_p50_us",
+        "decision_p99_us"}
+
+
+def test_page_cache_events_reproduce_its_page_sets():
+    cache = PageCache(device_pages=20, host_pages=15, page_size=16)
+    index = KvIndex()
+    prompts = [pages(0, 8), pages(0, 12), pages(100, 110), pages(0, 4) + pages(200, 206), pages(0, 12),
+               pages(300, 325), pages(0, 8)]
+    for seq, prompt in enumerate(prompts):
+        d, h = cache.match(prompt)
+        assert index.apply(batch("w", seq, *cache.commit(prompt, d, h))).page_events > 0
+    assert index.pages("w", DEVICE) == set(cache.device)
+    assert index.pages("w", HOST) == set(cache.host)
+    assert len(cache.device) == 20 and len(cache.host) == 15
+
+
+def test_simulator_on_a_trace_slice(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    assert main(["--trace", str(CONVERSATION_TRACE), "--workers", "8", "--capacity-tokens", "200000", "--policy", "all",
+                 "--max-requests", "300", "--json", str(out), "--png", str(png), "--quiet"]) == 0
+    result = json.loads(out.read_text())
+    policies = result["policies"]
+    assert set(policies) == {"affinity", "approx", "round_robin", "least_loaded", "sglang"}
+    for stats in policies.values():
+        assert KEYS <= set(stats)
+        assert stats["requests"] == 300 and 0 <= stats["hit_ratio"] <= 1
+    assert policies["affinity"]["hit_ratio"] > policies["round_robin"]["hit_ratio"]
+    assert 0 < result["bound_hit_ratio"] <= 1 and "hit_vs_bound_ok" in result["goals"]
+    assert png.stat().st_size > 10_000
+
+
+def test_simulator_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["--trace", "x.jsonl", "--policy", "nope"])
+    with pytest.raises(SystemExit):
+        main([])
+    assert "--trace is required" in capsys.readouterr().err
+
+
+def test_micro_benchmark_reports_decision_latency_and_ingest_rate():
+    result = run_bench(workers=8, prompt_tokens=1024, samples=40, prefixes_per_worker=2, ingest_batches=200)
+    assert 0 < result.decision_p50_us <= result.decision_p99_us
+    assert result.hash_p99_us > 0 and result.lookup_p99_us > 0
+    assert result.ingest_page_events_per_s > 10_000 and result.index_entries > 0
+
+
+def test_shared_l3_events_reproduce_its_page_set():
+    l3, index = SharedL3(capacity_pages=30, page_size=16), KvIndex()
+    # Each write lists a prompt's pages deepest first; the last one rewrites held pages only.
+    writes = [pages(0, 12), pages(100, 120), pages(0, 12), pages(200, 215), pages(5, 9), pages(300, 312)]
+    for seq, hashes in enumerate(writes):
+        pairs = [(h, hashes[i - 1] if i else b"") for i, h in reversed(list(enumerate(hashes)))]
+        index.apply(batch("l3", seq, *l3.write(pairs)))
+    assert index.pages("l3", REMOTE) == set(l3.pages) and len(l3) == 30
+    assert (l3.new_pages, l3.evictions, l3.writes) == (12 + 20 + 2 + 15 + 0 + 12, 2 + 2 + 15 + 0 + 12, 75)
+    assert l3.extend(pages(0, 12), 0) == 0 and l3.extend(pages(0, 12), 5) == 4  # 5..8 were rewritten
+    assert l3.extend(pages(200, 215), 0) == 14  # its deepest page went first
+    # REMOTE is shared: a worker that holds nothing still matches the L3's pages.
+    index.add_worker("w")
+    assert index.lookup(pages(200, 215))["w"].remote_pages == 14
+
+
+def _requests(*prompts: list[bytes]) -> tuple[list[TraceRequest], list[bytes]]:
+    reqs = [TraceRequest(i, 10.0 * i, 16 * len(p), 1, ()) for i, p in enumerate(prompts)]
+    return reqs, [b"".join(p) for p in prompts]
+
+
+def test_siblings_wait_for_the_pages_a_step_computes_and_twins_share_its_first_token():
+    # One worker busy with X when Y, its twin, Y + 2 pages and Z arrive: the next step takes Y
+    # and Z and holds the other two back (Scheduler._waits_for_sibling). The twin gets its first
+    # token with Y's (Scheduler.twins); both then run a step that hits Y's pages.
+    x, y, z = pages(0, 64), pages(1000, 1010), pages(2000, 2010)
+    y2 = y + pages(3000, 3002)
+    prompts = [x, y, y, y2, z]
+    reqs = [TraceRequest(i, 0.001 * i, 16 * len(p), 1, (i if p is not y else -1,))
+            for i, p in enumerate(prompts)]
+    result = run_policy(reqs, [b"".join(p) for p in prompts], RoundRobinPolicy(), SimConfig(workers=1))
+    assert result.computed_per_worker == [16 * (64 + 10 + 2 + 10)] and result.cached_tokens == 2 * 160
+    # First tokens in the order recorded: X; the twin, Y and Z at one step's end; then Y + 2.
+    finish = [t + a for t, a in zip(result.ttft_s, (0.0, 0.002, 0.001, 0.004, 0.003))]
+    assert finish[2] == pytest.approx(finish[1]) and finish[3] == pytest.approx(finish[1])
+    assert finish[0] < finish[1] < finish[4]
+
+
+def test_l3_write_back_reloads_what_a_worker_evicted():
+    # One worker holding 64 pages: B evicts A, which goes to L3 and is loaded back for A again.
+    a, b = pages(0, 64), pages(1000, 1064)
+    reqs, blobs = _requests(a, b, a)
+    cfg = SimConfig(workers=1, capacity_tokens=64 * 16, l3_capacity_tokens=1000 * 16)
+    result = run_policy(reqs, blobs, RoundRobinPolicy(), cfg)
+    assert (result.cached_tokens, result.l3_hit_tokens, result.host_hit_tokens) == (64 * 16, 64 * 16, 0)
+    assert result.l3_new_pages == 128 and result.ttft_s[2] < result.ttft_s[0] / 2
+    # Without the L3, A is computed twice.
+    assert run_policy(reqs, blobs, RoundRobinPolicy(), SimConfig(workers=1, capacity_tokens=64 * 16)
+                      ).cached_tokens == 0
+
+
+def test_l3_write_through_shares_a_prefix_across_workers():
+    a = pages(0, 64)
+    reqs, blobs = _requests(a, a + pages(500, 510))
+    through = SimConfig(workers=2, capacity_tokens=1000 * 16, l3_capacity_tokens=1000 * 16, l3_write_through=True)
+    result = run_policy(reqs, blobs, RoundRobinPolicy(), through)  # the second request goes to worker 1
+    assert result.l3_hit_tokens == result.cached_tokens == 64 * 16
+    assert result.computed_per_worker == [64 * 16, 10 * 16] and result.l3_page_writes == 74
+    back = SimConfig(workers=2, capacity_tokens=1000 * 16, l3_capacity_tokens=1000 * 16)
+    assert run_policy(reqs, blobs, RoundRobinPolicy(), back).l3_hit_tokens == 0  # nothing evicted yet
+
+
+def test_simulator_with_a_shared_l3(tmp_path):
+    out = tmp_path / "l3.json"
+    assert main(["--trace", str(CONVERSATION_TRACE), "--workers", "4", "--capacity-tokens", "100000", "--policy", "affinity",
+                 "--max-requests", "300", "--l3-capacity-tokens", "2000000", "--json", str(out), "--quiet"]) == 0
+    result = json.loads(out.read_text())
+    aff, l3 = result["policies"]["affinity"], result["l3"]
+    assert l3["write_policy"] == "write-back" and l3["events"] and l3["capacity_tokens"] == 2_000_000
+    assert aff["l3_hit_ratio"] > 0 and aff["l3_new_pages"] > 0
+    assert aff["hit_ratio"] == pytest.approx(aff["device_hit_ratio"] + aff["host_hit_ratio"] + aff["l3_hit_ratio"])
+    assert result["bound_hit_ratio"] <= l3["bound_hit_ratio"] <= result["unbounded_hit_ratio"]
+    assert aff["hit_vs_l3_bound"] == pytest.approx(aff["hit_ratio"] / l3["bound_hit_ratio"])
+    assert "hit_vs_l3_bound_ok" in result["goals"]

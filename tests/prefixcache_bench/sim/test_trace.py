@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixcache_bench.sim.trace import BlockTokens, load_trace, main, write_synthetic
+from prefixcache_client.hash import prompt_hashes, token_bytes
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_load_trace_scales_time_caps_outputs_and_validates(tmp_path):
+    path = _write(tmp_path / "t.jsonl", [
+        {"timestamp": 2000, "input_length": 600, "output_length": 9000, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 10, "output_length": 5, "hash_ids": [1]},
+    ])
+    reqs = load_trace(path, time_scale=2.0, max_output_tokens=100)
+    assert [(r.arrival_s, r.output_length) for r in reqs] == [(0.5, 5), (1.0, 100)]
+    assert len(load_trace(path, max_requests=1)) == 1
+    bad = _write(tmp_path / "bad.jsonl", [{"timestamp": 0, "input_length": 2000, "output_length": 1,
+                                           "hash_ids": [1]}])
+    with pytest.raises(ValueError, match="input_length"):
+        load_trace(bad)
+
+
+def test_block_tokens_are_deterministic_in_vocab_and_hash_like_the_cache_service(tmp_path):
+    path = _write(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [7, 8]},
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [7, 9]},
+    ])
+    a, b = load_trace(path)
+    blocks = BlockTokens(vocab_size=1000, seed=3)
+    ta, tb = blocks.prompt_tokens(a), blocks.prompt_tokens(b)
+    assert len(ta) == 700 and len(tb) == 1024
+    assert ta[:512] == tb[:512] and ta[512:700] != tb[512:700]
+    assert all(0 <= t < 1000 for t in ta + tb)
+    assert BlockTokens(vocab_size=1000, seed=3).prompt_tokens(a) == ta
+    assert BlockTokens(vocab_size=1000, seed=4).prompt_tokens(a) != ta
+    assert blocks.block_bytes(7) == token_bytes(ta[:512])
+    assert blocks.page_hashes(a, 16, "m", "ad", "s") == prompt_hashes(ta, 16, "m", "ad", "s")
+    assert len(blocks.page_hashes(a, 16, "m")) == 700 // 16
+
+
+@pytest.mark.parametrize("kind", ["chat", "rollout"])
+def test_synthetic_traces_are_valid_mooncake_traces(tmp_path, kind):
+    path = tmp_path / f"{kind}.jsonl"
+    assert main(["--synth", kind, "--out", str(path), "--requests", "300", "--seed", "1"]) == 0
+    reqs = load_trace(path)
+    assert len(reqs) == 300
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
+    # Some requests share leading blocks with an earlier one: there is prefix reuse to find.
+    seen, shared = set(), 0
+    for r in reqs:
+        shared += r.hash_ids[0] in seen
+        seen.update(r.hash_ids)
+    assert shared > 100
+    again = tmp_path / "again.jsonl"
+    write_synthetic(kind, again, 300, seed=1)
+    assert again.read_text() == path.read_text()
