@@ -18,6 +18,7 @@ import argparse
 import logging
 import sys
 
+from cache_service import chain_hash
 from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
@@ -25,13 +26,17 @@ from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
 from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging,
                            tls_from_args)
+from prefixcache_client.hash import NS_DOMAIN
 from service_shell.auth_flags import add_identities_flag, identities_from_args
+from service_shell.config import add_native_flags
 from service_shell.redis import add_redis_flags, settings_from_args
 
 log = logging.getLogger("cache_service")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the cache service; `declared_variables(build_parser())` lists the
+    PREFIXCACHE_* variables it reads."""
     defaults = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m cache_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "concurrent Subscribe streams one service identity may hold (with "
              "--service-identities-file)", type=int)
     add_kv_events_flags(p)
+    add_flag(p, "--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
+             "expects; anything but this build's is refused")
+    add_native_flags(p, cpu_kernels=False)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = ServerConfig()
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.hash_spec != NS_DOMAIN.decode():
+        p.error(f"--hash-spec {args.hash_spec!r}: this cache service implements "
+                f"{NS_DOMAIN.decode()!r} only")
     args.tls = tls_from_args(p, args)
     args.redis = settings_from_args(p, args)
     args.kv_events = kv_events_from_args(p, args)
@@ -79,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    chain_hash.configure(args.cache_native, args.kernel_cache)
     shutdown = ShutdownSignal(log)
     config = ServerConfig(host=args.host, port=args.port,
                           metrics_port=args.metrics_port or None,
