@@ -24,8 +24,8 @@ from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
-from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging,
-                           tls_from_args)
+from service_shell import (ServiceShell, ShutdownSignal, add_flag, add_server_flags,
+                           configure_logging, tls_from_args)
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell.auth_flags import add_identities_flag, identities_from_args
 from service_shell.config import add_native_flags
@@ -116,21 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     core = CacheCore(replay_events=args.replay_events, remote=remote)
     kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
     server = CacheServer(core, config, kv_events).start()
-    print(f"listening on {server.address}", flush=True)
-    if kv_events is not None:
-        print(f"kv events on {kv_events.endpoint}"
-              + (f" replay {kv_events.replay_endpoint}" if kv_events.replay_endpoint else ""),
-              flush=True)
-    if server.metrics_port is not None:
-        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
-    if server.health_port is not None:
-        print(f"health on {args.host}:{server.health_port}", flush=True)
-    # Drain runs here, on the main thread, not inside the signal handler, so that it may block.
-    shutdown.wait()
-    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
-    server.drain()
-    guard.drained()
-    return 0
+    kv_lines = [] if kv_events is None else [
+        f"kv events on {kv_events.endpoint}"
+        + (f" replay {kv_events.replay_endpoint}" if kv_events.replay_endpoint else "")]
+    ServiceShell.announce(server, args.host, first=kv_lines)
+    return ServiceShell.serve_until_signal(shutdown, server.drain,
+                                           grace_s=args.drain_delay_s + args.grace_s, log=log)
 
 
 if __name__ == "__main__":

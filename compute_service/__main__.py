@@ -60,7 +60,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache_client.hash import NS_DOMAIN
-from service_shell import (ExitGuard, ShutdownSignal, TlsConfig, add_bool_flag, add_flag,
+from service_shell import (ServiceShell, ShutdownSignal, TlsConfig, add_bool_flag, add_flag,
                            add_server_flags, configure_logging, kv, tls_from_args)
 from service_shell.config import add_list_flag, add_native_flags, check_renamed
 from service_shell.redis import add_redis_flags, settings_from_args
@@ -361,11 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_message_mb=args.max_message_mb, max_streams=args.max_streams,
                           grace_s=args.grace_s, drain_delay_s=args.drain_delay_s)
     server = ComputeServer(config).start()
-    print(f"listening on {server.address}", flush=True)
-    if server.metrics_port is not None:
-        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
-    if server.health_port is not None:
-        print(f"health on {args.host}:{server.health_port}", flush=True)
+    ServiceShell.announce(server, args.host)
 
     cache: CacheCore | CacheClient | None = None
     engine: Engine | None = None
@@ -400,20 +396,21 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
         return 1
     server.attach(engine, defaults)
-    shutdown.wait()
-    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
-    server.drain()
-    if isinstance(cache, CacheClient):
-        # The cache service frees the pool now instead of waiting for its leases to expire, and
-        # its subscribers (the gateway) learn that this worker is gone.
-        try:
-            cache.unregister_pool(cpb.UnregisterPoolRequest(pool_id=engine.cfg.pool_id,
-                                                            epoch=engine.epoch))
-        except CacheClientError as exc:
-            log.warning(kv("unregister_failed", pool=engine.cfg.pool_id, error=exc))
-        cache.close()
-    guard.drained()
-    return 0
+
+    def drain() -> None:
+        server.drain()
+        if isinstance(cache, CacheClient):
+            # The cache service frees the pool now instead of waiting for its leases to
+            # expire, and its subscribers (the gateway) learn that this worker is gone.
+            try:
+                cache.unregister_pool(cpb.UnregisterPoolRequest(pool_id=engine.cfg.pool_id,
+                                                                epoch=engine.epoch))
+            except CacheClientError as exc:
+                log.warning(kv("unregister_failed", pool=engine.cfg.pool_id, error=exc))
+            cache.close()
+
+    return ServiceShell.serve_until_signal(shutdown, drain,
+                                           grace_s=args.drain_delay_s + args.grace_s, log=log)
 
 
 if __name__ == "__main__":

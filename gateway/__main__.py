@@ -31,7 +31,7 @@ from gateway.tenants import TenantDirectory
 from gateway.tokenize import AUTO
 from gateway.workers import WorkerSettings
 from prefixcache_client.hash import NS_DOMAIN
-from service_shell import (ExitGuard, ShutdownSignal, add_bool_flag, add_flag, add_server_flags,
+from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag, add_server_flags,
                            configure_logging, finite_float, kv, tls_from_args)
 from service_shell.auth_flags import add_token_flag, token_from_args
 
@@ -144,20 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # an unreadable tokenizer, a port in use, a bad certificate
         log.exception(kv("startup_failed"))
         return 1
-    print(f"listening on {server.address}", flush=True)
-    if server.metrics_port is not None:
-        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
-    if server.health_port is not None:
-        print(f"health on {args.host}:{server.health_port}", flush=True)
-    if server.http_port is not None:
-        print(f"http on {args.host}:{server.http_port}", flush=True)
-    if server.epp is not None:
-        print(f"epp on {server.epp.address}", flush=True)
-    shutdown.wait()
-    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
-    server.drain()
-    guard.drained()
-    return 0
+    last = [f"http on {args.host}:{server.http_port}"] if server.http_port is not None else []
+    last += [f"epp on {server.epp.address}"] if server.epp is not None else []
+    ServiceShell.announce(server, args.host, last=last)
+    return ServiceShell.serve_until_signal(shutdown, server.drain,
+                                           grace_s=args.drain_delay_s + args.grace_s, log=log)
 
 
 if __name__ == "__main__":
