@@ -18,20 +18,25 @@ import argparse
 import logging
 import sys
 
+from cache_service import chain_hash
 from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
-from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging,
-                           tls_from_args)
+from service_shell import (ServiceShell, ShutdownSignal, add_flag, add_server_flags,
+                           configure_logging, tls_from_args)
+from prefixcache_client.hash import NS_DOMAIN
 from service_shell.auth_flags import add_identities_flag, identities_from_args
+from service_shell.config import add_native_flags
 from service_shell.redis import add_redis_flags, settings_from_args
 
 log = logging.getLogger("cache_service")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the cache service; `declared_variables(build_parser())` lists the
+    PREFIXCACHE_* variables it reads."""
     defaults = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m cache_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "concurrent Subscribe streams one service identity may hold (with "
              "--service-identities-file)", type=int)
     add_kv_events_flags(p)
+    add_flag(p, "--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
+             "expects; anything but this build's is refused")
+    add_native_flags(p, cpu_kernels=False)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = ServerConfig()
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.hash_spec != NS_DOMAIN.decode():
+        p.error(f"--hash-spec {args.hash_spec!r}: this cache service implements "
+                f"{NS_DOMAIN.decode()!r} only")
     args.tls = tls_from_args(p, args)
     args.redis = settings_from_args(p, args)
     args.kv_events = kv_events_from_args(p, args)
@@ -79,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    chain_hash.configure(args.cache_native, args.kernel_cache)
     shutdown = ShutdownSignal(log)
     config = ServerConfig(host=args.host, port=args.port,
                           metrics_port=args.metrics_port or None,
@@ -98,21 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     core = CacheCore(replay_events=args.replay_events, remote=remote)
     kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
     server = CacheServer(core, config, kv_events).start()
-    print(f"listening on {server.address}", flush=True)
-    if kv_events is not None:
-        print(f"kv events on {kv_events.endpoint}"
-              + (f" replay {kv_events.replay_endpoint}" if kv_events.replay_endpoint else ""),
-              flush=True)
-    if server.metrics_port is not None:
-        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
-    if server.health_port is not None:
-        print(f"health on {args.host}:{server.health_port}", flush=True)
-    # Drain runs here, on the main thread, not inside the signal handler, so that it may block.
-    shutdown.wait()
-    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
-    server.drain()
-    guard.drained()
-    return 0
+    kv_lines = [] if kv_events is None else [
+        f"kv events on {kv_events.endpoint}"
+        + (f" replay {kv_events.replay_endpoint}" if kv_events.replay_endpoint else "")]
+    ServiceShell.announce(server, args.host, first=kv_lines)
+    return ServiceShell.serve_until_signal(shutdown, server.drain,
+                                           grace_s=args.drain_delay_s + args.grace_s, log=log)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ uses, with its CPU-specific code), a whole run per call. It is built on first us
 system C compiler, linked to the libcrypto this process already loaded, and checked against
 hashlib before it is trusted.
 
-`PREFIXCACHE_CACHE_NATIVE=auto|on|off`: auto (the default) uses it when it builds and passes the
-check, and otherwise hashlib (the reason is logged once); off always uses hashlib; on fails
-loudly when it cannot be used. Builds go to `$PREFIXCACHE_KERNEL_CACHE` (default
+`configure(mode, kernel_cache)` (the services' --cache-native / PREFIXCACHE_CACHE_NATIVE and
+--kernel-cache / PREFIXCACHE_KERNEL_CACHE): auto (the default) uses it when it builds and passes
+the check, and otherwise hashlib (the reason is logged once); off always uses hashlib; on fails
+loudly when it cannot be used. Builds go to the kernel cache (default
 `~/.cache/prefixcache/kernels`), under a name that hashes the source, the compiler's version and
 the library's path; concurrent first builds are safe (temporary file, then rename).
 """
@@ -80,6 +81,7 @@ void prefixcache_chain_hash(const unsigned char *parent, const unsigned char *da
 
 _lock = threading.Lock()
 _state: dict[str, Callable[[bytes, bytes, int], bytes] | None] = {}
+_settings: dict[str, object] = {"mode": "auto", "kernel_cache": None}  # configure()
 
 
 def python_chain(parent: bytes, data: bytes, stride: int) -> bytes:
@@ -102,9 +104,20 @@ def _libcrypto() -> str | None:
     return None
 
 
+def configure(mode: str = "auto", kernel_cache: str | Path | None = None) -> None:
+    """The service's settings (--cache-native, --kernel-cache): `mode` auto (the native chain
+    when it builds and agrees with hashlib), on (refuse without it) or off (hashlib), and the
+    build directory. Before the first hash; the defaults hold until a service calls this."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"chain hash mode {mode!r}: expected auto, on or off")
+    with _lock:
+        _settings.update(mode=mode, kernel_cache=kernel_cache)
+        _state.pop("chain", None)
+
+
 def _cache_dir() -> Path:
-    if env := os.environ.get("PREFIXCACHE_KERNEL_CACHE"):
-        return Path(env)
+    if _settings["kernel_cache"]:
+        return Path(_settings["kernel_cache"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "prefixcache" / "kernels"
 
@@ -165,16 +178,14 @@ def _native() -> Callable[[bytes, bytes, int], bytes]:
 
 
 def _load() -> Callable[[bytes, bytes, int], bytes]:
-    mode = os.environ.get("PREFIXCACHE_CACHE_NATIVE", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"PREFIXCACHE_CACHE_NATIVE={mode!r}: expected auto, on or off")
+    mode = _settings["mode"]
     if mode == "off":
         return python_chain
     try:
         return _native()
     except (ImportError, OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         if mode == "on":
-            raise RuntimeError(f"PREFIXCACHE_CACHE_NATIVE=on, but the native chain hash cannot "
+            raise RuntimeError(f"--cache-native on (PREFIXCACHE_CACHE_NATIVE), but the native chain hash cannot "
                                f"be used: {exc}") from exc
         log.warning("event=chain_hash_fallback reason=%r (hashing pages through hashlib)", exc)
         return python_chain

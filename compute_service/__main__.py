@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import re
 import socket
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from cache_service import chain_hash
 from cache_service.core import CacheCore
 from cache_service.l3 import L3Client, L3Config
 from compute_service.kernels import cpu_native
@@ -59,8 +59,10 @@ from compute_service.sizing import (KvSizing, SizingError, add_sizing_flags, che
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
-from service_shell import (ExitGuard, ShutdownSignal, TlsConfig, add_flag, add_server_flags,
-                           configure_logging, kv, tls_from_args)
+from prefixcache_client.hash import NS_DOMAIN
+from service_shell import (ServiceShell, ShutdownSignal, TlsConfig, add_bool_flag, add_flag,
+                           add_server_flags, configure_logging, kv, tls_from_args)
+from service_shell.config import add_list_flag, add_native_flags, check_renamed
 from service_shell.redis import add_redis_flags, settings_from_args
 from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
                                 token_from_args)
@@ -69,20 +71,6 @@ log = logging.getLogger("compute_service")
 
 EMBEDDED = "embedded"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
-def _env_bool(parser: argparse.ArgumentParser, name: str) -> bool | None:
-    """$PREFIXCACHE_<name> as a boolean, None when unset; anything else is a usage error."""
-    value = os.environ.get(f"PREFIXCACHE_{name}")
-    if value is None:
-        return None
-    if value.strip().lower() in _TRUE:
-        return True
-    if value.strip().lower() in _FALSE:
-        return False
-    parser.error(f"PREFIXCACHE_{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
-    return None
 
 
 def parse_adapter_specs(parser: argparse.ArgumentParser, specs: list[str]) -> list[tuple[str, str]]:
@@ -102,10 +90,26 @@ def parse_adapter_specs(parser: argparse.ArgumentParser, specs: list[str]) -> li
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    server, engine = ServerConfig(), EngineConfig()
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the worker, group by group; `declared_variables(build_parser())` lists the
+    PREFIXCACHE_* variables it reads."""
     p = argparse.ArgumentParser(prog="python -m compute_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    server, engine = ServerConfig(), EngineConfig()
+    add_model_flags(p)
+    add_cache_flags(p)
+    add_engine_flags(p, engine)
+    add_server_flags(p, env_prefix="COMPUTE", host=server.host, port=server.port,
+                     max_message_mb=server.max_message_mb)
+    add_drain_flags(p, server, engine)
+    add_l3_flags(p, engine)
+    add_lora_flags(p, engine)
+    add_identities_flag(p)
+    add_token_flag(p, to="the cache service (--cache-service)")
+    return p
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     flag = functools.partial(add_flag, p)
     flag("--model", "MODEL", None, f"a preset ({', '.join(PRESETS)}, byte-level tokenizer) or "
          "a directory with config.json + *.safetensors (+ tokenizer.json; without one the "
@@ -113,17 +117,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "defaults of requests that leave them unset)")
     flag("--model-id", "MODEL_ID", None, "model id in cache namespaces; default: "
          "PRESET-seedSEED, or the checkpoint directory's name")
+    flag("--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
+         "expects; anything but this build's is refused")
     flag("--seed", "SEED", 0, "seed of a preset's random weights", type=int)
+    flag("--device", "DEVICE", "cuda" if torch.cuda.is_available() else "cpu",
+         "where the model runs", choices=["cpu", "cuda"])
+    flag("--dtype", "DTYPE", None, "weights and KV dtype; default bfloat16 on cuda, float32 on "
+         "cpu", choices=list(_DTYPES))
+    flag("--threads", "THREADS", 0, "torch CPU threads, 0 = torch's default", type=int)
+    add_native_flags(p, cpu_kernels=True)
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    flag = functools.partial(add_flag, p)
     flag("--cache-service", "CACHE_SERVICE", EMBEDDED,
          f"HOST:PORT of the cache service, or '{EMBEDDED}' for an in-process one")
-    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction,
-                   default=_env_bool(p, "PREFIX_CACHE"),
-                   help="prefix caching through the cache service (env PREFIXCACHE_PREFIX_CACHE="
-                        "1/0; default on); --no-prefix-cache allocates pages locally and "
-                        "computes every prompt (no --cache-service, host pages or L3)")
+    add_bool_flag(p, "--prefix-cache", "PREFIX_CACHE", "prefix caching through the cache "
+                  "service; --no-prefix-cache allocates pages locally and computes every prompt "
+                  "(no --cache-service, host pages or L3)", "on")
     flag("--cache-wait-s", "CACHE_WAIT_S", 60.0,
          "seconds to wait for a remote cache service at startup", type=float)
     flag("--pool-id", "POOL_ID", None, "this worker's pool id; default: HOSTNAME-PORT")
+
+
+def add_engine_flags(p: argparse.ArgumentParser, engine: EngineConfig) -> None:
+    flag = functools.partial(add_flag, p)
     add_sizing_flags(flag, engine)
     flag("--page-size", "PAGE_SIZE", engine.page_size, "tokens per KV page", type=int)
     flag("--token-budget", "TOKEN_BUDGET", engine.token_budget,
@@ -132,13 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "requests running at once", type=int)
     flag("--max-context", "MAX_CONTEXT", None,
          "prompt + output tokens per request; default: the model's max positions", type=int)
-    flag("--device", "DEVICE", "cuda" if torch.cuda.is_available() else "cpu",
-         "where the model runs", choices=["cpu", "cuda"])
-    flag("--dtype", "DTYPE", None, "weights and KV dtype; default bfloat16 on cuda, float32 on "
-         "cpu", choices=list(_DTYPES))
-    flag("--threads", "THREADS", 0, "torch CPU threads, 0 = torch's default", type=int)
-    add_server_flags(p, env_prefix="COMPUTE", host=server.host, port=server.port,
-                     max_message_mb=server.max_message_mb)
+
+
+def add_drain_flags(p: argparse.ArgumentParser, server: ServerConfig,
+                    engine: EngineConfig) -> None:
+    flag = functools.partial(add_flag, p)
     flag("--max-streams", "MAX_STREAMS", server.max_streams,
          "concurrent Generate streams", type=int)
     flag("--grace-s", "GRACE_S", server.grace_s,
@@ -150,7 +166,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "cache service lives without a step naming it; the engine renews leases a quarter of it "
          "after a step last named them, so the slowest engine step must take less than 3/4; "
          "0 = the cache service's default (30)", type=float)
-    # L3 (Redis).
+
+
+def add_l3_flags(p: argparse.ArgumentParser, engine: EngineConfig) -> None:
+    """L3 (Redis)."""
+    flag = functools.partial(add_flag, p)
     l3 = L3Config(url="")
     add_redis_flags(p, "L3 page store shared by the workers", mac_key=True)
     flag("--l3-write-policy", "L3_WRITE_POLICY", None, "which pages this worker writes to L3: "
@@ -160,17 +180,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          "with --redis-url, else none", choices=list(WRITE_POLICIES))
     flag("--l3-min-hits", "L3_MIN_HITS", engine.l3_min_hits,
          "hot policy: hits before a page is written", type=int)
-    p.add_argument("--l3-lookup", action=argparse.BooleanOptionalAction,
-                   default=_env_bool(p, "L3_LOOKUP"),
-                   help="the cache service probes L3 at every match and this worker loads the "
-                        "pages it finds (env PREFIXCACHE_L3_LOOKUP=1/0; default on with "
-                        "--redis-url). A remote cache service needs its own --redis-url")
+    add_bool_flag(p, "--l3-lookup", "L3_LOOKUP", "the cache service probes L3 at every match "
+                  "and this worker loads the pages it finds. A remote cache service needs its "
+                  "own --redis-url", "on with --redis-url")
     flag("--l3-timeout-s", "L3_TIMEOUT_S", l3.timeout_s,
          "per-call Redis timeout; a slower Redis is a miss", type=float)
-    # A shared ConfigMap may set the cache service's name for the prefix; both must agree.
-    flag("--l3-key-prefix", "L3_KEY_PREFIX", os.environ.get("PREFIXCACHE_L3_PREFIX", l3.prefix),
-         "Redis key prefix (keys are PREFIX:MODEL_ID:PAGE_HASH); must equal the cache "
-         "service's --l3-prefix (falls back to PREFIXCACHE_L3_PREFIX)")
+    # One name for the prefix in both services: a shared ConfigMap sets it once for the engine
+    # and its cache sidecar, which must agree.
+    check_renamed(p, "L3_PREFIX")
+    flag("--l3-prefix", "L3_PREFIX", l3.prefix,
+         "Redis key prefix (keys are PREFIX:MODEL_ID:PAGE_HASH); the cache service's --l3-prefix "
+         "(the same variable) must be the same")
     flag("--l3-ttl-s", "L3_TTL_S", l3.ttl_s, "expiry of written pages, seconds; 0 = none "
          "(Redis's maxmemory-policy allkeys-lru still evicts)", type=int)
     flag("--l3-write-queue-mb", "L3_WRITE_QUEUE_MB", engine.l3_write_queue_bytes >> 20,
@@ -178,24 +198,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          type=int)
     flag("--l3-batch-pages", "L3_BATCH_PAGES", engine.l3_batch_pages,
          "pages per Redis round trip (writes and loads)", type=int)
-    # LoRA.
+
+
+def add_lora_flags(p: argparse.ArgumentParser, engine: EngineConfig) -> None:
+    flag = functools.partial(add_flag, p)
     flag("--max-loaded-adapters", "MAX_LOADED_ADAPTERS", engine.max_loaded_adapters,
          "LoRA adapter slots, memory reserved at start; 0 = no adapters", type=int)
     flag("--max-lora-rank", "MAX_LORA_RANK", engine.max_lora_rank,
          "largest adapter rank accepted", type=int)
     flag("--max-loras", "MAX_LORAS", engine.max_loras,
          "distinct adapters one engine step may run; requests for others wait", type=int)
-    p.add_argument("--adapter", action="append", metavar="NAME=PATH", default=None,
-                   help="a PEFT adapter directory to load at start under NAME; repeatable "
-                        "(env PREFIXCACHE_ADAPTERS: NAME=PATH,NAME=PATH)")
-    add_identities_flag(p)
-    add_token_flag(p, to="the cache service (--cache-service)")
+    add_list_flag(p, "--adapter", "ADAPTERS", "NAME=PATH",
+                  "a PEFT adapter directory to load at start under NAME")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     # One TLS config for both sides: this worker's server and its channel to the cache service.
     args.tls = tls_from_args(p, args)
     args.auth, args.service_token = identities_from_args(p, args), token_from_args(p, args)
     if args.model is None:
         p.error("--model (or PREFIXCACHE_MODEL) is required")
+    if args.hash_spec != NS_DOMAIN.decode():
+        p.error(f"--hash-spec {args.hash_spec!r}: this worker implements "
+                f"{NS_DOMAIN.decode()!r} only")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     check_l3_args(p, args)
@@ -229,15 +256,12 @@ def check_l3_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')}: must be > 0")
     if args.l3_ttl_s < 0 or args.lease_ttl_s < 0:
         p.error("--l3-ttl-s / --lease-ttl-s: must be >= 0")
-    if not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", args.l3_key_prefix):
-        p.error(f"--l3-key-prefix {args.l3_key_prefix!r}: 1..64 characters of [A-Za-z0-9._:-]")
+    if not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", args.l3_prefix):
+        p.error(f"--l3-prefix {args.l3_prefix!r}: 1..64 characters of [A-Za-z0-9._:-]")
 
 
 def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.adapter is None:
-        env = os.environ.get("PREFIXCACHE_ADAPTERS", "")
-        args.adapter = [s.strip() for s in env.split(",") if s.strip()]
-    args.adapters = parse_adapter_specs(p, args.adapter)
+    args.adapters = parse_adapter_specs(p, args.adapter or [])
     if args.max_loaded_adapters < 0:
         p.error("--max-loaded-adapters: must be >= 0")
     if args.max_loaded_adapters and (args.max_lora_rank < 1 or args.max_loras < 1):
@@ -252,7 +276,7 @@ def l3_client(args: argparse.Namespace) -> L3Client | None:
     if not args.redis_url:
         return None
     default = L3Config(args.redis_url)
-    client = L3Client(L3Config(args.redis_url, prefix=args.l3_key_prefix, ttl_s=args.l3_ttl_s,
+    client = L3Client(L3Config(args.redis_url, prefix=args.l3_prefix, ttl_s=args.l3_ttl_s,
                                timeout_s=args.l3_timeout_s,
                                connect_timeout_s=max(default.connect_timeout_s, args.l3_timeout_s),
                                redis=args.redis, mac_key=args.l3_mac_key))
@@ -327,6 +351,8 @@ def engine_config(args: argparse.Namespace, model: CausalLM, model_id: str, port
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    chain_hash.configure(args.cache_native, args.kernel_cache)
+    cpu_native.configure(args.cpu_native, args.kernel_cache)
     if args.threads:
         torch.set_num_threads(args.threads)
     shutdown = ShutdownSignal(log)
@@ -335,11 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_message_mb=args.max_message_mb, max_streams=args.max_streams,
                           grace_s=args.grace_s, drain_delay_s=args.drain_delay_s)
     server = ComputeServer(config).start()
-    print(f"listening on {server.address}", flush=True)
-    if server.metrics_port is not None:
-        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
-    if server.health_port is not None:
-        print(f"health on {args.host}:{server.health_port}", flush=True)
+    ServiceShell.announce(server, args.host)
 
     cache: CacheCore | CacheClient | None = None
     engine: Engine | None = None
@@ -374,20 +396,21 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
         return 1
     server.attach(engine, defaults)
-    shutdown.wait()
-    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
-    server.drain()
-    if isinstance(cache, CacheClient):
-        # The cache service frees the pool now instead of waiting for its leases to expire, and
-        # its subscribers (the gateway) learn that this worker is gone.
-        try:
-            cache.unregister_pool(cpb.UnregisterPoolRequest(pool_id=engine.cfg.pool_id,
-                                                            epoch=engine.epoch))
-        except CacheClientError as exc:
-            log.warning(kv("unregister_failed", pool=engine.cfg.pool_id, error=exc))
-        cache.close()
-    guard.drained()
-    return 0
+
+    def drain() -> None:
+        server.drain()
+        if isinstance(cache, CacheClient):
+            # The cache service frees the pool now instead of waiting for its leases to
+            # expire, and its subscribers (the gateway) learn that this worker is gone.
+            try:
+                cache.unregister_pool(cpb.UnregisterPoolRequest(pool_id=engine.cfg.pool_id,
+                                                                epoch=engine.epoch))
+            except CacheClientError as exc:
+                log.warning(kv("unregister_failed", pool=engine.cfg.pool_id, error=exc))
+            cache.close()
+
+    return ServiceShell.serve_until_signal(shutdown, drain,
+                                           grace_s=args.drain_delay_s + args.grace_s, log=log)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import sys
 
 from gateway.assembly import GatewayConfig, GatewayServer
@@ -32,18 +31,16 @@ from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO
 from gateway.core.workers import WorkerSettings
 from prefixcache_client.hash import NS_DOMAIN
-from service_shell import (ExitGuard, ShutdownSignal, add_flag, add_server_flags, configure_logging, kv,
-                           finite_float, tls_from_args)
+from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag, add_server_flags,
+                           configure_logging, finite_float, kv, tls_from_args)
 from service_shell.auth_flags import add_token_flag, token_from_args
 
 log = logging.getLogger("gateway")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(f"PREFIXCACHE_{name}", "").lower() in ("1", "true", "yes", "on")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the gateway; `declared_variables(build_parser())` lists the PREFIXCACHE_*
+    variables it reads."""
     cfg, workers = GatewayConfig(), WorkerSettings()
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,10 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
     flag("--tenants-file", "TENANTS_FILE", None,
          'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
-    p.add_argument("--allow-anonymous", action="store_true",
-                   default=_env_flag("ALLOW_ANONYMOUS"),
-                   help='calls without a token are tenant "anonymous", salt "" (env '
-                        "PREFIXCACHE_ALLOW_ANONYMOUS=1); otherwise UNAUTHENTICATED")
+    add_bool_flag(p, "--allow-anonymous", "ALLOW_ANONYMOUS", 'calls without a token are tenant '
+                  '"anonymous", salt ""; otherwise UNAUTHENTICATED', "off")
     flag("--tokenizer", "TOKENIZER", AUTO, "'auto': the workers' own tokenizer, fetched from "
          "the first worker that has one (GetTokenizer); 'byte' or a checkpoint directory with "
          "tokenizer.json: that one. Text and chats are tokenized here and sent only to workers "
@@ -95,7 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flag("--drain-delay-s", "DRAIN_DELAY_S", cfg.drain_delay_s, "seconds between readiness "
          "NOT_SERVING and refusing new calls on SIGTERM", type=float)
     add_token_flag(p, to="the workers' compute and cache services")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
+    args.allow_anonymous = bool(args.allow_anonymous)
     args.tls = tls_from_args(p, args)
     args.service_token = token_from_args(p, args)
     if (args.workers is None) == (args.workers_dns is None):
@@ -143,20 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # an unreadable tokenizer, a port in use, a bad certificate
         log.exception(kv("startup_failed"))
         return 1
-    print(f"listening on {server.address}", flush=True)
-    if server.metrics_port is not None:
-        print(f"metrics on {args.host}:{server.metrics_port}", flush=True)
-    if server.health_port is not None:
-        print(f"health on {args.host}:{server.health_port}", flush=True)
-    if server.http_port is not None:
-        print(f"http on {args.host}:{server.http_port}", flush=True)
-    if server.epp is not None:
-        print(f"epp on {server.epp.address}", flush=True)
-    shutdown.wait()
-    guard = ExitGuard(log, grace_s=args.drain_delay_s + args.grace_s)
-    server.drain()
-    guard.drained()
-    return 0
+    last = [f"http on {args.host}:{server.http_port}"] if server.http_port is not None else []
+    last += [f"epp on {server.epp.address}"] if server.epp is not None else []
+    ServiceShell.announce(server, args.host, last=last)
+    return ServiceShell.serve_until_signal(shutdown, server.drain,
+                                           grace_s=args.drain_delay_s + args.grace_s, log=log)
 
 
 if __name__ == "__main__":

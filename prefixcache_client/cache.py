@@ -9,11 +9,9 @@ an iterator that survives broken streams and server restarts by resubscribing fr
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -21,6 +19,7 @@ from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from service_shell import TlsConfig, channel_options, open_channel
+from service_shell.retry import SUBSCRIBE_RETRY, TRANSPORT_RETRY, RetryPolicy
 from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY, with_service_token
 
 log = logging.getLogger("prefixcache_client.cache")
@@ -30,8 +29,7 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 # (RegisterPool with the same epoch and shape is an idempotent retry by contract.)
 _SERVICE_CONFIG = {"methodConfig": [{
     "name": [{"service": _SERVICE, "method": m} for m in ("RegisterPool", "ListPools", "GetStats")],
-    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
-                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    "retryPolicy": TRANSPORT_RETRY.grpc_retry_policy(max_attempts=3),
 }]}
 _REJECTED = {c.value for c in ErrorCode}  # the codes the core raises
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -77,17 +75,9 @@ def _error(method: str, err: grpc.RpcError) -> CacheClientError:
     return CacheClientError(method, status, message)
 
 
-@dataclass(slots=True)
-class Backoff:
-    """Exponential backoff with jitter between resubscription attempts."""
-    initial_s: float = 0.05
-    max_s: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.2
-
-    def delay(self, failures: int) -> float:
-        base = min(self.max_s, self.initial_s * self.multiplier ** max(0, failures - 1))
-        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
+# The resubscription backoff is service_shell's one retry policy; `Backoff` is its former name
+# here, kept for callers of the public client.
+Backoff = RetryPolicy
 
 
 class Subscription(Iterator[pb.SubscribeResponse]):
@@ -101,7 +91,7 @@ class Subscription(Iterator[pb.SubscribeResponse]):
     """
 
     def __init__(self, stub: pb_grpc.CacheServiceStub, pool_id: str, *, epoch: int,
-                 after_seq: int, heartbeat_interval_s: float, backoff: Backoff,
+                 after_seq: int, heartbeat_interval_s: float, backoff: RetryPolicy,
                  stall_timeout_s: float | None, pool_wait_s: float):
         self.pool_id = pool_id
         self.resubscriptions = 0
@@ -279,7 +269,7 @@ class CacheClient:
                            timeout_s)
 
     def subscribe(self, pool_id: str, *, epoch: int = 0, after_seq: int = -1,
-                  heartbeat_interval_s: float = 0.0, backoff: Backoff | None = None,
+                  heartbeat_interval_s: float = 0.0, backoff: RetryPolicy | None = None,
                   stall_timeout_s: float | None = -1.0,
                   pool_wait_s: float = 30.0) -> Subscription:
         """Events of `pool_id` after (epoch, after_seq); after_seq=-1 starts with a snapshot.
@@ -291,7 +281,7 @@ class CacheClient:
         if stall_timeout_s is not None and stall_timeout_s < 0:
             stall_timeout_s = max(10.0, 5 * (heartbeat_interval_s or 1.0))
         sub = Subscription(self._stream_stub, pool_id, epoch=epoch, after_seq=after_seq,
-                           heartbeat_interval_s=heartbeat_interval_s, backoff=backoff or Backoff(),
+                           heartbeat_interval_s=heartbeat_interval_s, backoff=backoff or SUBSCRIBE_RETRY,
                            stall_timeout_s=stall_timeout_s, pool_wait_s=pool_wait_s)
         with self._lock:
             self._subscriptions = [s for s in self._subscriptions if not s.closed] + [sub]

@@ -15,14 +15,14 @@ import grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import SALT_METADATA_KEY, TlsConfig, channel_options, open_channel
+from service_shell.retry import TRANSPORT_RETRY
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 # Only the read-only calls are safe to repeat blindly: a retried Generate would run twice.
 _SERVICE_CONFIG = {"methodConfig": [{
     "name": [{"service": _SERVICE, "method": "GetModelInfo"},
              {"service": _SERVICE, "method": "GetTokenizer"}],
-    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
-                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    "retryPolicy": TRANSPORT_RETRY.grpc_retry_policy(max_attempts=3),
 }]}
 
 

@@ -5,8 +5,10 @@ to PREFIXCACHE_* environment variables.
 
 torch-free, so the cache service, the compute service's client and the gateway can all use it.
 """
-from service_shell.flags import (add_flag, add_server_flags, add_tls_flags, env_default,
-                                 finite_float, tls_from_args)
+from service_shell.config import (ConfigError, add_bool_flag, add_flag, declared_variables,
+                                  parse_bool)
+from service_shell.flags import (add_server_flags, add_tls_flags, env_default, finite_float,
+                                 tls_from_args)
 from service_shell.grpc_server import bind, enable_reflection, new_server
 from service_shell.health import HealthPort, HealthProbes
 from service_shell.logs import LOG_LEVELS, configure_logging, kv
@@ -17,8 +19,8 @@ from service_shell.shell import ServiceShell, ShellPorts
 from service_shell.signals import ExitGuard, ShutdownSignal, sleep_until_interrupted
 from service_shell.tls import TlsConfig, open_channel, tls_mode
 
-__all__ = ["LOG_LEVELS", "SALT_METADATA_KEY", "ExitGuard", "HealthPort", "HealthProbes",
-           "MetricsEndpoint", "ServiceShell", "ShellPorts", "ShutdownSignal", "TlsConfig", "add_flag",
+__all__ = ["ConfigError", "LOG_LEVELS", "SALT_METADATA_KEY", "ExitGuard", "HealthPort", "HealthProbes",
+           "MetricsEndpoint", "ServiceShell", "ShellPorts", "ShutdownSignal", "TlsConfig", "add_bool_flag", "add_flag",
            "add_server_flags", "add_tls_flags", "bind", "channel_options", "configure_logging",
-           "enable_reflection", "env_default", "finite_float", "kv", "new_server", "open_channel",
-           "server_options", "sleep_until_interrupted", "tls_from_args", "tls_mode"]
+           "declared_variables", "enable_reflection", "env_default", "finite_float", "kv", "new_server", "open_channel",
+           "parse_bool", "server_options", "sleep_until_interrupted", "tls_from_args", "tls_mode"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from service_shell.auth import ServiceIdentities
-from service_shell.flags import add_flag
+from service_shell.config import add_flag
 from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY, read_token
 
 

@@ -1,11 +1,12 @@
-"""Command-line flags that fall back to PREFIXCACHE_* environment variables (how the manifests
-configure every service), and the flags every server shares."""
+"""The flags every server shares, and the argparse types of the services' flags. Each falls back
+to a PREFIXCACHE_* environment variable (how the manifests configure every service) through
+service_shell/config.py, the one place that reads them."""
 from __future__ import annotations
 
 import argparse
 import math
-import os
 
+from service_shell.config import add_flag, env_text
 from service_shell.logs import LOG_LEVELS
 from service_shell.tls import SETTINGS as TLS_SETTINGS
 from service_shell.tls import TlsConfig
@@ -14,7 +15,7 @@ from service_shell.tls import TlsConfig
 def env_default(name: str, default: object) -> str | None:
     """A flag's default: $PREFIXCACHE_<name> when set, else `default`, as the text argparse
     converts with the flag's type (None stays None: "not set")."""
-    value = os.environ.get(f"PREFIXCACHE_{name}")
+    value = env_text(name)
     if value is not None:
         return value
     return None if default is None else str(default)
@@ -32,17 +33,6 @@ def finite_float(low: float = 0.0, high: float = math.inf):
         return value
     convert.__name__ = "float"
     return convert
-
-
-def add_flag(parser: argparse.ArgumentParser, name: str, env: str, default: object, help: str,
-             **kwargs: object) -> None:
-    """`--name` with its default from $PREFIXCACHE_<env>, both named in its help. `type=float`
-    means `finite_float()`: finite and >= 0."""
-    if kwargs.get("type") is float:
-        kwargs["type"] = finite_float()
-    shown = "" if default is None else "; default %(default)s"
-    parser.add_argument(name, default=env_default(env, default),
-                        help=f"{help} (env PREFIXCACHE_{env}{shown})", **kwargs)
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from service_shell.retry import RECONNECT_RETRY
+
 
 def server_options(max_message_mb: int, *, keepalive_time_s: float = 20.0,
                    keepalive_timeout_s: float = 10.0,
@@ -33,8 +35,12 @@ def server_options(max_message_mb: int, *, keepalive_time_s: float = 20.0,
 
 def channel_options(max_message_mb: int,
                     service_config: dict | None = None) -> list[tuple[str, int | str]]:
-    """Client side of `server_options`, plus fast reconnects and an optional service config
-    (retry policies)."""
+    """Client side of `server_options`, plus fast reconnects and an optional service config.
+
+    This is the transport layer of retrying (service_shell/retry.py): the channel's reconnect
+    backoff, and with a service config gRPC's own retries of the idempotent unary calls it
+    names (`RetryPolicy.grpc_retry_policy`). Loops above it (resubscribing, reconnecting a
+    stream, retrying an engine step) take a `RetryPolicy` themselves."""
     max_bytes = max_message_mb * 1024 * 1024
     options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_bytes),
@@ -45,9 +51,10 @@ def channel_options(max_message_mb: int,
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # gRPC's default reconnect backoff (1 s, up to 120 s) would dominate a server restart.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 5_000),
+        # gRPC's default reconnect backoff (1 s, up to 120 s) would dominate a server restart:
+        # the project's reconnect policy instead (0.1 s up to 5 s, as the gateway's loops).
+        ("grpc.initial_reconnect_backoff_ms", round(RECONNECT_RETRY.initial_s * 1000)),
+        ("grpc.max_reconnect_backoff_ms", round(RECONNECT_RETRY.max_s * 1000)),
     ]
     if service_config is not None:
         options += [("grpc.service_config", json.dumps(service_config)), ("grpc.enable_retries", 1)]

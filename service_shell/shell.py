@@ -2,8 +2,9 @@
 service adds only its servicer and its drain."""
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import prometheus_client
@@ -11,6 +12,7 @@ import prometheus_client
 from service_shell.grpc_server import bind, enable_reflection, new_server
 from service_shell.health import HealthPort, HealthProbes
 from service_shell.metrics import MetricsEndpoint
+from service_shell.signals import ExitGuard, ShutdownSignal
 from service_shell.tls import TlsConfig
 
 
@@ -84,6 +86,34 @@ class ServiceShell:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+    @staticmethod
+    def announce(server: ShellPorts, host: str, *, first: Sequence[str] = (),
+                 last: Sequence[str] = ()) -> None:
+        """The start-up lines on stdout that scripts and tests read, flushed: `listening on
+        HOST:PORT` (the bound port), the service's `first` lines, `metrics on HOST:PORT` and
+        `health on HOST:PORT` when those ports are open, then its `last` lines."""
+        lines = [f"listening on {server.address}", *first]
+        if server.metrics_port is not None:
+            lines.append(f"metrics on {host}:{server.metrics_port}")
+        if server.health_port is not None:
+            lines.append(f"health on {host}:{server.health_port}")
+        for line in [*lines, *last]:
+            print(line, flush=True)
+
+    @staticmethod
+    def serve_until_signal(shutdown: ShutdownSignal, drain: Callable[[], None], *,
+                           grace_s: float, log: logging.Logger) -> int:
+        """A service's main loop once it serves: waits for SIGTERM/SIGINT (`shutdown`, installed
+        before the start), then runs `drain` on the main thread (not in the signal handler, so
+        that it may block) under an `ExitGuard` of `grace_s` (the drain delay plus the grace),
+        which also bounds the interpreter's exit. Returns the exit status, 0."""
+        shutdown.wait()
+        guard = ExitGuard(log, grace_s=grace_s)
+        drain()
+        guard.drained()
+        return 0
 
 
 class ShellPorts:

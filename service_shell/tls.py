@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from service_shell.config import env_text
 from service_shell.service_token import with_service_token
 from service_shell.logs import kv
 
@@ -68,8 +69,7 @@ class TlsConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TlsConfig | None:
         """From the PREFIXCACHE_TLS_* variables, for programs without flags."""
-        env = os.environ if environ is None else environ
-        return cls.from_values(**{f: env.get(var) for f, (_, var) in SETTINGS.items()})
+        return cls.from_values(**{f: env_text(var, environ) for f, (_, var) in SETTINGS.items()})
 
     @classmethod
     def from_args(cls, args: object) -> TlsConfig | None:

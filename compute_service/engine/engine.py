@@ -57,6 +57,7 @@ from compute_service.tiers import (WRITE_POLICIES, PageLayout, RemoteTier, Remot
 from compute_service.lora import AdapterNotFoundError, AdapterRegistry, NoFreeSlotError
 from compute_service.tiers.mover import TierMover
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from service_shell.retry import STEP_RETRY
 
 log = logging.getLogger("compute_service.engine")
 
@@ -341,7 +342,8 @@ class Engine:
                 if failures >= self.MAX_STEP_FAILURES:
                     self._fail_all()
                     failures = 0
-                time.sleep(min(0.05 * 2 ** failures, 2.0))
+                # failures + 1: 0.1 s after the first failure, 0.05 s after _fail_all reset it.
+                time.sleep(STEP_RETRY.delay(failures + 1))
 
     def _reset_pool(self) -> None:
         """Registers a new epoch, then recomputes every running request from what the new pool

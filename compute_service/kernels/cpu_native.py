@@ -6,12 +6,13 @@ speed is how close those streams get to the memory bandwidth, and how little run
 `gemm.c` and `decode_attention.c` say how. What the kernels are worth to a decode, measured with
 `PREFIXCACHE_CPU_NATIVE` on and off: docs/results/README.md.
 
-Build: `cc -O3 -march=native -fopenmp -shared -fPIC csrc/*.c -lm`, into
-`$PREFIXCACHE_KERNEL_CACHE` (default `~/.cache/prefixcache/kernels`) under a name that hashes
+Build: `cc -O3 -march=native -fopenmp -shared -fPIC csrc/*.c -lm`, into the kernel cache
+(`configure(kernel_cache=)`: the service's --kernel-cache / PREFIXCACHE_KERNEL_CACHE; default `~/.cache/prefixcache/kernels`) under a name that hashes
 the sources, the compiler's version and the CPU's model and flags, so a shared home on other
 CPUs builds its own copy; concurrent first builds are safe (each writes a temporary file and
 renames it). OpenMP in the library is the libgomp torch already loaded (same soname), so its
-threads are torch's. `PREFIXCACHE_CPU_NATIVE=auto|on|off`: auto (the default) uses the kernels
+threads are torch's. `configure(mode)` (the service's --cpu-native / PREFIXCACHE_CPU_NATIVE),
+auto|on|off: auto (the default) uses the kernels
 when they build, off never does (then oneDNN and the PyTorch path serve), on fails loudly when
 they cannot be built. Without a compiler, auto says why once in the log.
 """
@@ -49,11 +50,23 @@ SIGNATURES = {  # C function -> (restype, argtypes)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library, or None once a build failed
+_settings: dict[str, object] = {"mode": "auto", "kernel_cache": None}  # configure()
+
+
+def configure(mode: str = "auto", kernel_cache: str | Path | None = None) -> None:
+    """The service's settings (--cpu-native, --kernel-cache): `mode` auto (the kernels when they
+    build), on (refuse without them) or off (oneDNN and PyTorch), and the build directory. Before
+    the first kernel call; the defaults hold until a service (or a benchmark) calls this."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"CPU kernels mode {mode!r}: expected auto, on or off")
+    with _lock:
+        _settings.update(mode=mode, kernel_cache=kernel_cache)
+        _state.pop("lib", None)
 
 
 def cache_dir() -> Path:
-    if env := os.environ.get("PREFIXCACHE_KERNEL_CACHE"):
-        return Path(env)
+    if _settings["kernel_cache"]:
+        return Path(_settings["kernel_cache"])  # type: ignore[arg-type]
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "prefixcache" / "kernels"
 
@@ -108,16 +121,15 @@ def build() -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
-    mode = os.environ.get("PREFIXCACHE_CPU_NATIVE", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"PREFIXCACHE_CPU_NATIVE={mode!r}: expected auto, on or off")
+    mode = _settings["mode"]
     if mode == "off":
         return None
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         if mode == "on":
-            raise RuntimeError(f"PREFIXCACHE_CPU_NATIVE=on, but the kernels cannot be built: {exc}")
+            raise RuntimeError(f"--cpu-native on (PREFIXCACHE_CPU_NATIVE), but the kernels cannot "
+                               f"be built: {exc}")
         log.warning("CPU C kernels unavailable (oneDNN and the PyTorch path serve): %s", exc)
         return None
     for name, (restype, argtypes) in SIGNATURES.items():

@@ -33,9 +33,10 @@ from gateway.core.index import ApplyStatus
 from gateway.core.router import Router, Worker, log_resync
 from gateway.core.tokenize import GatewayTokenizer
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.cache import Backoff, CacheClient, CacheClientError
+from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.compute import ComputeClient, ComputeClientError
 from service_shell import TlsConfig, channel_options, kv, open_channel
+from service_shell.retry import WORKER_RETRY, RetryPolicy
 
 log = logging.getLogger("gateway.workers")
 
@@ -55,7 +56,8 @@ class WorkerSettings:
     heartbeat_interval_s: float = 1.0
     # Seconds before a refused worker (another model) is identified again.
     refused_retry_s: float = 30.0
-    backoff: Backoff | None = None
+    # Between attempts of each worker thread's identify, health-watch and event-feed loops.
+    backoff: RetryPolicy = WORKER_RETRY
 
 
 class Fleet:
@@ -154,7 +156,7 @@ class WorkerHandle:
 
     def _identify(self, client: ComputeClient) -> pb.GetModelInfoResponse | None:
         failures = 0
-        backoff = self._settings.backoff or Backoff(initial_s=0.1, max_s=5.0)
+        backoff = self._settings.backoff
         while not self._stopped.is_set():
             try:
                 return client.model_info()
@@ -208,7 +210,7 @@ class WorkerHandle:
         """Takes the worker out of the routing the moment its readiness turns NOT_SERVING (it
         drains), as a health Watch stream reports it; reconnects after a failure."""
         failures = 0
-        backoff = self._settings.backoff or Backoff(initial_s=0.1, max_s=5.0)
+        backoff = self._settings.backoff
         done: Callable[[], bool] = lambda: left.is_set() or self._stopped.is_set()
         while not done():
             call = None
@@ -250,7 +252,7 @@ class WorkerHandle:
     def _feed(self, name: str, left: threading.Event) -> None:
         """Follows the pool's event stream into the router until the worker leaves."""
         epoch, after_seq, failures = 0, -1, 0
-        backoff = self._settings.backoff or Backoff(initial_s=0.1, max_s=5.0)
+        backoff = self._settings.backoff
         done: Callable[[], bool] = lambda: left.is_set() or self._stopped.is_set()
         while not done():
             sub = self.cache.subscribe(name, epoch=epoch, after_seq=after_seq,

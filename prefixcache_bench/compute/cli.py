@@ -24,6 +24,7 @@ from prefixcache_bench.compute.parts_lora import bench_lora
 from prefixcache_bench.compute.parts_prefix_cache import bench_prefix_cache_overhead
 from prefixcache_bench.compute.parts_ttft import bench_ttft
 from compute_service.kernels import cpu_native
+from service_shell.config import ConfigError, native_settings_from_env
 from compute_service.model import CausalLM, build_preset
 from prefixcache_bench.harness import (Goal, check_goals, choose_threads, load_average, log,
                                        machine_info, maybe_profile, metric_table, write_json)
@@ -184,6 +185,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Params, argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p, args = parse_args(argv)
+    # The benchmark is a tool, not a service: the kernels' settings come from the environment
+    # (parts_cpu_kernels runs it with PREFIXCACHE_CPU_NATIVE=on and =off), through the one reader.
+    try:
+        native = native_settings_from_env()
+    except ConfigError as exc:
+        p.error(str(exc))
+    cpu_native.configure(native["cpu_native"], native["kernel_cache"])
     # The engine logs per-request warnings that would drown the progress lines.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")

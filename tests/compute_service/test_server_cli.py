@@ -52,8 +52,8 @@ def test_l3_and_lora_flags_defaults_and_env(monkeypatch):
     assert (args.max_loaded_adapters, args.max_lora_rank, args.max_loras) == (4, 16, 4)
     assert args.adapters == [] and args.lease_ttl_s == 0
     args = parse_args(["--model", "tiny-transformer", "--redis-url", "redis://r:6379/0"])
-    assert (args.l3_write_policy, args.l3_lookup, args.l3_key_prefix) == ("write-through", True,
-                                                                          "pc")
+    assert (args.l3_write_policy, args.l3_lookup, args.l3_prefix) == ("write-through", True,
+                                                                      "pc")
     args = parse_args(["--model", "tiny-transformer", "--redis-url", "redis://r:6379/0",
                        "--no-l3-lookup", "--l3-write-policy", "hot", "--l3-min-hits", "3",
                        "--adapter", "a=/x", "--adapter", "b=/y=z"])
@@ -68,11 +68,9 @@ def test_l3_and_lora_flags_defaults_and_env(monkeypatch):
         monkeypatch.setenv(f"PREFIXCACHE_{key}", value)
     args = parse_args(["--model", "tiny-transformer"])
     assert (args.l3_lookup, args.l3_write_policy, args.l3_timeout_s) == (False, "write-back", 0.5)
-    assert (args.l3_key_prefix, args.l3_ttl_s, args.l3_write_queue_mb, args.l3_batch_pages) == (
-        "shared", 60, 8, 4)  # the cache service's PREFIXCACHE_L3_PREFIX is the fallback
-    monkeypatch.setenv("PREFIXCACHE_L3_KEY_PREFIX", "mine")
-    args = parse_args(["--model", "tiny-transformer"])
-    assert args.l3_key_prefix == "mine" and args.lease_ttl_s == 90
+    assert (args.l3_prefix, args.l3_ttl_s, args.l3_write_queue_mb, args.l3_batch_pages) == (
+        "shared", 60, 8, 4)  # one variable for the engine and its cache sidecar
+    assert args.lease_ttl_s == 90
     assert (args.max_loaded_adapters, args.max_lora_rank, args.max_loras) == (6, 32, 3)
     assert args.adapters == [("a", "/x"), ("b", "/y")]
 
@@ -82,7 +80,7 @@ def test_l3_and_lora_flags_defaults_and_env(monkeypatch):
     (["--l3-write-policy", "write-through"], "need --redis-url"),
     (["--redis-url", "redis://r/0", "--l3-write-policy", "sometimes"], "invalid choice"),
     (["--redis-url", "redis://r/0", "--l3-timeout-s", "0"], "--l3-timeout-s"),
-    (["--redis-url", "redis://r/0", "--l3-key-prefix", "a b"], "--l3-key-prefix"),
+    (["--redis-url", "redis://r/0", "--l3-prefix", "a b"], "--l3-prefix"),
     (["--adapter", "noequals"], "NAME=PATH"),
     (["--adapter", "bad name=/x"], "name"),
     (["--adapter", "a=/x", "--adapter", "a=/y"], "twice"),
@@ -95,6 +93,29 @@ def test_bad_l3_and_lora_flags_are_usage_errors(monkeypatch, capsys, argv, messa
         monkeypatch.delenv(var)
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--model", "tiny-transformer", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"L3_KEY_PREFIX": "mine"}, "PREFIXCACHE_L3_KEY_PREFIX was renamed: set PREFIXCACHE_L3_PREFIX"),
+    ({"PREFIX_CACHE": "maybe"}, "--prefix-cache: 'maybe' is not a boolean"),
+    ({"L3_LOOKUP": "nope"}, "(from PREFIXCACHE_L3_LOOKUP)"),
+    ({"PAGE_SIZE": "abc"}, "argument --page-size: invalid int value 'abc' (from "
+                           "PREFIXCACHE_PAGE_SIZE)"),
+    ({"GRACE_S": "nan"}, "(from PREFIXCACHE_GRACE_S)"),
+    ({"DEVICE": "tpu"}, "argument --device: invalid choice 'tpu' (from PREFIXCACHE_DEVICE)"),
+    ({"CPU_NATIVE": "sometimes"}, "(from PREFIXCACHE_CPU_NATIVE)"),
+    ({"HASH_SPEC": "prefixcache-ns-v2"}, "--hash-spec 'prefixcache-ns-v2'"),
+])
+def test_bad_environment_values_are_usage_errors_naming_flag_and_variable(monkeypatch, capsys,
+                                                                          env, message):
+    for var in [v for v in os.environ if v.startswith("PREFIXCACHE_")]:
+        monkeypatch.delenv(var)
+    for key, value in env.items():
+        monkeypatch.setenv(f"PREFIXCACHE_{key}", value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "tiny-transformer"])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -114,7 +135,7 @@ def test_cli_two_workers_share_pages_through_redis(redis_server, adapter_dirs, t
     mac_key.write_text("a-test-l3-mac-key-0123456789\n")
     flags = ["--model", "tiny-transformer", "--l3-mac-key-file", str(mac_key), "--cache-service", "embedded", "--page-size",
              str(PAGE), "--device-pages", "64", "--grace-s", "0", "--redis-url",
-             redis_server.url, "--l3-key-prefix", "cli", "--l3-timeout-s", "1",
+             redis_server.url, "--l3-prefix", "cli", "--l3-timeout-s", "1",
              "--l3-batch-pages", "4", "--max-lora-rank", "8", "--max-loaded-adapters", "2",
              "--adapter", f"a={adapter_dirs['a']}"]
     text = "a shared prompt, long enough for several pages"

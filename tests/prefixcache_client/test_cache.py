@@ -16,12 +16,13 @@ from cache_service.server import CacheServer, ServerConfig
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import common_pb2, events_pb2
-from prefixcache_client.cache import Backoff, CacheClient, CacheRejectedError, CacheUnavailableError
+from prefixcache_client.cache import CacheClient, CacheRejectedError, CacheUnavailableError
+from service_shell.retry import RetryPolicy
 from prefixcache_client.errors import CacheError, ErrorCode
 from tests.cache_service.grpc_harness import (PAGE, PROMPT, cache_prompt, expected_hashes,
                                               match_op, register, running_server, server_process)
 
-FAST = Backoff(initial_s=0.01, max_s=0.1)
+FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
 OTHER = list(range(700, 709))
 
 

@@ -143,7 +143,7 @@ def test_kernels_build_into_a_fresh_cache_and_report_a_missing_compiler(tmp_path
                                                                       caplog) -> None:
     """A cold cache builds (and a second build reuses the file); without a compiler `auto` falls
     back and says why, `on` fails, `off` never builds."""
-    monkeypatch.setenv("PREFIXCACHE_KERNEL_CACHE", str(tmp_path / "k"))
+    monkeypatch.setitem(cpu_native._settings, "kernel_cache", tmp_path / "k")
     built = cpu_native.build()
     assert built.exists() and built.parent == tmp_path / "k"
     assert cpu_native.build() == built
@@ -152,9 +152,9 @@ def test_kernels_build_into_a_fresh_cache_and_report_a_missing_compiler(tmp_path
     with pytest.raises(RuntimeError, match="no C compiler"):
         cpu_native.build()
     assert cpu_native._load() is None and "no C compiler" in caplog.text
-    monkeypatch.setenv("PREFIXCACHE_CPU_NATIVE", "on")
-    with pytest.raises(RuntimeError, match="PREFIXCACHE_CPU_NATIVE=on"):
+    monkeypatch.setitem(cpu_native._settings, "mode", "on")
+    with pytest.raises(RuntimeError, match=r"--cpu-native on \(PREFIXCACHE_CPU_NATIVE\)"):
         cpu_native._load()
-    monkeypatch.setenv("PREFIXCACHE_CPU_NATIVE", "off")
+    monkeypatch.setitem(cpu_native._settings, "mode", "off")
     monkeypatch.delenv("CC")
     assert cpu_native._load() is None
