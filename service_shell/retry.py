@@ -3,7 +3,7 @@ deadline, between attempts of something that failed (a resubscription, a reconne
 engine step). Every retry loop takes one `RetryPolicy`:
 
 - prefixcache_client.cache: `Subscription` resubscribing (`SUBSCRIBE_RETRY`, or the caller's);
-- gateway/workers.py: each worker thread's identify, health-watch and event-feed loops
+- gateway/core/workers.py: each worker thread's identify, health-watch and event-feed loops
   (`WORKER_RETRY`, built once, or `WorkerSettings.backoff`);
 - compute_service/engine/engine.py: the engine loop after a failed step (`STEP_RETRY`, no jitter:
   one engine per process, nobody to spread from).

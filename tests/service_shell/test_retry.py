@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.workers import WorkerSettings
+from gateway.core.workers import WorkerSettings
 from prefixcache_client.cache import _SERVICE_CONFIG as CACHE_SERVICE_CONFIG
 from service_shell import channel_options
 from service_shell.retry import (STEP_RETRY, TRANSPORT_RETRY, WORKER_RETRY, RetryPolicy)
