@@ -14,6 +14,7 @@ what its parser read).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -129,13 +130,25 @@ def _from_env(convert: Callable[[str], Any], env: str, text: str,
     return from_env
 
 
+def finite_float(low: float = 0.0, high: float = math.inf):
+    """An argparse type: a finite number in [low, high]. float() alone takes "nan" and "inf",
+    which compare false with every bound (a NaN interval is a busy loop, an inf timeout never
+    fires), and every float flag of the services is a duration, a weight or a size: >= 0."""
+    def convert(text: str) -> float:
+        value = float(text)  # ValueError: argparse says "invalid float value"
+        if not (math.isfinite(value) and low <= value <= high):
+            bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
+        return value
+    convert.__name__ = "float"
+    return convert
+
+
 def add_flag(parser: argparse.ArgumentParser, name: str, env: str, default: object, help: str,
              **kwargs: Any) -> argparse.Action:
     """`--name` with its default from $PREFIXCACHE_<env>, both named in its help; a bad value of
     the variable is a usage error naming both. `type=float` means `finite_float()`: finite and
     >= 0."""
-    from service_shell.flags import finite_float  # flags.py imports this module
-
     if kwargs.get("type") is float:
         kwargs["type"] = finite_float()
     text = env_text(env)

@@ -4,9 +4,8 @@ service_shell/config.py, the one place that reads them."""
 from __future__ import annotations
 
 import argparse
-import math
 
-from service_shell.config import add_flag, env_text
+from service_shell.config import add_flag, env_text, finite_float  # noqa: F401 (re-exported)
 from service_shell.logs import LOG_LEVELS
 from service_shell.tls import SETTINGS as TLS_SETTINGS
 from service_shell.tls import TlsConfig
@@ -19,20 +18,6 @@ def env_default(name: str, default: object) -> str | None:
     if value is not None:
         return value
     return None if default is None else str(default)
-
-
-def finite_float(low: float = 0.0, high: float = math.inf):
-    """An argparse type: a finite number in [low, high]. float() alone takes "nan" and "inf",
-    which compare false with every bound (a NaN interval is a busy loop, an inf timeout never
-    fires), and every float flag of the services is a duration, a weight or a size: >= 0."""
-    def convert(text: str) -> float:
-        value = float(text)  # ValueError: argparse says "invalid float value"
-        if not (math.isfinite(value) and low <= value <= high):
-            bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
-        return value
-    convert.__name__ = "float"
-    return convert
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
