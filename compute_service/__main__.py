@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 
 from cache_service.core import CacheCore
-from cache_service.l3 import L3Client, L3Config
 from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig
 from compute_service.lora import validate_adapter_name
@@ -56,12 +55,13 @@ from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, SamplingDef
 from compute_service.server import ComputeServer, ServerConfig
 from compute_service.sizing import (KvSizing, SizingError, add_sizing_flags, check_flags,
                                     size_from_args, sizing_request)
+from pagestore.client import L3Client, L3Config
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
 from service_shell import (ExitGuard, ShutdownSignal, TlsConfig, add_flag, add_server_flags,
                            configure_logging, kv, tls_from_args)
-from service_shell.redis import add_redis_flags, settings_from_args
+from service_shell.redis_flags import add_redis_flags, settings_from_args
 from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
                                 token_from_args)
 
