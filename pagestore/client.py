@@ -1,5 +1,5 @@
 """The L3 client: page calls on the Redis page store shared by every worker (no torch here;
-payloads are opaque bytes).
+payloads are opaque bytes: pagestore.page_format says what is in them).
 
 Keys are `<prefix>:<model id>:<page hash hex>` (pagestore.keys); the namespace (adapter, salt)
 is inside the hash.
@@ -72,7 +72,7 @@ class L3Config:
     # How to reach it beyond the URL (pagestore.settings.RedisSettings: cluster, ACL password
     # file, TLS files); None = the URL alone.
     redis: RedisSettings | None = None
-    # The key of the page MAC (compute_service.tiers.payload): pages are written and accepted
+    # The key of the page MAC (pagestore.page_format): pages are written and accepted
     # only with it. None = an unkeyed checksum (catches corruption, not forgery).
     mac_key: bytes | None = field(default=None, repr=False)
 
