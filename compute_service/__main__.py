@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from cache_service.core import CacheCore
+from cache_service.embedded import CacheCore
 from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig
 from compute_service.lora import validate_adapter_name
