@@ -21,15 +21,15 @@ import sys
 from cache_service import chain_hash
 from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
-from cache_service.l3 import L3Client, L3Config
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
+from pagestore.client import L3Client, L3Config
 from service_shell import (ServiceShell, ShutdownSignal, add_flag, add_server_flags,
                            configure_logging, tls_from_args)
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell.auth_flags import add_identities_flag, identities_from_args
 from service_shell.config import add_native_flags
-from service_shell.redis import add_redis_flags, settings_from_args
+from service_shell.redis_flags import add_redis_flags, settings_from_args
 
 log = logging.getLogger("cache_service")
 

@@ -29,7 +29,7 @@ SNAPSHOT_BATCH_PAGES = 4096
 class CacheCore:
     def __init__(self, *, replay_events: int = 200_000, max_ops_per_step: int = 4096,
                  clock: Callable[[], float] = time.monotonic, remote=None):
-        """`remote`: an L3 client (cache_service.l3.L3Client) for pools with remote_lookup."""
+        """`remote`: an L3 client (pagestore.L3Client) for pools with remote_lookup."""
         self.remote = remote
         self.replay_events = replay_events
         self.max_ops_per_step = max_ops_per_step

@@ -32,7 +32,7 @@ __all__ = ["MEDIA", "REMOTE", "Allocated", "Checkpointed", "Counters", "Lease", 
 
 class Pool:
     def __init__(self, cfg: PoolConfig, replay_events: int, clock, remote=None):
-        """`remote` probes L3 (cache_service.l3.L3Client) when cfg.remote_lookup is set."""
+        """`remote` probes L3 (pagestore.L3Client) when cfg.remote_lookup is set."""
         self.cfg = cfg
         self.stride = 4 * cfg.page_size
         self.clock = clock

@@ -38,6 +38,7 @@ from array import array
 from collections.abc import Iterator
 
 from prefixcache.v1 import common_pb2
+from prefixcache_client.pages import common_pages
 
 DEVICE = common_pb2.MEDIUM_DEVICE
 HOST = common_pb2.MEDIUM_HOST
@@ -158,26 +159,6 @@ def cut_tail(node: Node, k: int, stride: int) -> tuple[bytes, array]:
     node.hashes = node.hashes[:keep * HASH]
     node.pages = node.pages[:keep]
     return hashes, pages
-
-
-def common_pages(a: bytes, b: bytes, stride: int, limit: int) -> int:
-    """Leading whole pages (of `stride` bytes) equal in a and b (bytes or bytearray), at most
-    `limit`: a binary search of C-speed comparisons instead of a page-by-page loop, each probe
-    comparing only the pages after those already known equal, in place (no copies)."""
-    if not isinstance(a, bytes | bytearray):
-        a = bytes(a)
-    lo, hi = 0, min(len(a) // stride, len(b) // stride, limit)
-    if a.startswith(memoryview(b)[:hi * stride]):
-        return hi
-    hi -= 1  # page hi - 1 differs somewhere
-    view = memoryview(b)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a.startswith(view[lo * stride:mid * stride], lo * stride):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def walk(node: Node | Root, data: bytes, stride: int, limit: int,

@@ -43,9 +43,7 @@ from pathlib import Path
 
 import torch
 
-from cache_service import chain_hash
-from cache_service.core import CacheCore
-from cache_service.l3 import L3Client, L3Config
+from cache_service.embedded import CacheCore, configure_hashing
 from compute_service.kernels import cpu_native
 from compute_service.engine import Engine, EngineConfig
 from compute_service.lora import validate_adapter_name
@@ -56,6 +54,7 @@ from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, SamplingDef
 from compute_service.server import ComputeServer, ServerConfig
 from compute_service.sizing import (KvSizing, SizingError, add_sizing_flags, check_flags,
                                     size_from_args, sizing_request)
+from pagestore.client import L3Client, L3Config
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
@@ -63,7 +62,7 @@ from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ServiceShell, ShutdownSignal, TlsConfig, add_bool_flag, add_flag,
                            add_server_flags, configure_logging, kv, tls_from_args)
 from service_shell.config import add_list_flag, add_native_flags, check_renamed
-from service_shell.redis import add_redis_flags, settings_from_args
+from service_shell.redis_flags import add_redis_flags, settings_from_args
 from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
                                 token_from_args)
 
@@ -351,7 +350,7 @@ def engine_config(args: argparse.Namespace, model: CausalLM, model_id: str, port
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    chain_hash.configure(args.cache_native, args.kernel_cache)
+    configure_hashing(args.cache_native, args.kernel_cache)
     cpu_native.configure(args.cpu_native, args.kernel_cache)
     if args.threads:
         torch.set_num_threads(args.threads)

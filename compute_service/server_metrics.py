@@ -114,7 +114,7 @@ def tier_metric_families(values: dict[str, float]) -> Iterator[prometheus_client
     if rejected:  # one family, the reason a label: forged pages are one alert, not nine
         family = CounterMetricFamily("prefixcache_compute_l3_rejected",
                                      "L3 pages rejected on load (a miss), by reason "
-                                     "(compute_service.tiers.payload.REASONS).", labels=["reason"])
+                                     "(pagestore.page_format.REASONS).", labels=["reason"])
         for key in sorted(rejected):
             family.add_metric([key.removeprefix(_REJECTED)], rejected[key])
         yield family

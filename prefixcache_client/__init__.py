@@ -12,6 +12,8 @@ users' applications. It imports grpc, protobuf, numpy, the generated `prefixcach
   alike by the embedded `CacheCore` and by `CacheClient` (as `CacheRejectedError`).
 - The page hash (`prefixcache_client.hash`): the chained SHA-256 every client and indexer
   recomputes, and its namespace limits. `python -m prefixcache_client.hash --help` prints hashes.
+- Token pages (`prefixcache_client.pages`): `common_pages`, the leading whole pages two token
+  byte strings share (the cache's radix tree and the compute scheduler both use it).
 - The tokenizer (`prefixcache_client.tokenizer`): the one implementation the workers and the
   gateway tokenize text and chats with (`tokenizers`, chat templates in jinja2's sandbox), rebuilt
   from a worker's GetTokenizer files by `from_files`.

@@ -28,8 +28,7 @@ NATIVE_MODES = ("auto", "on", "off")
 # Variables a parser declared, flag by variable: kept on the parser object itself, so each
 # service's parser answers for itself.
 _DECLARED = "_prefixcache_variables"
-# Variables named in a flag's help, for flags declared without `add_flag` (service_shell/redis.py's
-# --redis-cluster until it uses `add_bool_flag`).
+# Variables named in a flag's help, for flags declared without `add_flag`.
 _HELP_VARIABLE = re.compile(r"\benv (PREFIXCACHE_[A-Z0-9_]+)")
 
 

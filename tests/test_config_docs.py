@@ -85,14 +85,12 @@ def test_each_flag_has_one_variable_and_names_it(declared) -> None:
 
 # Reads of a PREFIXCACHE_* variable: os.environ.get("PREFIXCACHE_..."), os.getenv(f"PREFIXCACHE_...").
 ENV_READ = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*f?["']PREFIXCACHE_""")
-# service_shell/redis.py's env_bool moves to config.env_bool / add_bool_flag when its flags move
-# to service_shell/redis_flags.py (the "pagestore" change): then only config.py.
-READERS = {"service_shell/config.py", "service_shell/redis.py"}
+READERS = {"service_shell/config.py"}
 
 
 def test_only_service_shell_config_reads_the_variables() -> None:
     found = {str(path.relative_to(ROOT))
-             for package in ("cache_service", "compute_service", "gateway", "prefixcache_client",
-                             "service_shell")
+             for package in ("cache_service", "compute_service", "gateway", "pagestore",
+                             "prefixcache_client", "service_shell", "stack")
              for path in (ROOT / package).rglob("*.py") if ENV_READ.search(path.read_text())}
     assert found <= READERS, f"PREFIXCACHE_* read outside service_shell/config.py: {found - READERS}"

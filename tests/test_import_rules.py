@@ -6,7 +6,9 @@ third-party libraries other than torch. `prefixcache_client` is the torch-free c
 contract, importable by anyone without the services. The runtime packages hold runtime code only:
 none of them imports the benchmark tree (`prefixcache_bench`, which sits above them) or `tests`,
 not even inside a function; and no runtime module depends on itself through others (no import
-cycle, lazy imports inside functions included)."""
+cycle, lazy imports inside functions included). The compute service imports no `cache_service`
+module but `cache_service.embedded`, and `pagestore` neither service nor torch (static scans, at
+the end)."""
 from __future__ import annotations
 
 import ast
@@ -231,3 +233,103 @@ def test_imports_nothing_forbidden(roots, forbidden):
     assert not report["culprits"] and not report["loaded"], (
         "forbidden imports:\n" + "\n".join(report["culprits"].values())
         + f"\nmodules loaded: {report['loaded']}")
+
+
+# ---- the compute service, the cache service's seam and the page store (issue 24) -------------
+# A static scan (ast), so a rule holds for every module, imported at start or not: the compute
+# service reaches the cache service only through `cache_service.embedded` (the in-process core of
+# --cache-service embedded); what both services share lives outside both (`pagestore`,
+# `prefixcache_client`). `pagestore` is a library: it imports neither service nor torch, and
+# reads no flag and no environment variable (service_shell.redis_flags builds its settings).
+
+SEAM = "cache_service.embedded"
+# Moving to prefixcache_bench (benchmarks may use any internal); not the compute service's code.
+MOVING_OUT = ("compute_service/bench", "compute_service/bench_tiers")
+PAGESTORE_FORBIDDEN = {"cache_service", "compute_service", "gateway", "torch", "argparse"}
+
+
+def imports_of(root: Path, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(file:line, dotted name) of every absolute import under `root`, but under `skip` (paths
+    relative to root's parent): `import a.b` names a.b, `from a.b import c` names a.b.c (c may be
+    a module or an attribute: both are what the file reaches into)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if any(rel == s or rel.startswith(s + "/") for s in skip):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if isinstance(node, ast.Import):
+                out += [(f"{rel}:{node.lineno}", alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                out += [(f"{rel}:{node.lineno}", f"{node.module}.{alias.name}")
+                        for alias in node.names]
+    return out
+
+
+def cache_service_reached_past_the_seam(root: Path) -> list[str]:
+    """Imports under `root` (compute_service/) of a cache_service module other than the seam."""
+    return [f"{where}: {name}" for where, name in imports_of(root, MOVING_OUT)
+            if name.partition(".")[0] == "cache_service"
+            and name != SEAM and not name.startswith(SEAM + ".")]
+
+
+def pagestore_violations(root: Path) -> list[str]:
+    """Imports under `root` (pagestore/) of a service, the gateway, torch or argparse, and reads
+    of the environment (os.environ, os.getenv, os.putenv)."""
+    bad = [f"{where}: {name}" for where, name in imports_of(root)
+           if name.partition(".")[0] in PAGESTORE_FORBIDDEN]
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            named = node.attr if isinstance(node, ast.Attribute) else \
+                node.id if isinstance(node, ast.Name) else None
+            if named in ("environ", "getenv", "putenv", "environb"):
+                bad.append(f"{rel}:{node.lineno}: {named}")
+    return bad
+
+
+def test_the_compute_service_imports_only_the_cache_services_seam():
+    assert (REPO / "cache_service" / "embedded.py").is_file()
+    reached = cache_service_reached_past_the_seam(REPO / "compute_service")
+    assert reached == [], (f"the compute service may import only {SEAM} of the cache service:\n"
+                           + "\n".join(reached))
+    # The scan saw the seam's one import (it is not vacuous).
+    assert any(name.startswith(SEAM + ".") for _, name in imports_of(REPO / "compute_service",
+                                                                        MOVING_OUT))
+
+
+def test_pagestore_imports_neither_service_nor_torch_and_reads_no_environment():
+    assert pagestore_violations(REPO / "pagestore") == []
+    # And at run time: importing every pagestore module loads none of them.
+    report = import_all(["pagestore"], {"torch", "compute_service", "cache_service", "gateway"})
+    assert len(report["modules"]) >= 5, report["modules"]
+    assert not report["culprits"] and not report["loaded"], report["culprits"]
+
+
+def test_the_checks_catch_a_planted_violation(tmp_path):
+    compute = tmp_path / "compute_service"
+    (compute / "engine").mkdir(parents=True)
+    (compute / "bench_tiers").mkdir()
+    (compute / "__main__.py").write_text("from cache_service.embedded import CacheCore\n"
+                                         "from cache_service import embedded\n")
+    assert cache_service_reached_past_the_seam(compute) == []
+    (compute / "bench_tiers" / "cli.py").write_text("from cache_service.core import CacheCore\n")
+    assert cache_service_reached_past_the_seam(compute) == []  # moving out: not scanned
+    (compute / "engine" / "scheduler.py").write_text(
+        "import os\nfrom cache_service.tree import common_pages\nimport cache_service.core\n"
+        "from cache_service import l3\n")
+    assert cache_service_reached_past_the_seam(compute) == [
+        "compute_service/engine/scheduler.py:2: cache_service.tree.common_pages",
+        "compute_service/engine/scheduler.py:3: cache_service.core",
+        "compute_service/engine/scheduler.py:4: cache_service.l3"]
+
+    store = tmp_path / "pagestore"
+    store.mkdir()
+    (store / "client.py").write_text("import redis\nfrom pagestore.keys import page_key\n")
+    assert pagestore_violations(store) == []
+    (store / "payload.py").write_text("import torch\nfrom compute_service.model import X\n"
+                                      "import os\nURL = os.environ.get('PREFIXCACHE_REDIS_URL')\n"
+                                      "from cache_service.l3 import L3Client\n")
+    assert pagestore_violations(store) == [
+        "pagestore/payload.py:1: torch", "pagestore/payload.py:2: compute_service.model.X",
+        "pagestore/payload.py:5: cache_service.l3.L3Client", "pagestore/payload.py:4: environ"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cache_service.l3 import L3Client
+from pagestore.client import L3Client
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class EngineConfig:
     # 0 = the cache service's default. Leases are renewed a quarter TTL after a call last named
     # them (step_planner), so the slowest step must take less than 3/4 of it.
     lease_ttl_s: float = 0.0
-    # L3 (Redis) tier: a cache_service.l3.L3Client, or None for no L3. The write policy is one of
+    # L3 (Redis) tier: a pagestore.L3Client, or None for no L3. The write policy is one of
     # WRITE_POLICIES (none, write-through, write-back, hot); `l3_lookup` makes the cache service
     # probe L3 at every match (it needs its own L3 client for that).
     l3: L3Client | None = None

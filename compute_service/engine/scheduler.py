@@ -48,11 +48,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from cache_service.tree import common_pages
 from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.request import FinishReason, Output, Request, Status
 from compute_service.lora import AdapterNotFoundError, AdapterRegistry
 from compute_service.model import Tokenizer
+from prefixcache_client.pages import common_pages
 
 
 class Scheduler:

@@ -80,8 +80,8 @@ from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
 
 log = logging.getLogger("compute_service.engine")
 
-# The cache service's lease TTL when the pool registers none (cache_service.core
-# DEFAULT_LEASE_TTL_S; a test keeps them equal).
+# The cache service's lease TTL when the pool registers none (its DEFAULT_LEASE_TTL_S;
+# tests/compute_service/engine/test_cache_calls.py keeps them equal).
 SERVICE_LEASE_TTL_S = 30.0
 RENEW_FRACTION = 0.25  # of the TTL: late enough to skip most steps, early enough for slow ones
 LOAD_REFRESH_S = 5.0  # a call with nothing else to say, to keep the report's timestamp fresh

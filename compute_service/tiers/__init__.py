@@ -1,6 +1,7 @@
-"""KV tiers below the device pool: L2 host pages (batched copies) and L3 Redis (page payloads,
-background writes, validated loads). The cache service decides what moves where; this package
-moves the bytes."""
+"""KV tiers below the device pool, the compute side: L2 host pages (batched copies) and L3
+(pages as tensors, background writes, validated loads) through the page store, `pagestore`
+(Redis client, payload format and MAC). The cache service decides what moves where; this
+package moves the bytes."""
 from compute_service.tiers.copies import (CopyRun, allocate_host_pool, gather_pages, move_pages,
                                           plan_runs, scatter_pages)
 from compute_service.tiers.payload import (FORMAT_VERSION, REASONS, PageData, PageLayout,

@@ -1,71 +1,31 @@
-"""The L3 page payload: one self-describing, authenticated Redis value per page.
+"""L3 pages as tensors: the layout of a model's KV pages and Mamba states (`PageLayout`), and
+`encode` / `decode` between a page's CPU tensors and its payload. The payload's bytes, digest and
+MAC are pagestore.page_format's (torch-free, shared with the page store): this module supplies
+the body and views the decoded body as tensors.
 
-Byte layout (little-endian; the magic and the version keep their offsets in every version):
-
-    offset size  field
-         0    8  magic b"PCKVPAGE"
-         8    2  u16 format version (FORMAT_VERSION)
-        10    2  u16 flags: bit 0 = a Mamba checkpoint follows the KV; bit 1 = the digest is a
-                 keyed MAC (written with an L3 MAC key)
-        12    1  u8 KV dtype code (DTYPE_CODES); 13: u8 SSM-state dtype code; 14: u8 conv-state
-                 dtype code (0 when the model has no Mamba layers); 15: reserved, 0
-        16   40  u32 x 10: page_size, kv heads, head dim, attention layers, Mamba layers,
-                 Mamba heads, Mamba head dim, Mamba state size, conv dim, conv width - 1
-        56   16  page hash (design.md §3)
-        72    8  u64 body length in bytes
-        80   16  BLAKE2b-128, keyed with the L3 MAC key when there is one (flag bit 1), over
-                 the u16 length and bytes of the Redis key the page is stored under, bytes
-                 [0, 80) and the body
-        96       body: for each attention layer (model order) K then V, each [page_size, kv heads,
-                 head dim] C-order in the KV dtype; then, when flag bit 0 is set, the SSM state of
-                 every Mamba layer ([heads, head dim, state], SSM dtype), then the conv state of
-                 every Mamba layer ([conv dim, conv width - 1], conv dtype). All SSM states come
-                 before all conv states so that every tensor starts aligned to its element size.
-
-Invariant: `decode` returns tensors only for a payload that is whole, of this format, written
-for exactly the expected page hash, Redis key and layout, and whose digest matches; with a MAC
-key, only for a payload written with that same key (design.md §4, "Authenticated pages"): a
-page forged by anyone who can write to Redis but lacks the key, written without a key, or
-copied from another key is rejected. Anything else raises `PayloadRejected` with one of
-REASONS, and the caller treats the page as a miss.
-
-Without a MAC key the digest is a plain checksum: it catches corruption, not forgery (the
-compute service warns at start: `event=l3_unauthenticated`).
+Invariant: `decode` returns tensors only for a payload that pagestore.page_format.open_payload
+accepts for exactly the expected page hash, Redis key and layout (design.md §4, "Authenticated
+pages"); anything else raises `PayloadRejected` with one of REASONS, and the caller treats the
+page as a miss.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import math
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from compute_service.model import ModelConfig
+from pagestore.page_format import (BODY_OFFSET, DTYPE_CODES as CODES_BY_NAME, FORMAT_VERSION,
+                                   HEADER, REASONS, PageFormat, PayloadRejected, open_payload,
+                                   seal)
 
-MAGIC = b"PCKVPAGE"
-FORMAT_VERSION = 2  # 2: the digest covers the Redis key and may be a keyed MAC (flag bit 1)
-FLAG_CHECKPOINT = 1
-FLAG_MAC = 2
-HEADER = struct.Struct("<8sHHBBBB10I16sQ")
-CHECKSUM_BYTES = 16
-BODY_OFFSET = HEADER.size + CHECKSUM_BYTES  # 96
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+__all__ = ["BODY_OFFSET", "DTYPE_CODES", "FORMAT_VERSION", "HEADER", "REASONS", "MambaStates",
+           "PageData", "PageLayout", "PayloadRejected", "decode", "encode"]
+
+# torch dtypes by their code in the payload header (pagestore.page_format.DTYPE_CODES).
+DTYPE_CODES = {getattr(torch, name): code for name, code in CODES_BY_NAME.items()}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-# bad_mac: the MAC does not match (forged, written with another key, copied from another Redis
-# key, or corrupted); unauthenticated: a payload without a MAC read with a key; unverifiable: a
-# payload with a MAC read without a key.
-REASONS = ("truncated", "foreign_format", "unsupported_version", "corrupted", "wrong_hash",
-           "wrong_layout", "bad_mac", "unauthenticated", "unverifiable")
-
-
-class PayloadRejected(Exception):
-    """A payload that must not be loaded; `reason` is one of REASONS (a metric label)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,6 +44,7 @@ class PageLayout:
     conv_width: int = 0  # conv kernel - 1: the conv state's last dimension
     ssm_dtype: torch.dtype | None = None
     conv_dtype: torch.dtype | None = None
+    _format: PageFormat | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def of_model(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> PageLayout:
@@ -95,6 +56,16 @@ class PageLayout:
                    attn, mamba, *((cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size,
                                    cfg.mamba_conv_dim, cfg.mamba_conv_kernel - 1, torch.float32,
                                    dtype) if mamba else ()))
+
+    @property
+    def format(self) -> PageFormat:
+        """What the payload header says for this layout (made once: every encode and decode
+        uses it)."""
+        if self._format is None:
+            object.__setattr__(self, "_format", PageFormat(self._fields(), self._codes(),
+                                                           self.kv_bytes(),
+                                                           self.checkpoint_bytes()))
+        return self._format
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -140,15 +111,6 @@ class PageData:
     mamba: MambaStates | None
 
 
-def _digest(mac_key: bytes | None, context: bytes, header) -> hashlib.blake2b:
-    """The digest over the Redis key and the header; the caller adds the body."""
-    digest = hashlib.blake2b(key=mac_key or b"", digest_size=CHECKSUM_BYTES)
-    digest.update(struct.pack("<H", len(context)))
-    digest.update(context)
-    digest.update(header)
-    return digest
-
-
 def encode(page_hash: bytes, layout: PageLayout, kv: torch.Tensor,
            mamba: MambaStates | None = None, *, mac_key: bytes | None = None,
            context: bytes = b"") -> bytes:
@@ -165,63 +127,18 @@ def encode(page_hash: bytes, layout: PageLayout, kv: torch.Tensor,
             _check(ssm, layout.ssm_shape, layout.ssm_dtype, "ssm")
             _check(conv, layout.conv_shape, layout.conv_dtype, "conv")
         parts += [_raw(ssm) for ssm, _ in mamba] + [_raw(conv) for _, conv in mamba]
-    body_len = sum(len(p) for p in parts)
-    flags = (FLAG_CHECKPOINT if mamba is not None else 0) | (FLAG_MAC if mac_key else 0)
-    header = HEADER.pack(MAGIC, FORMAT_VERSION, flags, *layout._codes(), 0, *layout._fields(),
-                         page_hash, body_len)
-    digest = _digest(mac_key, context, header)
-    for part in parts:
-        digest.update(part)
-    return b"".join([header, digest.digest(), *parts])
+    return seal(page_hash, layout.format, parts, checkpoint=mamba is not None, mac_key=mac_key,
+                context=context)
 
 
 def decode(payload: bytes, expected_hash: bytes, layout: PageLayout, *,
            mac_key: bytes | None = None, context: bytes = b"") -> PageData:
     """The page in `payload` stored under the Redis key `context`, or PayloadRejected (see the
     module invariant)."""
-    if len(payload) < BODY_OFFSET:
-        if payload[:len(MAGIC)] != MAGIC[:len(payload)]:
-            raise PayloadRejected("foreign_format", "bad magic")
-        raise PayloadRejected("truncated", f"{len(payload)} bytes, shorter than the header")
-    (magic, version, flags, kv_code, ssm_code, conv_code, _, *fields) = HEADER.unpack_from(payload)
-    page_hash, body_len = fields[-2], fields[-1]
-    if magic != MAGIC:
-        raise PayloadRejected("foreign_format", "bad magic")
-    if version != FORMAT_VERSION:
-        raise PayloadRejected("unsupported_version", f"format {version}, expected {FORMAT_VERSION}")
-    if len(payload) - BODY_OFFSET < body_len:
-        raise PayloadRejected("truncated", f"body of {len(payload) - BODY_OFFSET} bytes, header "
-                                           f"says {body_len}")
-    if len(payload) - BODY_OFFSET > body_len:
-        raise PayloadRejected("corrupted", "bytes after the body")
-    # Any failed check rejects the page; the order only picks the reason reported. The page
-    # hash first: another page's value under this key is named as such, keyed or not.
-    if page_hash != expected_hash:
-        raise PayloadRejected("wrong_hash", f"payload of page {page_hash.hex()}, expected "
-                                            f"{expected_hash.hex()}")
-    keyed = bool(flags & FLAG_MAC)
-    if mac_key and not keyed:
-        raise PayloadRejected("unauthenticated", "written without an L3 MAC key")
-    if keyed and not mac_key:
-        raise PayloadRejected("unverifiable", "written with an L3 MAC key; this reader has none")
-    view = memoryview(payload)
-    digest = _digest(mac_key, context, view[:HEADER.size])
-    digest.update(view[BODY_OFFSET:])
-    if not hmac.compare_digest(digest.digest(), payload[HEADER.size:BODY_OFFSET]):
-        if keyed:
-            raise PayloadRejected("bad_mac", "MAC mismatch: forged, written with another key, "
-                                             "copied from another Redis key, or corrupted")
-        raise PayloadRejected("corrupted", "checksum mismatch")
-    has_ckpt = bool(flags & FLAG_CHECKPOINT)
-    if tuple(fields[:-2]) != layout._fields() or (kv_code, ssm_code, conv_code) != layout._codes():
-        raise PayloadRejected("wrong_layout", f"fields {tuple(fields[:-2])} dtypes "
-                              f"{(kv_code, ssm_code, conv_code)}, expected {layout._fields()} "
-                              f"{layout._codes()}")
-    expected_len = layout.kv_bytes() + (layout.checkpoint_bytes() if has_ckpt else 0)
-    if body_len != expected_len or (has_ckpt and not layout.mamba_layers):
-        raise PayloadRejected("wrong_layout", f"body of {body_len} bytes, expected {expected_len}")
+    has_ckpt, view = open_payload(payload, expected_hash, layout.format, mac_key=mac_key,
+                                  context=context)
     # One copy into memory torch owns (frombuffer on an immutable bytes object would alias it).
-    body = torch.frombuffer(bytearray(view[BODY_OFFSET:]), dtype=torch.uint8) if body_len else \
+    body = torch.frombuffer(bytearray(view), dtype=torch.uint8) if len(view) else \
         torch.empty(0, dtype=torch.uint8)
     kv_end = layout.kv_bytes()
     kv = body[:kv_end].view(layout.kv_dtype).view(layout.kv_shape)
@@ -235,7 +152,7 @@ def decode(payload: bytes, expected_hash: bytes, layout: PageLayout, *,
                   body[conv_start + i * conv_bytes:conv_start + (i + 1) * conv_bytes]
                   .view(layout.conv_dtype).view(layout.conv_shape))
                  for i in range(layout.mamba_layers)]
-    return PageData(page_hash, kv, mamba)
+    return PageData(page_hash=expected_hash, kv=kv, mamba=mamba)
 
 
 def _check(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None, name: str) -> None:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_service.l3 import UNAVAILABLE, L3Client
 from compute_service.tiers.payload import (REASONS, MambaStates, PageData, PageLayout,
                                            PayloadRejected, decode, encode)
+from pagestore.client import UNAVAILABLE, L3Client
 
 log = logging.getLogger("compute_service.tiers")
 # L3Client counters always reported (0 until they happen), so the metric set is stable.

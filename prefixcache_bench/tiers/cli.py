@@ -12,14 +12,14 @@ from collections.abc import Iterator
 
 import torch
 
-from cache_service.l3 import L3Client, L3Config
+from pagestore.client import L3Client, L3Config
 from prefixcache_bench.tiers.params import GOAL_PROMPT_TOKENS, GOALS, Params, goal_key
 from prefixcache_bench.tiers.parts_redis import bench_redis, redis_at
 from prefixcache_bench.tiers.parts_sim import bench_shared_l3_sim
 from prefixcache_bench.tiers.parts_ttft import bench_model
 from prefixcache_bench.harness import (choose_threads, columns_table, fmt, load_average,
                                        machine_info, write_json)
-from service_shell.redis import redact
+from pagestore.settings import redact
 
 PROG = "python -m prefixcache_bench.tiers"
 WATCHED = ("compute_service", "cache_service", "prefixcache_bench")

@@ -18,7 +18,7 @@ from pathlib import Path
 import redis
 import torch
 
-from cache_service.l3 import L3Client
+from pagestore.client import L3Client
 from prefixcache_bench.tiers.params import Params
 from compute_service.model import preset_config
 from compute_service.tiers import PageLayout, decode, encode

@@ -12,7 +12,7 @@ import time
 import torch
 
 from cache_service.core import CacheCore
-from cache_service.l3 import L3Client, L3Config
+from pagestore.client import L3Client, L3Config
 from prefixcache_bench.tiers.params import LEASE_TTL_S, Params
 from prefixcache_bench.tiers.parts_redis import BENCH_MAC_KEY
 from compute_service.engine import Engine, EngineConfig, SamplingParams

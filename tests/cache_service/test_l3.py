@@ -7,7 +7,7 @@ import time
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.l3 import CircuitBreaker, L3Client, L3Config
+from pagestore.client import L3Client, L3Config
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
 from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache_client.hash import prompt_hashes
@@ -126,23 +126,6 @@ def test_a_dead_or_paused_redis_is_a_bounded_miss_and_the_breaker_recovers(redis
     redis_server.stop()
     assert w.match(PROMPT).remote_hit_tokens == 0
     assert l3.counters.calls["errors"] + l3.counters.calls["timeouts"] >= 1
-
-
-def test_breaker_half_open_lets_one_trial_through():
-    now = [0.0]
-    b = CircuitBreaker(failure_threshold=2, reset_after_s=1.0, clock=lambda: now[0])
-    b.record(False)
-    assert b.allow()
-    b.record(False)
-    assert b.state == "open" and not b.allow()
-    now[0] = 1.5
-    assert b.state == "half-open" and b.allow() and not b.allow()
-    b.record(False)
-    assert b.state == "open"
-    now[0] = 3.0
-    assert b.allow()
-    b.record(True)
-    assert b.state == "closed" and b.allow()
 
 
 def test_write_through_copies_carry_the_checkpoint_attached_in_the_same_step():

@@ -4,7 +4,6 @@ NOT_SERVING and `prefixcache_cache_l3_up 0` while readiness stays SERVING (looku
 recovers by itself when Redis comes up, without traffic."""
 from __future__ import annotations
 
-import logging
 import socket
 import time
 import urllib.request
@@ -12,7 +11,6 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.l3 import L3Client, L3Config
 from tests.cache_service.grpc_harness import server_process
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -51,28 +49,6 @@ def wait_for(predicate, timeout_s: float = 15.0) -> bool:
     return True
 
 
-def test_check_names_the_redacted_url_and_the_cause_and_recovers(redis_server, caplog):
-    redis_server.stop()  # nobody listens on its port now
-    url = f"redis://:s3cret@127.0.0.1:{redis_server.port}/0"
-    with caplog.at_level(logging.INFO, logger="prefixcache.l3"):
-        l3 = L3Client(L3Config(url))
-        seen: list[bool] = []
-        l3.on_change(seen.append)
-        assert not l3.check(0.5) and l3.up is False and seen == [False]
-    line = next(r.getMessage() for r in caplog.records if "event=l3_unreachable" in r.getMessage())
-    assert f"url=redis://:***@127.0.0.1:{redis_server.port}/0" in line and "s3cret" not in line
-    assert "ConnectionError" in line and "refused" in line
-    assert l3.probe("m", [b"x" * 16]) == 0  # a miss, not an error
-    plain = L3Client(L3Config(redis_server.url))
-    assert not plain.check(0.5)
-    plain.watch(interval_s=0.05)
-    try:
-        redis_server.start()
-        assert wait_for(lambda: plain.up is True, 5.0)
-    finally:
-        plain.close()
-
-
 def test_the_service_starts_ready_without_l3_and_reports_it(redis_server):
     redis_server.stop()
     url = f"redis://:s3cret@127.0.0.1:{redis_server.port}/0"
@@ -104,18 +80,3 @@ def test_a_redis_that_comes_up_after_the_service_is_seen_without_traffic(redis_s
         assert wait_for(lambda: health(proc.target, "l3") == SERVING)
         assert metric(metrics_port, "prefixcache_cache_l3_up") == 1
         assert "event=l3_reachable" in proc.log()
-
-
-def test_an_unreachable_cluster_is_a_miss_everywhere(redis_server, caplog):
-    """redis+cluster:// to a port nobody listens on: the cluster client cannot even learn the
-    slot map; every call is a miss (no exception escapes), and the start check says why."""
-    redis_server.stop()
-    l3 = L3Client(L3Config(f"redis+cluster://127.0.0.1:{redis_server.port}", failure_threshold=2))
-    with caplog.at_level(logging.WARNING, logger="prefixcache.l3"):
-        assert not l3.check(0.5)
-    assert "event=l3_unreachable" in caplog.text and "redis+cluster://127.0.0.1" in caplog.text
-    pages = [b"p" * 16]
-    assert l3.probe("m", pages) == 0 and l3.get_many("m", pages) is None
-    assert l3.set_many("m", [(pages[0], b"x")]) == 0
-    l3.delete("m", pages[0])
-    assert l3.breaker.state == "open" and l3.counters.calls["errors"] >= 2

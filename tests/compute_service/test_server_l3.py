@@ -6,8 +6,8 @@ import urllib.request
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.l3 import L3Client, L3Config
 from compute_service.engine import Engine
+from pagestore.client import L3Client, L3Config
 from tests.compute_service.server_harness import (NOT_SERVING, SERVING, greedy, health,
                                                   make_engine, prompt, running, sample)
 

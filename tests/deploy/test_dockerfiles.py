@@ -152,6 +152,8 @@ def test_each_dockerignore_lets_in_exactly_what_its_dockerfile_copies(image):
     assert allowlisted(image) == copied_sources(image)
     assert {"prefixcache", "prefixcache_client", "service_shell", IMAGES[image][0]} <= \
         copied_packages(image)
+    if image != "gateway":  # both services use the L3 page store
+        assert "pagestore" in copied_packages(image)
 
 
 def test_the_gateway_image_holds_no_service_package():
@@ -160,7 +162,7 @@ def test_the_gateway_image_holds_no_service_package():
     ignore = DockerIgnore((DOCKER / "Dockerfile.gateway.dockerignore").read_text())
     assert copied_packages("gateway") == {"prefixcache", "prefixcache_client", "gateway",
                                           "service_shell"}
-    for package in ("compute_service", "cache_service", "prefixcache_bench"):
+    for package in ("compute_service", "cache_service", "pagestore", "prefixcache_bench"):
         assert package not in copied_sources("gateway"), package
         assert ignore.excluded(f"{package}/__init__.py"), package
 
@@ -186,7 +188,8 @@ def test_build_context_leaves_out_local_state(image):
     for path in ("pyproject.toml", "README.md", "gateway/__init__.py", "prefixcache/v1/__init__.py",
                  "prefixcache_client/cache.py", "service_shell/__init__.py"):
         assert not ignore.excluded(path), path
-    for path in ("cache_service/server.py", "compute_service/model/model.py"):
+    for path in ("cache_service/server.py", "compute_service/model/model.py",
+                 "pagestore/client.py"):
         assert ignore.excluded(path) == (image == "gateway"), path
 
 

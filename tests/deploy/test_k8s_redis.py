@@ -12,9 +12,9 @@ import time
 import pytest
 import redis
 
-from cache_service.l3 import L3Client, L3Config
+from pagestore.client import L3Client, L3Config
+from pagestore.settings import RedisSettings
 from prefixcache_bench.local_redis import RedisClusterServers
-from service_shell.redis import RedisSettings
 from tests.deploy.manifests import by_kind, container
 from tests.service_shell.certs import make_pki
 

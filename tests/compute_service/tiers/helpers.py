@@ -6,9 +6,9 @@ import itertools
 import random
 
 from cache_service.core import CacheCore
-from cache_service.l3 import L3Client, L3Config
 from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.model import ByteTokenizer, build_preset
+from pagestore.client import L3Client, L3Config
 from tests.compute_service.paged_driver import PagedDriver
 
 PAGE = 4

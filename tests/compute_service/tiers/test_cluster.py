@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.l3 import L3Client
+from pagestore.client import L3Client
 from prefixcache_client.hash import prompt_hashes
 from tests.compute_service.tiers.helpers import (PAGE, PROMPT, generate, l3_client, prompt_of,
                                                  reference)

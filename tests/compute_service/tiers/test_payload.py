@@ -10,7 +10,7 @@ import torch
 
 from compute_service.model import preset_config
 from compute_service.tiers import FORMAT_VERSION, PageLayout, PayloadRejected, decode, encode
-from compute_service.tiers.payload import BODY_OFFSET, HEADER
+from pagestore.page_format import BODY_OFFSET, HEADER
 
 HASH = bytes(range(16))
 OTHER = bytes(range(1, 17))

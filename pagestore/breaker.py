@@ -1,5 +1,6 @@
-"""The L3 circuit breaker (one per Redis node): a Redis that keeps failing is not called (a miss,
-at no cost) until a cool-down has passed, then one trial call finds out whether it is back."""
+"""The circuit breaker of the L3 client, one per Redis node: a Redis that keeps failing is not
+called (a miss, at no cost) until a cool-down has passed, then one trial call finds out whether
+it is back."""
 from __future__ import annotations
 
 import logging

@@ -1,13 +1,13 @@
-"""service_shell/redis.py: the one place both services turn Redis flags into a client; every
-inconsistent setting is refused naming its flag, and no password reaches a log line."""
+"""service_shell/redis_flags.py: the one place both services turn Redis flags into the page
+store's settings (pagestore.RedisSettings); every inconsistent setting is refused naming its
+flag."""
 from __future__ import annotations
 
 import argparse
 
 import pytest
 
-from service_shell.redis import RedisSettings, add_redis_flags, read_key_file, redact, \
-    settings_from_args
+from service_shell.redis_flags import add_redis_flags, read_key_file, settings_from_args
 
 
 def parse(*argv: str, mac_key: bool = True):
@@ -15,17 +15,6 @@ def parse(*argv: str, mac_key: bool = True):
     add_redis_flags(p, "L3", mac_key=mac_key)
     args = p.parse_args(list(argv))
     return settings_from_args(p, args), args
-
-
-@pytest.mark.parametrize("url,shown", [
-    ("redis://:s3cret@h:6379/0", "redis://:***@h:6379/0"),
-    ("rediss://prefixcache:s3cret@h:6380/0", "rediss://prefixcache:***@h:6380/0"),
-    ("redis://prefixcache@h:6379/0", "redis://prefixcache@h:6379/0"),
-    ("redis+cluster://u:p@h:7000", "redis+cluster://u:***@h:7000"),
-])
-def test_redact_hides_only_the_password(url, shown):
-    assert redact(url) == shown and RedisSettings(url).redacted() == shown
-    assert "s3cret" not in repr(RedisSettings(url).redacted())
 
 
 def test_cluster_from_the_scheme_or_the_flag():
@@ -65,8 +54,3 @@ def test_inconsistent_settings_are_usage_errors_naming_the_flag(argv, message, c
     with pytest.raises(SystemExit):
         parse(*argv)
     assert message in capsys.readouterr().err
-
-
-def test_check_reports_the_cause_of_an_unreachable_redis():
-    cause = RedisSettings("redis://:s3cret-pass@127.0.0.1:1/0").check(0.5)
-    assert cause and "ConnectionError" in cause and "s3cret-pass" not in cause

@@ -1,6 +1,8 @@
-"""L3: the Redis page store shared by every worker (no torch here; payloads are opaque bytes).
+"""The L3 client: page calls on the Redis page store shared by every worker (no torch here;
+payloads are opaque bytes: pagestore.page_format says what is in them).
 
-Keys are `<prefix>:<model id>:<page hash hex>`; the namespace (adapter, salt) is inside the hash.
+Keys are `<prefix>:<model id>:<page hash hex>` (pagestore.keys); the namespace (adapter, salt)
+is inside the hash.
 Redis being slow, down, flushed or wrong never fails a request: every call has a bounded timeout,
 any failure is a miss, and a circuit breaker stops calling a Redis that keeps failing, then lets
 one call through after a cool-down (half-open) to find out whether it is back.
@@ -33,12 +35,13 @@ import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from cache_service.l3_breaker import CircuitBreaker
-from service_shell.redis import RedisSettings
+from pagestore.breaker import CircuitBreaker
+from pagestore.keys import page_key
+from pagestore.settings import RedisSettings
 
 log = logging.getLogger("prefixcache.l3")
 
-__all__ = ["UNAVAILABLE", "CircuitBreaker", "L3Client", "L3Config", "L3Counters", "page_key"]
+__all__ = ["REDIS_ERRORS", "UNAVAILABLE", "L3Client", "L3Config", "L3Counters"]
 
 
 # What a Redis call may raise: redis-py's errors, its cluster client's (RedisClusterException
@@ -66,19 +69,15 @@ class L3Config:
     max_connections: int = 16  # per Redis node
     failure_threshold: int = 3  # consecutive failures that open the breaker
     reset_after_s: float = 2.0  # open -> half-open after this long
-    # How to reach it beyond the URL (service_shell.redis.RedisSettings: cluster, ACL password
+    # How to reach it beyond the URL (pagestore.settings.RedisSettings: cluster, ACL password
     # file, TLS files); None = the URL alone.
     redis: RedisSettings | None = None
-    # The key of the page MAC (compute_service.tiers.payload): pages are written and accepted
+    # The key of the page MAC (pagestore.page_format): pages are written and accepted
     # only with it. None = an unkeyed checksum (catches corruption, not forgery).
     mac_key: bytes | None = field(default=None, repr=False)
 
     def settings(self) -> RedisSettings:
         return self.redis if self.redis is not None else RedisSettings(self.url)
-
-
-def page_key(prefix: str, model_id: str, page_hash: bytes) -> str:
-    return f"{prefix}:{model_id}:{page_hash.hex()}"
 
 
 _STATE_RANK = {"closed": 0, "half-open": 1, "open": 2}
