@@ -314,11 +314,12 @@ class Engine:
             self.l3.close()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
         if isinstance(self.cache, CacheClient) and self.cfg.cache_watch_s > 0:
             self._watcher = threading.Thread(target=self._watch_cache, name="cache-watch",
                                              daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        if self._watcher is not None:
             self._watcher.start()
 
     def stop(self) -> None:
@@ -329,7 +330,7 @@ class Engine:
         self._watch_stop.set()
         if self._thread:
             self._thread.join(timeout=30)
-        if self._watcher:
+        if self._watcher is not None and self._watcher.is_alive():
             self._watcher.join(timeout=5)
         self._fail_all()
 
@@ -385,11 +386,12 @@ class Engine:
     # waiting for a request: the service unreachable, reachable again, restarted without this
     # pool. Only the engine thread switches caches (`_follow_cache`, between steps).
 
-    @staticmethod
-    def _cache_unreachable(exc: BaseException) -> bool:
+    def _cache_unreachable(self, exc: BaseException) -> bool:
         """The call did not reach the cache service, or got no answer (it may or may not have
-        been applied: Step is not idempotent, so the pool's state there is unknown either way)."""
-        return isinstance(exc, CacheUnavailableError)
+        been applied: Step is not idempotent, so the pool's state there is unknown either way),
+        and a watch runs that will notice when it is back (without one, as with an embedded
+        cache, the loop re-registers with backoff instead)."""
+        return isinstance(exc, CacheUnavailableError) and self._watcher is not None
 
     def _serve_locally(self, cause: BaseException | None = None) -> None:
         """Engine thread: the cache service is away. Every request holding pages is requeued
