@@ -21,6 +21,7 @@ import sys
 from cache_service import chain_hash
 from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
+from cache_service.l3_loss import StoreWatch
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
 from pagestore.client import L3Client, L3Config
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         # Redis answers, and a background re-check notices when it does.
         remote.check(1.0)
         remote.watch()
+        StoreWatch(remote).start()  # a store that lost its data is written again
     core = CacheCore(replay_events=args.replay_events, remote=remote)
     kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
     server = CacheServer(core, config, kv_events).start()

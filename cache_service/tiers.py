@@ -17,6 +17,7 @@ from array import array
 
 from cache_service.allocator import Pages, Slots, hand_up_last_use
 from cache_service.emitter import Emitter
+from cache_service.l3_loss import generation
 from cache_service.tree import (DEVICE, HASH, HOST, NO_SLOT, PAGE_CODE, Node, Root, cut_tail,
                                 event_parent, remove_child, size, split)
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
@@ -158,13 +159,15 @@ class Tiers:
 
     def write_remote(self, node: Node, start: int = 0, end: int | None = None) -> None:
         """Asks the worker to write pages [start, end) of the run (and the checkpoint of its
-        last page) to L3, once per page: a run is marked written once all of it is."""
-        if node.in_remote:
+        last page) to L3, once per page and store generation (l3_loss: after the store lost its
+        data, again): a run is marked written once all of it is."""
+        gen = generation(self.remote)
+        if node.in_remote == gen:
             return
         n = size(node)
         end = n if end is None else end
         if start == 0 and end == n:
-            node.in_remote = True
+            node.in_remote = gen
         hashes, pages, medium = node.hashes, node.pages, node.medium
         self.copies += [CopyOp(src_medium=medium, src_page=pages[i], dst_medium=REMOTE,
                                page_hash=hashes[i * HASH:(i + 1) * HASH],
@@ -178,11 +181,17 @@ class Tiers:
             self._write_through[node] = None
 
     def matched(self, path: list[Node]) -> None:
-        """A match used these runs (REMOTE_WRITE_POLICY_HOT)."""
+        """A match used these runs (REMOTE_WRITE_POLICY_HOT; write-through writes again the
+        runs written before the store lost its data: l3_loss)."""
         if self.cfg.remote_write_policy == HOT:
             for node in path:
                 node.hits += 1
                 if node.hits >= self.cfg.remote_min_hits:
+                    self.write_remote(node)
+        elif self.cfg.remote_write_policy == WRITE_THROUGH:
+            gen = generation(self.remote)
+            for node in path:
+                if node.in_remote != gen:
                     self.write_remote(node)
 
     def flush_write_through(self) -> None:

@@ -82,7 +82,7 @@ class Node:
         self.pins = 0
         self.slot = NO_SLOT
         self.hits = 0  # matches that used this run (REMOTE_WRITE_POLICY_HOT)
-        self.in_remote = False  # already written to L3 by this pool
+        self.in_remote = 0  # the L3 store generation it was written in (l3_loss), 0: never
         self.queued: int | None = None
 
     def __repr__(self) -> str:

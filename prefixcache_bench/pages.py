@@ -163,17 +163,32 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
     if src is None:
         return [f"- not measured: `docs/results/{FAULT_DRILL}` is missing (see `{PAGE}`)"]
     d = src.data
-    lines = ["| fault | requests | failed | outage | wrong output |", "|---|---|---|---|---|"]
+    lines = ["| fault | requests | failed | outage | wrong output | p50 | max gap "
+             "| prompt tokens: device / host / L3 / shared / computed | L3, 2nd half "
+             "| L3 pages at end |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for t in d["phases"].values():
         errors = ", ".join(f"{k} {v}" for k, v in sorted(t["errors"].items()))
         outage = f"{fmt(t['outage_s'])} s" if t["failed"] else "-"
+        share = t.get("share")
+        parts = (" / ".join(f"{100 * share[k]:.0f}%" for k in
+                            ("device", "host", "l3", "shared", "computed")) if share else "-")
+        late = t.get("l3_share_second_half")
         lines.append(f"| {t['fault']} | {fmt(t['requests'])} | {fmt(t['failed'])}"
-                     f"{f' ({errors})' if errors else ''} | {outage} | {fmt(t['wrong'])} |")
+                     f"{f' ({errors})' if errors else ''} | {outage} | {fmt(t['wrong'])} "
+                     f"| {fmt(t['p50_s']) + ' s' if 'p50_s' in t else '-'} "
+                     f"| {fmt(t['max_gap_s']) + ' s' if 'max_gap_s' in t else '-'} | {parts} "
+                     f"| {f'{100 * late:.0f}%' if late is not None else '-'} "
+                     f"| {fmt(t.get('l3_pages_at_end')) if t.get('l3_pages_at_end') is not None else '-'} |")
     lines += ["", f"{d['clients']} clients, greedy, {d['max_tokens']} tokens per request, no "
                   f"retries (a client waits {fmt(d['backoff_s'])} s after a failure); the outage "
-                  f"runs from the first failure to the last; streams the gateway moved to another "
-                  f"worker mid-answer: {fmt(d.get('resumed_streams', 0))}; machine: "
-                  f"{machine_line(d.get('machine'))}; `docs/results/{FAULT_DRILL}`"]
+                  f"runs from the first failure to the last; p50: latency of the requests that "
+                  f"succeeded; max gap: the longest time in which no client received a token; "
+                  f"prompt tokens by where they came from (shared: computed by a sibling in "
+                  f"flight), the L3 share over the phase's second half and the pages stored "
+                  f"in Redis at the phase's end; streams the gateway "
+                  f"moved to another worker mid-answer: {fmt(d.get('resumed_streams', 0))}; "
+                  f"machine: {machine_line(d.get('machine'))}; `docs/results/{FAULT_DRILL}`"]
     return lines
 
 

@@ -161,13 +161,37 @@ def simulate_rows(src: Source) -> None:
     src.rows += [Row(f"routing bench {k}", bench[k]) for k in SIM_BENCH_HEADLINE if k in bench]
 
 
+# Faults after which the drill expects L3 reuse back at the baseline's within the phase
+# (issue 25, finding 7), and faults that must stall no client for a second (finding 8).
+DRILL_L3_BACK = ("redis-flushall", "redis-sigkill")
+DRILL_NO_STALL = ("cache-sigkill",)
+
+
 def drill_rows(src: Source) -> None:
-    """python -m prefixcache_bench.stack.fault_drill: per fault, the requests that ran, failed and went wrong."""
-    for phase, t in src.data["phases"].items():
+    """python -m prefixcache_bench.stack.fault_drill: per fault, the requests that ran, failed and went wrong,
+    its p50, its longest gap without a token and its L3 share of prompt tokens."""
+    phases = src.data["phases"]
+    base_pages = phases.get("baseline", {}).get("l3_pages_at_end")
+    for phase, t in phases.items():
         src.rows.append(Row(f"{phase}: requests", t["requests"]))
         src.rows.append(Row(f"{phase}: failed", t["failed"], "== 0", verdict(t["failed"] == 0)))
         src.rows.append(Row(f"{phase}: wrong output", t["wrong"], "== 0",
                             verdict(t["wrong"] == 0)))
+        if "max_gap_s" not in t:
+            continue
+        src.rows.append(Row(f"{phase}: p50 s", t["p50_s"]))
+        if phase in DRILL_NO_STALL:
+            src.rows.append(Row(f"{phase}: max gap s", t["max_gap_s"], "< 1",
+                                verdict(t["max_gap_s"] < 1.0)))
+        else:
+            src.rows.append(Row(f"{phase}: max gap s", t["max_gap_s"]))
+        src.rows.append(Row(f"{phase}: L3 share", t["share"]["l3"]))
+        src.rows.append(Row(f"{phase}: L3 share, 2nd half", t["l3_share_second_half"]))
+        pages = t.get("l3_pages_at_end")
+        if phase in DRILL_L3_BACK and base_pages:
+            src.rows.append(Row(f"{phase}: L3 pages at end", pages,
+                                f">= 0.8 x baseline ({base_pages})",
+                                verdict(pages is not None and pages >= 0.8 * base_pages)))
 
 
 def generic_rows(src: Source) -> None:

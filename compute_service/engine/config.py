@@ -17,6 +17,10 @@ class EngineConfig:
     # Send a step's cache call on a thread of its own while the forward runs, when the forward
     # needs none of its answer (compute_service.engine.step_planner, "Overlap").
     overlap_cache_calls: bool = True
+    # How often an engine with a remote cache service (a CacheClient) checks it in the
+    # background (ListPools): unreachable, the engine serves without it (local pages, no reuse);
+    # back, or restarted without this pool, it registers again, idle or not. 0 = never.
+    cache_watch_s: float = 0.5
     model_id: str = "model"
     page_size: int = 16
     # Pool sizes; `python -m compute_service` may size them from memory budgets instead
@@ -63,6 +67,8 @@ class EngineStats:
     twin_first_tokens: int = 0  # first tokens sampled from a twin's logits (scheduler)
     preemptions: int = 0
     recoveries: int = 0  # times the cache service lost this pool and the engine re-registered
+    cache_away: int = 0  # times the cache service was unreachable and the engine went local
+    cache_rejoins: int = 0  # times it registered again once the cache service answered
     # Where a step's time goes (Engine.step): all of it, and the part the engine thread spent
     # blocked on the cache (a call's answer it needed before going on).
     step_s: float = 0.0

@@ -63,6 +63,7 @@ class Scheduler:
         (under the engine's lock), before its last output is sent: a client that saw it may
         reuse the id at once."""
         self.cfg, self.stats, self.tokenizer, self.eos = cfg, stats, tokenizer, eos
+        self.caching = cfg.prefix_cache  # False while the engine serves without its cache service
         self.adapters = adapters
         self._forget = forget
         self.waiting: deque[Request] = deque()
@@ -127,7 +128,7 @@ class Scheduler:
                 self.waiting.remove(r)  # unloaded while it waited
                 self.finish(r, FinishReason.ABORT)
                 continue
-            if self.cfg.prefix_cache and self._waits_for_sibling(r, admitted):
+            if self.caching and self._waits_for_sibling(r, admitted):
                 r.waited_on_sibling = True
                 continue
             admitted.append(r)

@@ -115,6 +115,9 @@ class StepPlanner:
         self.cfg, self.cache, self.sched, self.runner = cfg, cache, scheduler, runner
         self.tiers, self.stats = tiers, stats
         self.caller = CacheCaller(cache)
+        # False with prefix caching off, and while the engine serves without its cache service
+        # (Engine._serve_locally): no publishes, checkpoints, renewals or load reports.
+        self.caching = cfg.prefix_cache
         self.renew_after_s = RENEW_FRACTION * (cfg.lease_ttl_s or SERVICE_LEASE_TTL_S)
         self._load: tuple[int, int, int] | None = None  # the last load report the cache took
         self._load_at = 0.0
@@ -131,7 +134,7 @@ class StepPlanner:
         sched = self.sched
         plan = StepPlan(pb.StepRequest(pool_id=self.cfg.pool_id, epoch=epoch), sched.retiring)
         sched.retiring = []
-        if self.cfg.prefix_cache:
+        if self.caching:
             for r in plan.retiring:
                 self._publish_and_checkpoint_ops(plan, r)
             for r in sched.running:
@@ -181,7 +184,7 @@ class StepPlanner:
             req.matches.add(request_id=r.id, packed_token_ids=r.token_bytes(), is_resume=r.resumed,
                             omit_page_hashes=True,
                             namespace=common_pb2.Namespace(adapter=r.adapter, salt=r.salt))
-        if not self.cfg.prefix_cache:
+        if not self.caching:
             return  # local pages: no lease expires, and no subscriber reads the load
         now = time.monotonic()
         for r in sched.running:
@@ -209,7 +212,7 @@ class StepPlanner:
         the step's forward needs none of its answer (see the module docstring); else the call,
         now (raising with the ops undone)."""
         req = plan.req
-        overlap = (self.cfg.overlap_cache_calls and self.cfg.prefix_cache and not plan.now
+        overlap = (self.cfg.overlap_cache_calls and self.caching and not plan.now
                    and bool(plan.scheduled))
         if overlap:
             self._publish_ahead(plan)

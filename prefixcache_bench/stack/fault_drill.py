@@ -11,8 +11,12 @@ each followed by its recovery and a quiet period. A request fails when its strea
 error (the clients do not retry a request: a retry would hide a failure; after a failure a client
 waits BACKOFF_S before its next request, as real clients back off); an output is wrong when its
 tokens differ from the baseline's. The summary is one row per fault, the requests that ran
-from its injection to the next one's: sent, failed, wrong, and the outage (first to last
-failure).
+from its injection to the next one's: sent, failed, wrong, the outage (first to last failure),
+the p50 latency of the requests that succeeded, the longest gap in which no client received a
+token (a stall shows there even when nothing fails), and where their prompt tokens came from
+(device / host / L3 / shared with a sibling in flight / computed; lost reuse shows there), with
+the L3 share also over the phase's second half, and the pages stored in Redis at the phase's
+end (after a FLUSHALL or a Redis restart they must be back: the workers write them again).
 """
 from __future__ import annotations
 
@@ -49,10 +53,56 @@ class Tally:
     errors: dict[str, int] = field(default_factory=dict)
     first_failure: float = 0.0
     last_failure: float = 0.0
+    started: float = 0.0  # when the phase began (monotonic)
+    latencies: list[float] = field(default_factory=list)  # of the requests that succeeded
+    max_gap_s: float = 0.0  # the longest time in which no client received a token
+    l3_pages: int | None = None  # pages stored in Redis at the phase's end (None: not asked)
+    # (end time, prompt tokens by source) of each request that succeeded
+    sources: list[tuple[float, dict[str, int]]] = field(default_factory=list)
 
     @property
     def outage_s(self) -> float:
         return round(self.last_failure - self.first_failure, 2)
+
+    @property
+    def p50_s(self) -> float:
+        xs = sorted(self.latencies)
+        return round(xs[len(xs) // 2], 3) if xs else 0.0
+
+    def tokens(self, since: float = 0.0) -> dict[str, int]:
+        total = dict.fromkeys(SOURCES, 0)
+        for ended, counts in self.sources:
+            if ended >= since:
+                for k, v in counts.items():
+                    total[k] += v
+        return total
+
+    def shares(self, since: float = 0.0) -> dict[str, float]:
+        tokens = self.tokens(since)
+        n = sum(tokens.values())
+        return {k: round(v / n, 3) if n else 0.0 for k, v in tokens.items()}
+
+    def late_l3_share(self) -> float:
+        """The L3 share of the requests that ended in the phase's second half."""
+        if not self.sources:
+            return 0.0
+        end = self.sources[-1][0]
+        return self.shares(self.started + (end - self.started) / 2)["l3"]
+
+
+SOURCES = ("device", "host", "l3", "shared", "computed")
+
+
+def prompt_sources(stats: cpb.GenerateStats) -> dict[str, int]:
+    """A request's prompt tokens by where they came from; `shared` (a sibling in flight
+    computed them) is taken out of device and host, where the stats count it, so the parts
+    add up to the prompt."""
+    shared = stats.shared_tokens_in_flight
+    from_device = min(shared, stats.cached_tokens_device)
+    return {"device": stats.cached_tokens_device - from_device,
+            "host": max(0, stats.cached_tokens_host - (shared - from_device)),
+            "l3": stats.cached_tokens_remote, "shared": shared,
+            "computed": stats.computed_prompt_tokens}
 
 
 class Load:
@@ -64,6 +114,7 @@ class Load:
         self.gateway, self.prompts, self.expected = gateway, prompts, expected
         self.phase = "baseline"
         self.tallies: dict[str, Tally] = {}
+        self._last_token = 0.0  # when any client last received a token (monotonic)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
@@ -76,8 +127,24 @@ class Load:
             return collections.Counter(self._recent).most_common(1)[0][0]
 
     def start(self) -> None:
+        self._last_token = time.monotonic()
+        self.tallies.setdefault(self.phase, Tally(started=self._last_token))
         for t in self._threads:
             t.start()
+
+    def enter(self, phase: str) -> None:
+        """The drill moves on to `phase` (a fault about to be injected)."""
+        with self._lock:
+            self.phase = phase
+            self.tallies.setdefault(phase, Tally(started=time.monotonic()))
+
+    def _received(self) -> None:
+        """A client received tokens: the gap since the last ones counts in this phase."""
+        now = time.monotonic()
+        with self._lock:
+            tally = self.tallies.setdefault(self.phase, Tally(started=now))
+            tally.max_gap_s = max(tally.max_gap_s, now - self._last_token)
+            self._last_token = now
 
     def stop(self) -> None:
         self._stop.set()
@@ -91,19 +158,26 @@ class Load:
         n = 0
         while not self._stop.is_set():
             prompt = rng.choice(self.prompts)
+            started = time.monotonic()
+            stats = None
             try:
-                tokens, worker = ask(stub, f"drill-{index}-{n}", prompt)
+                tokens, worker, stats = ask(stub, f"drill-{index}-{n}", prompt, self._received)
                 wrong, error = tokens != self.expected[prompt], None
             except grpc.RpcError as exc:
                 wrong, error = False, exc.code().name
-            phase = self.phase  # when it ended: a fault fails the requests it interrupts
+            ended = time.monotonic()
             n += 1
             with self._lock:
+                phase = self.phase  # when it ended: a fault fails the requests it interrupts
                 if error is None:
                     self._recent.append(worker)
-                tally = self.tallies.setdefault(phase, Tally())
+                tally = self.tallies.setdefault(phase, Tally(started=ended))
                 tally.sent += 1
                 tally.wrong += wrong
+                if error is None:
+                    tally.latencies.append(ended - started)
+                    if stats is not None:
+                        tally.sources.append((ended, prompt_sources(stats)))
                 if error is not None:
                     now = time.monotonic()
                     tally.first_failure = tally.first_failure or now
@@ -115,17 +189,24 @@ class Load:
         channel.close()
 
 
-def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str) -> tuple[list[int], str]:
-    """The answer's tokens and the worker that finished it."""
+def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str,
+        received: Callable[[], None] = lambda: None
+        ) -> tuple[list[int], str, cpb.GenerateStats | None]:
+    """The answer's tokens, the worker that finished it and its stats; `received()` is
+    called on each message that brings tokens."""
     req = cpb.GenerateRequest(request_id=request_id, text=prompt, sampling=cpb.SamplingParams(
         max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens: list[int] = []
-    worker = ""
+    worker, stats = "", None
     for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {TOKENS['alice']}"),),
                              timeout=60):
+        if msg.token_ids:
+            received()
         tokens.extend(msg.token_ids)
         worker = msg.stats.worker or worker
-    return tokens, worker
+        if msg.HasField("stats"):
+            stats = msg.stats
+    return tokens, worker, stats
 
 
 def conversation_prompts(conversations: int, turns: int) -> list[str]:
@@ -158,6 +239,17 @@ def _kill_and_restart(stack: Stack, name: str, down_s: float, grpc_health: bool 
 def _redis(stack: Stack) -> redis.Redis:
     host, port = stack.get("redis").address.rsplit(":", 1)
     return redis.Redis(host=host, port=int(port), socket_timeout=5)
+
+
+def l3_pages(stack: Stack) -> int | None:
+    """The pages stored in Redis now (keys under the L3 prefix, the cache service's sentinel
+    keys left out), or None when Redis does not answer."""
+    try:
+        r = _redis(stack)
+        return sum(1 for key in r.scan_iter(match="pc:*", count=1000)
+                   if not key.startswith(b"pc:sentinel:"))
+    except redis.RedisError:
+        return None
 
 
 def _garbage(stack: Stack) -> None:
@@ -230,11 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         load = Load(gateway, prompts, expected, args.clients)
         load.start()
         time.sleep(args.quiet_s)
+        load.tallies[load.phase].l3_pages = l3_pages(stack)
         for name in names:
             print(f"fault: {FAULTS[name][0]}", flush=True)
-            load.phase = name
+            load.enter(name)
             FAULTS[name][1](stack, load)
             time.sleep(args.quiet_s)
+            load.tallies[name].l3_pages = l3_pages(stack)
         load.stop()
     except RuntimeError as exc:
         print(f"drill failed: {exc}", file=sys.stderr)
@@ -246,11 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     # Streams the gateway moved to another worker mid-answer (design.md §6, "Resuming a stream").
     resumed = stack.get("gateway").log_path.read_text().count("event=generate_resumed")
     rows = [[phase, FAULTS[phase][0] if phase in FAULTS else "no fault", t.sent, t.failed,
-             t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-"]
+             t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-",
+             t.p50_s, round(t.max_gap_s, 2),
+             " / ".join(f"{100 * v:.0f}" for v in t.shares().values()),
+             f"{100 * t.late_l3_share():.0f}", t.l3_pages]
             for phase, t in load.tallies.items()]
     print()
     print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
-                         "errors"], rows))
+                         "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
+                         "% L3 2nd half", "L3 pages at end"], rows))
     print(f"streams the gateway moved to another worker mid-answer: {resumed}")
     if args.json:
         write_json(args.json, {
@@ -258,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(), "clients": args.clients, "max_tokens": MAX_TOKENS,
             "backoff_s": BACKOFF_S, "resumed_streams": resumed,
             "phases": {phase: {"fault": row[1], "requests": t.sent, "failed": t.failed,
-                               "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors}
+                               "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors,
+                               "p50_s": t.p50_s, "max_gap_s": round(t.max_gap_s, 3),
+                               "prompt_tokens": t.tokens(), "share": t.shares(),
+                               "l3_share_second_half": t.late_l3_share(),
+                               "l3_pages_at_end": t.l3_pages}
                        for (phase, t), row in zip(load.tallies.items(), rows)},
             "exit_codes": dict(codes)})
     return 0
