@@ -18,7 +18,7 @@ from cache_service.chain_hash import chain_function
 from cache_service.emitter import Emitter
 from cache_service.events import CLEARED, EventLog, to_event
 from cache_service.leases import Lease, locate, path_to, pinned_pages
-from cache_service.records import (Allocated, Checkpointed, Counters, Matched, PoolConfig,
+from cache_service.results import (Allocated, Checkpointed, Counters, Matched, PoolConfig,
                                    Published)
 from cache_service.tiers import REMOTE, Tiers
 from cache_service.tree import (DEVICE, HOST, NO_SLOT, PAGE_CODE, Node, Root, add_child,
