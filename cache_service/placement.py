@@ -1,5 +1,7 @@
-"""The tier policy of one pool: which pages leave the device when it is full (demoted to host,
-or dropped), host pages loaded back by a match, and the L3 write policies.
+"""The placement policy of one pool: which tier (design.md §2) each page lives on. Which pages
+leave the device when it is full (demoted to host, or dropped), host pages loaded back by a
+match, and the L3 write policies. (The mechanism that moves the bytes between tiers is the
+worker's, compute_service/tiers/.)
 
 Eviction takes the least recently used candidate run (allocator.py) and moves only as many of
 its TAIL pages as the allocation still needs, splitting the run there: with a host tier they are
@@ -30,9 +32,9 @@ CopyOp = common_pb2.CopyOp
 NO_PAGES = array(PAGE_CODE)  # never changed: callers concatenate, never extend it
 
 
-class Tiers:
+class Placement:
     def __init__(self, cfg, pages: Pages, slots: Slots, emit: Emitter, counters, remote, chain):
-        """`cfg`: records.PoolConfig; `counters`: records.Counters; `remote`: an L3 client for
+        """`cfg`: pool_config.PoolConfig; `counters`: pool_config.Counters; `remote`: an L3 client for
         cfg.remote_lookup; `chain`: chain_hash.chain_function()."""
         self.cfg = cfg
         self.stride = 4 * cfg.page_size
