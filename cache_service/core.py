@@ -131,23 +131,26 @@ class CacheCore:
             if req.epoch != pool.cfg.epoch:
                 raise precondition(f"epoch: pool '{req.pool_id}' is at epoch {pool.cfg.epoch}, "
                                    f"not {req.epoch} (the worker restarted: register again)")
-            parts = [op.read(req) for op in STEP_OPERATIONS]
+            ops = STEP_OPERATIONS
+            parts = [op.read(req) for op in ops]
             # A lease this step names is alive (its worker is talking to us), however long the
             # worker's last forward took: renew it before expiring the silent ones.
-            for op, part in zip(STEP_OPERATIONS, parts):
-                for lease_id in op.lease_ids(part):
-                    if (held := pool.leases.get(lease_id)) is not None:
-                        pool.renew(held)
+            for op, part in zip(ops, parts):
+                if part:
+                    for lease_id in op.lease_ids(part):
+                        if (held := pool.leases.get(lease_id)) is not None:
+                            pool.renew(held)
             self._expire(pool)
-            n_ops = sum(op.size(part) for op, part in zip(STEP_OPERATIONS, parts))
+            n_ops = sum(op.size(part) for op, part in zip(ops, parts) if part)
             if n_ops > self.max_ops_per_step:
                 raise invalid(f"step: {n_ops} ops exceed the limit of {self.max_ops_per_step} "
                               "per step")
             check = StepCheck(pool, self._leases)
-            plans = [op.plan(part, check) for op, part in zip(STEP_OPERATIONS, parts)]
+            plans = [op.plan(part, check) if part else part for op, part in zip(ops, parts)]
             resp = pb.StepResponse()
-            for op, planned in zip(STEP_OPERATIONS, plans):
-                op.apply(planned, pool, self._leases, resp)
+            for op, planned in zip(ops, plans):
+                if planned or op.every_step:
+                    op.apply(planned, pool, self._leases, resp)
             if pool.copies:
                 resp.copies.extend(pool.copies)
                 pool.copies.clear()

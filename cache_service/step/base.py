@@ -16,7 +16,7 @@ Adding an operation is a module here, its fields in cache_service.proto, and its
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from cache_service.leases import Lease, LeaseDirectory
 from prefixcache.v1 import cache_service_pb2 as pb
@@ -52,7 +52,11 @@ class StepCheck:
 
 
 class StepOperation(Protocol):
-    """One operation family of a Step. The defaults fit an operation with no request part."""
+    """One operation family of a Step. The defaults fit an operation with no request part.
+    The core calls `lease_ids`, `size`, `plan` and `apply` only for a part with ops in it (a
+    Step carries few of its families), and `apply` on every step when `every_step` is set."""
+
+    every_step: ClassVar[bool] = False
 
     def read(self, req: pb.StepRequest) -> Sequence[Any]:
         """This operation's part of the request (its ops), read once."""

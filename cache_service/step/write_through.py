@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 
 class WriteThrough(StepOperation):
+    every_step = True
+
     def apply(self, planned: list, pool: Pool, directory: LeaseDirectory,
               resp: pb.StepResponse) -> None:
         pool.flush_write_through()  # its copies reach resp.copies with the step's others
