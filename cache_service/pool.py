@@ -1,11 +1,12 @@
 """One registered pool: the operations of a Step applied to its tree (design.md §4).
 
-The methods here apply operations that `core.CacheCore` has already validated; they never raise
-for bad input, and they return plain results (results.py) that the Step operations (step/) turn
-into the RPC's messages. What they change is spread over single-purpose parts: the tree of runs
-(tree.py), free pages, the LRU and Mamba slots (allocator.py), leases (leases.py), the placement
-policy (placement.py: demotion, load-back, L3 writes) and the event emitter (emitter.py). Every state change appends to the emitter (events, in order) and to
-`copies` (the page copies the worker must run, in order); the core turns the events into one
+The methods here apply operations that the Step operations (step/) have already validated; they
+never raise for bad input, and they return typed results (results.py) that the Step operations
+turn into the RPC's messages. What they change is spread over single-purpose parts: the tree of
+runs (tree.py), free pages, the LRU and Mamba slots (allocator.py), leases (leases.py), the
+placement policy (placement.py: eviction, demotion, load-back, L3 writes) and the event emitter
+(emitter.py). Every state change appends to the emitter (event records, in order) and to
+`copies` (the page copies the worker must run, in order); the core turns the records into one
 batch per call.
 """
 from __future__ import annotations
