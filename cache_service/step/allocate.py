@@ -1,5 +1,5 @@
 """Allocate: new device pages for a lease, all or nothing, evicting (or demoting) LRU pages
-that no request pins (design.md §4, lesson 13)."""
+that no request pins (design.md §4, design.md lesson 13)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

@@ -1,5 +1,5 @@
 """Checkpoint: a Mamba state slot attached to (or detached from) a published page
-(design.md §4, lesson 8)."""
+(design.md §4, design.md lesson 8)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

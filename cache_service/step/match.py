@@ -1,5 +1,5 @@
 """Match: the longest cached prefix of a prompt, pinned under a new lease (design.md §4,
-lessons 6 and 12)."""
+design.md lessons 6 and 12)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,4 +1,5 @@
-"""Publish: a lease's newly computed full pages enter the tree (design.md §4, lesson 1)."""
+"""Publish: a lease's newly computed full pages enter the tree, hashed at insert (design.md §4,
+design.md lessons 1 and 3)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
