@@ -194,9 +194,9 @@ class CacheCore:
                                 f"adapter='{ns.adapter}', salt=<{len(ns.salt)} bytes>)")
             resp = pb.EvictNamespaceResponse()
             for pool, root in targets:
-                removed, deferred = pool.evict_namespace(root)
-                resp.removed_pages += removed
-                resp.deferred_pages += deferred
+                evicted = pool.evict_namespace(root)
+                resp.removed_pages += evicted.removed_pages
+                resp.deferred_pages += evicted.deferred_pages
                 self._flush(pool)
             return resp
 

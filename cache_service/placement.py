@@ -19,6 +19,7 @@ from array import array
 
 from cache_service.allocator import Pages, Slots, hand_up_last_use
 from cache_service.emitter import Emitter
+from cache_service.results import RemoteExtension
 from cache_service.tree import (DEVICE, HASH, HOST, NO_SLOT, PAGE_CODE, Node, Root, cut_tail,
                                 event_parent, remove_child, size, split)
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
@@ -30,6 +31,7 @@ WRITE_BACK = pb.REMOTE_WRITE_POLICY_WRITE_BACK
 HOT = pb.REMOTE_WRITE_POLICY_HOT
 CopyOp = common_pb2.CopyOp
 NO_PAGES = array(PAGE_CODE)  # never changed: callers concatenate, never extend it
+NO_EXTENSION = RemoteExtension([], NO_PAGES)  # never changed either
 
 
 class Placement:
@@ -195,14 +197,14 @@ class Placement:
         self._write_through.clear()
 
     def probe_remote(self, root: Root, path: list[Node], depth: int, data: bytes,
-                     n_tokens: int) -> tuple[list[bytes], array]:
+                     n_tokens: int) -> RemoteExtension:
         """The L3 extension after the matched `depth` pages: page hashes found and device pages
         to load them into."""
         if self.remote is None or not self.cfg.remote_lookup:
-            return [], NO_PAGES
+            return NO_EXTENSION
         limit = max(0, n_tokens - 1) // self.cfg.page_size - depth
         if limit <= 0:
-            return [], NO_PAGES
+            return NO_EXTENSION
         start = depth * self.stride
         parent = path[-1].hashes[-HASH:] if path else root.hash
         run = self.chain(parent, bytes(data[start:start + limit * self.stride]), self.stride)
@@ -210,5 +212,5 @@ class Placement:
         found = self.remote.probe(self.cfg.model_id, hashes)
         pages = self.take_device(found) if found else None
         if pages is None:
-            return [], NO_PAGES
-        return hashes[:found], pages
+            return NO_EXTENSION
+        return RemoteExtension(hashes[:found], pages)

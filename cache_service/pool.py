@@ -21,7 +21,8 @@ from cache_service.events import CLEARED, EventLog, to_event
 from cache_service.leases import Lease, locate, path_to, pinned_pages
 from cache_service.placement import REMOTE, Placement
 from cache_service.pool_config import Counters, PoolConfig
-from cache_service.results import Allocated, Checkpointed, Matched, Published
+from cache_service.results import (Allocated, Checkpointed, Matched, NamespaceEvicted,
+                                   Published)
 from cache_service.tree import (DEVICE, HOST, NO_SLOT, PAGE_CODE, Node, Root, add_child,
                                 event_parent, nodes_below, size, walk)
 from prefixcache.v1 import common_pb2, events_pb2
@@ -64,7 +65,7 @@ class Pool:
             root = self.roots[key] = Root(seed, self.cfg.model_id, adapter, salt)
         return root
 
-    def evict_namespace(self, root: Root) -> tuple[int, int]:
+    def evict_namespace(self, root: Root) -> NamespaceEvicted:
         """Removes every page of the namespace now; pinned ones are freed when their leases end."""
         del self.roots[(root.adapter, root.salt)]
         root.dead = True
@@ -89,7 +90,7 @@ class Pool:
                 self._free_dead(node)
                 removed += n
         root.children = None
-        return removed, deferred
+        return NamespaceEvicted(removed, deferred)
 
     def _free_dead(self, node: Node) -> None:
         self.free[node.medium].extend(node.pages)
@@ -135,23 +136,22 @@ class Pool:
             deepest.pins += 1
             deepest.last_used = now  # only the deepest run: see allocator.py
         self.placement.matched(path)
-        remote_hashes, remote_pages = self.placement.probe_remote(root, path, depth, data,
-                                                                  n_tokens)
+        remote = self.placement.probe_remote(root, path, depth, data, n_tokens)
         if not is_resume:
             c = self.counters
             c.queried_tokens += n_tokens
             c.hit_tokens[DEVICE] += (depth - host_hits) * page
             c.hit_tokens[HOST] += host_hits * page
-            c.hit_tokens[REMOTE] += len(remote_pages) * page
+            c.hit_tokens[REMOTE] += len(remote.pages) * page
         pages = array(PAGE_CODE)
         for node in path:
             pages += node.pages
-        self.leases[lease_id] = Lease(lease_id, root, data, pages + remote_pages,
+        self.leases[lease_id] = Lease(lease_id, root, data, pages + remote.pages,
                                       deepest, depth, ttl_s, now + ttl_s)
         return Matched(lease_id, pages,
                        b"" if omit_page_hashes else b"".join([n.hashes for n in path]), host_hits,
                        found - depth, deepest.slot if hybrid and path else NO_SLOT,
-                       remote_pages, remote_hashes)
+                       remote.pages, remote.page_hashes)
 
     def _usable(self, path: list[Node], skip_host_load: bool) -> list[Node]:
         """The matched runs cut where they cannot be resumed: at the first host run when host

@@ -44,3 +44,17 @@ class Checkpointed:
     slot: int = NO_SLOT
     already_present: bool = False
     reason: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteExtension:
+    """The L3 pages a match extends its device prefix with: their page hashes, and the device
+    pages allocated to the lease for the worker to load them into."""
+    page_hashes: list[bytes]
+    pages: array
+
+
+@dataclass(slots=True)
+class NamespaceEvicted:
+    removed_pages: int  # freed now
+    deferred_pages: int  # freed when the leases that pin them end (design.md lesson 5)
