@@ -2,28 +2,37 @@
 
 Each public method takes the request message of the RPC of the same name and returns its
 response. Calls are serialised by one lock. Bad input raises `CacheError` before any state
-changes: a whole step is validated (validate.py) before its first op is applied to the pool
-(pool.py), and the pool's plain results become the response's messages here.
+changes: a Step is a loop over its operations (cache_service/step/, one module each), every one
+planned (validated) before the first is applied to the pool (pool.py); each builds its own part
+of the response.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 from cache_service import events
-from cache_service.events import split_hashes
-from cache_service.pool import MEDIA, REMOTE, Lease, Pool, PoolConfig
+from cache_service.leases import LeaseDirectory
+from cache_service.pool import MEDIA, REMOTE, Pool, PoolConfig
+from cache_service.step import (Allocate, Checkpoint, LoadReport, Match, Publish, Release, Renew,
+                                StepCheck, StepOperation, WriteThrough)
 from cache_service.tree import DEVICE, HOST
-from cache_service.validate import (MAX_PAGE_SIZE, StepOps, check_heartbeat_interval,
-                                    check_lease_ttl, check_load, check_name, check_pool_id,
-                                    plan_step)
+from cache_service.validate import (MAX_PAGE_SIZE, check_heartbeat_interval, check_lease_ttl,
+                                    check_name, check_pool_id)
 from prefixcache.v1 import cache_service_pb2 as pb, events_pb2
 from prefixcache_client.errors import invalid, not_found, precondition
 
 DEFAULT_LEASE_TTL_S = 30.0
 SNAPSHOT_BATCH_PAGES = 4096
+
+# The order in which a Step's operations are applied (design.md §4, "One Step per engine step"):
+# a release's final publish lands first; the write-through copies follow the checkpoints, so
+# each carries its page's slot; pages that releases free serve this step's matches and
+# allocations; a request matched in this step sees what its siblings published in it. Every
+# operation is planned (validated) in this same order before the first one is applied.
+STEP_OPERATIONS: tuple[StepOperation, ...] = (
+    Publish(), Checkpoint(), WriteThrough(), Release(), Renew(), Match(), Allocate(), LoadReport())
 
 
 class CacheCore:
@@ -37,8 +46,7 @@ class CacheCore:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._pools: dict[str, Pool] = {}
-        self._lease_pool: dict[str, str] = {}
-        self._lease_ids = itertools.count(1)
+        self._leases = LeaseDirectory()
         self._closed = False
         # Called as sink(pool, log entry) for every batch, under the lock, in seq order: the
         # vLLM-format publisher (cache_service/zmq_publisher.py), which must never block.
@@ -95,7 +103,7 @@ class CacheCore:
     def _retire(self, pool: Pool) -> None:
         """Ends a pool epoch: its leases die and its subscribers see everything cleared."""
         for lease_id in pool.leases:
-            self._lease_pool.pop(lease_id, None)
+            self._leases.close(lease_id)
         pool.events.cleared()
         self._flush(pool)
         pool.closed = True
@@ -123,56 +131,26 @@ class CacheCore:
             if req.epoch != pool.cfg.epoch:
                 raise precondition(f"epoch: pool '{req.pool_id}' is at epoch {pool.cfg.epoch}, "
                                    f"not {req.epoch} (the worker restarted: register again)")
+            ops = STEP_OPERATIONS
+            parts = [op.read(req) for op in ops]
             # A lease this step names is alive (its worker is talking to us), however long the
             # worker's last forward took: renew it before expiring the silent ones.
-            check_load(req)
-            ops = StepOps.of(req)
-            for lease_id in ops.named_leases():
-                if (held := pool.leases.get(lease_id)) is not None:
-                    pool.renew(held)
+            for op, part in zip(ops, parts):
+                if part:
+                    for lease_id in op.lease_ids(part):
+                        if (held := pool.leases.get(lease_id)) is not None:
+                            pool.renew(held)
             self._expire(pool)
-            plan = plan_step(pool, ops, self.max_ops_per_step,
-                             lambda lease_id, where: self._lease(pool, lease_id, where))
+            n_ops = sum(op.size(part) for op, part in zip(ops, parts) if part)
+            if n_ops > self.max_ops_per_step:
+                raise invalid(f"step: {n_ops} ops exceed the limit of {self.max_ops_per_step} "
+                              "per step")
+            check = StepCheck(pool, self._leases)
+            plans = [op.plan(part, check) if part else part for op, part in zip(ops, parts)]
             resp = pb.StepResponse()
-            for lease, data, pages in plan.publishes:
-                done = pool.publish(lease, data, pages)
-                out = resp.publishes.add(lease_id=done.lease_id, inserted_pages=done.inserted_pages)
-                for index, old, new in done.remaps:
-                    out.remaps.add(index=index, old_page=old, new_page=new)
-                pool.renew(lease)
-            for lease, index, detach in plan.checkpoints:
-                c = pool.checkpoint(lease, index, detach)
-                resp.checkpoints.add(lease_id=c.lease_id, page_index=c.page_index, ok=c.ok,
-                                     slot=c.slot, already_present=c.already_present,
-                                     reason=c.reason)
-            pool.flush_write_through()  # after checkpoints, so the copies carry their slots
-            for lease in plan.releases:
-                pool.release(lease)
-                del self._lease_pool[lease.lease_id]
-            for lease in plan.renewals:
-                pool.renew(lease)
-            page = pool.cfg.page_size
-            for op, data, ttl in plan.matches:
-                lease_id = f"{pool.cfg.pool_id}/{pool.cfg.epoch}/{next(self._lease_ids)}"
-                self._lease_pool[lease_id] = pool.cfg.pool_id
-                m = pool.match(op.request_id, lease_id, op.namespace.adapter, op.namespace.salt,
-                               data, ttl, op.is_resume, op.skip_host_load, op.omit_page_hashes)
-                cached = len(m.device_pages)
-                resp.matches.add(
-                    request_id=op.request_id, lease_id=lease_id, device_pages=m.device_pages,
-                    cached_tokens=cached * page,
-                    device_hit_tokens=(cached - m.host_hit_pages) * page,
-                    host_hit_tokens=m.host_hit_pages * page, page_hashes=split_hashes(m.hashes),
-                    mamba_slot=m.mamba_slot, unusable_pages=m.unusable_pages,
-                    remote_pages=m.remote_pages, remote_page_hashes=m.remote_page_hashes,
-                    remote_hit_tokens=len(m.remote_pages) * page)
-            for lease, n in plan.allocations:
-                a = pool.allocate(lease, n)
-                resp.allocations.add(lease_id=a.lease_id, ok=a.ok, device_pages=a.device_pages,
-                                     reason=a.reason)
-                pool.renew(lease)
-            if req.HasField("load"):
-                pool.load.CopyFrom(req.load)
+            for op, planned in zip(ops, plans):
+                if planned or op.every_step:
+                    op.apply(planned, pool, self._leases, resp)
             if pool.copies:
                 resp.copies.extend(pool.copies)
                 pool.copies.clear()
@@ -181,16 +159,6 @@ class CacheCore:
                 pool.expired.clear()
             self._flush(pool)
             return resp
-
-    def _lease(self, pool: Pool, lease_id: str, where: str) -> Lease:
-        held = pool.leases.get(lease_id)
-        if held is not None:
-            return held
-        owner = self._lease_pool.get(lease_id)
-        if owner is not None:
-            raise invalid(f"{where}: lease '{lease_id}' belongs to pool '{owner}', "
-                          f"not '{pool.cfg.pool_id}'")
-        raise not_found(f"{where}: unknown or expired lease '{lease_id}'")
 
     # ---- leases, namespaces, stats --------------------------------------------------------
 
@@ -202,7 +170,7 @@ class CacheCore:
         n = pool.expire()
         if n:
             for lease_id in pool.expired[-n:]:
-                self._lease_pool.pop(lease_id, None)
+                self._leases.close(lease_id)
             self._flush(pool)
         return n
 
@@ -226,9 +194,9 @@ class CacheCore:
                                 f"adapter='{ns.adapter}', salt=<{len(ns.salt)} bytes>)")
             resp = pb.EvictNamespaceResponse()
             for pool, root in targets:
-                removed, deferred = pool.evict_namespace(root)
-                resp.removed_pages += removed
-                resp.deferred_pages += deferred
+                evicted = pool.evict_namespace(root)
+                resp.removed_pages += evicted.removed_pages
+                resp.deferred_pages += evicted.deferred_pages
                 self._flush(pool)
             return resp
 

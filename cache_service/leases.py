@@ -8,10 +8,12 @@ published).
 """
 from __future__ import annotations
 
+import itertools
 from array import array
 from dataclasses import dataclass, field
 
 from cache_service.tree import DEVICE, HOST, Node, PageView, Root, page_views, size
+from prefixcache_client.errors import invalid, not_found
 
 
 @dataclass(slots=True, eq=False)
@@ -86,3 +88,31 @@ def pinned_pages(leases) -> dict[int, int]:
             counts[node.medium] += size(node)
             node = node.parent
     return counts
+
+
+class LeaseDirectory:
+    """Every live lease id of one cache service and the pool it belongs to: new lease ids,
+    and the lookup that tells an unknown lease from another pool's."""
+
+    def __init__(self) -> None:
+        self._pool_of: dict[str, str] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, pool_id: str, epoch: int) -> str:
+        lease_id = f"{pool_id}/{epoch}/{next(self._ids)}"
+        self._pool_of[lease_id] = pool_id
+        return lease_id
+
+    def close(self, lease_id: str) -> None:
+        self._pool_of.pop(lease_id, None)
+
+    def find(self, leases: dict[str, Lease], pool_id: str, lease_id: str, where: str) -> Lease:
+        """The pool's lease `lease_id` (`leases`: the pool's), or the error naming `where`."""
+        held = leases.get(lease_id)
+        if held is not None:
+            return held
+        owner = self._pool_of.get(lease_id)
+        if owner is not None:
+            raise invalid(f"{where}: lease '{lease_id}' belongs to pool '{owner}', "
+                          f"not '{pool_id}'")
+        raise not_found(f"{where}: unknown or expired lease '{lease_id}'")

@@ -1,11 +1,12 @@
 """One registered pool: the operations of a Step applied to its tree (design.md §4).
 
-The methods here apply operations that `core.CacheCore` has already validated; they never raise
-for bad input, and they return plain results that the core turns into the RPC's messages. What
-they change is spread over single-purpose parts: the tree of runs (tree.py), free pages, the LRU
-and Mamba slots (allocator.py), leases (leases.py), the tier policy (tiers.py) and the event
-emitter (emitter.py). Every state change appends to the emitter (events, in order) and to
-`copies` (the page copies the worker must run, in order); the core turns the events into one
+The methods here apply operations that the Step operations (step/) have already validated; they
+never raise for bad input, and they return typed results (results.py) that the Step operations
+turn into the RPC's messages. What they change is spread over single-purpose parts: the tree of
+runs (tree.py), free pages, the LRU and Mamba slots (allocator.py), leases (leases.py), the
+placement policy (placement.py: eviction, demotion, load-back, L3 writes) and the event emitter
+(emitter.py). Every state change appends to the emitter (event records, in order) and to
+`copies` (the page copies the worker must run, in order); the core turns the records into one
 batch per call.
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ from cache_service.chain_hash import chain_function
 from cache_service.emitter import Emitter
 from cache_service.events import CLEARED, EventLog, to_event
 from cache_service.leases import Lease, locate, path_to, pinned_pages
-from cache_service.records import (Allocated, Checkpointed, Counters, Matched, PoolConfig,
+from cache_service.placement import REMOTE, Placement
+from cache_service.pool_config import Counters, PoolConfig
+from cache_service.results import (Allocated, Checkpointed, Matched, NamespaceEvicted,
                                    Published)
-from cache_service.tiers import REMOTE, Tiers
 from cache_service.tree import (DEVICE, HOST, NO_SLOT, PAGE_CODE, Node, Root, add_child,
                                 event_parent, nodes_below, size, walk)
 from prefixcache.v1 import common_pb2, events_pb2
@@ -45,9 +47,9 @@ class Pool:
         self.checkpointed = self.slots.checkpointed
         self.counters = Counters()
         self.chain = chain_function()
-        self.tiers = Tiers(cfg, self.pages, self.slots, self.events, self.counters, remote,
+        self.placement = Placement(cfg, self.pages, self.slots, self.events, self.counters, remote,
                            self.chain)
-        self.copies = self.tiers.copies
+        self.copies = self.placement.copies
         self.log = EventLog(cfg.pool_id, cfg.epoch, replay_events, cfg.page_size, cfg.model_id)
         self.load = common_pb2.LoadReport()
         self.closed = False
@@ -63,7 +65,7 @@ class Pool:
             root = self.roots[key] = Root(seed, self.cfg.model_id, adapter, salt)
         return root
 
-    def evict_namespace(self, root: Root) -> tuple[int, int]:
+    def evict_namespace(self, root: Root) -> NamespaceEvicted:
         """Removes every page of the namespace now; pinned ones are freed when their leases end."""
         del self.roots[(root.adapter, root.salt)]
         root.dead = True
@@ -88,7 +90,7 @@ class Pool:
                 self._free_dead(node)
                 removed += n
         root.children = None
-        return removed, deferred
+        return NamespaceEvicted(removed, deferred)
 
     def _free_dead(self, node: Node) -> None:
         self.free[node.medium].extend(node.pages)
@@ -120,7 +122,7 @@ class Pool:
             if hybrid or (skip_host_load and path[-1].medium == HOST):
                 path.pop()
             else:
-                path[-1] = self.tiers.split(path[-1], part)
+                path[-1] = self.placement.split(path[-1], part)
         path = self._usable(path, skip_host_load)
         host_hits = 0
         if path and path[-1].medium == HOST:  # a host suffix: load it back (design.md lesson 12)
@@ -133,23 +135,23 @@ class Pool:
         if deepest is not None:
             deepest.pins += 1
             deepest.last_used = now  # only the deepest run: see allocator.py
-        self.tiers.matched(path)
-        remote_hashes, remote_pages = self.tiers.probe_remote(root, path, depth, data, n_tokens)
+        self.placement.matched(path)
+        remote = self.placement.probe_remote(root, path, depth, data, n_tokens)
         if not is_resume:
             c = self.counters
             c.queried_tokens += n_tokens
             c.hit_tokens[DEVICE] += (depth - host_hits) * page
             c.hit_tokens[HOST] += host_hits * page
-            c.hit_tokens[REMOTE] += len(remote_pages) * page
+            c.hit_tokens[REMOTE] += len(remote.pages) * page
         pages = array(PAGE_CODE)
         for node in path:
             pages += node.pages
-        self.leases[lease_id] = Lease(lease_id, root, data, pages + remote_pages,
+        self.leases[lease_id] = Lease(lease_id, root, data, pages + remote.pages,
                                       deepest, depth, ttl_s, now + ttl_s)
         return Matched(lease_id, pages,
                        b"" if omit_page_hashes else b"".join([n.hashes for n in path]), host_hits,
                        found - depth, deepest.slot if hybrid and path else NO_SLOT,
-                       remote_pages, remote_hashes)
+                       remote.pages, remote.page_hashes)
 
     def _usable(self, path: list[Node], skip_host_load: bool) -> list[Node]:
         """The matched runs cut where they cannot be resumed: at the first host run when host
@@ -175,17 +177,17 @@ class Pool:
         for i, node in enumerate(loading):
             if node.medium != HOST:
                 continue
-            pages = self.tiers.take_device(size(node))
+            pages = self.placement.take_device(size(node))
             if pages is None:  # everything evictable is gone: load what fits
                 fits = len(self.free[DEVICE])
                 path = loading[:i]
                 if fits:
-                    head = self.tiers.split(node, fits)
-                    self.tiers.promote(head, self.pages.take(DEVICE, fits))
+                    head = self.placement.split(node, fits)
+                    self.placement.promote(head, self.pages.take(DEVICE, fits))
                     path.append(head)
                     loaded += fits
                 break
-            self.tiers.promote(node, pages)
+            self.placement.promote(node, pages)
             loaded += len(pages)
         for node in loading:
             self._unpin(node)
@@ -194,7 +196,7 @@ class Pool:
         return usable, max(0, loaded - cut)
 
     def allocate(self, lease: Lease, n: int) -> Allocated:
-        pages = self.tiers.take_device(n)
+        pages = self.placement.take_device(n)
         if pages is None:
             free, pinned = len(self.free[DEVICE]), self.pinned_pages()[DEVICE]
             return Allocated(lease.lease_id, False, reason=(
@@ -219,7 +221,7 @@ class Pool:
             data = lease.data if type(lease.data) is bytes else bytes(lease.data)
             path, end, part = walk(parent, data, self.stride, computed_pages, depth)
             if part:
-                path[-1] = self.tiers.split(path[-1], part)
+                path[-1] = self.placement.split(path[-1], part)
             for node in path:
                 self._duplicates(lease, node, depth, result)
                 node.last_used = now
@@ -246,7 +248,7 @@ class Pool:
             lease.page_table[depth:depth + n] = node.pages
             result.remaps += zip(range(depth, depth + n), own, node.pages)
         else:  # the host copy is redundant: the run adopts the lease's device pages instead
-            self.tiers.adopt(node, own)
+            self.placement.adopt(node, own)
 
     def _insert(self, lease: Lease, parent: Node | Root, depth: int, end: int, now: float) -> Node:
         """Pages [depth, end) of the lease enter the tree below `parent`, hashed now
@@ -259,7 +261,7 @@ class Pool:
         # the event log shares their bytes instead of copying them.
         node = Node(tokens, hashes, lease.page_table[depth:end], parent, lease.root, DEVICE, now)
         add_child(parent, node, stride)
-        self.tiers.published(node)
+        self.placement.published(node)
         self.cached[DEVICE] += end - depth
         self.events.stored(DEVICE, b"" if type(parent) is Root else chained, hashes, tokens,
                            lease.root.adapter, lease.root.hash)
@@ -288,13 +290,13 @@ class Pool:
             result.reason = f"all {self.cfg.mamba_slots} Mamba slots hold checkpoints of pinned pages"
             return result
         if not last:  # a slot is the state after a run's last page
-            node = self.tiers.split(node, pos + 1)
+            node = self.placement.split(node, pos + 1)
         self.slots.attach(node, slot)
         result.ok, result.slot = True, slot
         return result
 
     def flush_write_through(self) -> None:
-        self.tiers.flush_write_through()
+        self.placement.flush_write_through()
 
     def release(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]

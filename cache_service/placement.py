@@ -1,5 +1,7 @@
-"""The tier policy of one pool: which pages leave the device when it is full (demoted to host,
-or dropped), host pages loaded back by a match, and the L3 write policies.
+"""The placement policy of one pool: which tier (design.md §2) each page lives on. Which pages
+leave the device when it is full (demoted to host, or dropped), host pages loaded back by a
+match, and the L3 write policies. (The mechanism that moves the bytes between tiers is the
+worker's, compute_service/tiers/.)
 
 Eviction takes the least recently used candidate run (allocator.py) and moves only as many of
 its TAIL pages as the allocation still needs, splitting the run there: with a host tier they are
@@ -18,6 +20,7 @@ from array import array
 from cache_service.allocator import Pages, Slots, hand_up_last_use
 from cache_service.emitter import Emitter
 from cache_service.l3_loss import generation
+from cache_service.results import RemoteExtension
 from cache_service.tree import (DEVICE, HASH, HOST, NO_SLOT, PAGE_CODE, Node, Root, cut_tail,
                                 event_parent, remove_child, size, split)
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
@@ -29,11 +32,12 @@ WRITE_BACK = pb.REMOTE_WRITE_POLICY_WRITE_BACK
 HOT = pb.REMOTE_WRITE_POLICY_HOT
 CopyOp = common_pb2.CopyOp
 NO_PAGES = array(PAGE_CODE)  # never changed: callers concatenate, never extend it
+NO_EXTENSION = RemoteExtension([], NO_PAGES)  # never changed either
 
 
-class Tiers:
+class Placement:
     def __init__(self, cfg, pages: Pages, slots: Slots, emit: Emitter, counters, remote, chain):
-        """`cfg`: records.PoolConfig; `counters`: records.Counters; `remote`: an L3 client for
+        """`cfg`: pool_config.PoolConfig; `counters`: pool_config.Counters; `remote`: an L3 client for
         cfg.remote_lookup; `chain`: chain_hash.chain_function()."""
         self.cfg = cfg
         self.stride = 4 * cfg.page_size
@@ -202,14 +206,14 @@ class Tiers:
         self._write_through.clear()
 
     def probe_remote(self, root: Root, path: list[Node], depth: int, data: bytes,
-                     n_tokens: int) -> tuple[list[bytes], array]:
+                     n_tokens: int) -> RemoteExtension:
         """The L3 extension after the matched `depth` pages: page hashes found and device pages
         to load them into."""
         if self.remote is None or not self.cfg.remote_lookup:
-            return [], NO_PAGES
+            return NO_EXTENSION
         limit = max(0, n_tokens - 1) // self.cfg.page_size - depth
         if limit <= 0:
-            return [], NO_PAGES
+            return NO_EXTENSION
         start = depth * self.stride
         parent = path[-1].hashes[-HASH:] if path else root.hash
         run = self.chain(parent, bytes(data[start:start + limit * self.stride]), self.stride)
@@ -217,5 +221,5 @@ class Tiers:
         found = self.remote.probe(self.cfg.model_id, hashes)
         pages = self.take_device(found) if found else None
         if pages is None:
-            return [], NO_PAGES
-        return hashes[:found], pages
+            return NO_EXTENSION
+        return RemoteExtension(hashes[:found], pages)
