@@ -1,7 +1,7 @@
 """Noticing that the L3 store lost its data (FLUSHALL, a Redis restarted empty, a failover to a
 replica that never had it), so that pools write their pages again.
 
-A pool writes each run to L3 once (`tiers.Tiers.write_remote`) and remembers it in
+A pool writes each run to L3 once (`placement.Placement.write_remote`) and remembers it in
 `Node.in_remote`. Without this, a store that lost its pages stayed empty of everything the
 trees already held: after a FLUSHALL only a conversation's new pages came back, and the other
 workers computed its whole prefix (issue 25, finding 7).
