@@ -7,6 +7,10 @@ sequence's length and, with a sliding window, the window. Pages outside that ran
 already be recycled (design.md lesson 2), are never read.
 
 Softmax runs in base 2 (scores pre-multiplied by sm_scale * log2(e)) with fp32 accumulators.
+
+Backend `triton` of `dispatch.TABLE` (decode and extend; `write_kv` has none). Tested against
+`attention_ref`: fp32 (relative 1e-4) and fp16 (4e-3) interpreted on CPU, bf16 (2e-2) compiled on
+a GPU; tolerances in tests/compute_service/kernels/helpers.py.
 """
 from __future__ import annotations
 
