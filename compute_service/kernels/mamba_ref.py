@@ -16,7 +16,8 @@ page size) whatever the step split was.
 
 Backends (`dispatch.TABLE`), each tested against this reference at the dtype's tolerance
 (tests/compute_service/kernels/helpers.py: relative 1e-4 for fp32 interpreted on CPU, 5e-3
-compiled on a GPU (TF32 dots), 4e-3 for fp16, 2e-2 for bf16, scaled by the output's magnitude); states in fp32 at the fp32 tolerance:
+compiled on a GPU (TF32 dots), 4e-3 for fp16, 2e-2 for bf16, scaled by the output's
+magnitude); fp32 states at the fp32 tolerance:
 - `mamba_triton`: chunk scan and single-step update (CUDA by default): fp32 and fp16 interpreted
   on CPU, bf16 compiled on a GPU.
 - `mamba_torch`: the vectorised single-step update (the torch path of `selective_state_update`):
