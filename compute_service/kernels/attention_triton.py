@@ -26,6 +26,18 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(cache_ptr, page, slot, kvh, stride_p, stride_s, stride_h, offs_d, kv_mask):
+    """The [BLOCK_N, BLOCK_D] K or V tile of the positions at (page, slot) for kv head kvh,
+    zero where kv_mask is off (such slots are never read)."""
+    return tl.load(
+        cache_ptr + page.to(tl.int64)[:, None] * stride_p + slot[:, None] * stride_s
+        + kvh * stride_h + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,
@@ -72,18 +84,10 @@ def _decode_split_kernel(
         page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE_SIZE, mask=p_mask, other=0)
         slot = pos % PAGE_SIZE
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + page.to(tl.int64)[:, None] * stride_kp + slot[:, None] * stride_ks
-            + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + page.to(tl.int64)[:, None] * stride_vp + slot[:, None] * stride_vs
-            + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = _load_kv_tile(k_cache_ptr, page, slot, kvh, stride_kp, stride_ks, stride_kh, offs_d,
+                          kv_mask)
+        v = _load_kv_tile(v_cache_ptr, page, slot, kvh, stride_vp, stride_vs, stride_vh, offs_d,
+                          kv_mask)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(p_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid position, so m_new is finite.
@@ -254,18 +258,10 @@ def _extend_kernel(
         page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE_SIZE, mask=p_mask, other=0)
         slot = pos % PAGE_SIZE
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + page.to(tl.int64)[:, None] * stride_kp + slot[:, None] * stride_ks
-            + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + page.to(tl.int64)[:, None] * stride_vp + slot[:, None] * stride_vs
-            + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = _load_kv_tile(k_cache_ptr, page, slot, kvh, stride_kp, stride_ks, stride_kh, offs_d,
+                          kv_mask)
+        v = _load_kv_tile(v_cache_ptr, page, slot, kvh, stride_vp, stride_vs, stride_vh, offs_d,
+                          kv_mask)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         allowed = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed = tl.where(window > 0, allowed & (pos[None, :] > q_pos[:, None] - window), allowed)
