@@ -77,7 +77,7 @@ def choose(
             raise ValueError("reference=True and use_triton=True are exclusive")
         return "ref"
     if use_triton is None:
-        use_triton = probe.is_cuda and bool(row.triton)
+        use_triton = bool(row.triton) and probe.is_cuda
     if use_triton:
         if not row.triton:
             raise ValueError(f"{op} has no Triton kernel")
@@ -100,6 +100,7 @@ def public(op: str) -> Callable[..., Any]:
     params = list(inspect.signature(ref_fn).parameters.values())
     probe_at = [p.name for p in params].index(row.probe)
     dropped = dict.fromkeys(row.cpu_only)
+    modules: dict[str, ModuleType] = {}  # backend -> its module, once imported
 
     @functools.wraps(ref_fn)
     def call(*args: Any, use_triton: bool | None = None, reference: bool = False, **kwargs: Any):
@@ -107,7 +108,8 @@ def public(op: str) -> Callable[..., Any]:
         backend = choose(op, probe, use_triton=use_triton, reference=reference)
         if backend != "cpu" and dropped:
             kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
-        return getattr(module(getattr(row, backend)), op)(*args, **kwargs)
+        impl = modules.get(backend) or modules.setdefault(backend, module(getattr(row, backend)))
+        return getattr(impl, op)(*args, **kwargs)  # looked up per call: tests patch it
 
     keyword = inspect.Parameter.KEYWORD_ONLY
     extra = [inspect.Parameter(name, keyword, default=None) for name in row.cpu_only]
