@@ -7,6 +7,10 @@ sequence's length and, with a sliding window, the window. Pages outside that ran
 already be recycled (design.md lesson 2), are never read.
 
 Softmax runs in base 2 (scores pre-multiplied by sm_scale * log2(e)) with fp32 accumulators.
+
+Backend `triton` of `dispatch.TABLE` (decode and extend; `write_kv` has none). Tested against
+`attention_ref`: fp32 (relative 1e-4) and fp16 (4e-3) interpreted on CPU, bf16 (2e-2) compiled on
+a GPU; tolerances in tests/compute_service/kernels/helpers.py.
 """
 from __future__ import annotations
 
@@ -19,6 +23,18 @@ import triton.language as tl
 __all__ = ["extend_attention", "paged_decode_attention"]
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, page, slot, kvh, stride_p, stride_s, stride_h, offs_d, kv_mask):
+    """The [BLOCK_N, BLOCK_D] K or V tile of the positions at (page, slot) for kv head kvh,
+    zero where kv_mask is off (such slots are never read)."""
+    return tl.load(
+        cache_ptr + page.to(tl.int64)[:, None] * stride_p + slot[:, None] * stride_s
+        + kvh * stride_h + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -68,18 +84,10 @@ def _decode_split_kernel(
         page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE_SIZE, mask=p_mask, other=0)
         slot = pos % PAGE_SIZE
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + page.to(tl.int64)[:, None] * stride_kp + slot[:, None] * stride_ks
-            + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + page.to(tl.int64)[:, None] * stride_vp + slot[:, None] * stride_vs
-            + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = _load_kv_tile(k_cache_ptr, page, slot, kvh, stride_kp, stride_ks, stride_kh, offs_d,
+                          kv_mask)
+        v = _load_kv_tile(v_cache_ptr, page, slot, kvh, stride_vp, stride_vs, stride_vh, offs_d,
+                          kv_mask)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(p_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid position, so m_new is finite.
@@ -250,18 +258,10 @@ def _extend_kernel(
         page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE_SIZE, mask=p_mask, other=0)
         slot = pos % PAGE_SIZE
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + page.to(tl.int64)[:, None] * stride_kp + slot[:, None] * stride_ks
-            + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + page.to(tl.int64)[:, None] * stride_vp + slot[:, None] * stride_vs
-            + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = _load_kv_tile(k_cache_ptr, page, slot, kvh, stride_kp, stride_ks, stride_kh, offs_d,
+                          kv_mask)
+        v = _load_kv_tile(v_cache_ptr, page, slot, kvh, stride_vp, stride_vs, stride_vh, offs_d,
+                          kv_mask)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         allowed = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed = tl.where(window > 0, allowed & (pos[None, :] > q_pos[:, None] - window), allowed)
