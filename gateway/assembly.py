@@ -60,7 +60,9 @@ class GatewayConfig:
     # The OpenAI-compatible HTTP API (gateway/http/); None = off, 0 = any free port.
     http_port: int | None = None
     # The HTTP API's per-tenant limits (defaults; the tenants file overrides them per tenant)
-    # and its slow-client bounds (gateway/http/limits.py, gateway/http/server.py).
+    # and its slow-client bounds (gateway/http/limits.py, gateway/http/server.py). None: no
+    # tenant limits (unless the tenants file sets a tenant's) and HttpLimits' defaults;
+    # `python -m gateway` always passes its flags' values (50/s, burst 100, 64 in flight).
     http_tenant_limits: TenantLimits | None = None
     http_limits: HttpLimits | None = None
     # The Endpoint Picker (gateway/epp/): Envoy's ext_proc protocol; None = off, 0 = any port.

@@ -52,8 +52,8 @@ def _limits_of(entry: dict, where: str) -> dict[str, float | int]:
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or (kind is int and not isinstance(value, int))
                 or not math.isfinite(value) or value < 0):
-            raise ValueError(f"{where}: '{field}' must be a{'n integer' if kind is int else ' number'}"
-                             f" >= 0, got {value!r}")
+            kind_name = "an integer" if kind is int else "a number"
+            raise ValueError(f"{where}: '{field}' must be {kind_name} >= 0, got {value!r}")
         out[field] = kind(value)
     return out
 
