@@ -35,6 +35,9 @@ class _Graph:
     __slots__ = ("graph", "ids", "pos", "cu", "prefix", "tables", "slots", "state", "has",
                  "logits")
 
+    def __init__(self) -> None:
+        self.graph = self.logits = None
+
 
 class DecodeGraphs:
     def __init__(self, model, kv, page_size: int, max_context: int, max_running: int):
@@ -70,7 +73,7 @@ class DecodeGraphs:
         g = self.graphs.get(b)
         if g is not None:
             self._fill(g, ids, positions, slots, prefix, tables)
-            g.graph.replay()
+            self._replay(g)
             self.replays += 1
             return g.logits
         try:
@@ -111,19 +114,15 @@ class DecodeGraphs:
         g.has = torch.ones(b, dtype=torch.bool, device=device)
         self._fill(g, ids, positions, slots, prefix, tables)
         static = self._batch(g)
-        # The step's real forward (also the warm-up: Triton compiles, cuBLAS picks), on a side
-        # stream as torch.cuda.graph asks.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            eager = self.model(g.ids, g.pos, static).logits.clone()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.logits = self.model(g.ids, g.pos, static).logits
-        g.graph.replay()  # writes the same K/V again, and the logits to compare
+
+        def forward() -> torch.Tensor:
+            return self.model(g.ids, g.pos, static).logits
+
+        # The step's real forward (also the warm-up: Triton compiles, cuBLAS picks), then the
+        # capture (executes nothing), then one replay on the same inputs to compare.
+        eager = self._eager(forward)
+        g.graph, g.logits = self._record(forward)
+        self._replay(g)
         err = ((g.logits - eager).norm() / eager.norm().clamp_min(1e-30)).item()
         self.captures += 1
         if not err < 1e-3:
@@ -133,3 +132,28 @@ class DecodeGraphs:
             return eager
         self.graphs[b] = g
         return eager
+
+    # ---- the CUDA calls (tests replace them with an eager emulation on CPU) -----------------
+
+    def _eager(self, forward) -> torch.Tensor:
+        """forward() on a side stream (as torch.cuda.graph wants its warm-up), as a copy."""
+        device = self.model.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            out = forward().clone()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        return out
+
+    def _record(self, forward):
+        """(graph, its static output) of forward()."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the cache caller or tier threads may touch CUDA during the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = forward()
+        return graph, out
+
+    def _replay(self, g: _Graph) -> None:
+        g.graph.replay()
