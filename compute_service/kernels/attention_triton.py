@@ -205,7 +205,7 @@ def _extend_tile(
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, scale_log2, window,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     offs_d, d_mask,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """One K/V tile of the online softmax. MASKED=False is the off-diagonal case: every key of
     the tile is visible to every query row of the block (causal, no window, below `hi`), so
@@ -225,6 +225,9 @@ def _extend_tile(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:  # no mask at all: 16-byte vector loads along the head dimension
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     else:
         k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
@@ -307,7 +310,7 @@ def _extend_kernel(
             k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, scale_log2, window,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             offs_d, d_mask,
-            PAGE_SIZE, BLOCK_N, False,
+            PAGE_SIZE, BLOCK_N, False, HEAD_DIM == BLOCK_D,
         )
     for n0 in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _extend_tile(
@@ -315,7 +318,7 @@ def _extend_kernel(
             k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, scale_log2, window,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             offs_d, d_mask,
-            PAGE_SIZE, BLOCK_N, True,
+            PAGE_SIZE, BLOCK_N, True, HEAD_DIM == BLOCK_D,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
