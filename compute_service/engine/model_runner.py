@@ -106,8 +106,9 @@ class ModelRunner:
         decode = True
         for r, n in batch:
             c = r.computed
-            if n == 1:
-                ids.append(r.tokens[c])
+            if n == 1:  # a decode: no copy of prompt + output (`r.tokens`) per step
+                np_ = len(r.prompt)
+                ids.append(r.prompt[c] if c < np_ else r.output[c - np_])
                 positions.append(c)
                 slots.append(r.pages[c // P] * P + c % P)
             else:
