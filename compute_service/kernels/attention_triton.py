@@ -331,16 +331,18 @@ def _extend_kernel(
 
 
 # Launch configurations of the extend kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed
-# by (padded head_dim, compute capability major). Hopper/Ampere take 128-row query tiles so
-# each program's dots fill the tensor cores; the interpreter (CPU, tests) keeps small tiles.
-# `prefixcache_bench.gpu_check` sweeps candidates around these on the device and names the best.
-EXTEND_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (64, 9): (128, 64, 4, 3),
-    (128, 9): (128, 64, 8, 3),
-    (256, 9): (64, 32, 4, 2),
-    (64, 8): (128, 64, 4, 3),
-    (128, 8): (128, 64, 8, 2),
-    (256, 8): (64, 32, 4, 2),
+# by (padded head_dim, compute capability). H100/H200 (9.0) and A100 (8.0), with 160-228 KB of
+# shared memory per block, take 128-row query tiles so each program's dots fill the tensor
+# cores; any other GPU (e.g. 8.6/8.9/12.0 with ~100 KB) the small fallback; the interpreter
+# (CPU, tests) keeps the small tiles it was tested with. `prefixcache_bench.gpu_check` sweeps
+# candidates around these on the device and names the best.
+EXTEND_CONFIGS: dict[tuple[int, tuple[int, int]], tuple[int, int, int, int]] = {
+    (64, (9, 0)): (128, 64, 4, 3),
+    (128, (9, 0)): (128, 64, 8, 3),
+    (256, (9, 0)): (64, 32, 4, 2),
+    (64, (8, 0)): (128, 64, 4, 3),
+    (128, (8, 0)): (128, 64, 8, 2),
+    (256, (8, 0)): (64, 32, 4, 2),
 }
 _EXTEND_FALLBACK_CUDA = (64, 32, 4, 2)
 
@@ -351,10 +353,8 @@ def extend_config(q: torch.Tensor, head_dim: int, max_q_len: int) -> tuple[int, 
     if not q.is_cuda:
         # Interpreter: the tile sizes the kernel tests were written against.
         return (64 if block_d <= 64 else 32, 32, 4, 1)
-    major = torch.cuda.get_device_capability(q.device)[0]
-    block_m, block_n, warps, stages = EXTEND_CONFIGS.get(
-        (block_d, min(major, 9)), _EXTEND_FALLBACK_CUDA
-    )
+    cap = tuple(torch.cuda.get_device_capability(q.device))
+    block_m, block_n, warps, stages = EXTEND_CONFIGS.get((block_d, cap), _EXTEND_FALLBACK_CUDA)
     # Short queries (chunked prefill tails, small extends): no 128-row tile of padding.
     while block_m > 16 and block_m // 2 >= max_q_len:
         block_m //= 2
