@@ -10,10 +10,10 @@ from service_shell.config import add_flag
 from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY, read_token
 
 
-def add_identities_flag(parser: argparse.ArgumentParser) -> None:
+def add_identities_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     add_flag(parser, "--service-identities-file", "SERVICE_IDENTITIES_FILE", None,
-             "JSON file of the service identities allowed to call this server, with their roles "
-             "(service_shell/auth.py); unset = no service authentication (logged as "
+             help or "JSON file of the service identities allowed to call this server, with "
+             "their roles (service_shell/auth.py); unset = no service authentication (logged as "
              "event=auth_disabled)")
 
 
