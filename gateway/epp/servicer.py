@@ -9,7 +9,8 @@ index, exactly as its own Generate path would (`GenerateProxy.prepare`: tenant, 
 hashes in the tenant's namespace). Headers the EPP sets on the forwarded request, so that the
 worker sees what the gateway's own call would send: `x-prefixcache-salt` is the tenant's salt
 (or removed: a client's own is never forwarded), the tenant's `authorization` is removed, and a
-client's `x-prefixcache-service-token` is removed. The EPP never hands out a credential: the
+client's `x-prefixcache-service-token` is removed, and `x-prefixcache-request-scope` is the
+tenant's request-id scope (service_shell/metadata.py). The EPP never hands out a credential: the
 data plane reaches workers with its own (role `dataplane`, a static header Envoy adds after
 this filter), and only the data plane may call the EPP at all (gateway/epp/server.py).
 
@@ -46,7 +47,7 @@ from gateway.core.running_calls import RunningCalls
 from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from gateway.epp import protocol as wire
 from gateway.epp.protocol import Refusal
-from service_shell import SALT_METADATA_KEY, kv
+from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, kv, request_scope
 from service_shell.auth import SERVICE_TOKEN_METADATA_KEY
 
 log = logging.getLogger("gateway.epp")
@@ -169,8 +170,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def _headers(self, tenant: Tenant) -> dict[str, str | None]:
         # No credential ever goes back to the caller: the data plane presents its own to the
         # worker (a header Envoy adds after this filter); a client's own is removed.
+        # The tenant's request-id scope, as the gateway's own calls carry it (a client's own is
+        # replaced): on the worker, ids are unique per tenant, and an Abort reaches only the
+        # tenant's own requests.
         return {SALT_METADATA_KEY: tenant.salt or None, AUTH_METADATA_KEY: None,
-                SERVICE_TOKEN_METADATA_KEY: None}
+                SERVICE_TOKEN_METADATA_KEY: None,
+                REQUEST_SCOPE_METADATA_KEY: request_scope(tenant.name)}
 
     def _outside(self, subset: set[str] | None) -> list[str]:
         """Workers whose address the data plane's subset leaves out."""

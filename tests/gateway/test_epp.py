@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from service_shell import request_scope
 from service_shell.service_token import with_service_token
 from tests.gateway.gateway_harness import DATAPLANE_TOKEN, wait_until
 from tests.gateway.gateway_harness import request as generate_request
@@ -118,7 +119,8 @@ def test_generate_goes_to_the_worker_the_policy_picks(fleet):
     cached_on(cache_view(fleet), "w2", tokens)
     assert preview(caller, tokens).worker == "w2"
     body = grpc_body(generate_request(tokens, request_id="r-1"))
-    spoofed = (("x-prefixcache-salt", "salt-b"), ("x-prefixcache-service-token", "forged"))
+    spoofed = (("x-prefixcache-salt", "salt-b"), ("x-prefixcache-service-token", "forged"),
+               ("x-prefixcache-request-scope", "someone-else"))
     responses = process(stub, messages(headers(extra=spoofed), body))
     endpoint, set_headers, removed = picked(responses)
     assert endpoint == workers["w2"].address
@@ -127,6 +129,8 @@ def test_generate_goes_to_the_worker_the_policy_picks(fleet):
     assert returned_body(responses) == body
     # The worker gets the tenant's salt (never the client's), no tenant token, no forged token.
     assert set_headers["x-prefixcache-salt"] == "salt-a"
+    # ... and the tenant's request-id scope (never the client's): ids are unique per tenant.
+    assert set_headers["x-prefixcache-request-scope"] == request_scope("tenant-a")
     assert {"authorization", "x-prefixcache-service-token"} <= set(removed)
     assert sample(gw, "prefixcache_gateway_epp_picks_total", worker="w2", outcome="picked") == 1
     # What the data plane then does: the call, with those headers, to that endpoint.
