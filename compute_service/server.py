@@ -80,7 +80,9 @@ _FLUSH_S = 2.0
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "[::]"
+    # Loopback unless told otherwise (the manifests set [::], with identities on): a server
+    # without an identities file serves anyone who reaches it (service_shell/auth_flags.py).
+    host: str = "127.0.0.1"
     # 0 = any free port (the bound one is `ComputeServer.port`).
     port: int = 50052
     # None = no metrics endpoint; 0 = any free port (the bound one is `ComputeServer.metrics_port`).

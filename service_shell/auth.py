@@ -30,7 +30,8 @@ the EPP (`EPP_POLICY`). Health
 and reflection stay open (probes cannot present credentials; reflection shows only the schema).
 
 Without an identities file the server logs `event=auth_disabled` at WARNING and serves anyone,
-as before (local development, the test suite); the manifests always mount one.
+as before (local development, the test suite), on loopback only unless
+--allow-unauthenticated-network (service_shell/auth_flags.py); the manifests always mount one.
 """
 from __future__ import annotations
 
