@@ -28,7 +28,8 @@ from pagestore.client import L3Client, L3Config
 from service_shell import (ServiceShell, ShutdownSignal, add_flag, add_server_flags,
                            configure_logging, tls_from_args)
 from prefixcache_client.hash import NS_DOMAIN
-from service_shell.auth_flags import add_identities_flag, identities_from_args
+from service_shell.auth_flags import (add_identities_flag, add_network_flag,
+                                      check_network_exposure, identities_from_args)
 from service_shell.config import add_native_flags
 from service_shell.redis_flags import add_redis_flags, settings_from_args
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
              "Redis connection pool size", type=int)
     limits = CacheLimits()
     add_identities_flag(p)
+    add_network_flag(p)
     add_flag(p, "--max-pool-pages", "MAX_POOL_PAGES", limits.max_pool_pages,
              "largest device_pages, host_pages and mamba_slots a RegisterPool may ask for", type=int)
     add_flag(p, "--max-lease-ttl-s", "MAX_LEASE_TTL_S", limits.max_lease_ttl_s,
@@ -90,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.redis = settings_from_args(p, args)
     args.kv_events = kv_events_from_args(p, args)
     args.auth = identities_from_args(p, args)
+    check_network_exposure(p, args, args.auth)
     try:
         args.limits = CacheLimits(args.max_pool_pages, args.max_lease_ttl_s,
                                   args.max_subscriptions_per_identity,

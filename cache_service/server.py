@@ -34,7 +34,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "[::]"
+    # Loopback unless told otherwise (the manifests set [::], with identities on): a server
+    # without an identities file serves anyone who reaches it (service_shell/auth_flags.py).
+    host: str = "127.0.0.1"
     # 0 = any free port (the bound one is `CacheServer.port`).
     port: int = 50051
     # None = no metrics endpoint; 0 = any free port (the bound one is `CacheServer.metrics_port`).

@@ -63,8 +63,9 @@ from service_shell import (ServiceShell, ShutdownSignal, TlsConfig, add_bool_fla
                            add_server_flags, configure_logging, kv, tls_from_args)
 from service_shell.config import add_list_flag, add_native_flags, check_renamed
 from service_shell.redis_flags import add_redis_flags, settings_from_args
-from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
-                                token_from_args)
+from service_shell.auth_flags import (add_identities_flag, add_network_flag, add_token_flag,
+                                      check_network_exposure, identities_from_args,
+                                      token_from_args)
 
 log = logging.getLogger("compute_service")
 
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_l3_flags(p, engine)
     add_lora_flags(p, engine)
     add_identities_flag(p)
+    add_network_flag(p)
     add_token_flag(p, to="the cache service (--cache-service)")
     return p
 
@@ -217,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # One TLS config for both sides: this worker's server and its channel to the cache service.
     args.tls = tls_from_args(p, args)
     args.auth, args.service_token = identities_from_args(p, args), token_from_args(p, args)
+    check_network_exposure(p, args, args.auth)
     if args.model is None:
         p.error("--model (or PREFIXCACHE_MODEL) is required")
     if args.hash_spec != NS_DOMAIN.decode():

@@ -13,10 +13,15 @@ class RequestStream:
     (which takes them). The engine never blocks on a slow client: outputs queue up here and the
     handler sends everything queued as one message."""
 
-    __slots__ = ("request_id", "cancel_requested", "sent", "handed_back", "_outputs")
+    __slots__ = ("request_id", "client_id", "cancel_requested", "sent", "handed_back",
+                 "_outputs")
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, client_id: str | None = None):
+        # `request_id`: the id it runs under here (the engine's, the registry's): the client's
+        # within its tenant's scope (server_messages.scoped_request_id); `client_id`: the
+        # client's own, the one its answer names.
         self.request_id = request_id
+        self.client_id = request_id if client_id is None else client_id
         # Set when the client left or Abort named the request: from then on the engine is asked
         # to abort it again at every token, until it does (see ComputeServicer._sink).
         self.cancel_requested = False

@@ -22,7 +22,9 @@ Status codes; every message starts with the field it is about:
   longer context; gRPC defines OUT_OF_RANGE for exactly that ("may be fixed if the system state
   changes"), so a gateway can route it elsewhere instead of failing it.
 - NOT_FOUND: `adapter` not loaded on this worker (Generate); `name` not loaded (UnloadAdapter).
-- ALREADY_EXISTS: `request_id` names a request still running here; LoadAdapter of a `name`
+- ALREADY_EXISTS: `request_id` names a request still running here in the caller's request-id
+  scope (`x-prefixcache-request-scope` metadata, the tenant's: ids are unique per tenant, and
+  answers name the client's id unchanged); LoadAdapter of a `name`
   already loaded (unload it first: a name always means one set of weights).
 - RESOURCE_EXHAUSTED: more concurrent Generate streams than `max_streams`; LoadAdapter with
   every adapter slot in use (`--max-loaded-adapters`; an unloaded adapter's slot is free once
@@ -57,7 +59,8 @@ from compute_service.request_streams import RequestStream, RunningRequests
 from compute_service.model import SamplingDefaults
 from compute_service.server_messages import (Rejected, check_fits, is_read_error, model_info,
                                              prompt_of, request_id_of, response, salt_of,
-                                             sampling_of, tokenizer_response)
+                                             sampling_of, scope_of, scoped_request_id,
+                                             tokenizer_response)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
@@ -77,7 +80,9 @@ _FLUSH_S = 2.0
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "[::]"
+    # Loopback unless told otherwise (the manifests set [::], with identities on): a server
+    # without an identities file serves anyone who reaches it (service_shell/auth_flags.py).
+    host: str = "127.0.0.1"
     # 0 = any free port (the bound one is `ComputeServer.port`).
     port: int = 50052
     # None = no metrics endpoint; 0 = any free port (the bound one is `ComputeServer.metrics_port`).
@@ -147,7 +152,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                     context.abort(code, "worker is draining; request handed back before its "
                                         "first token; retry on another worker")
                 stream.sent = True
-                yield response(outs)
+                yield response(outs, stream.client_id)
                 if outs[-1].stats is not None:
                     code = grpc.StatusCode.OK
                     return
@@ -159,12 +164,17 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         def abort() -> pb.AbortResponse:
             if not request.request_id:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-            stream = self._running.get(request.request_id)
+            try:
+                scope = scope_of(context.invocation_metadata())
+            except ValueError as exc:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            # Only the caller's tenant's request of that id (ids are unique per tenant).
+            request_id = scoped_request_id(scope, request.request_id)
+            stream = self._running.get(request_id)
             if stream is None:
                 return pb.AbortResponse(aborted=False)
             self.cancel(stream)
-            log.info(kv("request_abort_requested", request=request.request_id,
-                        peer=context.peer()))
+            log.info(kv("request_abort_requested", request=request_id, peer=context.peer()))
             return pb.AbortResponse(aborted=True)
         return self._unary("Abort", abort, context)
 
@@ -255,16 +265,17 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                            "retry later")
         stream: RequestStream | None = None
         try:
-            request_id = request_id_of(request)
+            client_id = request_id_of(request)
+            request_id = scoped_request_id(scope_of(context.invocation_metadata()), client_id)
             salt = salt_of(context.invocation_metadata())
             prompt = prompt_of(request, engine.tokenizer, self.info.max_context_tokens)
             sampling = sampling_of(request.sampling, engine.vocab_size, self.defaults)
             check_fits(len(prompt), sampling.max_tokens, self.info.max_context_tokens)
-            stream = RequestStream(request_id)
+            stream = RequestStream(request_id, client_id)
             if not self._running.add(stream):
                 stream = None  # the running one is not ours to remove
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id: '{request_id}' is already running")
+                               f"request_id: '{client_id}' is already running")
             engine.submit(prompt, sampling, lambda out: self._sink(stream, out),
                           request_id=request_id, adapter=request.adapter, salt=salt,
                           resume_output=request.resume_output.ids)

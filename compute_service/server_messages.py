@@ -16,6 +16,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.hash import MAX_NAME_BYTES
 from prefixcache_client.limits import text_too_long
 from service_shell import SALT_METADATA_KEY
+from service_shell.metadata import MAX_REQUEST_SCOPE_BYTES, REQUEST_SCOPE_METADATA_KEY
 
 DEFAULT_MAX_TOKENS = 16  # what max_tokens = 0 means (the proto's contract)
 MAX_REQUEST_ID_BYTES = 128
@@ -75,6 +76,26 @@ def request_id_of(request: pb.GenerateRequest) -> str:
     if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise ValueError(f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
     return request_id
+
+
+def scope_of(metadata) -> str:
+    """The request-id scope of a call's invocation metadata ("" = none): the gateway's, or the
+    data plane's as the EPP set it, naming the tenant whose ids these are."""
+    values = [v for k, v in metadata or () if k == REQUEST_SCOPE_METADATA_KEY]
+    if len(values) > 1:
+        raise ValueError(f"{REQUEST_SCOPE_METADATA_KEY}: sent {len(values)} times; a request "
+                         "has one tenant")
+    scope = values[0] if values else ""
+    if len(scope.encode()) > MAX_REQUEST_SCOPE_BYTES or "/" in scope:
+        raise ValueError(f"{REQUEST_SCOPE_METADATA_KEY}: must be at most "
+                         f"{MAX_REQUEST_SCOPE_BYTES} bytes without '/'")
+    return scope
+
+
+def scoped_request_id(scope: str, request_id: str) -> str:
+    """The id a request runs under on this worker: the client's within its tenant's scope, so
+    that two tenants' equal ids neither collide nor reach each other's requests."""
+    return f"{scope}/{request_id}" if scope else request_id
 
 
 def salt_of(metadata) -> str:
@@ -142,12 +163,15 @@ def check_fits(prompt_tokens: int, max_tokens: int, limit: int) -> None:
                        f"{limit} after the {prompt_tokens}-token prompt")
 
 
-def response(outs: list[Output]) -> pb.GenerateResponse:
-    """One message for the outputs queued since the last one; the last carries the stats."""
+def response(outs: list[Output], request_id: str | None = None) -> pb.GenerateResponse:
+    """One message for the outputs queued since the last one; the last carries the stats,
+    naming the request by `request_id` (the client's, without its scope) when given."""
     resp = pb.GenerateResponse(token_ids=[t for o in outs for t in o.token_ids],
                                text="".join(o.text for o in outs))
     if outs[-1].stats is not None:
         resp.stats.CopyFrom(_stats_pb(outs[-1].stats))
+        if request_id is not None:
+            resp.stats.request_id = request_id
     return resp
 
 

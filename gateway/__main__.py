@@ -11,7 +11,8 @@ without a token are the tenant "anonymous" with salt "".
 With --http-port the gateway also serves an OpenAI-compatible HTTP API (gateway/http/) on that
 port, with the same tenants (`Authorization: Bearer TOKEN` headers), routing and drain.
 With --epp-port it is also an Endpoint Picker of the Gateway API Inference Extension on that
-port (gateway/epp/): Envoy's ext_proc protocol, the same tenants, router and drain.
+port (gateway/epp/): Envoy's ext_proc protocol, the same tenants, router and drain; only the
+data plane's identity (role dataplane in --service-identities-file) may call it.
 
 Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
 line on stdout is `listening on HOST:PORT`. Readiness turns SERVING once a worker is known and
@@ -33,7 +34,8 @@ from gateway.core.workers import WorkerSettings
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag, add_server_flags,
                            configure_logging, finite_float, kv, tls_from_args)
-from service_shell.auth_flags import add_token_flag, token_from_args
+from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
+                                      token_from_args)
 
 log = logging.getLogger("gateway")
 
@@ -106,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--drain-delay-s", "DRAIN_DELAY_S", cfg.drain_delay_s, "seconds between readiness "
          "NOT_SERVING and refusing new calls on SIGTERM", type=float)
     add_token_flag(p, to="the workers' compute and cache services")
+    add_identities_flag(p, "JSON file of service identities (service_shell/auth.py); those of "
+                        "role 'dataplane' may call the Endpoint Picker (--epp-port), nobody "
+                        "else; required with --epp-port")
     return p
 
 
@@ -115,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.allow_anonymous = bool(args.allow_anonymous)
     args.tls = tls_from_args(p, args)
     args.service_token = token_from_args(p, args)
+    args.epp_callers = identities_from_args(p, args)
+    if args.epp_port and args.epp_callers is None:
+        p.error("--epp-port needs --service-identities-file (PREFIXCACHE_SERVICE_IDENTITIES_FILE):"
+                " the Endpoint Picker serves only the data plane's identity (role dataplane)")
     if (args.workers is None) == (args.workers_dns is None):
         p.error("give exactly one of --workers (PREFIXCACHE_WORKERS) and --workers-dns "
                 "(PREFIXCACHE_WORKERS_DNS)")
@@ -147,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         workers=args.source, host=args.host, port=args.port,
         metrics_port=args.metrics_port or None, health_port=args.health_port or None,
         http_port=args.http_port or None, epp_port=args.epp_port or None,
+        epp_callers=args.epp_callers,
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,

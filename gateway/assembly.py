@@ -35,6 +35,7 @@ from gateway.core.tokenize import AUTO, load_tokenizer
 from gateway.core.workers import Fleet, WorkerSet, WorkerSettings
 from gateway.grpc_api.servicer import GATEWAY_SERVICE_NAME, register
 from service_shell import ServiceShell, ShellPorts, TlsConfig, kv, server_options, tls_mode
+from service_shell.auth import ServiceIdentities
 
 if TYPE_CHECKING:  # the `gateway` extra: imported where the HTTP API starts
     from gateway.http.limits import TenantLimits
@@ -67,6 +68,9 @@ class GatewayConfig:
     http_limits: HttpLimits | None = None
     # The Endpoint Picker (gateway/epp/): Envoy's ext_proc protocol; None = off, 0 = any port.
     epp_port: int | None = None
+    # Who may call the Endpoint Picker: identities of role `dataplane` (service_shell/auth.py);
+    # None = nobody (every ext_proc stream is UNAUTHENTICATED).
+    epp_callers: ServiceIdentities | None = None
     tls: TlsConfig | None = None
     max_message_mb: int = 64
     # Each Generate stream holds a server thread for its whole life.
@@ -182,8 +186,7 @@ class GatewayServer(ShellPorts):
         return EppServer(self.proxy, self.router, self.metrics.registry, host=cfg.host,
                          port=cfg.epp_port, max_streams=cfg.max_streams,
                          max_message_mb=cfg.max_message_mb, tls=cfg.tls,
-                         service_token=cfg.worker.service_token,
-                         gateway_calls=self.running).start()
+                         callers=cfg.epp_callers, gateway_calls=self.running).start()
 
     def _watch(self) -> None:
         """Readiness (a worker with a live stream) and periodic discovery."""

@@ -14,7 +14,8 @@ import grpc
 
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
-from service_shell import SALT_METADATA_KEY, TlsConfig, channel_options, open_channel
+from service_shell import (REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, TlsConfig,
+                           channel_options, open_channel)
 from service_shell.retry import TRANSPORT_RETRY
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
@@ -117,11 +118,12 @@ class ComputeClient:
 
     def generate(self, prompt: Sequence[int] | str, sampling: pb.SamplingParams | None = None, *,
                  request_id: str = "", adapter: str = "", salt: str | None = None,
-                 timeout_s: float | None = None,
-                 resume_output: Sequence[int] = ()) -> GenerateStream:
+                 timeout_s: float | None = None, resume_output: Sequence[int] = (),
+                 scope: str | None = None) -> GenerateStream:
         """Starts a completion of `prompt` (token ids, or text the worker tokenizes).
 
-        `salt` sets the tenant metadata, which only a trusted caller (the gateway) may send.
+        `salt` sets the tenant metadata, which only a trusted caller (the gateway) may send;
+        `scope` the request-id scope (the tenant's, service_shell.request_scope) likewise.
         `resume_output`: output tokens already received from a worker that failed mid-stream
         (GenerateRequest.resume_output). Errors are raised when the stream is read."""
         req = pb.GenerateRequest(request_id=request_id, adapter=adapter, sampling=sampling)
@@ -130,14 +132,17 @@ class ComputeClient:
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
-        metadata = self._auth + (((SALT_METADATA_KEY, salt),) if salt is not None else ())
+        metadata = self._auth + (((SALT_METADATA_KEY, salt),) if salt is not None else ()) \
+            + _scope(scope)
         timeout = self.generate_timeout_s if timeout_s is None else timeout_s
         return GenerateStream(self._stub.Generate(req, timeout=timeout, metadata=metadata))
 
-    def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
-        """Aborts a running request; False when none by that id was running."""
+    def abort(self, request_id: str, *, timeout_s: float | None = None,
+              scope: str | None = None) -> bool:
+        """Aborts a running request (of that request-id `scope`, as `generate`'s); False when
+        none by that id was running."""
         return self._unary("Abort", self._stub.Abort, pb.AbortRequest(request_id=request_id),
-                           timeout_s).aborted
+                           timeout_s, _scope(scope)).aborted
 
     def model_info(self, *, timeout_s: float | None = None) -> pb.GetModelInfoResponse:
         return self._unary("GetModelInfo", self._stub.GetModelInfo, pb.GetModelInfoRequest(),
@@ -158,9 +163,14 @@ class ComputeClient:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def _unary(self, method: str, stub_method, req, timeout_s: float | None):
+    def _unary(self, method: str, stub_method, req, timeout_s: float | None,
+               metadata: tuple = ()):
         try:
             return stub_method(req, timeout=self.timeout_s if timeout_s is None else timeout_s,
-                               metadata=self._auth)
+                               metadata=self._auth + metadata)
         except grpc.RpcError as err:
             raise _error(method, err) from None
+
+
+def _scope(scope: str | None) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_SCOPE_METADATA_KEY, scope),) if scope else ()

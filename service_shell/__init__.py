@@ -12,15 +12,16 @@ from service_shell.flags import (add_server_flags, add_tls_flags, env_default, f
 from service_shell.grpc_server import bind, enable_reflection, new_server
 from service_shell.health import HealthPort, HealthProbes
 from service_shell.logs import LOG_LEVELS, configure_logging, kv
-from service_shell.metadata import SALT_METADATA_KEY
+from service_shell.metadata import (REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY,
+                                    request_scope)
 from service_shell.metrics import MetricsEndpoint
 from service_shell.options import channel_options, server_options
 from service_shell.shell import ServiceShell, ShellPorts
 from service_shell.signals import ExitGuard, ShutdownSignal, sleep_until_interrupted
 from service_shell.tls import TlsConfig, open_channel, tls_mode
 
-__all__ = ["ConfigError", "LOG_LEVELS", "SALT_METADATA_KEY", "ExitGuard", "HealthPort", "HealthProbes",
+__all__ = ["ConfigError", "LOG_LEVELS", "REQUEST_SCOPE_METADATA_KEY", "SALT_METADATA_KEY", "ExitGuard", "HealthPort", "HealthProbes",
            "MetricsEndpoint", "ServiceShell", "ShellPorts", "ShutdownSignal", "TlsConfig", "add_bool_flag", "add_flag",
            "add_server_flags", "add_tls_flags", "bind", "channel_options", "configure_logging",
            "declared_variables", "enable_reflection", "env_default", "finite_float", "kv", "new_server", "open_channel",
-           "parse_bool", "server_options", "sleep_until_interrupted", "tls_from_args", "tls_mode"]
+           "parse_bool", "request_scope", "server_options", "sleep_until_interrupted", "tls_from_args", "tls_mode"]

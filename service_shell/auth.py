@@ -24,11 +24,14 @@ and the file may hold only digests (`token_sha256`), so it need not contain a us
 Roles and what they may call (`CACHE_POLICY`, `COMPUTE_POLICY`): the gateway Generates and
 follows event streams; a worker drives its own pool (pool ownership: cache_service/access.py);
 a subscriber reads (Subscribe, GetStats, ListPools, GetModelInfo, GetTokenizer); an operator may
-also register and unregister any pool, evict namespaces and load and unload adapters. Health
+also register and unregister any pool, evict namespaces and load and unload adapters; the data
+plane (Envoy behind the Endpoint Picker) may only forward Generate and Abort to workers and call
+the EPP (`EPP_POLICY`). Health
 and reflection stay open (probes cannot present credentials; reflection shows only the schema).
 
 Without an identities file the server logs `event=auth_disabled` at WARNING and serves anyone,
-as before (local development, the test suite); the manifests always mount one.
+as before (local development, the test suite), on loopback only unless
+--allow-unauthenticated-network (service_shell/auth_flags.py); the manifests always mount one.
 """
 from __future__ import annotations
 
@@ -48,7 +51,11 @@ from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
 log = logging.getLogger("service_shell.auth")
 
 GATEWAY, WORKER, OPERATOR, SUBSCRIBER = "gateway", "worker", "operator", "subscriber"
-ROLES = (GATEWAY, WORKER, OPERATOR, SUBSCRIBER)
+# The data plane (Envoy behind the Endpoint Picker, gateway/epp/): it forwards a tenant's
+# Generate (and Abort of it) to the worker the EPP picked, and calls the EPP itself; nothing
+# else. Its token is Envoy's own (a static header Envoy adds), never one the EPP hands out.
+DATAPLANE = "dataplane"
+ROLES = (GATEWAY, WORKER, OPERATOR, SUBSCRIBER, DATAPLANE)
 _READERS = frozenset({GATEWAY, WORKER, OPERATOR, SUBSCRIBER})
 
 # RPC -> roles allowed to call it, per service. An RPC missing from its service's table is
@@ -64,13 +71,17 @@ CACHE_POLICY: Mapping[str, frozenset[str]] = {
     "Subscribe": frozenset({GATEWAY, SUBSCRIBER, OPERATOR}),
 }
 COMPUTE_POLICY: Mapping[str, frozenset[str]] = {
-    "Generate": frozenset({GATEWAY, OPERATOR}),
-    "Abort": frozenset({GATEWAY, OPERATOR}),
+    "Generate": frozenset({GATEWAY, OPERATOR, DATAPLANE}),
+    # The data plane's Aborts are scoped to the tenant the EPP authenticated (the request
+    # scope header, compute_service/request_scope.py), as the gateway's are.
+    "Abort": frozenset({GATEWAY, OPERATOR, DATAPLANE}),
     "GetModelInfo": frozenset({GATEWAY, OPERATOR, SUBSCRIBER}),
     "GetTokenizer": frozenset({GATEWAY, OPERATOR, SUBSCRIBER}),
     "LoadAdapter": frozenset({OPERATOR}),
     "UnloadAdapter": frozenset({OPERATOR}),
 }
+# The gateway's Endpoint Picker port (gateway/epp/server.py): only the data plane may ask it.
+EPP_POLICY: Mapping[str, frozenset[str]] = {"Process": frozenset({DATAPLANE})}
 
 IDENTITIES_FLAG = "--service-identities-file (PREFIXCACHE_SERVICE_IDENTITIES_FILE)"
 _CERT_KEYS = ("x509_common_name", "x509_subject_alternative_name")
@@ -298,6 +309,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(rpc, allowed, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:  # the EPP's ext_proc Process
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(rpc, allowed, handler.stream_stream),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         # No client-streaming RPC exists in these services; refuse rather than pass unchecked.

@@ -113,7 +113,8 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
             self.cancel()
             return False
         try:
-            return worker.client.abort(self._call.request_id, timeout_s=2.0)
+            return worker.client.abort(self._call.request_id, timeout_s=2.0,
+                                       scope=self._call.scope)
         except ComputeClientError:
             self.cancel()
             return False
@@ -140,7 +141,7 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
         stream = chosen.worker.client.generate(
             route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,
             salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()),
-            resume_output=self._output)
+            resume_output=self._output, scope=call.scope)
         self._stream, self._fresh = stream, True
         call.attach(chosen.worker, stream)
 
@@ -312,7 +313,7 @@ class GenerateProxy:
             worker = call.worker
             if worker is not None:
                 try:
-                    worker.client.abort(call.request_id, timeout_s=2.0)
+                    worker.client.abort(call.request_id, timeout_s=2.0, scope=call.scope)
                 except ComputeClientError:
                     call.cancel()
 
@@ -324,7 +325,7 @@ class GenerateProxy:
         if worker is None:
             return False
         try:
-            return worker.client.abort(request_id)
+            return worker.client.abort(request_id, scope=call.scope)
         except ComputeClientError as exc:
             raise ProxyError(grpc.StatusCode.UNAVAILABLE,
                              f"worker {worker.name} ({worker.address}) did not answer Abort: "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from gateway.core.router import Worker
 from gateway.core.tenants import Tenant
 from prefixcache_client.compute import GenerateStream
+from service_shell.metadata import request_scope
 
 
 @dataclass(eq=False)
@@ -19,6 +20,12 @@ class ProxiedCall:
     stream: GenerateStream | None = None
     cancelled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def scope(self) -> str:
+        """The request-id scope the worker keys this call by (ids are unique per tenant only,
+        so the worker must not key them globally): the tenant's."""
+        return request_scope(self.tenant.name)
 
     def attach(self, worker: Worker, stream: GenerateStream) -> None:
         with self._lock:

@@ -32,8 +32,6 @@ EXT_PROC_SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 COMPUTE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["ComputeService"].full_name + "/"
 GENERATE_PATH = COMPUTE_PREFIX + "Generate"
 ABORT_PATH = COMPUTE_PREFIX + "Abort"
-# Calls any worker answers alike (the gateway serves them too): picked by load alone.
-ANY_WORKER_PATHS = frozenset({COMPUTE_PREFIX + "GetModelInfo", COMPUTE_PREFIX + "GetTokenizer"})
 # Envoy's ext_proc filter caps one streamed body chunk at 64 KiB; the reference EPP stays below
 # it with 62,000 bytes.
 MAX_CHUNK = 62_000

@@ -2,6 +2,13 @@
 the EPP protocol names ("liveness", "readiness" and `envoy.service.ext_proc.v3.ExternalProcessor`,
 the last two following the gateway's readiness), with the gateway's TLS when it has one.
 
+Only the data plane may call ExternalProcessor: a caller presents a service token (the
+`x-prefixcache-service-token` ext_proc gRPC metadata Envoy's `grpc_service.initial_metadata`
+adds) or, on a TLS port, a client certificate, of an identity with role `dataplane` in
+`callers` (the gateway's --service-identities-file); anyone else is UNAUTHENTICATED (no or an
+unknown credential) or PERMISSION_DENIED (another role). Without `callers` every caller is
+refused. Health and reflection stay open for probes.
+
 A port of its own, not the gateway's: the data plane's ext_proc cluster and its health checks
 point at it, and the gateway's `--max-streams` bounds it separately (each ext_proc stream holds
 a server thread for its whole HTTP request, a Generate's whole stream)."""
@@ -19,19 +26,24 @@ from gateway.epp.protocol import EXT_PROC_SERVICE
 from gateway.epp.servicer import EndpointPicker, EppMetrics
 from service_shell import (HealthProbes, TlsConfig, bind, enable_reflection, new_server,
                            server_options)
+from service_shell.auth import EPP_POLICY, AuthInterceptor, Refusals, ServiceIdentities
 
 
 class EppServer:
     def __init__(self, proxy: GenerateProxy, router: Router,
                  registry: prometheus_client.CollectorRegistry, *, host: str, port: int,
                  max_streams: int, max_message_mb: int, tls: TlsConfig | None = None,
-                 service_token: str | None = None,
+                 callers: ServiceIdentities | None = None,
                  gateway_calls: RunningCalls | None = None) -> None:
         self.host, self._port, self.tls = host, port, tls
         self.port = 0
-        self.picker = EndpointPicker(proxy, router, EppMetrics(registry), service_token,
-                                     max_message_mb << 20, gateway_calls)
-        self.server = new_server(max_streams + 16, "gateway-epp", server_options(max_message_mb))
+        self.picker = EndpointPicker(proxy, router, EppMetrics(registry), max_message_mb << 20,
+                                     gateway_calls)
+        self.refusals = Refusals(registry, "gateway-epp")
+        auth = AuthInterceptor(callers if callers is not None else ServiceIdentities(),
+                               EXT_PROC_SERVICE, EPP_POLICY, self.refusals)
+        self.server = new_server(max_streams + 16, "gateway-epp", server_options(max_message_mb),
+                                 (auth,))
         ep_grpc.add_ExternalProcessorServicer_to_server(self.picker, self.server)
         self.health = HealthProbes(EXT_PROC_SERVICE)
         self.health.add_to(self.server)

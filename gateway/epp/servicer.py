@@ -8,8 +8,11 @@ sends the call straight to the worker the gateway's router picks, with the gatew
 index, exactly as its own Generate path would (`GenerateProxy.prepare`: tenant, tokenizer, page
 hashes in the tenant's namespace). Headers the EPP sets on the forwarded request, so that the
 worker sees what the gateway's own call would send: `x-prefixcache-salt` is the tenant's salt
-(or removed: a client's own is never forwarded), the tenant's `authorization` is removed, and
-`x-prefixcache-service-token` is the gateway's service token (or removed).
+(or removed: a client's own is never forwarded), the tenant's `authorization` is removed, and a
+client's `x-prefixcache-service-token` is removed, and `x-prefixcache-request-scope` is the
+tenant's request-id scope (service_shell/metadata.py). The EPP never hands out a credential: the
+data plane reaches workers with its own (role `dataplane`, a static header Envoy adds after
+this filter), and only the data plane may call the EPP at all (gateway/epp/server.py).
 
 Processing modes (the data plane's `protocol_config`): FULL_DUPLEX_STREAMED, what the EPP
 protocol requires, holds the headers answer until the body is complete, then answers headers
@@ -18,9 +21,9 @@ destination on the body. (STREAMED cannot work: the data plane routes on the hea
 body chunk comes.) A request without a body (headers end_of_stream) is picked on its headers. A Generate stays counted on its worker (the router's load) until this stream ends; its
 first response body chunk is its first token.
 
-Only the calls the gateway itself serves are routed: Generate (by prefix), Abort (only to the
-worker running that tenant's request, through the data plane or the gateway), GetModelInfo and
-GetTokenizer (by load). Refusals are ImmediateResponses: 401 (unauthenticated), 400 (a body that
+Only Generate (by prefix) and Abort (only to the worker running that tenant's request, through
+the data plane or the gateway) are routed: they are all the data plane's identity may call on a
+worker. GetModelInfo and GetTokenizer are the gateway's own (its gRPC port). Refusals are ImmediateResponses: 401 (unauthenticated), 400 (a body that
 is not one uncompressed request message, a bad prompt), 404 (any other call, an Abort of nothing
 running), 413 (over --max-message-mb), 503 (no worker, none in the data plane's subset, or
 draining); a gRPC client gets the matching gRPC status.
@@ -38,14 +41,13 @@ import prometheus_client
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from gateway.core.policies import RouteRequest
 from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.router import Router
 from gateway.core.running_calls import RunningCalls
 from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from gateway.epp import protocol as wire
 from gateway.epp.protocol import Refusal
-from service_shell import SALT_METADATA_KEY, kv
+from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, kv, request_scope
 from service_shell.auth import SERVICE_TOKEN_METADATA_KEY
 
 log = logging.getLogger("gateway.epp")
@@ -69,12 +71,12 @@ class EppMetrics:
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def __init__(self, proxy: GenerateProxy, router: Router, metrics: EppMetrics,
-                 service_token: str | None, max_body_bytes: int,
+                 max_body_bytes: int,
                  gateway_calls: RunningCalls | None = None) -> None:
         self.proxy, self.router, self.metrics = proxy, router, metrics
         # The gateway's own calls in progress (an Abort may name one of them).
         self.gateway_calls = gateway_calls if gateway_calls is not None else RunningCalls()
-        self.service_token, self.max_body_bytes = service_token, max_body_bytes
+        self.max_body_bytes = max_body_bytes
         # (tenant, request id) -> worker address of Generates in flight: an Abort through the
         # data plane goes to the worker that runs the request.
         self._running: dict[tuple[str, str], str] = {}
@@ -97,43 +99,34 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     def pick(self, ex: _Exchange, body: bytes) -> tuple[str, dict[str, str | None]]:
         """(endpoint, headers to set or remove) for the exchange's request; Refusal."""
-        if ex.path != wire.GENERATE_PATH and ex.path != wire.ABORT_PATH \
-                and ex.path not in wire.ANY_WORKER_PATHS:
+        if ex.path != wire.GENERATE_PATH and ex.path != wire.ABORT_PATH:
             raise Refusal(404, f"{ex.path or 'the request'}: not routed here; the pool serves "
-                               "prefixcache.v1.ComputeService Generate, Abort, GetModelInfo "
-                               "and GetTokenizer over gRPC (the OpenAI API is the gateway's "
-                               "own HTTP port)")
+                               "prefixcache.v1.ComputeService Generate and Abort over gRPC "
+                               "(GetModelInfo, GetTokenizer and the OpenAI API are the "
+                               "gateway's own ports)")
         tenant = self._tenant(ex)
         try:
             self.proxy.check_open()
         except ProxyError as exc:
             raise Refusal(503, exc.message) from None
-        model_id, page_size = self.proxy.fleet.model_id, self.proxy.fleet.page_size
-        if model_id is None or page_size is None:
+        if self.proxy.fleet.model_id is None or self.proxy.fleet.page_size is None:
             raise Refusal(503, "no worker is known yet; retry later")
-        route: RouteRequest
-        if ex.path == wire.GENERATE_PATH:
-            request = wire.generate_request(body)
-            try:
-                route = self.proxy.prepare(request, tenant, uuid.uuid4().hex)
-            except ProxyError as exc:
-                raise Refusal(_HTTP_STATUS.get(exc.code, 400), exc.message) from None
-            generate = True
-            if request.request_id:
-                ex.running_key = (tenant.name, request.request_id)
-        else:
-            if ex.path == wire.ABORT_PATH:
-                endpoint = self._running_on(tenant, wire.abort_request(body))
-                if ex.subset is not None and endpoint not in ex.subset:
-                    raise Refusal(503, f"the request runs on {endpoint}, outside the data "
-                                       "plane's subset")
-                names = [n for n in self.router.names()
-                         if (w := self.router.get(n)) is not None and w.address == endpoint]
-                self.metrics.picks.labels(names[0] if names else "", "picked").inc()
-                return endpoint, self._headers(tenant)
-            # GetModelInfo, GetTokenizer: no prompt, so the policy picks by load alone.
-            route = RouteRequest(uuid.uuid4().hex, [], 0, page_size)
-            generate = False
+        if ex.path == wire.ABORT_PATH:
+            endpoint = self._running_on(tenant, wire.abort_request(body))
+            if ex.subset is not None and endpoint not in ex.subset:
+                raise Refusal(503, f"the request runs on {endpoint}, outside the data "
+                                   "plane's subset")
+            names = [n for n in self.router.names()
+                     if (w := self.router.get(n)) is not None and w.address == endpoint]
+            self.metrics.picks.labels(names[0] if names else "", "picked").inc()
+            return endpoint, self._headers(tenant)
+        request = wire.generate_request(body)
+        try:
+            route = self.proxy.prepare(request, tenant, uuid.uuid4().hex)
+        except ProxyError as exc:
+            raise Refusal(_HTTP_STATUS.get(exc.code, 400), exc.message) from None
+        if request.request_id:
+            ex.running_key = (tenant.name, request.request_id)
         chosen = self.router.route(route, exclude=self._outside(ex.subset))
         if chosen is None:
             why = ("no worker in the data plane's subset "
@@ -141,13 +134,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                    if ex.subset is not None else "no worker is available")
             raise Refusal(503, why)
         endpoint = chosen.worker.address
-        if generate:  # counted on its worker until the stream ends
-            ex.routed = route.request_id
-            if ex.running_key is not None:
-                with self._lock:
-                    self._running[ex.running_key] = endpoint
-        else:  # a short call: it does not load the worker
-            self.router.finish(route.request_id)
+        # Counted on its worker until the stream ends.
+        ex.routed = route.request_id
+        if ex.running_key is not None:
+            with self._lock:
+                self._running[ex.running_key] = endpoint
         self.metrics.picks.labels(chosen.worker.name, "picked").inc()
         log.debug(kv("epp_pick", path=ex.path, worker=chosen.worker.name, endpoint=endpoint,
                      reason=chosen.decision.reason))
@@ -177,8 +168,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             raise Refusal(401, str(exc)) from None
 
     def _headers(self, tenant: Tenant) -> dict[str, str | None]:
+        # No credential ever goes back to the caller: the data plane presents its own to the
+        # worker (a header Envoy adds after this filter); a client's own is removed.
+        # The tenant's request-id scope, as the gateway's own calls carry it (a client's own is
+        # replaced): on the worker, ids are unique per tenant, and an Abort reaches only the
+        # tenant's own requests.
         return {SALT_METADATA_KEY: tenant.salt or None, AUTH_METADATA_KEY: None,
-                SERVICE_TOKEN_METADATA_KEY: self.service_token}
+                SERVICE_TOKEN_METADATA_KEY: None,
+                REQUEST_SCOPE_METADATA_KEY: request_scope(tenant.name)}
 
     def _outside(self, subset: set[str] | None) -> list[str]:
         """Workers whose address the data plane's subset leaves out."""

@@ -2,10 +2,12 @@
 gateway's ext_proc port, an HTTPRoute to it, and only the flows the data plane needs."""
 from __future__ import annotations
 
+import base64
+
 import pytest
 
-from tests.deploy.manifests import (NAMESPACE, VARIANTS, by_kind, container, one, pod_labels,
-                                    pod_spec, selects, workloads)
+from tests.deploy.manifests import (NAMESPACE, VARIANTS, by_kind, container, generated, one,
+                                    pod_labels, pod_spec, selects, workloads)
 from tests.deploy.netpol import Peer, Policies
 
 WITH = sorted(v for v, (_, comps) in VARIANTS.items() if "inference-extension" in comps)
@@ -83,3 +85,30 @@ def test_without_the_component_there_is_no_picker(renders):
             continue
         assert not container(docs, "gateway", "gateway").env_value("PREFIXCACHE_EPP_PORT")
         assert not by_kind(docs, "HTTPRoute"), name
+
+
+@pytest.mark.parametrize("variant", WITH)
+def test_the_data_plane_has_an_identity_of_its_own_and_the_picker_checks_it(renders, variant,
+                                                                            tmp_path):
+    """Issue 25 finding 1: the EPP authenticates its caller against the mounted identities
+    (role dataplane), the data plane's token is a Secret of its own whose identity the workers
+    know as `dataplane` (Generate and Abort only), and the gateway pod does not hold it."""
+    from service_shell.auth import DATAPLANE
+    from tests.deploy.test_k8s_service_auth import IDENTITIES_ENV, identities, mounted_secret
+
+    docs = renders[variant]
+    gateway = container(docs, "gateway", "gateway")
+    token = base64.b64decode(generated(docs, "Secret", "dataplane-service-token")["data"]
+                             ["token"]).decode().strip()
+    assert token.startswith("EXAMPLE-ONLY-")
+    meta = [("x-prefixcache-service-token", token)]
+    assert identities(docs, gateway, tmp_path).authenticate(meta).role == DATAPLANE
+    for name in ("compute", "cache"):
+        assert identities(docs, container(docs, "compute", name), tmp_path).authenticate(
+            meta).role == DATAPLANE
+    gateway_token = mounted_secret(docs, gateway, "PREFIXCACHE_SERVICE_TOKEN_FILE")
+    assert gateway_token.decode().strip() != token
+    mounted = {gateway.volume(m["name"]).get("secret", {}).get("secretName", "")
+               for m in gateway.mounts().values()}
+    assert not any(s.startswith("dataplane-service-token") for s in mounted)
+    assert gateway.env_value(IDENTITIES_ENV)

@@ -59,3 +59,15 @@ def test_the_example_service_secrets_are_marked_and_hold_only_digests(docs):
         token = base64.b64decode(generated(docs, "Secret", name)["data"]["token"]).decode().strip()
         assert token.startswith("EXAMPLE-ONLY-"), name
         assert token_digest(token).hex() in {e["token_sha256"] for e in doc["identities"]}
+
+
+def test_the_pods_serve_beyond_loopback_only_with_identities(docs):
+    """Issue 25 finding 9: the services bind loopback by default and refuse a network address
+    without identities; the pods set theirs explicitly, with identities, and never the flag that
+    would serve the network unauthenticated."""
+    for name, variable in (("cache", "PREFIXCACHE_CACHE_HOST"),
+                           ("compute", "PREFIXCACHE_COMPUTE_HOST")):
+        c = container(docs, "compute", name)
+        assert c.env_value(variable) == "[::]", name
+        assert c.env_value(IDENTITIES_ENV), name
+        assert not c.env_value("PREFIXCACHE_ALLOW_UNAUTHENTICATED_NETWORK"), name

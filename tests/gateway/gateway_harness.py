@@ -24,11 +24,16 @@ from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import gateway_pb2_grpc as gpb_grpc
 from prefixcache_client.tokenizer import ByteTokenizer
 from service_shell import SALT_METADATA_KEY, ServiceShell, server_options
+from service_shell.auth import DATAPLANE, Identity, ServiceIdentities, token_digest
+from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
 
 MODEL = "fake-model"
 PAGE = 4
 VOCAB = 320
 TOKENS = {"tok-a": Tenant("tenant-a", "salt-a"), "tok-b": Tenant("tenant-b", "salt-b")}
+# The data plane's (Envoy's) service token: the only identity the gateway's EPP serves.
+DATAPLANE_TOKEN = "dataplane-token-0123456789"
+EPP_CALLERS = ServiceIdentities({token_digest(DATAPLANE_TOKEN): Identity("envoy", DATAPLANE)})
 
 
 def wait_until(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "") -> None:
@@ -44,6 +49,7 @@ class Seen:
     request: pb.GenerateRequest
     salts: list[str]
     time_remaining: float | None
+    service_tokens: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -91,8 +97,10 @@ class FakeWorker(pb_grpc.ComputeServiceServicer):
             pb.TokenizerFile(name=n, content=files[n]) for n in sorted(files)])
 
     def Generate(self, request, context):
-        seen = Seen(request, [v for k, v in context.invocation_metadata() if k == SALT_METADATA_KEY],
-                    context.time_remaining())
+        meta = context.invocation_metadata()
+        seen = Seen(request, [v for k, v in meta if k == SALT_METADATA_KEY],
+                    context.time_remaining(),
+                    [v for k, v in meta if k == SERVICE_TOKEN_METADATA_KEY])
         context.add_callback(lambda: None if context.is_active() else seen.cancelled.set())
         self.seen.append(seen)
         if self.fail == "before":
@@ -151,6 +159,8 @@ def running_gateway(workers: Callable[[], list[WorkerAddress]], *, anonymous: bo
     config.setdefault("worker", settings())
     config.setdefault("resolve_interval_s", 0.2)
     config.setdefault("grace_s", 0.0)
+    if config.get("epp_port") is not None:
+        config.setdefault("epp_callers", EPP_CALLERS)
     server = GatewayServer(GatewayConfig(
         workers=workers, host="127.0.0.1", port=0,
         tenants=TenantDirectory(TOKENS, allow_anonymous=anonymous), **config)).start()

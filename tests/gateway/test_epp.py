@@ -17,8 +17,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from service_shell import request_scope
+from service_shell.service_token import with_service_token
+from tests.gateway.gateway_harness import DATAPLANE_TOKEN, wait_until
 from tests.gateway.gateway_harness import request as generate_request
-from tests.gateway.gateway_harness import wait_until
 from tests.gateway.server_helpers import SERVING, cached_on, fake_fleet, preview, prompt, sample
 
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -32,8 +34,9 @@ def fleet():
     with fake_fleet(epp_port=0) as f:
         gw = f[0]
         channel = grpc.insecure_channel(gw.epp.address)
-        try:
-            yield (*f, ep_grpc.ExternalProcessorStub(channel), channel)
+        try:  # the data plane's own identity, as Envoy presents it
+            yield (*f, ep_grpc.ExternalProcessorStub(with_service_token(channel, DATAPLANE_TOKEN)),
+                   channel)
         finally:
             channel.close()
 
@@ -116,7 +119,8 @@ def test_generate_goes_to_the_worker_the_policy_picks(fleet):
     cached_on(cache_view(fleet), "w2", tokens)
     assert preview(caller, tokens).worker == "w2"
     body = grpc_body(generate_request(tokens, request_id="r-1"))
-    spoofed = (("x-prefixcache-salt", "salt-b"), ("x-prefixcache-service-token", "forged"))
+    spoofed = (("x-prefixcache-salt", "salt-b"), ("x-prefixcache-service-token", "forged"),
+               ("x-prefixcache-request-scope", "someone-else"))
     responses = process(stub, messages(headers(extra=spoofed), body))
     endpoint, set_headers, removed = picked(responses)
     assert endpoint == workers["w2"].address
@@ -125,6 +129,8 @@ def test_generate_goes_to_the_worker_the_policy_picks(fleet):
     assert returned_body(responses) == body
     # The worker gets the tenant's salt (never the client's), no tenant token, no forged token.
     assert set_headers["x-prefixcache-salt"] == "salt-a"
+    # ... and the tenant's request-id scope (never the client's): ids are unique per tenant.
+    assert set_headers["x-prefixcache-request-scope"] == request_scope("tenant-a")
     assert {"authorization", "x-prefixcache-service-token"} <= set(removed)
     assert sample(gw, "prefixcache_gateway_epp_picks_total", worker="w2", outcome="picked") == 1
     # What the data plane then does: the call, with those headers, to that endpoint.
@@ -252,20 +258,28 @@ def test_abort_goes_only_to_the_worker_running_the_tenants_request(fleet):
 
 def test_calls_the_gateway_would_not_make_are_not_routed(fleet):
     _, _, _, _, _, stub, _ = fleet
-    for path in ("/prefixcache.v1.ComputeService/LoadAdapter", "/v1/chat/completions"):
+    # GetModelInfo and GetTokenizer too: the data plane's identity may not call them on a
+    # worker (they are the gateway's own calls).
+    for path in ("/prefixcache.v1.ComputeService/LoadAdapter", "/v1/chat/completions",
+                 "/prefixcache.v1.ComputeService/GetModelInfo",
+                 "/prefixcache.v1.ComputeService/GetTokenizer"):
         out = refusal(process(stub, messages(headers(path=path), b"{}")))
         assert out.status.code == 404 and b"not routed here" in out.body, path
-    info = picked(process(stub, messages(
-        headers(path="/prefixcache.v1.ComputeService/GetModelInfo"),
-        grpc_body(pb.GetModelInfoRequest()))))
-    assert info[0] in {w.address for w in fleet[2].values()}
 
 
-def test_the_flag_and_its_variable_turn_the_epp_on(monkeypatch):
+def test_the_flag_and_its_variable_turn_the_epp_on(monkeypatch, tmp_path, capsys):
     from gateway.__main__ import config_from_args, parse_args
+    identities = tmp_path / "ids.json"
+    identities.write_text('{"identities": [{"name": "envoy", "role": "dataplane", '
+                          f'"token": "{DATAPLANE_TOKEN}"}}]}}')
     base = ["--workers", "127.0.0.1:50052", "--allow-anonymous"]
     assert config_from_args(parse_args(base)).epp_port is None
-    assert config_from_args(parse_args([*base, "--epp-port", "9002"])).epp_port == 9002
+    with pytest.raises(SystemExit):  # the EPP authenticates its callers, or does not start
+        parse_args([*base, "--epp-port", "9002"])
+    assert "--epp-port needs --service-identities-file" in capsys.readouterr().err
+    base.append(f"--service-identities-file={identities}")
+    config = config_from_args(parse_args([*base, "--epp-port", "9002"]))
+    assert config.epp_port == 9002 and len(config.epp_callers) == 1
     monkeypatch.setenv("PREFIXCACHE_EPP_PORT", "9003")
     assert config_from_args(parse_args(base)).epp_port == 9003
 

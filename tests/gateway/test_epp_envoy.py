@@ -9,7 +9,7 @@ import pytest
 
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from tests.gateway.envoy_proxy import running_envoy
-from tests.gateway.gateway_harness import request, wait_until
+from tests.gateway.gateway_harness import DATAPLANE_TOKEN, request, wait_until
 from tests.gateway.server_helpers import cached_on, fake_fleet, prompt, sample
 
 
@@ -17,7 +17,8 @@ from tests.gateway.server_helpers import cached_on, fake_fleet, prompt, sample
 def through_envoy(request):
     with fake_fleet(epp_port=0) as fleet:
         gw = fleet[0]
-        with running_envoy(gw.epp.port, request.param) as address:
+        with running_envoy(gw.epp.port, request.param,
+                           service_token=DATAPLANE_TOKEN) as address:
             channel = grpc.insecure_channel(address)
             try:
                 yield fleet, pb_grpc.ComputeServiceStub(channel)
@@ -36,11 +37,14 @@ def test_envoy_sends_generate_to_the_worker_holding_the_prefix(through_envoy):
     for pool, start in (("w1", 11), ("w2", 12)):
         tokens = prompt(start)
         cached_on((gw, cache, workers, caller), pool, tokens)
-        # A client's own salt never reaches the worker: the tenant's replaces it.
-        out = call(stub, tokens, extra=[("x-prefixcache-salt", "salt-b")])
+        # A client's own salt never reaches the worker: the tenant's replaces it; nor does a
+        # service token of its own: the worker sees the data plane's, which Envoy adds.
+        out = call(stub, tokens, extra=[("x-prefixcache-salt", "salt-b"),
+                                        ("x-prefixcache-service-token", "forged")])
         assert out[-1].stats.worker == pool
         assert [m.text for m in out[:-1]] == ["A", "B", "C"]
         assert workers[pool].seen[-1].salts == ["salt-a"]
+        assert workers[pool].seen[-1].service_tokens == [DATAPLANE_TOKEN]
         assert workers[pool].seen[-1].request.token_ids.ids == tokens
     assert sample(gw, "prefixcache_gateway_epp_picks_total", worker="w2", outcome="picked") >= 1
 

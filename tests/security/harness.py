@@ -31,7 +31,8 @@ DEVICE_PAGES = 512
 
 TOKENS = {"gateway": "gateway-token-0123456789", "worker-1": "worker-1-token-0123456789",
           "worker-2": "worker-2-token-0123456789", "operator": "operator-token-0123456789",
-          "subscriber": "subscriber-token-0123456789"}
+          "subscriber": "subscriber-token-0123456789",
+          "dataplane": "dataplane-token-0123456789"}
 UNKNOWN_TOKEN = "not-a-known-token-0123456789"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -48,6 +49,7 @@ def write_identities(directory: pathlib.Path, extra: list[dict] | None = None) -
         {"name": "worker-2", "role": "worker", "token": TOKENS["worker-2"], "pools": ["worker-2"]},
         {"name": "ops", "role": "operator", "token": TOKENS["operator"]},
         {"name": "dashboards", "role": "subscriber", "token": TOKENS["subscriber"]},
+        {"name": "envoy", "role": "dataplane", "token": TOKENS["dataplane"]},
         *(extra or []),
     ]
     path = directory / "service-identities.json"

@@ -117,3 +117,40 @@ def test_a_worker_token_cannot_register_another_workers_pool(worker):
             make_engine(cache=client, pool_id=POOL)
     assert err.value.status == DENIED
     assert "may not use pool 'worker-2'" in err.value.message
+
+
+def test_attack_the_data_plane_token_used_beyond_a_tenants_generate(worker):
+    """Issue 25 finding 1: the data plane's identity (Envoy's token, role dataplane) forwards a
+    tenant's Generate to the worker the EPP picked, and nothing else: no model or adapter
+    management, no model info, and nothing at all on the cache service (no event stream, no
+    other tenant's cached prompt through a Step)."""
+    from prefixcache.v1 import cache_service_pb2 as cpb
+    from tests.security.harness import VICTIM_POOL, VICTIM_PROMPT, namespace
+
+    server, cache = worker
+    loaded = adapters(server)
+    with stub(server, TOKENS["dataplane"]) as s:
+        assert generate(s)[-1].HasField("stats")  # what it is for
+        for call in (lambda: s.GetModelInfo(pb.GetModelInfoRequest(), timeout=10),
+                     lambda: s.GetTokenizer(pb.GetTokenizerRequest(), timeout=10),
+                     lambda: s.LoadAdapter(pb.LoadAdapterRequest(name="x", path="/tmp"),
+                                           timeout=10),
+                     lambda: s.UnloadAdapter(pb.UnloadAdapterRequest(name=ADAPTER), timeout=10)):
+            refused(call, DENIED)
+    with cache.stub(TOKENS["dataplane"]) as c:
+        match = cpb.MatchOp(request_id="probe", namespace=namespace(), token_ids=VICTIM_PROMPT)
+        for call in (
+                lambda: c.Subscribe(cpb.SubscribeRequest(pool_id=VICTIM_POOL), timeout=10),
+                lambda: c.Step(cpb.StepRequest(pool_id=VICTIM_POOL, epoch=1, matches=[match]),
+                               timeout=10),
+                lambda: c.GetStats(cpb.GetStatsRequest(pool_id=VICTIM_POOL), timeout=10),
+                lambda: c.ListPools(cpb.ListPoolsRequest(), timeout=10),
+                lambda: c.RegisterPool(cpb.RegisterPoolRequest(pool_id="dp-pool", epoch=1),
+                                       timeout=10),
+                lambda: c.EvictNamespace(cpb.EvictNamespaceRequest(pool_id=VICTIM_POOL),
+                                         timeout=10),
+                lambda: c.UnregisterPool(cpb.UnregisterPoolRequest(pool_id=VICTIM_POOL),
+                                         timeout=10)):
+            refused(call, DENIED)
+    assert adapters(server) == loaded
+    assert cache.victim_info().pool_id == VICTIM_POOL
