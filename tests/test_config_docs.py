@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cache_service.__main__ import build_parser as cache_parser
-from compute_service.__main__ import build_parser as compute_parser
+from compute_service.flags import build_parser as compute_parser
 from gateway.__main__ import build_parser as gateway_parser
 from service_shell.config import RENAMED, declared_variables
 

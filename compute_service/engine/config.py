@@ -14,6 +14,8 @@ class EngineConfig:
     # pages from a local free list (compute_service.engine.local_pages): every prompt is
     # computed, nothing is published, no event is emitted. No host tier, L3 or checkpoints.
     prefix_cache: bool = True
+    # CUDA graphs of decode steps on a GPU (compute_service.engine.cuda_graphs); --no-cuda-graphs.
+    cuda_graphs: bool = True
     # Send a step's cache call on a thread of its own while the forward runs, when the forward
     # needs none of its answer (compute_service.engine.step_planner, "Overlap").
     overlap_cache_calls: bool = True

@@ -14,12 +14,11 @@ the step's own; the capture executes nothing), then replays the graph once on th
 or any error while capturing, turns graphs off for this runner and the eager logits are used.
 
 Used only on CUDA, for models without Mamba layers and batches without LoRA; off with
-PREFIXCACHE_CUDA_GRAPHS=0.
+`EngineConfig.cuda_graphs = False` (the worker's --no-cuda-graphs).
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -43,7 +42,7 @@ class DecodeGraphs:
     def __init__(self, model, kv, page_size: int, max_context: int, max_running: int):
         self.model, self.kv = model, kv
         self.width = -(-max_context // page_size)
-        self.enabled = os.environ.get("PREFIXCACHE_CUDA_GRAPHS", "1") != "0"
+        self.enabled = True  # until a capture fails or disagrees with the eager forward
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
         self.last_batch = 0
@@ -53,7 +52,7 @@ class DecodeGraphs:
 
     @classmethod
     def maybe(cls, model, kv, cfg, mamba: bool) -> DecodeGraphs | None:
-        if model.device.type != "cuda" or mamba:
+        if model.device.type != "cuda" or mamba or not cfg.cuda_graphs:
             return None
         return cls(model, kv, cfg.page_size, cfg.max_context, cfg.max_running)
 
