@@ -55,11 +55,12 @@ from compute_service.lora import (AdapterConfigError, AdapterExistsError, Adapte
                                   NoFreeSlotError, validate_adapter_name)
 from compute_service.request_streams import RequestStream, RunningRequests
 from compute_service.model import SamplingDefaults
-from compute_service.server_messages import (Rejected, check_fits, is_read_error, model_info,
-                                             prompt_of, request_id_of, response, salt_of,
-                                             sampling_of, tokenizer_response)
+from compute_service.server_messages import (Rejected, check_fits, check_names, is_read_error,
+                                             model_info, prompt_of, request_id_of, response,
+                                             salt_of, sampling_of, tokenizer_response)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.limits import request_id_too_long
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
@@ -159,6 +160,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         def abort() -> pb.AbortResponse:
             if not request.request_id:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            problem = request_id_too_long(request.request_id)
+            if problem is not None:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
             stream = self._running.get(request.request_id)
             if stream is None:
                 return pb.AbortResponse(aborted=False)
@@ -256,6 +260,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         stream: RequestStream | None = None
         try:
             request_id = request_id_of(request)
+            check_names(request)
             salt = salt_of(context.invocation_metadata())
             prompt = prompt_of(request, engine.tokenizer, self.info.max_context_tokens)
             sampling = sampling_of(request.sampling, engine.vocab_size, self.defaults)
