@@ -60,7 +60,7 @@ from compute_service.server_messages import (Rejected, check_fits, check_names, 
                                              salt_of, sampling_of, tokenizer_response)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.limits import request_id_too_long
+from prefixcache_client.limits import quote_untrusted, request_id_too_long
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
@@ -207,7 +207,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 if not is_read_error(exc):
                     raise
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"path: cannot read the adapter at {path}: "
+                               f"path: cannot read the adapter at {quote_untrusted(path)}: "
                                f"{type(exc).__name__}: {exc}") from None
             log.info(kv("adapter_loaded", name=name, path=path, rank=info.rank, slot=info.slot,
                         targets=",".join(info.target_modules), peer=context.peer(),
