@@ -70,8 +70,8 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
       so the policy's memory of recent pages sends samples of one prompt to one worker (twins).
     - Before the first message, a worker failing with UNAVAILABLE or RESOURCE_EXHAUSTED (its load
       shed; not gRPC's own refusal of a response over a size limit, which every worker would
-      repeat) is retried once on the next best one; any other failure raises `ProxyError` with the worker's
-      code and message.
+      repeat) is retried once on the next best one; any other failure raises `ProxyError` with
+      the worker's code and message.
     - After the first message, a worker failing with UNAVAILABLE (it died or went away) hands
       the request to the next best worker with the output tokens streamed so far
       (GenerateRequest.resume_output), which goes on after them: the caller sees one stream.

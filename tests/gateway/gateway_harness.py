@@ -50,7 +50,8 @@ class Seen:
 class FakeWorker(pb_grpc.ComputeServiceServicer):
     """A compute worker without a model: streams `tokens` messages of one token each
     (`delay_s` apart), then stats naming it. `fail` makes Generate fail: "before" the first
-    token (with `fail_code`, UNAVAILABLE by default, and `fail_message`) or "mid" stream (after one message).
+    token (with `fail_code`, UNAVAILABLE by default, and `fail_message`) or "mid" stream (after
+    one message).
     `adapters`: the LoRA adapters GetModelInfo says are loaded."""
 
     def __init__(self, name: str, model_id: str = MODEL, page_size: int = PAGE):
