@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
              limits.max_subscriptions_per_identity,
              "concurrent Subscribe streams one service identity may hold (with "
              "--service-identities-file)", type=int)
+    add_flag(p, "--max-pools-per-identity", "MAX_POOLS_PER_IDENTITY",
+             limits.max_pools_per_identity,
+             "pools one worker identity may have registered at once (with "
+             "--service-identities-file); RegisterPool past it is RESOURCE_EXHAUSTED", type=int)
+    add_flag(p, "--max-total-pages", "MAX_TOTAL_PAGES", None,
+             "device_pages + host_pages + mamba_slots summed over every registered pool; "
+             "RegisterPool past it is RESOURCE_EXHAUSTED (default 4 x --max-pool-pages)", type=int)
     add_kv_events_flags(p)
     add_flag(p, "--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
              "expects; anything but this build's is refused")
@@ -85,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.auth = identities_from_args(p, args)
     try:
         args.limits = CacheLimits(args.max_pool_pages, args.max_lease_ttl_s,
-                                  args.max_subscriptions_per_identity)
+                                  args.max_subscriptions_per_identity,
+                                  args.max_pools_per_identity, args.max_total_pages)
     except ValueError as exc:
         p.error(f"--{str(exc).replace('_', '-')}")
     if args.max_subscriptions_per_identity > defaults.max_subscriptions:

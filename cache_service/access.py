@@ -17,7 +17,15 @@ Limits (flags of `python -m cache_service`), with or without auth:
 - `max_lease_ttl_s`: RegisterPool.lease_ttl_s and MatchOp.lease_ttl_s (a lease pins pages until
   it ends: a long TTL lets a caller that vanishes keep them from everyone else);
 - `max_subscriptions_per_identity`: concurrent Subscribe streams of one identity (auth on), so
-  that one identity's flood cannot take the slots the gateway needs.
+  that one identity's flood cannot take the slots the gateway needs;
+- `max_pools_per_identity`: pools one worker identity may own at once (auth on): a wildcard
+  `pools` pattern (`compute-*`) names unboundedly many pool ids, each a RegisterPool away;
+- `max_total_pages`: device_pages + host_pages + mamba_slots summed over every registered pool,
+  whoever registered them (with or without auth): the service's whole bookkeeping budget
+  (default 4 x max_pool_pages).
+Past either, RegisterPool is RESOURCE_EXHAUSTED naming the flag; a re-registration of a pool
+counts its new size in place of its old one. UnregisterPool gives the memory back to the
+operating system (`release_memory`).
 Step allocations are bounded by the pool itself (a lease gets pages only from the pool's free
 ones, MAX_PAGES_PER_ALLOCATION per op; design.md §3).
 """
@@ -25,6 +33,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,8 +51,18 @@ class CacheLimits:
     max_pool_pages: int = 1 << 22
     max_lease_ttl_s: float = 600.0
     max_subscriptions_per_identity: int = 16
+    max_pools_per_identity: int = 4
+    # None: 4 x max_pool_pages (four pools at the per-pool cap, all three sizes).
+    max_total_pages: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_total_pages is None:
+            object.__setattr__(self, "max_total_pages", 4 * self.max_pool_pages)
+        if self.max_pools_per_identity < 1:
+            raise ValueError("max_pools_per_identity must be >= 1, got "
+                             f"{self.max_pools_per_identity}")
+        if self.max_total_pages < 1:
+            raise ValueError(f"max_total_pages must be >= 1, got {self.max_total_pages}")
         if self.max_pool_pages < 1:
             raise ValueError(f"max_pool_pages must be >= 1, got {self.max_pool_pages}")
         if not self.max_lease_ttl_s >= 1:
@@ -59,6 +80,37 @@ def _too_big(message: str) -> AuthError:
     return AuthError(grpc.StatusCode.INVALID_ARGUMENT, "limit", message)
 
 
+def _exhausted(reason: str, message: str) -> AuthError:
+    return AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason, message)
+
+
+def pool_pages(request: pb.RegisterPoolRequest) -> int:
+    """What a pool counts against `max_total_pages`."""
+    return request.device_pages + request.host_pages + request.mamba_slots
+
+
+def release_memory() -> None:
+    """Hands memory freed by a retired pool back to the operating system: collects the cycles
+    a pool's objects form, then (glibc) trims the malloc heap, whose freed top and arenas glibc
+    otherwise keeps for the process."""
+    gc.collect()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _load_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_malloc_trim = _load_malloc_trim()
+
+
 class CacheAccess:
     """Pool owners, limits and per-identity subscription counts of one server."""
 
@@ -66,6 +118,7 @@ class CacheAccess:
         self.limits = limits
         self._refusals = refusals
         self._owners: dict[str, str] = {}  # pool id -> the worker identity that registered it
+        self._pages: dict[str, int] = {}  # pool id -> its pool_pages, every registered pool
         self._subscriptions: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
@@ -82,13 +135,20 @@ class CacheAccess:
             # Auth off, or an operator: no ownership checks; an operator's registration (or
             # unregistration) leaves the pool to whichever worker registers it next.
             with self._serialized(rpc):
+                try:
+                    self._check_budget(rpc, request, None)
+                except AuthError as exc:
+                    self._refusals.refuse(context, rpc, exc, identity)
                 yield
                 if rpc in ("RegisterPool", "UnregisterPool"):
                     self._owners.pop(request.pool_id, None)
+                self._registered(rpc, request)
+            self._after(rpc)
             return
         with self._serialized(rpc):
             try:
                 self._check_owner(rpc, request, identity)
+                self._check_budget(rpc, request, identity)
             except AuthError as exc:
                 self._refusals.refuse(context, rpc, exc, identity)
             yield
@@ -96,6 +156,41 @@ class CacheAccess:
                 self._owners[request.pool_id] = identity.name
             elif rpc == "UnregisterPool":
                 self._owners.pop(request.pool_id, None)
+            self._registered(rpc, request)
+        self._after(rpc)
+
+    def _registered(self, rpc: str, request) -> None:
+        """After a RegisterPool / UnregisterPool that succeeded: the pool's pages."""
+        if rpc == "RegisterPool":
+            self._pages[request.pool_id] = pool_pages(request)
+        elif rpc == "UnregisterPool":
+            self._pages.pop(request.pool_id, None)
+
+    @staticmethod
+    def _after(rpc: str) -> None:
+        if rpc == "UnregisterPool":
+            release_memory()  # outside the lock: a registration need not wait for it
+
+    def _check_budget(self, rpc: str, request, identity: Identity | None) -> None:
+        """RegisterPool: the identity's pool count and the service's page total, this pool
+        counted at its new size (a re-registration replaces the old one)."""
+        if rpc != "RegisterPool":
+            return
+        lim, pool_id = self.limits, request.pool_id
+        if identity is not None and self._owners.get(pool_id) != identity.name:
+            owned = sum(1 for owner in self._owners.values() if owner == identity.name)
+            if owned >= lim.max_pools_per_identity:
+                raise _exhausted("identity_pools", (
+                    f"pool_id: identity '{identity.name}' owns {owned} pools, its limit (the "
+                    f"cache service's --max-pools-per-identity {lim.max_pools_per_identity}); "
+                    "unregister one first"))
+        held = sum(self._pages.values()) - self._pages.get(pool_id, 0)
+        wanted = pool_pages(request)
+        if held + wanted > lim.max_total_pages:
+            raise _exhausted("total_pages", (
+                f"device_pages + host_pages + mamba_slots: {wanted} more would make "
+                f"{held + wanted} pages across this cache service's pools, past its "
+                f"--max-total-pages {lim.max_total_pages} ({held} held)"))
 
     @contextlib.contextmanager
     def _serialized(self, rpc: str) -> Iterator[None]:

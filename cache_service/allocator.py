@@ -96,7 +96,9 @@ class Slots:
         """`emit`: the pool's `emitter.Emitter`, told of every checkpoint that appears or goes
         (the vLLM-format stream publishes them as its Mamba group's blocks)."""
         self.total = total
-        self.free = list(range(total - 1, -1, -1))
+        # A u32 array like the pages' (not a list of ints: 4M slots would be ~150 MB of int
+        # objects in arenas Python keeps after the pool is gone).
+        self.free = array(PAGE_CODE, range(total - 1, -1, -1))
         # Insertion-ordered (not a set) so that LRU ties break the same way in every run. The
         # value is the hash of the checkpointed page: a cut run's hashes no longer hold it.
         self.checkpointed: dict[Node, bytes] = {}

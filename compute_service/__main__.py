@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from cache_service.embedded import CacheCore, configure_hashing
-from compute_service.kernels import cpu_native
+from compute_service.kernels import cpu_native, cpu_status
 from compute_service.engine import Engine, EngineConfig
 from compute_service.lora import validate_adapter_name
 from compute_service.tiers import WRITE_POLICIES
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer, model_id, defaults = load(args)
         if model.device.type == "cpu":  # builds the C kernels now, not on the first request
-            log.info(kv("cpu_kernels", **cpu_native.status()))
+            log.info(kv("cpu_kernels", **cpu_status()))
         l3 = l3_client(args)
         if args.prefix_cache:
             cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3,

@@ -56,6 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
          "names none (its sidecar, at the worker's host)", type=int)
     flag("--http-port", "HTTP_PORT", 0, "port of the OpenAI-compatible HTTP API "
          "(/v1/completions, /v1/chat/completions, /v1/models, /health), 0 = off", type=int)
+    flag("--http-rate-per-s", "HTTP_RATE_PER_S", 50.0, "HTTP API: requests per second each "
+         "tenant may send (a token bucket; a tenants-file entry's rate_per_s overrides it); "
+         "past it 429 with Retry-After; 0 = unlimited", type=float)
+    flag("--http-burst", "HTTP_BURST", 100, "HTTP API: requests a tenant may send at once "
+         "above its rate (the bucket's size; the entry's burst overrides it)", type=int)
+    flag("--http-max-in-flight", "HTTP_MAX_IN_FLIGHT", 64, "HTTP API: requests of one tenant "
+         "running at once, streams included (the entry's max_in_flight overrides it); past it "
+         "429; 0 = unlimited", type=int)
+    flag("--http-header-timeout-s", "HTTP_HEADER_TIMEOUT_S", 10.0, "HTTP API: seconds a "
+         "connection has to send a complete request head; a slower one is closed", type=float)
+    flag("--http-body-timeout-s", "HTTP_BODY_TIMEOUT_S", 30.0, "HTTP API: seconds a request "
+         "has to send its body after its head; a slower one is closed", type=float)
+    flag("--http-keep-alive-s", "HTTP_KEEP_ALIVE_S", 5.0, "HTTP API: seconds an idle "
+         "keep-alive connection stays open", type=float)
+    flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", 4096, "HTTP API: open connections; "
+         "one more is closed as soon as it is accepted", type=int)
     flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
          "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
@@ -108,6 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tenants_file is None and not args.allow_anonymous:
         p.error("--tenants-file or --allow-anonymous is required: without either every call "
                 "would be UNAUTHENTICATED")
+    for name in ("http_burst", "http_max_in_flight"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')}: must be >= 0")
+    if args.http_max_connections < 1:
+        p.error("--http-max-connections: must be >= 1")
+    for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')}: must be > 0")
     try:
         args.source = (static_workers(parse_static(args.workers, args.cache_port))
                        if args.workers is not None
@@ -132,7 +156,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                               probe_interval_s=args.probe_interval_s,
                               heartbeat_interval_s=args.heartbeat_interval_s),
         generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
-        drain_delay_s=args.drain_delay_s)
+        drain_delay_s=args.drain_delay_s, **_http_limits(args))
+
+
+def _http_limits(args: argparse.Namespace) -> dict:
+    """The HTTP API's limits; imported only with --http-port (the `gateway` extra)."""
+    if not args.http_port:
+        return {}
+    from gateway.http.limits import TenantLimits
+    from gateway.http.server import HttpLimits
+    return {"http_tenant_limits": TenantLimits(args.http_rate_per_s, args.http_burst,
+                                               args.http_max_in_flight),
+            "http_limits": HttpLimits(args.http_header_timeout_s, args.http_body_timeout_s,
+                                      args.http_keep_alive_s, args.http_max_connections)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.core.discovery import WorkerAddress
 from gateway.core.index import IndexConfig
@@ -34,6 +35,10 @@ from gateway.core.tokenize import AUTO, load_tokenizer
 from gateway.core.workers import Fleet, WorkerSet, WorkerSettings
 from gateway.grpc_api.servicer import GATEWAY_SERVICE_NAME, register
 from service_shell import ServiceShell, ShellPorts, TlsConfig, kv, server_options, tls_mode
+
+if TYPE_CHECKING:  # the `gateway` extra: imported where the HTTP API starts
+    from gateway.http.limits import TenantLimits
+    from gateway.http.server import HttpLimits
 
 log = logging.getLogger("gateway.server")
 
@@ -54,6 +59,12 @@ class GatewayConfig:
     health_port: int | None = None
     # The OpenAI-compatible HTTP API (gateway/http/); None = off, 0 = any free port.
     http_port: int | None = None
+    # The HTTP API's per-tenant limits (defaults; the tenants file overrides them per tenant)
+    # and its slow-client bounds (gateway/http/limits.py, gateway/http/server.py). None: no
+    # tenant limits (unless the tenants file sets a tenant's) and HttpLimits' defaults;
+    # `python -m gateway` always passes its flags' values (50/s, burst 100, 64 in flight).
+    http_tenant_limits: TenantLimits | None = None
+    http_limits: HttpLimits | None = None
     # The Endpoint Picker (gateway/epp/): Envoy's ext_proc protocol; None = off, 0 = any port.
     epp_port: int | None = None
     tls: TlsConfig | None = None
@@ -157,9 +168,11 @@ class GatewayServer(ShellPorts):
 
         cfg = self.config
         app = create_app(self.proxy, self.router, lambda: self._ready, cfg.max_streams,
-                         max_body_bytes=cfg.max_message_mb << 20)
+                         max_body_bytes=cfg.max_message_mb << 20,
+                         tenant_limits=cfg.http_tenant_limits, registry=self.metrics.registry)
         return HttpServer(app, cfg.host, cfg.http_port, tls=cfg.tls,
-                          graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0).start()
+                          graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0,
+                          limits=cfg.http_limits, registry=self.metrics.registry).start()
 
     def _start_epp(self):
         # Imported here: the ext_proc protos come with the `gateway` extra (xds-protos).

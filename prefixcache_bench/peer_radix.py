@@ -787,7 +787,7 @@ def summarize(reps: list[dict], metric: str, proj: str, peers: list[str]) -> dic
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("project", help="prefixcache checkout (setup done)")
     ap.add_argument("sglang", help="sglang source dir (holding sglang/) or .whl")
@@ -808,19 +808,94 @@ def main(argv=None) -> int:
                     help="clock of the per-phase times (insert metrics, trace breakdown)")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--mem-child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def load_implementations(args: argparse.Namespace) -> tuple[SimpleNamespace, list[str]]:
+    """The project and the peers, loaded from their files; the implementation kinds to run."""
     for d in args.deps:
         sys.path.insert(0, str(Path(d).resolve()))
     global clock
     clock = time.thread_time if args.phase_clock == "cpu" else time.perf_counter
-
     ctx = SimpleNamespace(proj=load_project(args.project))
     ctx.sg = load_sglang(args.sglang)
     kinds = ["project-pool", "project-core", "sglang"]
     if args.vllm:
         ctx.vl = load_vllm(args.vllm)
         kinds += ["vllm", "vllm+events"]
+    return ctx, kinds
 
+
+def run_info(ctx, args: argparse.Namespace) -> dict:
+    """The machine, the versions and stubs of every implementation, and the parameters."""
+    return {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                        "load_start": os.getloadavg()},
+            "versions": {"project": ctx.proj.commit, "sglang": ctx.sg.version,
+                         **({"vllm": ctx.vl.version} if args.vllm else {})},
+            "stubs": {"sglang": ctx.sg.stubs, **({"vllm": ctx.vl.stubs} if args.vllm else {})},
+            "params": vars(args)}
+
+
+def summarize_both(reps: list[dict], metrics, peers: list[str]) -> dict:
+    """summarize() of each metric against project-pool, with project-core's ratios added."""
+    out = {}
+    for metric in metrics:
+        out[metric] = summarize(reps, metric, "project-pool", peers)
+        out[metric]["ratio"].update(summarize(reps, metric, "project-core", peers)["ratio"])
+    return out
+
+
+def run_match(ctx, kinds: list[str], peers: list[str], args: argparse.Namespace) -> dict:
+    log("[match] fully cached 4,096-token prompt, match + release")
+    reps = [bench_match(ctx, kinds, args.match_iters, 200, r) for r in range(args.reps)]
+    return {"reps": reps, **summarize_both(reps, ("p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us"),
+                                           peers + ["vllm (+hash)"])}
+
+
+def run_insert(ctx, kinds: list[str], peers: list[str], args: argparse.Namespace) -> dict:
+    log("[insert] 4,096-token prompt sharing 1,024 cached tokens")
+    reps = [bench_insert(ctx, kinds, args.insert_iters, 50, r) for r in range(args.reps)]
+    return {"reps": reps, **summarize_both(reps, ("insert_p50_us", "insert_p99_us", "insert+hash+events_p50_us",
+                                                  "insert+hash+events_p99_us", "total_p50_us", "total_p99_us",
+                                                  "total_cpu_p50_us", "total_cpu_p99_us"), peers)}
+
+
+def run_trace(ctx, kinds: list[str], peers: list[str], args: argparse.Namespace) -> dict:
+    path = args.trace or str(Path(ctx.proj.root) / "prefixcache_bench" / "traces"
+                             / "conversation_trace.jsonl")
+    trace = ctx.proj.bench.load_trace(path, args.trace_requests)
+    log(f"[trace] {len(trace):,} requests, capacity {args.capacity_tokens:,} tokens")
+    reps = []
+    for r in range(args.trace_reps or args.reps):
+        log(f"  rep {r + 1}")
+        reps.append(bench_trace(ctx, args.trace_kinds.split(",") if args.trace_kinds else kinds,
+                                trace, args.capacity_tokens, r))
+    return {"requests": len(trace), "reps": reps,
+            "ideal_hit_ratio": ctx.proj.bench.ideal_hit_tokens(trace, PAGE) / sum(n for n, _ in trace),
+            **summarize_both(reps, ("ops_per_s", "cpu_ops_per_s", "hit_ratio"), peers)}
+
+
+def run_memory(kinds: list[str], args: argparse.Namespace) -> dict:
+    """Each implementation in a child process of its own, so that no heap is shared."""
+    log(f"[memory] {args.mem_pages:,} cached pages, one child process per implementation")
+    mem = {}
+    for kind in kinds:
+        cmd = [sys.executable, os.path.abspath(__file__), args.project, args.sglang,
+               "--mem-child", kind, "--mem-pages", str(args.mem_pages)]
+        if args.vllm:
+            cmd += ["--vllm", args.vllm]
+        for d in args.deps:
+            cmd += ["--deps", d]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        if done.returncode:
+            raise RuntimeError(f"memory child {kind} failed:\n{done.stderr[-3000:]}")
+        mem[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    return mem
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx, kinds = load_implementations(args)
     # Module objects (torch, numpy, protobuf...) are common to every implementation here but each
     # service would have its own: keep them out of every later garbage collection.
     gc.collect()
@@ -830,67 +905,18 @@ def main(argv=None) -> int:
         return 0
 
     parts = set(args.only.split(","))
-    info = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                        "load_start": os.getloadavg()},
-            "versions": {"project": ctx.proj.commit, "sglang": ctx.sg.version,
-                         **({"vllm": ctx.vl.version} if args.vllm else {})},
-            "stubs": {"sglang": ctx.sg.stubs, **({"vllm": ctx.vl.stubs} if args.vllm else {})},
-            "params": vars(args)}
+    info = run_info(ctx, args)
     log(f"versions {info['versions']}")
     results: dict = {"info": info}
     peers = [k for k in kinds if not k.startswith("project")]
-
     if "match" in parts:
-        log("[match] fully cached 4,096-token prompt, match + release")
-        reps = [bench_match(ctx, kinds, args.match_iters, 200, r) for r in range(args.reps)]
-        results["match"] = {"reps": reps}
-        for metric in ("p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us"):
-            results["match"][metric] = summarize(reps, metric, "project-pool",
-                                                 peers + ["vllm (+hash)"])
-            results["match"][metric]["ratio"].update(summarize(
-                reps, metric, "project-core", peers + ["vllm (+hash)"])["ratio"])
+        results["match"] = run_match(ctx, kinds, peers, args)
     if "insert" in parts:
-        log("[insert] 4,096-token prompt sharing 1,024 cached tokens")
-        reps = [bench_insert(ctx, kinds, args.insert_iters, 50, r) for r in range(args.reps)]
-        results["insert"] = {"reps": reps}
-        for metric in ("insert_p50_us", "insert_p99_us", "insert+hash+events_p50_us",
-                       "insert+hash+events_p99_us", "total_p50_us", "total_p99_us",
-                       "total_cpu_p50_us", "total_cpu_p99_us"):
-            results["insert"][metric] = summarize(reps, metric, "project-pool", peers)
-            results["insert"][metric]["ratio"].update(
-                summarize(reps, metric, "project-core", peers)["ratio"])
+        results["insert"] = run_insert(ctx, kinds, peers, args)
     if "trace" in parts:
-        path = args.trace or str(Path(ctx.proj.root) / "prefixcache_bench" / "traces"
-                                 / "conversation_trace.jsonl")
-        trace = ctx.proj.bench.load_trace(path, args.trace_requests)
-        log(f"[trace] {len(trace):,} requests, capacity {args.capacity_tokens:,} tokens")
-        reps = []
-        for r in range(args.trace_reps or args.reps):
-            log(f"  rep {r + 1}")
-            reps.append(bench_trace(ctx, args.trace_kinds.split(",") if args.trace_kinds else kinds,
-                                    trace, args.capacity_tokens, r))
-        results["trace"] = {"requests": len(trace), "reps": reps,
-                            "ideal_hit_ratio": ctx.proj.bench.ideal_hit_tokens(trace, PAGE)
-                            / sum(n for n, _ in trace)}
-        for metric in ("ops_per_s", "cpu_ops_per_s", "hit_ratio"):
-            results["trace"][metric] = summarize(reps, metric, "project-pool", peers)
-            results["trace"][metric]["ratio"].update(
-                summarize(reps, metric, "project-core", peers)["ratio"])
+        results["trace"] = run_trace(ctx, kinds, peers, args)
     if "memory" in parts:
-        log(f"[memory] {args.mem_pages:,} cached pages, one child process per implementation")
-        mem = {}
-        for kind in kinds:
-            cmd = [sys.executable, os.path.abspath(__file__), args.project, args.sglang,
-                   "--mem-child", kind, "--mem-pages", str(args.mem_pages)]
-            if args.vllm:
-                cmd += ["--vllm", args.vllm]
-            for d in args.deps:
-                cmd += ["--deps", d]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-            if done.returncode:
-                raise RuntimeError(f"memory child {kind} failed:\n{done.stderr[-3000:]}")
-            mem[kind] = json.loads(done.stdout.strip().splitlines()[-1])
-        results["memory"] = mem
+        results["memory"] = run_memory(kinds, args)
     info["machine"]["load_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")

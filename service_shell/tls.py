@@ -16,7 +16,9 @@ A server re-reads its files when they change: gRPC asks `_ServerCertificates` be
 connection's handshake, so a renewed certificate (cert-manager rewrites the Secret's files) serves
 the next connection without a restart, and connections already open keep theirs. A half-written
 or mismatched set (a key that is not the certificate's) is refused with a `tls_reload_failed` log
-line, and the server keeps what it had. A client reads its files when it is constructed (its
+line, and the server keeps what it had. The gateway's HTTP port (uvicorn, an `ssl.SSLContext`)
+does the same through `SslContextReloader`, loading a renewed set into the context it serves
+with. A client reads its files when it is constructed (its
 channels keep those credentials), so a renewed client certificate takes effect on restart.
 """
 from __future__ import annotations
@@ -159,6 +161,29 @@ class _ServerCertificates:
                 return None
             log.info(kv("tls_certificate_reloaded", cert=self._files["cert"]))
             return config
+
+
+class SslContextReloader:
+    """`_ServerCertificates` for an `ssl.SSLContext` (the HTTP port's): `check(context)` loads
+    a changed set that loads cleanly into `context` itself, which keeps serving the old set
+    otherwise. Call it from the thread that runs the context's handshakes (the event loop). A
+    new CA is added to the ones trusted (OpenSSL cannot drop one from a live context)."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self._tls = tls
+        self._certificates = _ServerCertificates(tls)
+
+    def check(self, context: ssl.SSLContext) -> bool:
+        if self._certificates.fetch() is None:
+            return False
+        try:
+            context.load_cert_chain(self._tls.cert, self._tls.key)
+            if self._tls.ca:
+                context.load_verify_locations(self._tls.ca)
+        except (OSError, ssl.SSLError) as exc:  # the files moved again since the check
+            log.warning(kv("tls_reload_failed", port="http", error=exc))
+            return False
+        return True
 
 
 def _read(field: str, path: str) -> bytes:

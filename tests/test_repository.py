@@ -1,7 +1,9 @@
 """The repository stands alone: nothing in it needs a folder beside it, and every citation of the
-design document names a section or lesson that exists in `docs/design.md`."""
+design document names a section or lesson that exists in `docs/design.md`; modules and functions
+stay small (design.md §8)."""
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -90,3 +92,42 @@ def test_modules_stay_small_or_say_why_at_the_top():
         if len(lines) > 420 and not any(LONG_MODULE in line for line in lines[:40]):
             long.append(f"{rel} ({len(lines)} lines)")
     assert long == [], f"split these or say why at the top ('{LONG_MODULE} ...'): {long}"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def python_sources() -> list[Path]:
+    """Tracked .py files outside generated code (prefixcache/, scripts/gen_protos.py writes it) and
+    outside a virtual environment."""
+    return [path for path in tracked_files() if path.suffix == ".py" and path.exists()
+            and path.relative_to(REPO).parts[0] not in ("prefixcache", ".venv")]
+
+
+def long_functions(paths: list[Path], root: Path = REPO, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`path:line name (N lines)` for every function or method (nested ones too) longer than
+    `limit` lines, from its `def` line to its last line (decorators not counted)."""
+    long = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    long.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    return long
+
+
+def test_no_function_is_longer_than_80_lines():
+    """design.md §8: a long function becomes named steps (small functions, dataclasses)."""
+    long = long_functions(python_sources())
+    assert long == [], f"split these functions ({MAX_FUNCTION_LINES} lines at most): {long}"
+
+
+def test_the_function_length_check_names_each_offender(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(80))  # with its def: 81 lines
+    just_fits = "\n".join(f"    y{i} = {i}" for i in range(79))  # with its def: 80 lines
+    (tmp_path / "pkg").mkdir()
+    planted = tmp_path / "pkg" / "planted.py"
+    planted.write_text(f"def fits():\n{just_fits}\n\n\nclass C:\n    @staticmethod\n"
+                       f"    async def too_long():\n{body}\n")
+    assert long_functions([planted], root=tmp_path) == ["pkg/planted.py:85 too_long (81 lines)"]

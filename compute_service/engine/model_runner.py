@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from compute_service.engine.config import EngineConfig, EngineStats
+from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.request import Request
 from compute_service.engine.sampling import sample
 from compute_service.lora import AdapterRegistry
@@ -53,6 +54,8 @@ class ModelRunner:
         self.states = (allocate_mamba_states(mc, cfg.max_running + checkpoint_slots, model.dtype,
                                              model.device) if self.mamba else [])
         self._copier: ThreadPoolExecutor | None = None  # store_checkpoints' helper, on CPU
+        # CUDA graphs of decode steps (GPU, attention-only models): see engine.cuda_graphs.
+        self.graphs = DecodeGraphs.maybe(model, self.kv, cfg, self.mamba)
         self.parallel_copies = PARALLEL_COPIES
 
     # ---- the forward --------------------------------------------------------------------------
@@ -61,13 +64,24 @@ class ModelRunner:
     def run(self, batch: list[tuple[Request, int]], twins: TwinFinder) -> list[tuple[Request, int]]:
         """One forward over (request, tokens to compute); returns the (request, token) pairs
         sampled, in order, for the scheduler to emit."""
-        ids, positions, fb = self._assemble(batch)
-        device = self.model.device
-        out = self.model(torch.tensor(ids, dtype=torch.int64, device=device),
-                         torch.tensor(positions, dtype=torch.int64, device=device), fb)
+        host = self._host_inputs(batch)
+        ids, positions, slots, cu, prefix, decode = host
+        lora = (self.adapters.lora_batch([r.lora_slot for r, _ in batch], [n for _, n in batch])
+                if self.adapters is not None else None)
+        width = max(len(r.pages) for r, _ in batch)
+        logits = None
+        if (self.graphs is not None and decode and lora is None
+                and self.graphs.wants(len(batch), width)):
+            logits = self.graphs.run(ids, positions, slots, prefix, [r.pages for r, _ in batch])
+        if logits is None:
+            device = self.model.device
+            fb = self._device_batch(batch, host, lora)
+            out = self.model(torch.tensor(ids, dtype=torch.int64, device=device),
+                             torch.tensor(positions, dtype=torch.int64, device=device), fb)
+            logits = out.logits
+            if out.mamba_boundaries is not None:
+                self._keep_boundaries(batch, out.mamba_boundaries)
         self.stats.forward_tokens += len(ids)
-        if out.mamba_boundaries is not None:
-            self._keep_boundaries(batch, out.mamba_boundaries)
         ready = self._advance(batch)
         if not ready:
             return []
@@ -77,29 +91,44 @@ class ModelRunner:
             reqs.append(twin)
             twin.stats.first_token_from_twin = True
             self.stats.twin_first_tokens += 1
-        logits = out.logits[rows]
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[rows]
         banned = [self._banned(r) for r in reqs]
         tokens = sample(logits.float(), [r.sampling for r in reqs], [r.generator for r in reqs],
                         banned)
         return list(zip(reqs, tokens, strict=True))
 
-    def _assemble(self, batch: list[tuple[Request, int]]) -> tuple[list[int], list[int],
-                                                                    ForwardBatch]:
-        """The packed token ids, their absolute positions, and the ForwardBatch: slot mapping
-        (where each new token's K/V goes), block tables, prefix lengths, running slots."""
-        P, device = self.cfg.page_size, self.model.device
+    def _host_inputs(self, batch: list[tuple[Request, int]]):
+        """The packed token ids, their absolute positions, slot mapping (where each new token's
+        K/V goes), cu_seqlens, prefix lengths (host lists), and whether the call is a DECODE."""
+        P = self.cfg.page_size
         ids, positions, slots, cu, prefix = [], [], [], [0], []
+        decode = True
         for r, n in batch:
-            ids += r.tokens[r.computed:r.computed + n]
-            positions += range(r.computed, r.computed + n)
-            slots += [r.pages[p // P] * P + p % P for p in range(r.computed, r.computed + n)]
+            c = r.computed
+            if n == 1:  # a decode: no copy of prompt + output (`r.tokens`) per step
+                np_ = len(r.prompt)
+                ids.append(r.prompt[c] if c < np_ else r.output[c - np_])
+                positions.append(c)
+                slots.append(r.pages[c // P] * P + c % P)
+            else:
+                ids += r.tokens[c:c + n]
+                positions += range(c, c + n)
+                slots += [r.pages[p // P] * P + p % P for p in range(c, c + n)]
             cu.append(cu[-1] + n)
-            prefix.append(r.computed)
+            prefix.append(c)
+            if decode and not (n == 1 and c > 0 and (r.has_state or not self.mamba)):
+                decode = False
+        return ids, positions, slots, cu, prefix, decode
+
+    def _device_batch(self, batch, host, lora) -> ForwardBatch:
+        """The ForwardBatch of `host` (see `_host_inputs`): block tables, prefix lengths, slot
+        mapping, running slots on the model's device."""
+        _, _, slots, cu, prefix, decode = host
+        device = self.model.device
         width = max(len(r.pages) for r, _ in batch)
-        decode = all(n == 1 and r.computed > 0 and (r.has_state or not self.mamba)
-                     for r, n in batch)
         i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-        fb = ForwardBatch(
+        return ForwardBatch(
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, cu_seqlens_q=i32(cu),
             prefix_lens=i32(prefix),
             block_tables=i32([r.pages + [0] * (width - len(r.pages)) for r, _ in batch]),
@@ -107,10 +136,8 @@ class ModelRunner:
             mamba_states=self.states, state_indices=i32([max(r.slot, 0) for r, _ in batch]),
             has_initial_state=torch.tensor([r.has_state for r, _ in batch], dtype=torch.bool,
                                            device=device),
-            mamba_checkpoint_interval=P if self.checkpoints and not decode else 0,
-            lora=(self.adapters.lora_batch([r.lora_slot for r, _ in batch], [n for _, n in batch])
-                  if self.adapters is not None else None))
-        return ids, positions, fb
+            mamba_checkpoint_interval=self.cfg.page_size if self.checkpoints and not decode else 0,
+            lora=lora)
 
     def _advance(self, batch: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
         """Moves `computed` past the tokens just computed; returns (logits row, request) for

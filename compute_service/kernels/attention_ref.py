@@ -8,6 +8,17 @@ gather exactly the cache slots a sequence owns, so pages that a block table does
 Cache layout of one attention layer:
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
     slot of position p of a sequence = block_tables[b, p // page_size] * page_size + p % page_size
+
+Backends (`dispatch.TABLE`), each tested against this reference at the dtype's tolerance
+(tests/compute_service/kernels/helpers.py: relative 1e-4 for fp32 interpreted on CPU, 5e-3
+compiled on a GPU (TF32 dots), 4e-3 for fp16, 2e-2 for bf16, scaled by the output's magnitude):
+- `attention_torch`: vectorised, the torch path (CPU tensors; `write_kv` on every device, whose
+  slots are checked exactly): fp32, fp16 and bf16.
+- `attention_triton`: decode and extend (CUDA by default): fp32 and fp16 interpreted on CPU, bf16
+  compiled on a GPU.
+- `attention_cpu`: the C decode kernel for fp32 CPU tensors: fp32.
+The reference itself is checked against dense per-sequence softmax attention at the same
+tolerances, and its decode equals its one-token extend exactly.
 """
 from __future__ import annotations
 

@@ -4,6 +4,14 @@ Conv state layout: conv_states[s, c, j], j = 0 .. W-2, holds the last W-1 inputs
 oldest first (j = W-2 is the newest). Output of token t, channel c:
     y[t, c] = act(bias[c] + sum_{k<W} weight[c, k] * in[t - (W-1) + k, c])
 where in[i] for i < 0 is the sequence's initial conv state (or zero).
+
+Backends (`dispatch.TABLE`): this reference serves CPU tensors (there is no vectorised torch
+path) and `conv_triton` CUDA tensors by default, tested against it at the dtype's tolerance
+(tests/compute_service/kernels/helpers.py: relative 1e-4 for fp32 interpreted on CPU, 5e-3
+compiled on a GPU (TF32 dots), 4e-3 for fp16, 2e-2 for bf16, scaled by the output's
+magnitude): fp32 and fp16 interpreted on CPU, bf16 compiled on a GPU.
+The reference itself is checked against a per-token convolution, and decode steps and split
+prefills against one prefill.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ to a decode: docs/results/README.md (`PREFIXCACHE_CPU_NATIVE` on vs off).
 
 Each output is a plain fp32 sum over k in order, whatever the number of rows: a token's
 projection does not depend on what else is in the batch.
+
+Used by `linear_cpu` (its `native` backend). Tested against F.linear at rtol = atol = 1e-5.
 """
 from __future__ import annotations
 

@@ -150,14 +150,3 @@ def library() -> ctypes.CDLL | None:
 def enabled() -> bool:
     return library() is not None
 
-
-def status() -> dict[str, str | None]:
-    """What serves fp32 CPU kernels in this process, for logs and benchmark records."""
-    from compute_service.kernels import linear_cpu
-
-    lib = library()
-    return {
-        "gemm": linear_cpu.backend(),
-        "decode_attention": "native" if lib is not None else "torch",
-        "library": lib._name if lib is not None else None,
-    }

@@ -12,6 +12,14 @@ or garbage). Arithmetic is fp32; y is rounded once, after the add.
 
 Tokens are grouped by slot through `LoraSegments` (a stable sort of the token indices by slot),
 which both implementations use; compute it once per forward and pass it to every projection.
+
+Backends (`dispatch.TABLE`), each tested against this reference at the dtype's tolerance
+(tests/compute_service/kernels/helpers.py: relative 1e-4 for fp32 interpreted on CPU, 5e-3
+compiled on a GPU (TF32 dots), 4e-3 for fp16, 2e-2 for bf16, scaled by the output's magnitude):
+- `lora_triton` (CUDA by default): fp32 and fp16 interpreted on CPU, bf16 compiled on a GPU.
+- `lora_cpu`: the C kernel for fp32 CPU tensors given B transposed: fp32.
+There is no vectorised torch path: this reference serves the other CPU tensors. It is itself
+checked against the per-token definition in float64 at rtol = atol = 1e-5.
 """
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ tile multiplies by a single adapter's A or B with `tl.dot` whatever the mix of a
 The token-tile axis is sized for the worst case (all tokens in one slot); tiles past a slot's
 token count exit at once, and a slot with no tokens is never read (unused slots may hold
 garbage). Accumulation is fp32 (TF32 dots for fp32 inputs on a GPU).
+
+Backend `triton` of `dispatch.TABLE` for `lora_apply`. Tested against `lora_ref`: fp32 (relative
+1e-4) and fp16 (4e-3) interpreted on CPU, bf16 (2e-2) compiled on a GPU; tolerances in
+tests/compute_service/kernels/helpers.py.
 """
 from __future__ import annotations
 

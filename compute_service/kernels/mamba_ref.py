@@ -13,6 +13,18 @@ seq_start_pos[b] + i, and a chunk ends at every absolute multiple of chunk_size 
 the sequence. So when a prompt is prefilled in several steps, or resumed from a checkpoint, its
 chunk-end states fall on the same absolute positions (page boundaries when chunk_size divides the
 page size) whatever the step split was.
+
+Backends (`dispatch.TABLE`), each tested against this reference at the dtype's tolerance
+(tests/compute_service/kernels/helpers.py: relative 1e-4 for fp32 interpreted on CPU, 5e-3
+compiled on a GPU (TF32 dots), 4e-3 for fp16, 2e-2 for bf16, scaled by the output's
+magnitude); fp32 states at the fp32 tolerance:
+- `mamba_triton`: chunk scan and single-step update (CUDA by default): fp32 and fp16 interpreted
+  on CPU, bf16 compiled on a GPU.
+- `mamba_torch`: the vectorised single-step update (the torch path of `selective_state_update`):
+  fp32, fp16 and bf16 inputs with fp32 or fp16 states. The chunk scan has no torch path: this
+  reference serves CPU tensors.
+The reference scan itself is checked against the dual (quadratic) form per sequence, and decode
+steps against one prefill, at the same tolerances.
 """
 from __future__ import annotations
 

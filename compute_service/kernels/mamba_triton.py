@@ -15,6 +15,10 @@ the chunk list of `mamba_chunk_layout`, in four launches:
                                + sum_{s<=t} exp(cum_t - cum_s) dt_s (C_t.B_s) x_s + D x_t.
 Because chunks never straddle a sequence or an absolute multiple of chunk_size, the states in
 chunk_states are exactly the page-boundary checkpoints the engine stores (design.md lesson 8).
+
+Backend `triton` of `dispatch.TABLE` (chunk scan, single-step update). Tested against `mamba_ref`:
+fp32 (relative 1e-4) and fp16 (4e-3) interpreted on CPU, bf16 (2e-2) compiled on a GPU; tolerances
+in tests/compute_service/kernels/helpers.py.
 """
 from __future__ import annotations
 
@@ -142,6 +146,17 @@ def _state_pass_kernel(
 
 
 @triton.jit
+def _load_rows_f32(ptr, rows, stride_row, col0, offs_col, row_mask, col_mask):
+    """The [rows, offs_col] tile at ptr + rows * stride_row + col0 + offs_col, as fp32, zero
+    outside the masks."""
+    return tl.load(
+        ptr + rows[:, None] * stride_row + col0 + offs_col[None, :],
+        mask=row_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _chunk_scan_kernel(
     x_ptr, B_ptr, C_ptr, D_ptr, dt_ptr, cum_ptr, y_ptr,
     states_ptr, init_ptr, chunk_seq_ptr, chunk_start_ptr, chunk_len_ptr, cu_chunks_ptr,
@@ -171,11 +186,7 @@ def _chunk_scan_kernel(
     m_mask = offs_m < length
     rows_m = (tok0 + offs_m).to(tl.int64)
     cum_m = tl.load(cum_ptr + head_row + rows_m, mask=m_mask, other=0.0)
-    Cm = tl.load(
-        C_ptr + rows_m[:, None] * stride_C_t + g * stride_C_g + offs_n[None, :],
-        mask=m_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    Cm = _load_rows_f32(C_ptr, rows_m, stride_C_t, g * stride_C_g, offs_n, m_mask, n_mask)
 
     # State entering the chunk: the previous chunk's end state, or the sequence's initial state.
     b = tl.load(chunk_seq_ptr + k)
@@ -203,16 +214,8 @@ def _chunk_scan_kernel(
         rows_s = (tok0 + offs_s).to(tl.int64)
         cum_s = tl.load(cum_ptr + head_row + rows_s, mask=s_mask, other=0.0)
         dt_s = tl.load(dt_ptr + head_row + rows_s, mask=s_mask, other=0.0)
-        Bs = tl.load(
-            B_ptr + rows_s[:, None] * stride_B_t + g * stride_B_g + offs_n[None, :],
-            mask=s_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        xs = tl.load(
-            x_ptr + rows_s[:, None] * stride_x_t + h * stride_x_h + offs_p[None, :],
-            mask=s_mask[:, None] & p_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        Bs = _load_rows_f32(B_ptr, rows_s, stride_B_t, g * stride_B_g, offs_n, s_mask, n_mask)
+        xs = _load_rows_f32(x_ptr, rows_s, stride_x_t, h * stride_x_h, offs_p, s_mask, p_mask)
         # s <= t < length implies s is a valid token. Mask before exp: for s > t (or a padding
         # row t, whose cum reads as 0) cum_t - cum_s > 0 and could overflow.
         causal = (offs_s[None, :] <= offs_m[:, None]) & m_mask[:, None]
@@ -220,11 +223,7 @@ def _chunk_scan_kernel(
         scores = tl.dot(Cm, tl.trans(Bs)) * decay * dt_s[None, :]
         acc += tl.dot(scores, xs)
 
-    x_m = tl.load(
-        x_ptr + rows_m[:, None] * stride_x_t + h * stride_x_h + offs_p[None, :],
-        mask=m_mask[:, None] & p_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    x_m = _load_rows_f32(x_ptr, rows_m, stride_x_t, h * stride_x_h, offs_p, m_mask, p_mask)
     acc += tl.load(D_ptr + h).to(tl.float32) * x_m
     tl.store(
         y_ptr + rows_m[:, None] * stride_y_t + h * stride_y_h + offs_p[None, :],

@@ -5,12 +5,18 @@ The tenants file (--tenants-file, a mounted Secret in Kubernetes):
 
     {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}, ...}}
 
+An entry may also set the tenant's HTTP limits (gateway/http/limits.py), in place of the
+gateway's --http-rate-per-s, --http-burst and --http-max-in-flight: `"rate_per_s": 20,
+"burst": 40, "max_in_flight": 8` (0 = no such limit). Tokens of one tenant share its limits,
+so two entries of a tenant may not set different ones.
+
 A salt is only ever taken from this file: a client's own `x-prefixcache-salt` metadata is never
 forwarded (the gateway sets that header itself), and GenerateRequest has no salt field.
 """
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +39,35 @@ class Tenant:
     salt: str
 
 
+# The limits an entry may set, with their type: requests per second, burst, in flight.
+LIMIT_FIELDS = {"rate_per_s": float, "burst": int, "max_in_flight": int}
+
+
+def _limits_of(entry: dict, where: str) -> dict[str, float | int]:
+    out: dict[str, float | int] = {}
+    for field, kind in LIMIT_FIELDS.items():
+        if field not in entry:
+            continue
+        value = entry[field]
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (kind is int and not isinstance(value, int))
+                or not math.isfinite(value) or value < 0):
+            kind_name = "an integer" if kind is int else "a number"
+            raise ValueError(f"{where}: '{field}' must be {kind_name} >= 0, got {value!r}")
+        out[field] = kind(value)
+    return out
+
+
 class TenantDirectory:
     """Bearer token -> tenant. `allow_anonymous`: requests without a token are the tenant
     "anonymous" with salt "" (the namespace of unsalted requests to a worker)."""
 
-    def __init__(self, tokens: dict[str, Tenant], allow_anonymous: bool = False) -> None:
+    def __init__(self, tokens: dict[str, Tenant], allow_anonymous: bool = False,
+                 limits: dict[str, dict[str, float | int]] | None = None) -> None:
         self._tenants = {token_digest(t): tenant for t, tenant in tokens.items()}
         self.allow_anonymous = allow_anonymous
+        # Tenant name -> its own HTTP limits (LIMIT_FIELDS), from the tenants file.
+        self.limits = dict(limits or {})
 
     def __len__(self) -> int:
         return len(self._tenants)
@@ -58,7 +86,8 @@ class TenantDirectory:
         if not isinstance(entries, dict):
             raise ValueError(f"--tenants-file {path}: expected {{\"tokens\": {{TOKEN: "
                              "{\"tenant\": NAME, \"salt\": SALT}}}}")
-        tokens = {}
+        tokens: dict[str, Tenant] = {}
+        limits: dict[str, dict[str, float | int]] = {}
         for i, (token, entry) in enumerate(entries.items()):
             where = f"--tenants-file {path}: tokens entry {i}"  # never print the token itself
             if not token or not isinstance(entry, dict):
@@ -69,7 +98,10 @@ class TenantDirectory:
             if len(salt.encode()) > MAX_NAME_BYTES:
                 raise ValueError(f"{where}: 'salt' is over {MAX_NAME_BYTES} bytes")
             tokens[token] = Tenant(name, salt)
-        return cls(tokens, allow_anonymous)
+            own = _limits_of(entry, where)
+            if own and limits.setdefault(name, own) != own:
+                raise ValueError(f"{where}: tenant '{name}' has other limits in another entry")
+        return cls(tokens, allow_anonymous, limits)
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant:
         """The tenant of a call's metadata; AuthError when it has none or an unknown one."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 import anyio
+import prometheus_client
 from fastapi import FastAPI
 
 from gateway.core.proxy import GenerateProxy
@@ -36,18 +37,27 @@ from gateway.core.router import Router
 from gateway.http import errors
 from gateway.http.body_limit import BodyLimit
 from gateway.http.deps import HttpCore
+from gateway.http.limits import RateLimit, TenantLimiter, TenantLimits, throttled_counter
 from gateway.http.models import ModelCatalog
 from gateway.http.routes import ROUTERS
 
 
 def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
-               max_streams: int = 512, max_body_bytes: int = 64 << 20) -> FastAPI:
+               max_streams: int = 512, max_body_bytes: int = 64 << 20,
+               tenant_limits: TenantLimits | None = None,
+               registry: prometheus_client.CollectorRegistry | None = None) -> FastAPI:
     """The app over a gateway's proxy and router; `ready()` answers /health. A request body
-    over `max_body_bytes` is refused unread (413, body_limit.py)."""
+    over `max_body_bytes` is refused unread (413, body_limit.py); a tenant past its limits
+    (`tenant_limits`, overridden per tenant by the tenants file) is answered 429 before that
+    (limits.py), counted in `registry`."""
     app = FastAPI(title="prefixcache gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before any parsing
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # before any parsing
+    limiter = TenantLimiter(tenant_limits or TenantLimits(), proxy.tenants.limits)
+    app.state.tenant_limiter = limiter
+    app.add_middleware(RateLimit, tenants=proxy.tenants, limiter=limiter,  # outermost
+                       throttled=throttled_counter(registry))
     # Blocking gRPC reads run in threads; each open stream may hold one.
     limiter = anyio.CapacityLimiter(max_streams + 16)
     app.state.core = HttpCore(proxy, ready, ModelCatalog(router, proxy.fleet, limiter), limiter,

@@ -12,19 +12,38 @@ Lifecycle, tied to the gateway's (gateway/assembly.py):
   keep-alive connections, and lets running responses (streams included) finish.
 - `stop(timeout_s)` waits for that, up to `timeout_s`; then uvicorn cancels what is left.
 With TLS configured, the port serves TLS with the gRPC port's certificate (and requires client
-certificates when a CA is given), read at start.
+certificates when a CA is given). The files are checked every `tls_reload_s` and a renewed set
+is loaded into the same SSLContext uvicorn serves with (service_shell.tls.SslContextReloader), so
+new connections get it, as on the gRPC port.
+
+Slow and idle clients (issue 25, finding 10), `HttpLimits`:
+- a connection whose request head (request line and headers) is not complete
+  `header_timeout_s` after it opened (or after its previous response) is closed, and so is one
+  whose body is not complete `body_timeout_s` after its head: a slowloris client sending a byte
+  every few seconds holds a socket for at most that long (uvicorn with httptools has no such
+  timeout of its own);
+- an idle keep-alive connection is closed after `keep_alive_s` (uvicorn's timeout_keep_alive);
+- at most `max_connections` connections are open: one more is closed as soon as it is accepted;
+- h11's largest incomplete event (uvicorn's h11_max_incomplete_event_size) bounds a head too.
+Each closed connection is counted in `prefixcache_gateway_http_connections_closed_total{reason}`
+(header_timeout, body_timeout, connection_cap).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
 import threading
+from dataclasses import dataclass
 
+import prometheus_client
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service_shell import TlsConfig, kv
+from service_shell.tls import SslContextReloader
 
 log = logging.getLogger("gateway.http")
 
@@ -47,9 +66,89 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 4096
+    max_head_bytes: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0 and self.keep_alive_s > 0):
+            raise ValueError("header_timeout_s, body_timeout_s and keep_alive_s must be > 0")
+        if self.max_connections < 1 or self.max_head_bytes < 1024:
+            raise ValueError("max_connections must be >= 1 and max_head_bytes >= 1024")
+
+
+def closed_counter(registry: prometheus_client.CollectorRegistry | None
+                   ) -> prometheus_client.Counter:
+    return prometheus_client.Counter(
+        "prefixcache_gateway_http_connections_closed", "HTTP connections the gateway closed "
+        "for a slow request or past its connection cap, by reason (header_timeout, "
+        "body_timeout, connection_cap).", ["reason"], registry=registry)
+
+
+def guarded_protocol(limits: HttpLimits, closed: prometheus_client.Counter) -> type:
+    """uvicorn's httptools protocol with `limits`' read deadlines and connection cap."""
+
+    class GuardedProtocol(HttpToolsProtocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self, seconds: float, reason: str) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired, reason, seconds)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self, reason: str, seconds: float) -> None:
+            self._deadline = None
+            if self.transport is not None and not self.transport.is_closing():
+                closed.labels(reason).inc()
+                log.info(kv("http_connection_closed", reason=reason, after_s=seconds,
+                            client=(self.client or ("", 0))[0]))
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                closed.labels("connection_cap").inc()
+                log.warning(kv("http_connection_refused", reason="connection_cap",
+                               max_connections=limits.max_connections))
+                transport.close()
+                return
+            self._arm(limits.header_timeout_s, "header_timeout")
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._deadline is None:  # a keep-alive connection's next request
+                self._arm(limits.header_timeout_s, "header_timeout")
+
+        def on_headers_complete(self) -> None:
+            self._arm(limits.body_timeout_s, "body_timeout")
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+    return GuardedProtocol
+
+
 class HttpServer:
     def __init__(self, app: FastAPI, host: str, port: int, *, tls: TlsConfig | None = None,
-                 graceful_s: float = 30.0, start_timeout_s: float = 30.0):
+                 graceful_s: float = 30.0, start_timeout_s: float = 30.0,
+                 limits: HttpLimits | None = None,
+                 registry: prometheus_client.CollectorRegistry | None = None,
+                 tls_reload_s: float = 5.0):
+        limits = limits or HttpLimits()
         self._sock = _bind(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         tls_args = {}
@@ -57,17 +156,43 @@ class HttpServer:
             tls_args = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key,
                         "ssl_ca_certs": tls.ca,
                         "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE}
+        self.closed = closed_counter(registry)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=graceful_s, server_header=False,
+                                http=guarded_protocol(limits, self.closed),
+                                timeout_keep_alive=limits.keep_alive_s,
+                                h11_max_incomplete_event_size=limits.max_head_bytes,
                                 **tls_args)
         self._server = uvicorn.Server(config)
+        # Checks the files from the start, so a renewal during startup is not missed.
+        self._reloader = SslContextReloader(tls) if tls_args else None
+        self._tls_reload_s = tls_reload_s
         self._start_timeout_s = start_timeout_s
         self._thread = threading.Thread(target=self._run, name="gateway-http", daemon=True)
         self._failed: BaseException | None = None
 
+    async def _serve(self) -> None:
+        watch = None
+        if self._reloader is not None:
+            watch = asyncio.get_running_loop().create_task(self._watch_certificates())
+        try:
+            await self._server.serve(sockets=[self._sock])
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch_certificates(self) -> None:
+        # On the server's own loop: the SSLContext is changed between handshakes, never during.
+        while True:
+            await asyncio.sleep(self._tls_reload_s)
+            if self._server.started and self._server.config.ssl is not None:
+                self._reloader.check(self._server.config.ssl)
+
     def _run(self) -> None:
         try:
-            self._server.run(sockets=[self._sock])
+            # uvicorn's own loop (uvloop when installed), as Server.run would choose it.
+            with asyncio.Runner(loop_factory=self._server.config.get_loop_factory()) as runner:
+                runner.run(self._serve())
         except BaseException as exc:  # SystemExit from a failed startup included
             self._failed = exc
             log.exception(kv("http_server_failed"))

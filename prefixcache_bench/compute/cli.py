@@ -23,7 +23,7 @@ from prefixcache_bench.compute.parts_kernels import bench_kernels
 from prefixcache_bench.compute.parts_lora import bench_lora
 from prefixcache_bench.compute.parts_prefix_cache import bench_prefix_cache_overhead
 from prefixcache_bench.compute.parts_ttft import bench_ttft
-from compute_service.kernels import cpu_native
+from compute_service.kernels import cpu_native, cpu_status
 from service_shell.config import ConfigError, native_settings_from_env
 from compute_service.model import CausalLM, build_preset
 from prefixcache_bench.harness import (Goal, check_goals, choose_threads, load_average, log,
@@ -56,7 +56,7 @@ def torch_facts() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu_kernels": cpu_native.status(),
+        "cpu_kernels": cpu_status(),
     }
     with contextlib.suppress(Exception):
         import transformers

@@ -7,6 +7,9 @@ against its PyTorch reference (attention_ref, mamba_ref, lora_ref) on the same i
   [B, Hkv, L, D] (it cannot read pages: a lower bound on what the gather costs).
 - extend: prefill (prefix 0, causal) of B x L new tokens; FLOPs = 2 matmuls x 2 x L^2 x D x Hq
   / 2 (causal); TFLOP/s over bf16 dense peak; SDPA (is_causal) beside it.
+- extend_sweep: a few (BLOCK_M, BLOCK_N, num_warps, num_stages) launch configs of the extend
+  kernel on the 4k shape (the table's default first), each checked against attention_ref and
+  timed; `best` names the fastest correct one (candidates <= 6: each is a Triton compile).
 - mamba_scan: Mamba2 SSD chunk scan (Bamba-9B's mixer: 128 heads x 64, state 128, 1 group,
   chunk 256); bytes of inputs, outputs and chunk states over HBM peak.
 - mamba_state_update: one decode step, fp32 states read and written; GB/s.
@@ -46,6 +49,8 @@ class Shapes:
             self.heads = (4, 2, 32)
             self.decode = [(1, 64), (4, 96)]
             self.extend = [(1, 64)]
+            self.sweep = (1, 64)
+            self.sweep_configs = [(32, 32, 4, 1)]  # + the default: two interpreted runs
             self.mamba = dict(H=4, P=16, N=16, G=1, chunk=16, seqs=[(1, 40)], ref_tokens=40)
             self.state_batches = [2]
             self.lora = dict(d_in=64, d_out=64, rank=16, slots=2, tokens=[8])
@@ -55,6 +60,9 @@ class Shapes:
             self.heads = (HQ, HKV, HEAD_DIM)
             self.decode = [(b, n) for n in (1024, 4096, 16384) for b in (1, 16, 64, 128)]
             self.extend = [(1, 2048), (4, 4096), (1, 16384)]
+            self.sweep = (4, 4096)
+            self.sweep_configs = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+                                  (128, 64, 8, 2), (64, 64, 4, 3), (32, 32, 4, 3)]
             self.mamba = dict(H=128, P=64, N=128, G=1, chunk=256,
                               seqs=[(4, 2048), (1, 16384)], ref_tokens=512)
             self.state_batches = [1, 32, 128]
@@ -199,6 +207,64 @@ def bench_extend(ctx: Context, sh: Shapes, peaks: dict, gen) -> list[dict]:
     return out
 
 
+def bench_extend_sweep(ctx: Context, sh: Shapes, peaks: dict, gen) -> list[dict]:
+    """Launch configs of the extend kernel on one shape: the default (the table's choice for
+    this device) first, then the candidates; each checked against attention_ref (first
+    sequence) and timed. The last row is the summary: `best` and its speed-up over the
+    default."""
+    from compute_service.kernels import attention_ref, attention_triton
+
+    hq, hkv, d = sh.heads
+    batch, length = sh.sweep
+    k_cache, v_cache, (table,) = _paged_sets(batch, length, hkv, d, sh.dtype, ctx.device, gen, 1)
+    q = torch.randn(batch * length, hq, d, dtype=sh.dtype, device=ctx.device, generator=gen)
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=ctx.device) * length
+    prefix = torch.zeros(batch, dtype=torch.int32, device=ctx.device)
+    scale = d ** -0.5
+    ref = attention_ref.extend_attention(q[:length], k_cache, v_cache, table[:1], cu[:2],
+                                         prefix[:1], scale)
+    default = tuple(attention_triton.extend_config(q, d, length))
+    configs = [default] + [c for c in sh.sweep_configs if tuple(c) != default]
+    flops = 4 * batch * hq * d * length * length / 2
+    out: list[dict] = []
+    for cfg in configs[:6]:
+        row: dict = {"batch": batch, "new_tokens": length, "config": list(cfg),
+                     "config_keys": "BLOCK_M, BLOCK_N, num_warps, num_stages",
+                     "default": cfg == default}
+        if ctx.left() < 6:
+            out.append(row | skipped(f"stage budget: {ctx.left():.0f} s left"))
+            continue
+        try:
+            got = attention_triton.extend_attention(q, k_cache, v_cache, table, cu, prefix, scale,
+                                                    config=cfg)
+            err = rel_err(got[:length], ref)
+            row["check"] = check(f"extend sweep {cfg} vs attention_ref",
+                                 err <= _tol(sh.dtype, ctx.dry_run), rel_err=err)
+            t = time_ms(lambda i, cfg=cfg: attention_triton.extend_attention(
+                q, k_cache, v_cache, table, cu, prefix, scale, config=cfg),
+                ctx.device, sh.warmup, sh.reps)
+            tf = flops / (t["median_ms"] * 1e-3) / 1e12
+            row |= {"triton": t, "tflop_s": round(tf, 2),
+                    "bf16": fractions(tf, peaks.get("bf16_dense_tflop_s"),
+                                      peaks.get("measured_matmul_tflop_s"))}
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: the next config runs
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        out.append(row)
+    del k_cache, v_cache, ref
+    good = [r for r in out if "tflop_s" in r and r["check"]["ok"]]
+    summary: dict = {"summary": True, "default": list(default)}
+    if good:
+        best = min(good, key=lambda r: r["triton"]["median_ms"])
+        base = next((r for r in good if r["default"]), None)
+        summary |= {"best": best["config"], "best_tflop_s": best["tflop_s"],
+                    "best_is_default": best["default"]}
+        if base:
+            summary["best_speedup_over_default"] = round(
+                base["triton"]["median_ms"] / best["triton"]["median_ms"], 3)
+    out.append(summary)
+    return out
+
+
 def _ssm_inputs(T: int, H: int, P: int, N: int, G: int, dtype, device, gen) -> dict:
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, dtype=torch.float32, device=device, generator=gen).to(dt)
@@ -331,7 +397,8 @@ def bench_lora(ctx: Context, sh: Shapes, peaks: dict, gen) -> list[dict]:
     return out
 
 
-PARTS = (("decode", bench_decode), ("extend", bench_extend), ("mamba_scan", bench_mamba_scan),
+PARTS = (("decode", bench_decode), ("extend", bench_extend),
+         ("extend_sweep", bench_extend_sweep), ("mamba_scan", bench_mamba_scan),
          ("mamba_state_update", bench_state_update), ("lora", bench_lora))
 
 
@@ -374,5 +441,11 @@ def run(ctx: Context) -> dict:
             frac = (best.get("hbm") or best.get("bf16") or {}).get("of_peak")
             head[f"{name}_best_{key}"] = f"{best[key]}" + (f" ({frac:.0%} of peak)" if frac
                                                            else "")
+    sweep = result.get("extend_sweep")
+    if isinstance(sweep, list) and sweep and sweep[-1].get("best"):
+        head["extend_sweep_best"] = (f"{sweep[-1]['best']} {sweep[-1]['best_tflop_s']} TFLOP/s, "
+                                     f"{sweep[-1]['best_speedup_over_default']}x the default"
+                                     if "best_speedup_over_default" in sweep[-1]
+                                     else f"{sweep[-1]['best']}")
     result["headline"] = head
     return result

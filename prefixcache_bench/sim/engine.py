@@ -191,34 +191,62 @@ class _Clock:
 _ARRIVE, _PREFILL_DONE, _DECODE_DONE, _BATCH, _REPORT, _HEARTBEAT, _TICK = range(7)
 
 
-def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy: Policy, cfg: SimConfig,
-               progress: Callable[[str], None] | None = None) -> PolicyResult:
-    """Replay `requests` (their page hashes concatenated in `blobs`) through `policy`."""
-    started = time.perf_counter()
-    clock = _Clock()
-    page = cfg.page_size
-    index_pages = (cfg.workers * (cfg.capacity_tokens + cfg.host_capacity_tokens) + cfg.l3_capacity_tokens) // page
-    # Sized above everything the workers can hold, so the bound never drops live entries here.
-    index = KvIndex(IndexConfig(max_entries=2 * index_pages + 1024), clock=clock)
-    load = LoadTracker(clock=clock, recent_halflife_s=cfg.recent_halflife_s)
-    workers = [_Worker(f"worker-{i:03d}", cfg) for i in range(cfg.workers)]
-    names = [w.name for w in workers]
-    by_name = {w.name: w for w in workers}
-    l3 = SharedL3(max(cfg.l3_capacity_tokens // page, 1), page, cfg.model_id) if cfg.l3_capacity_tokens else None
-    l3_stream = _Stream(L3_POOL) if l3 is not None and cfg.l3_events else None
-    heap: list[tuple[float, int, int, object]] = []
-    order = 0
+class _Replay:
+    """One policy's replay: the event heap, the workers, the L3, and the gateway's index and load
+    tracker, all on the simulated clock. Events are handled in (time, push order): the order
+    counter keeps ties in the order they were pushed, so a replay is deterministic."""
 
-    def push(t: float, kind: int, item: object) -> None:
-        nonlocal order
-        order += 1
-        heapq.heappush(heap, (t, order, kind, item))
+    def __init__(self, requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy: Policy,
+                 cfg: SimConfig, progress: Callable[[str], None] | None) -> None:
+        self.requests, self.blobs, self.policy, self.cfg, self.progress = requests, blobs, policy, cfg, progress
+        self.started = self.last_progress = time.perf_counter()
+        self.clock = _Clock()
+        page = cfg.page_size
+        index_pages = (cfg.workers * (cfg.capacity_tokens + cfg.host_capacity_tokens)
+                       + cfg.l3_capacity_tokens) // page
+        # Sized above everything the workers can hold, so the bound never drops live entries here.
+        self.index = KvIndex(IndexConfig(max_entries=2 * index_pages + 1024), clock=self.clock)
+        self.load = LoadTracker(clock=self.clock, recent_halflife_s=cfg.recent_halflife_s)
+        self.workers = [_Worker(f"worker-{i:03d}", cfg) for i in range(cfg.workers)]
+        self.names = [w.name for w in self.workers]
+        self.by_name = {w.name: w for w in self.workers}
+        self.l3 = SharedL3(max(cfg.l3_capacity_tokens // page, 1), page, cfg.model_id) if cfg.l3_capacity_tokens else None
+        self.l3_stream = _Stream(L3_POOL) if self.l3 is not None and cfg.l3_events else None
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.order = 0
+        self.pending_arrivals = len(requests)
+        # Totals over the requests whose prefill completed, and the policy's time per decision.
+        self.prompt_tokens = self.cached_tokens = self.host_tokens = self.l3_tokens = 0
+        self.ttft: list[float] = []
+        self.decision_ns: list[int] = []
 
-    def send(kind: int, item: object) -> None:
-        push(clock.now + cfg.event_delay_s, kind, item)
+    def push(self, t: float, kind: int, item: object) -> None:
+        self.order += 1
+        heapq.heappush(self.heap, (t, self.order, kind, item))
 
-    def start(w: _Worker) -> None:
-        cost = cfg.cost
+    def send(self, kind: int, item: object) -> None:
+        """A message to the gateway: it arrives `event_delay_s` later."""
+        self.push(self.clock.now + self.cfg.event_delay_s, kind, item)
+
+    def run(self) -> PolicyResult:
+        for i, req in enumerate(self.requests):
+            self.push(req.arrival_s, _ARRIVE, i)
+        self.push(0.0, _TICK, None)
+        clock, index = self.clock, self.index
+        handlers: dict[int, Callable[[object], None]] = {
+            _ARRIVE: self.arrive, _PREFILL_DONE: self.prefill_done, _DECODE_DONE: self.decode_done,
+            _BATCH: lambda batch: index.apply(batch, clock.now),  # type: ignore[arg-type]
+            _REPORT: lambda item: self.load.report(*item, clock.now),  # type: ignore[misc]
+            _TICK: lambda _: self.tick(),
+            _HEARTBEAT: lambda beat: index.heartbeat(beat, clock.now)}  # type: ignore[arg-type]
+        while self.heap:
+            clock.now, _, kind, item = heapq.heappop(self.heap)
+            handlers[kind](item)
+        return self.result()
+
+    def start(self, w: _Worker) -> None:
+        """Start `w`'s next prefill step: take queued prompts in order while they fit the budget."""
+        cost, page, l3 = self.cfg.cost, self.cfg.page_size, self.l3
         budget, duration = cost.step_tokens, cost.step_overhead_s
         computing: set[bytes] = set()  # pages this step computes
         waiting: list[_Job] = []  # siblings of a job in this step: they wait for its pages
@@ -246,145 +274,120 @@ def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy:
             budget -= new
             duration += cost.prefill_s(job.prompt, cached, h * page, r * page)
         w.queue.extendleft(reversed(waiting))
-        push(clock.now + duration * cost.slowdown(w.decoding), _PREFILL_DONE, w)
+        self.push(self.clock.now + duration * cost.slowdown(w.decoding), _PREFILL_DONE, w)
 
-    for i, req in enumerate(requests):
-        push(req.arrival_s, _ARRIVE, i)
-    push(0.0, _TICK, None)
-    pending_arrivals = len(requests)
-    ttft: list[float] = []
-    decision_ns: list[int] = []
-    prompt_tokens = cached_tokens = host_tokens = l3_tokens = 0
-    last_progress = started
-    while heap:
-        clock.now, _, kind, item = heapq.heappop(heap)
-        if kind == _ARRIVE:
-            req = requests[item]  # type: ignore[index]
-            hashes = split_hashes(blobs[item])  # type: ignore[index]
-            route = RouteRequest(str(req.index), hashes, req.input_length, page)
-            t0 = time.perf_counter_ns()
-            decision = policy.choose(route, names, index, load)
-            decision_ns.append(time.perf_counter_ns() - t0)
-            load.on_route(decision.worker, route.request_id, decision.prefill_tokens)
-            w = by_name[decision.worker]
-            estimate = req.input_length - w.cache.match(hashes)[0] * page
-            w.queue.append(_Job(route.request_id, hashes, req.input_length, req.output_length,
-                                req.arrival_s, estimate, (req.input_length, req.hash_ids)))
-            w.queued_prefill += estimate
-            if not w.current:
-                start(w)
-            send(_REPORT, (w.name, w.report(clock.now)))
-            pending_arrivals -= 1
-            if progress is not None and time.perf_counter() - last_progress > 2.0:
-                last_progress = time.perf_counter()
-                done = len(requests) - pending_arrivals
-                progress(f"[{policy.name}] {done}/{len(requests)} requests routed "
-                         f"({100 * done / len(requests):.0f}%), sim t={clock.now:.0f}s, "
-                         f"{last_progress - started:.0f}s")
-        elif kind == _PREFILL_DONE:
-            w = item  # type: ignore[assignment]
-            events = []
-            l3_writes: list[tuple[bytes, bytes]] = []
-            done = {job.prompt_key for job in w.current}
-            for job in w.queue:  # twins of a prompt this step completed: their first token now
-                if not job.first_token and job.prompt_key in done:
-                    job.first_token = True
-                    ttft.append(clock.now - job.arrival)
-                    load.on_first_token(job.rid)
-            for job in w.current:
-                events += w.cache.commit(job.hashes, job.device_hit, job.host_hit)
-                if l3 is not None:
-                    if cfg.l3_write_through:  # the pages this prefill computed, deepest first
-                        hashes = job.hashes
-                        first = job.device_hit + job.host_hit + job.l3_hit
-                        l3_writes += [(hashes[i], hashes[i - 1] if i else b"")
-                                      for i in range(len(hashes) - 1, first - 1, -1)]
-                    else:
-                        l3_writes += w.cache.spilled
-                if not job.first_token:  # a twin's was recorded at its twin's step
-                    ttft.append(clock.now - job.arrival)
-                    load.on_first_token(job.rid)
-                prompt_tokens += job.prompt
-                cached_tokens += job.cached
-                host_tokens += job.host_hit * page
-                l3_tokens += job.l3_hit * page
-                w.computed += job.prompt - job.cached
-                w.queued_prefill -= job.estimate
-                w.decoding += 1
-                push(clock.now + cfg.cost.tpot_s * job.output, _DECODE_DONE, (w, job.rid))
-            if events:
-                send(_BATCH, w.batch(events, clock.now))
-            if l3_writes:
-                l3_events = l3.write(l3_writes, emit=l3_stream is not None)  # type: ignore[union-attr]
-                if l3_events:
-                    send(_BATCH, l3_stream.batch(l3_events, clock.now))  # type: ignore[union-attr]
-            w.current = []
-            if w.queue:
-                start(w)
-            send(_REPORT, (w.name, w.report(clock.now)))
-        elif kind == _DECODE_DONE:
-            w, rid = item  # type: ignore[misc]
-            load.on_finish(rid)
-            w.decoding -= 1
-            send(_REPORT, (w.name, w.report(clock.now)))
-        elif kind == _BATCH:
-            index.apply(item, clock.now)  # type: ignore[arg-type]
-        elif kind == _REPORT:
-            name, rep = item  # type: ignore[misc]
-            load.report(name, rep, clock.now)
-        elif kind == _TICK:
-            for w in workers:
-                send(_HEARTBEAT, events_pb2.Heartbeat(pool_id=w.name, epoch=w.epoch, head_seq=w.seq,
-                                                       timestamp=clock.now, load=w.report(clock.now)))
-            if l3_stream is not None:
-                send(_HEARTBEAT, events_pb2.Heartbeat(pool_id=l3_stream.name, epoch=l3_stream.epoch,
-                                                       head_seq=l3_stream.seq, timestamp=clock.now))
-            if pending_arrivals or any(w.current or w.decoding for w in workers):
-                push(clock.now + cfg.heartbeat_s, _TICK, None)
-        elif kind == _HEARTBEAT:
-            index.heartbeat(item, clock.now)  # type: ignore[arg-type]
-    return PolicyResult(policy.name, len(ttft), prompt_tokens, cached_tokens, host_tokens,
-                        [w.computed for w in workers], ttft, decision_ns, index.page_events, index.resyncs,
-                        time.perf_counter() - started, l3_hit_tokens=l3_tokens,
-                        l3_page_writes=l3.writes if l3 else 0, l3_new_pages=l3.new_pages if l3 else 0,
-                        l3_evictions=l3.evictions if l3 else 0)
+    def arrive(self, i: int) -> None:
+        """The gateway routes request `i` with the real policy; the chosen worker queues it."""
+        req, page, now = self.requests[i], self.cfg.page_size, self.clock.now
+        hashes = split_hashes(self.blobs[i])
+        route = RouteRequest(str(req.index), hashes, req.input_length, page)
+        t0 = time.perf_counter_ns()
+        decision = self.policy.choose(route, self.names, self.index, self.load)
+        self.decision_ns.append(time.perf_counter_ns() - t0)
+        self.load.on_route(decision.worker, route.request_id, decision.prefill_tokens)
+        w = self.by_name[decision.worker]
+        # What the worker itself counts as queued: its device misses, not the policy's estimate.
+        estimate = req.input_length - w.cache.match(hashes)[0] * page
+        w.queue.append(_Job(route.request_id, hashes, req.input_length, req.output_length,
+                            req.arrival_s, estimate, (req.input_length, req.hash_ids)))
+        w.queued_prefill += estimate
+        if not w.current:
+            self.start(w)
+        self.send(_REPORT, (w.name, w.report(now)))
+        self.pending_arrivals -= 1
+        self.report_progress()
 
+    def report_progress(self) -> None:
+        if self.progress is None or time.perf_counter() - self.last_progress <= 2.0:
+            return
+        self.last_progress = time.perf_counter()
+        total = len(self.requests)
+        done = total - self.pending_arrivals
+        self.progress(f"[{self.policy.name}] {done}/{total} requests routed "
+                      f"({100 * done / total:.0f}%), sim t={self.clock.now:.0f}s, "
+                      f"{self.last_progress - self.started:.0f}s")
 
-def bound_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes], cfg: SimConfig) -> float:
-    """Hit ratio of one pooled LRU of workers x capacity tokens serving the trace in arrival order."""
-    return pooled_lru_hit_ratio(requests, blobs, cfg.workers * cfg.capacity_tokens, cfg.page_size)
+    def first_token(self, job: _Job) -> None:
+        self.ttft.append(self.clock.now - job.arrival)
+        self.load.on_first_token(job.rid)
 
+    def prefill_done(self, w: _Worker) -> None:
+        """End of `w`'s step: commit its pages, publish the events, start decoding its jobs."""
+        events: list[events_pb2.KvEvent] = []
+        l3_writes: list[tuple[bytes, bytes]] = []
+        done = {job.prompt_key for job in w.current}
+        for job in w.queue:  # twins of a prompt this step completed: their first token now
+            if not job.first_token and job.prompt_key in done:
+                job.first_token = True
+                self.first_token(job)
+        for job in w.current:
+            events += w.cache.commit(job.hashes, job.device_hit, job.host_hit)
+            if self.l3 is not None:
+                l3_writes += self.l3_writes_of(w, job)
+            if not job.first_token:  # a twin's was recorded at its twin's step
+                self.first_token(job)
+            self.count(w, job)
+            self.push(self.clock.now + self.cfg.cost.tpot_s * job.output, _DECODE_DONE, (w, job.rid))
+        if events:  # the step's pages as one batch of w's stream
+            self.send(_BATCH, w.batch(events, self.clock.now))
+        if l3_writes:
+            l3_events = self.l3.write(l3_writes, emit=self.l3_stream is not None)  # type: ignore[union-attr]
+            if l3_events:
+                self.send(_BATCH, self.l3_stream.batch(l3_events, self.clock.now))  # type: ignore[union-attr]
+        w.current = []
+        if w.queue:
+            self.start(w)
+        self.send(_REPORT, (w.name, w.report(self.clock.now)))
 
-def l3_bound_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes], cfg: SimConfig) -> float:
-    """The bound with every tier pooled: one LRU of workers x (device + host) + L3 tokens."""
-    total = cfg.workers * (cfg.capacity_tokens + cfg.host_capacity_tokens) + cfg.l3_capacity_tokens
-    return pooled_lru_hit_ratio(requests, blobs, total, cfg.page_size)
+    def l3_writes_of(self, w: _Worker, job: _Job) -> list[tuple[bytes, bytes]]:
+        """(page, parent) pairs `job`'s commit sends to the L3 (read right after the commit)."""
+        if not self.cfg.l3_write_through:
+            return w.cache.spilled  # write-back: what the commit dropped from the worker
+        # Write-through: the pages this prefill computed, deepest first.
+        hashes = job.hashes
+        first = job.device_hit + job.host_hit + job.l3_hit
+        return [(hashes[i], hashes[i - 1] if i else b"") for i in range(len(hashes) - 1, first - 1, -1)]
+
+    def count(self, w: _Worker, job: _Job) -> None:
+        """`job`'s prefill is done: add it to the totals and move it to `w`'s decode batch."""
+        page = self.cfg.page_size
+        self.prompt_tokens += job.prompt
+        self.cached_tokens += job.cached
+        self.host_tokens += job.host_hit * page
+        self.l3_tokens += job.l3_hit * page
+        w.computed += job.prompt - job.cached
+        w.queued_prefill -= job.estimate
+        w.decoding += 1
+
+    def decode_done(self, item: tuple[_Worker, str]) -> None:
+        w, rid = item
+        self.load.on_finish(rid)
+        w.decoding -= 1
+        self.send(_REPORT, (w.name, w.report(self.clock.now)))
+
+    def tick(self) -> None:
+        """Every `heartbeat_s`: each stream's heartbeat; ticks stop once nothing is left to do."""
+        now = self.clock.now
+        for w in self.workers:
+            self.send(_HEARTBEAT, events_pb2.Heartbeat(pool_id=w.name, epoch=w.epoch, head_seq=w.seq,
+                                                        timestamp=now, load=w.report(now)))
+        if self.l3_stream is not None:
+            s = self.l3_stream
+            self.send(_HEARTBEAT, events_pb2.Heartbeat(pool_id=s.name, epoch=s.epoch, head_seq=s.seq, timestamp=now))
+        if self.pending_arrivals or any(w.current or w.decoding for w in self.workers):
+            self.push(now + self.cfg.heartbeat_s, _TICK, None)
+
+    def result(self) -> PolicyResult:
+        l3 = self.l3
+        return PolicyResult(self.policy.name, len(self.ttft), self.prompt_tokens, self.cached_tokens,
+                            self.host_tokens, [w.computed for w in self.workers], self.ttft, self.decision_ns,
+                            self.index.page_events, self.index.resyncs, time.perf_counter() - self.started,
+                            l3_hit_tokens=self.l3_tokens,
+                            l3_page_writes=l3.writes if l3 else 0, l3_new_pages=l3.new_pages if l3 else 0,
+                            l3_evictions=l3.evictions if l3 else 0)
 
 
-def unbounded_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes], page: int) -> float:
-    """Prompt tokens whose page was seen before (leading run): the ceiling of any cache."""
-    seen: set[bytes] = set()
-    hit = total = 0
-    for req, blob in zip(requests, blobs):
-        hashes = split_hashes(blob)
-        d = 0
-        while d < len(hashes) and hashes[d] in seen:
-            d += 1
-        seen.update(hashes[d:])
-        hit += d * page
-        total += req.input_length
-    return hit / total if total else 0.0
-
-
-def pooled_lru_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes], capacity_tokens: int,
-                         page: int) -> float:
-    """Hit ratio of one LRU of `capacity_tokens` serving the trace in arrival order."""
-    cache = PageCache(max(capacity_tokens // page, 1), 0, page)
-    hit = total = 0
-    for req, blob in zip(requests, blobs):
-        hashes = split_hashes(blob)
-        d, _ = cache.match(hashes)
-        cache.commit(hashes, d, 0, emit=False)
-        hit += d * page
-        total += req.input_length
-    return hit / total if total else 0.0
+def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy: Policy, cfg: SimConfig,
+               progress: Callable[[str], None] | None = None) -> PolicyResult:
+    """Replay `requests` (their page hashes concatenated in `blobs`) through `policy`."""
+    return _Replay(requests, blobs, policy, cfg, progress).run()

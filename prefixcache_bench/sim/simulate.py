@@ -36,8 +36,8 @@ import time
 
 from gateway.core.policies import POLICY_NAMES, RECENT_HALFLIFE_S, AffinityConfig, make_policy
 from prefixcache_bench.sim.bench import run_bench
-from prefixcache_bench.sim.engine import (CostModel, SimConfig, bound_hit_ratio, l3_bound_hit_ratio, run_policy,
-                                unbounded_hit_ratio)
+from prefixcache_bench.sim.bounds import bound_hit_ratio, l3_bound_hit_ratio, unbounded_hit_ratio
+from prefixcache_bench.sim.engine import CostModel, SimConfig, run_policy
 from prefixcache_bench.sim.report import goals, plot, summarize, table
 from prefixcache_bench.sim.trace import BlockTokens, load_trace
 from prefixcache_bench.harness import log, write_json

@@ -114,6 +114,8 @@ def start(stack: Stack, workdir: pathlib.Path, preset: str) -> tuple[str, str]:
     stack.start("gateway", python_module(
         "gateway", "--host", "127.0.0.1", "--port", gateway.rsplit(":", 1)[1], "--workers",
         f"{worker}@{cache}", "--allow-anonymous", "--http-port", str(http_port),
+        # A latency benchmark, back to back: not the tenants' rate limit.
+        "--http-rate-per-s", "0", "--http-max-in-flight", "0",
         "--service-token-file", str(auth.tokens["gateway"])), gateway)
     return gateway, f"http://127.0.0.1:{http_port}"
 

@@ -146,7 +146,9 @@ def _extend_case_id(case: tuple) -> str:
     return f"g{group}-d{d}-ps{ps}-pre{prefixes}-q{q_lens}-w{window}-{str(dtype)[6:]}"
 
 
-def _run_extend(case: tuple, device: str, dtype: torch.dtype) -> None:
+def _run_extend(
+    case: tuple, device: str, dtype: torch.dtype, config: tuple | None = None
+) -> None:
     group, head_dim, page_size, prefixes, q_lens, window, _ = case
     gen = torch.Generator().manual_seed(1)
     lengths = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
@@ -169,12 +171,21 @@ def _run_extend(case: tuple, device: str, dtype: torch.dtype) -> None:
             list(range(prefix, lengths[b])), sm_scale, window,
         )
         assert_close(ref[rows].cpu(), expected, dtype)
-    assert_close(attention_triton.extend_attention(*args).cpu(), ref.cpu(), dtype)
+    out = attention_triton.extend_attention(*args, config=config)
+    assert_close(out.cpu(), ref.cpu(), dtype)
 
 
 @pytest.mark.parametrize("case", EXTEND_CASES, ids=_extend_case_id)
 def test_extend_attention(case: tuple) -> None:
     _run_extend(case, DEVICE, case[-1])
+
+
+# The device's launch configurations (128-row query tiles, 64-key tiles, the unmasked
+# off-diagonal loop) on the same cases: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+@pytest.mark.parametrize("config", [(128, 64, 8, 3), (16, 64, 4, 2), (64, 16, 4, 2)])
+@pytest.mark.parametrize("case", EXTEND_CASES[2::3], ids=_extend_case_id)
+def test_extend_attention_launch_configs(case: tuple, config: tuple) -> None:
+    _run_extend(case, DEVICE, case[-1], config)
 
 
 # (gqa group, head_dim, page_size, seq_lens, window, dtype, num_splits); num_splits None is the
