@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cache_service.tree import DEVICE, HOST, Node, PageView, Root, page_views, size
 from prefixcache_client.errors import invalid, not_found
+from prefixcache_client.limits import quote_untrusted
 
 
 @dataclass(slots=True, eq=False)
@@ -115,4 +116,5 @@ class LeaseDirectory:
         if owner is not None:
             raise invalid(f"{where}: lease '{lease_id}' belongs to pool '{owner}', "
                           f"not '{pool_id}'")
-        raise not_found(f"{where}: unknown or expired lease '{lease_id}'")
+        # Quoted and cut: a lease id is the caller's string, unbounded on the wire.
+        raise not_found(f"{where}: unknown or expired lease {quote_untrusted(lease_id)}")

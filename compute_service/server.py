@@ -57,12 +57,13 @@ from compute_service.lora import (AdapterConfigError, AdapterExistsError, Adapte
                                   NoFreeSlotError, validate_adapter_name)
 from compute_service.request_streams import RequestStream, RunningRequests
 from compute_service.model import SamplingDefaults
-from compute_service.server_messages import (Rejected, check_fits, is_read_error, model_info,
-                                             prompt_of, request_id_of, response, salt_of,
-                                             sampling_of, scope_of, scoped_request_id,
+from compute_service.server_messages import (Rejected, check_fits, check_names, is_read_error,
+                                             model_info, prompt_of, request_id_of, response,
+                                             salt_of, sampling_of, scope_of, scoped_request_id,
                                              tokenizer_response)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.limits import quote_untrusted, request_id_too_long
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
@@ -164,6 +165,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         def abort() -> pb.AbortResponse:
             if not request.request_id:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            problem = request_id_too_long(request.request_id)
+            if problem is not None:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
             try:
                 scope = scope_of(context.invocation_metadata())
             except ValueError as exc:
@@ -213,7 +217,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 if not is_read_error(exc):
                     raise
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"path: cannot read the adapter at {path}: "
+                               f"path: cannot read the adapter at {quote_untrusted(path)}: "
                                f"{type(exc).__name__}: {exc}") from None
             log.info(kv("adapter_loaded", name=name, path=path, rank=info.rank, slot=info.slot,
                         targets=",".join(info.target_modules), peer=context.peer(),
@@ -266,6 +270,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         stream: RequestStream | None = None
         try:
             client_id = request_id_of(request)
+            check_names(request)
             request_id = scoped_request_id(scope_of(context.invocation_metadata()), client_id)
             salt = salt_of(context.invocation_metadata())
             prompt = prompt_of(request, engine.tokenizer, self.info.max_context_tokens)

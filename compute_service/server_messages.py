@@ -13,13 +13,12 @@ from compute_service.engine import Engine, FinishReason, Output, RequestStats, S
 from compute_service.model import SamplingDefaults, Tokenizer
 from compute_service.sizing import kv_bytes_per_page, mamba_bytes_per_slot
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.hash import MAX_NAME_BYTES
-from prefixcache_client.limits import text_too_long
+from prefixcache_client.limits import (MAX_NAME_BYTES, name_too_long, request_id_too_long,
+                                      stop_token_ids_problem, text_too_long)
 from service_shell import SALT_METADATA_KEY
 from service_shell.metadata import MAX_REQUEST_SCOPE_BYTES, REQUEST_SCOPE_METADATA_KEY
 
 DEFAULT_MAX_TOKENS = 16  # what max_tokens = 0 means (the proto's contract)
-MAX_REQUEST_ID_BYTES = 128
 _FINISH_REASON = {FinishReason.STOP: pb.FINISH_REASON_STOP,
                   FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
                   FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -73,8 +72,9 @@ def tokenizer_response(tok: Tokenizer) -> pb.GetTokenizerResponse:
 def request_id_of(request: pb.GenerateRequest) -> str:
     """The request's id, or a new one when it sent none."""
     request_id = request.request_id or uuid.uuid4().hex
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise ValueError(f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
+    problem = request_id_too_long(request_id)
+    if problem is not None:
+        raise ValueError(problem)
     return request_id
 
 
@@ -96,6 +96,16 @@ def scoped_request_id(scope: str, request_id: str) -> str:
     """The id a request runs under on this worker: the client's within its tenant's scope, so
     that two tenants' equal ids neither collide nor reach each other's requests."""
     return f"{scope}/{request_id}" if scope else request_id
+
+
+def check_names(request: pb.GenerateRequest) -> None:
+    """The adapter name and the stop token ids against prefixcache_client.limits, the gateway's
+    limits too: an unknown adapter's NOT_FOUND quotes the name, and a 10 MB one went into the
+    call's trailing metadata (over gRPC's limit) and the worker's log."""
+    problem = (name_too_long(request.adapter, "adapter")
+               or stop_token_ids_problem(len(request.sampling.stop_token_ids)))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def salt_of(metadata) -> str:

@@ -23,10 +23,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from prefixcache_client.limits import MAX_NAME_BYTES  # noqa: F401  (one set of limits)
+
 HASH_BYTES = 16
 NS_DOMAIN = b"prefixcache-ns-v1"
 MAX_TOKEN_ID = 2**32 - 1
-MAX_NAME_BYTES = 256  # a namespace field's UTF-8 size limit (model id, adapter, salt)
 
 _sha256 = hashlib.sha256
 # The array module's 4-byte unsigned type code on this platform ("I" nearly everywhere).

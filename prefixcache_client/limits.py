@@ -35,3 +35,73 @@ def text_too_long(text: str, max_context_tokens: int, field: str = "prompt.text"
     return (f"{field}: {shown}{size} bytes exceed the limit of {limit} bytes for a context of "
             f"{max_context_tokens} tokens ({TEXT_BYTES_PER_TOKEN} bytes per token); such a "
             "prompt cannot fit, send a shorter one")
+
+
+# ----- names, ids and stop sequences: one set of limits for every entry point ----------------
+#
+# A name or id sent by a client is hashed, logged, looked up and sometimes echoed in an error;
+# unbounded, a 10 MB adapter name came back in a 10 MB error body, and over gRPC it overflowed
+# the 16 KB trailing-metadata limit (RESOURCE_EXHAUSTED, which looked like load to retry). The
+# gateway (gRPC Generate, RoutePreview and Abort, the HTTP API, the Endpoint Picker) and the
+# worker refuse a longer one when they parse the request, with these limits and these messages.
+
+MAX_NAME_BYTES = 256  # a namespace field's UTF-8 size (model id, adapter, salt): hash.py's too
+MAX_REQUEST_ID_BYTES = 128  # a request id's UTF-8 size (ids are per tenant; a uuid is 32)
+# Stop strings (HTTP API): OpenAI takes at most 4, vLLM does not bound them. 16 covers every
+# chat template's end markers with room to spare; 256 characters covers any end marker or
+# delimiter line. Bounded because every streamed delta is matched against them on the
+# gateway's event loop (gateway/http/streaming.py matches in time independent of their number,
+# but compiling and holding them back still costs their total size).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# Stop token ids (gRPC SamplingParams and the HTTP API): every sampled token is looked up in
+# them (a set); 1024 is far beyond any model's end tokens and still cheap to hold per request.
+MAX_STOP_TOKEN_IDS = 1024
+# How much of an untrusted string an error message or a log line shows (quote_untrusted).
+QUOTE_LIMIT = 80
+
+
+def quote_untrusted(value: str, limit: int = QUOTE_LIMIT) -> str:
+    """`value` as an error message or log line may show it: quoted with repr (so control
+    characters and quotes cannot forge a log field) and cut to `limit` characters, with the
+    size it had: 'abc…' (+9999990 chars). Every message that echoes what a client sent uses it."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… (+{len(value) - limit} chars)"
+
+
+def name_too_long(value: str, field: str, limit: int = MAX_NAME_BYTES) -> str | None:
+    """Why `value` (a name or id of `field`) is refused ("adapter: 10485760 bytes exceed the
+    limit of 256 bytes"), or None. Checks the character count first, so a huge value is refused
+    without the encoding copy."""
+    if len(value) <= limit // 4:
+        return None
+    size = len(value) if len(value) > limit else len(value.encode("utf-8", "surrogatepass"))
+    if size <= limit:
+        return None
+    shown = "at least " if len(value) > limit else ""
+    return f"{field}: {shown}{size} UTF-8 bytes exceed the limit of {limit} bytes"
+
+
+def request_id_too_long(value: str, field: str = "request_id") -> str | None:
+    return name_too_long(value, field, MAX_REQUEST_ID_BYTES)
+
+
+def stop_problem(stops: list[str], field: str = "stop") -> str | None:
+    """Why the stop strings are refused (too many, one too long, one empty), or None."""
+    if len(stops) > MAX_STOP_STRINGS:
+        return f"{field}: {len(stops)} stop strings exceed the limit of {MAX_STOP_STRINGS}"
+    for i, s in enumerate(stops):
+        which = "" if len(stops) == 1 else f" ({i})"
+        if not s:
+            return f"{field}: stop strings must not be empty{which}"
+        if len(s) > MAX_STOP_STRING_CHARS:
+            return (f"{field}: a stop string{which} of {len(s)} characters exceeds the limit of "
+                    f"{MAX_STOP_STRING_CHARS}")
+    return None
+
+
+def stop_token_ids_problem(count: int, field: str = "sampling.stop_token_ids") -> str | None:
+    if count > MAX_STOP_TOKEN_IDS:
+        return f"{field}: {count} stop token ids exceed the limit of {MAX_STOP_TOKEN_IDS}"
+    return None

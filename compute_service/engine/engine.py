@@ -45,6 +45,7 @@ import torch
 
 from prefixcache_client.cache import CacheClient
 from prefixcache_client.errors import CacheError, ErrorCode
+from prefixcache_client.limits import quote_untrusted
 from compute_service.engine.cache_away import CacheAwayMixin
 from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.local_pages import LocalPages
@@ -199,7 +200,7 @@ class Engine(CacheAwayMixin):
             raise ValueError(f"resume_output: {len(resume_output)} tokens already reach "
                              f"max_tokens {sampling.max_tokens}")
         if adapter and adapter not in self.adapter_names():
-            raise LookupError(f"adapter: '{adapter}' is not loaded on this worker")
+            raise LookupError(f"adapter: {quote_untrusted(adapter)} is not loaded on this worker")
         if len(salt.encode()) > 256:
             raise ValueError("salt: must be at most 256 UTF-8 bytes")
         limit = self.context_limit
@@ -216,7 +217,8 @@ class Engine(CacheAwayMixin):
         req.stats = RequestStats(req.id, self.cfg.pool_id, len(prompt))
         with self._lock:
             if req.id in self._live:
-                raise ValueError(f"request_id: '{req.id}' is already running on this worker")
+                raise ValueError(f"request_id: {quote_untrusted(req.id)} is already running on "
+                                 "this worker")
             self._live[req.id] = req
             self._inbox.append(req)
             self._wakeup.notify()

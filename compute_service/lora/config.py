@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compute_service.model.lora_batch import LORA_TARGETS
+from prefixcache_client.limits import quote_untrusted
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,256}")
 
@@ -51,7 +52,8 @@ class AdapterConfigError(ValueError):
 def validate_adapter_name(name: str) -> str:
     """`name` if it is 1..256 characters of [A-Za-z0-9._-], else AdapterConfigError("name")."""
     if not isinstance(name, str) or _NAME.fullmatch(name) is None:
-        raise AdapterConfigError("name", f"{name!r} must be 1..256 characters of [A-Za-z0-9._-]")
+        raise AdapterConfigError("name", f"{quote_untrusted(str(name))} must be 1..256 characters "
+                                         "of [A-Za-z0-9._-]")
     return name
 
 

@@ -28,14 +28,23 @@ from gateway.core.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.compute import ComputeClientError, GenerateStream
 from prefixcache_client.hash import chain_hashes, namespace_seed, token_bytes
+from prefixcache_client.limits import quote_untrusted, request_id_too_long
 from service_shell import kv
 
 log = logging.getLogger("gateway.proxy")
 
-MAX_REQUEST_ID_BYTES = 128  # the workers' limit
 # Failures before the first token that another worker may not have: nothing was streamed, so
 # the request can move. (Other codes are about the request itself and pass through.)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# RESOURCE_EXHAUSTED that gRPC itself raised on a response over a size limit (metadata or
+# message) is about this request, not the worker's load: another worker would answer the same.
+_SIZE_LIMIT = ("metadata size exceeds", "larger than max", "exceeds limit")
+
+
+def _retryable(exc: ComputeClientError) -> bool:
+    if exc.status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return not any(s in exc.message for s in _SIZE_LIMIT)
+    return exc.status in _RETRYABLE
 # A stream whose worker failed after it sent tokens moves at most this many times (design.md §6,
 # "Resuming a stream").
 MAX_RESUMES = 2
@@ -59,9 +68,10 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
     - The worker call is started by `GenerateProxy.open`, not by the first read: N streams opened
       back to back reach the worker together, routed one after the other under the routing lock,
       so the policy's memory of recent pages sends samples of one prompt to one worker (twins).
-    - Before the first message, a worker failing with UNAVAILABLE or RESOURCE_EXHAUSTED is
-      retried once on the next best one; any other failure raises `ProxyError` with the worker's
-      code and message.
+    - Before the first message, a worker failing with UNAVAILABLE or RESOURCE_EXHAUSTED (its load
+      shed; not gRPC's own refusal of a response over a size limit, which every worker would
+      repeat) is retried once on the next best one; any other failure raises `ProxyError` with
+      the worker's code and message.
     - After the first message, a worker failing with UNAVAILABLE (it died or went away) hands
       the request to the next best worker with the output tokens streamed so far
       (GenerateRequest.resume_output), which goes on after them: the caller sees one stream.
@@ -198,7 +208,7 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
             if self._call.cancelled or not self._active():
                 proxy._count(worker.name, "cancelled")
                 return None
-            if self.sent == 0 and exc.status in _RETRYABLE and not self._failed:
+            if self.sent == 0 and _retryable(exc) and not self._failed:
                 proxy._retry(worker, exc)
                 self._failed.append(worker.name)
                 self._start()
@@ -286,16 +296,16 @@ class GenerateProxy:
         duplicate request id, no worker."""
         self.check_open()
         request_id = request.request_id or uuid.uuid4().hex
-        if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-            raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request_id: must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes")
+        problem = request_id_too_long(request_id)
+        if problem is not None:
+            raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         # The load tracker keys requests by id, and ids are only unique per tenant: it gets
         # one of the gateway's own.
         route = self.prepare(request, tenant, uuid.uuid4().hex, tokenizer_fingerprint)
         call = ProxiedCall(tenant, request_id)
         if not self._running.add(call):
             raise ProxyError(grpc.StatusCode.ALREADY_EXISTS,
-                             f"request_id: '{request_id}' is already running")
+                             f"request_id: {quote_untrusted(request_id)} is already running")
         stream = ProxiedStream(self, request, route, call,
                                self._default_timeout_s if timeout_s is None else timeout_s,
                                active or (lambda: True))
@@ -362,7 +372,7 @@ class GenerateProxy:
 
     def _failure(self, worker: Worker, exc: ComputeClientError, sent: int,
                  failed: list[str]) -> ProxyError:
-        if sent == 0 and exc.status in _RETRYABLE:  # the retry failed too
+        if sent == 0 and _retryable(exc):  # the retry failed too
             self._count(worker.name, exc.status.name.lower())
             return ProxyError(exc.status, f"worker {worker.name} ({worker.address}) failed "
                               f"before the first token, after {', '.join(failed)} did: "

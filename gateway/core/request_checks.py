@@ -6,7 +6,12 @@ requests) refuse what a worker's Generate would refuse, with the worker's messag
 - a token id outside the fleet's vocabulary (GetModelInfo.vocab_size of its workers): without
   this RoutePreview previewed requests that Generate refuses;
 - sampling floats that are NaN or infinite or out of range (temperature 0 or (0, 100],
-  top_p [0, 1]: the workers' bounds, compute_service/engine/sampling.py).
+  top_p [0, 1]: the workers' bounds, compute_service/engine/sampling.py);
+- names, ids and counts over prefixcache_client.limits (the adapter, the request id, stop
+  token ids), refused at parse as the worker refuses them: the gateway never routes, hashes,
+  logs or forwards a 10 MB adapter name;
+- a token-id prompt with no room in the fleet's context (OUT_OF_RANGE, the worker's code):
+  RoutePreview previewed a 1M-token prompt that Generate refuses.
 Each failure is a `ProxyError(INVALID_ARGUMENT)` whose message starts with the field."""
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import grpc
 from gateway.core.proxy import ProxyError
 from gateway.core.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.limits import text_too_long
+from prefixcache_client.limits import (name_too_long, request_id_too_long,
+                                      stop_token_ids_problem, text_too_long)
 
 MAX_TEMPERATURE = 100.0
 
@@ -36,9 +42,16 @@ def check_request(request: pb.GenerateRequest, fleet: Fleet) -> None:
     """The checks of the module docstring; before any worker is known only the floats (the
     caller's prepare then answers UNAVAILABLE)."""
     _check_sampling(request.sampling)
+    check_names(request)
     if request.WhichOneof("prompt") == "text":
         check_text_size(request.text, fleet)
     info = fleet.info
+    context = info.max_context_tokens if info is not None else 0
+    if context and request.WhichOneof("prompt") == "token_ids" and \
+            len(request.token_ids.ids) >= context:
+        raise ProxyError(grpc.StatusCode.OUT_OF_RANGE,
+                         f"prompt.token_ids: {len(request.token_ids.ids)} tokens leave no room "
+                         f"in the fleet's context of {context} tokens")
     vocab = info.vocab_size if info is not None else 0
     if not vocab:
         return
@@ -51,6 +64,25 @@ def check_request(request: pb.GenerateRequest, fleet: Fleet) -> None:
     if bad is not None:
         raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
                          f"sampling.stop_token_ids: {bad} is outside [0, {vocab})")
+
+
+def check_names(request: pb.GenerateRequest) -> None:
+    """The request's names, ids and counts against prefixcache_client.limits (INVALID_ARGUMENT
+    naming the field; the value itself is never echoed)."""
+    problem = (name_too_long(request.adapter, "adapter")
+               or request_id_too_long(request.request_id)
+               or stop_token_ids_problem(len(request.sampling.stop_token_ids)))
+    if problem is not None:
+        raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
+def check_request_id(request_id: str) -> None:
+    """An Abort's request id (gRPC and the Endpoint Picker), as Generate's is checked."""
+    if not request_id:
+        raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+    problem = request_id_too_long(request_id)
+    if problem is not None:
+        raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
 def _check_sampling(s: pb.SamplingParams) -> None:

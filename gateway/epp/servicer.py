@@ -42,11 +42,13 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from gateway.core.proxy import GenerateProxy, ProxyError
+from gateway.core.request_checks import check_request, check_request_id
 from gateway.core.router import Router
 from gateway.core.running_calls import RunningCalls
 from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
 from gateway.epp import protocol as wire
 from gateway.epp.protocol import Refusal
+from prefixcache_client.limits import quote_untrusted
 from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, kv, request_scope
 from service_shell.auth import SERVICE_TOKEN_METADATA_KEY
 
@@ -122,6 +124,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return endpoint, self._headers(tenant)
         request = wire.generate_request(body)
         try:
+            # What the gateway's own Generate refuses, refused before the prompt is
+            # tokenized and hashed (gateway/core/request_checks.py).
+            check_request(request, self.proxy.fleet)
             route = self.proxy.prepare(request, tenant, uuid.uuid4().hex)
         except ProxyError as exc:
             raise Refusal(_HTTP_STATUS.get(exc.code, 400), exc.message) from None
@@ -148,15 +153,18 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         """The worker running the tenant's request (sent through the data plane, or through
         the gateway itself). Never another: workers know request ids, not tenants, and an
         Abort sent elsewhere with the gateway's identity could end another tenant's request."""
-        if not abort.request_id:
-            raise Refusal(400, "request_id: must not be empty")
+        try:
+            check_request_id(abort.request_id)
+        except ProxyError as exc:
+            raise Refusal(400, exc.message) from None
         with self._lock:
             running = self._running.get((tenant.name, abort.request_id))
         if running is None:
             call = self.gateway_calls.get(tenant, abort.request_id)
             running = call.worker.address if call is not None and call.worker else None
         if running is None:
-            raise Refusal(404, f"request_id: '{abort.request_id}' is not running for this "
+            raise Refusal(404, f"request_id: {quote_untrusted(abort.request_id)} is not running "
+                               "for this "
                                "tenant", wire.GRPC_NOT_FOUND)
         return running
 

@@ -25,7 +25,7 @@ import logging
 import grpc
 
 from gateway.core.proxy import GenerateProxy, ProxyError
-from gateway.core.request_checks import check_request
+from gateway.core.request_checks import check_request, check_request_id
 from gateway.core.router import Router
 from gateway.core.tenants import AuthError, Tenant
 from gateway.core.tokenize import TokenizerUnavailable
@@ -80,9 +80,8 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         tenant = authenticate(self._proxy, context)
-        if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         try:
+            check_request_id(request.request_id)
             return pb.AbortResponse(aborted=self._proxy.abort(tenant, request.request_id))
         except ProxyError as exc:
             context.abort(exc.code, exc.message)

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.core.proxy import ProxyError
+from gateway.http.schemas import SURROGATE_ERROR
 from service_shell import kv
 
 log = logging.getLogger("gateway.http")
@@ -109,7 +110,13 @@ def _validation_param(loc: tuple[Any, ...]) -> tuple[str, bool]:
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # A lone surrogate anywhere in the body: the schemas name the string's path themselves.
+    surrogate = next((e for e in errors if e.get("type") == SURROGATE_ERROR), None)
+    if surrogate is not None:
+        path = surrogate["ctx"]["path"]
+        return bad_request(path, surrogate["msg"].removeprefix(f"{path}: "))
+    first = errors[0]
     param, union = _validation_param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid" or param == "body":
         return bad_request("body", "must be a JSON object: " + first.get("msg", "invalid"))

@@ -20,6 +20,7 @@ from gateway.core.router import Router
 from gateway.core.workers import Fleet
 from gateway.http.errors import ApiError
 from prefixcache_client.compute import ComputeClientError
+from prefixcache_client.limits import name_too_long, quote_untrusted
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,12 @@ class ModelCatalog:
 
     async def resolve(self, model: str | None) -> tuple[str, Models]:
         """The adapter a request's `model` names ("" = the base model; None means the base
-        model too, as vLLM takes it); 404 naming the models there are otherwise."""
+        model too, as vLLM takes it); 404 naming the models there are otherwise, 400 for a
+        name over prefixcache_client.limits' MAX_NAME_BYTES (the worker's limit)."""
+        if model is not None:  # bounded before anything looks it up, logs or echoes it
+            problem = name_too_long(model, "model")
+            if problem is not None:
+                raise ApiError(400, problem, "invalid_request_error", "model")
         models = await self.models()
         if model is None or model == models.base:
             return "", models
@@ -62,7 +68,8 @@ class ModelCatalog:
         if model in models.adapters:
             return model, models
         known = ", ".join([models.base, *models.adapters])
-        raise ApiError(404, f"model: '{model}' does not exist; this gateway serves {known}",
+        raise ApiError(404, f"model: {quote_untrusted(model)} does not exist; this gateway serves "
+                       f"{known}",
                        "invalid_request_error", "model", "model_not_found")
 
     def _refresh(self) -> None:

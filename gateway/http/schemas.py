@@ -9,21 +9,60 @@ Requests follow OpenAI's and vLLM's rules for what is accepted:
   another sampling than asked would look right and be wrong.
 - vLLM's extra sampling fields are taken where the workers implement them: `ignore_eos`,
   `top_k`, `min_tokens`, `stop_token_ids`.
+- Every string of the body is text: JSON's `"\\ud800"` escape decodes to a lone surrogate,
+  which no UTF-8 encoder takes (the prompt's encoding failed with a 500). `_Sampling` refuses
+  the body before any field is read, naming the first string that has one, wherever it is
+  (prompts, message contents, stop strings, the model, ignored fields alike).
+- Stop strings and stop token ids are bounded (prefixcache_client.limits: at most 16 stop
+  strings of at most 256 characters, 1024 stop token ids), the same limits as every entry point.
 
 Responses are plain dicts with OpenAI's exact keys (built here, so the shapes live in one
 place); `usage` carries the `prefixcache` extension (see `usage()`).
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from prefixcache_client.limits import (MAX_STOP_TOKEN_IDS, QUOTE_LIMIT,
+                                     quote_untrusted, stop_problem)
 
 # Samples of one prompt per request; each is one worker call.
 MAX_N = 128
 # Token ids are u32 on the wire (design.md §3); so are the token counts of SamplingParams.
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 _U32 = 2**32
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# The error type of a lone surrogate; errors.py names `ctx["path"]` as the field.
+SURROGATE_ERROR = "unpaired_surrogate"
+
+
+def _surrogate_at(value: Any, path: str) -> tuple[str, str] | None:
+    """(path, what is wrong) of the first string in the raw JSON `value` that holds a lone
+    surrogate, or None. `isascii()` first: most strings cost no regex."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        m = _SURROGATE.search(value)
+        return None if m is None else (path or "body", f"U+{ord(m.group()):04X} at character "
+                                                       f"{m.start()}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and not k.isascii() and _SURROGATE.search(k):
+                return (path or "body", f"in the key {quote_untrusted(k)}")
+            name = k if len(str(k)) <= QUOTE_LIMIT else quote_untrusted(str(k))
+            found = _surrogate_at(v, f"{path}.{name}" if path else name)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_at(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
 
 
 class _Body(BaseModel):
@@ -55,7 +94,19 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     top_k: int | None = Field(None, ge=-1, lt=_U32)
     min_tokens: int = Field(0, ge=0, lt=_U32)
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        found = _surrogate_at(data, "")
+        if found is not None:
+            path, where = found
+            raise PydanticCustomError(
+                SURROGATE_ERROR, "{path}: is not valid Unicode text: a lone surrogate ({where}); "
+                "encode the text as UTF-8 (a surrogate pair's two halves together)",
+                {"path": path, "where": where})
+        return data
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -150,8 +201,10 @@ def _unsupported_sampling(r: _Sampling) -> list[tuple[str, str]]:
             out.append((name, f"{name} is not supported"))
     if r.logit_bias:
         out.append(("logit_bias", "logit_bias is not supported"))
-    if any(not s for s in r.stop_strings()):
-        out.append(("stop", "stop strings must not be empty"))
+    problem = stop_problem(r.stop_strings())
+    if problem is not None:
+        param, message = problem.split(": ", 1)
+        out.append((param, message))
     return out
 
 

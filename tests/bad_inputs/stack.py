@@ -33,6 +33,7 @@ AUTH = tuple(Caller.meta("tok-a"))
 class Stack:
     addresses: dict[str, str]  # "cache" / "compute" / "gateway" -> gRPC address
     http: str  # the gateway's HTTP base URL
+    epp: str  # the gateway's Endpoint Picker (ext_proc) address
     channels: dict[str, grpc.Channel]
 
     def call(self, server: str, service: ServiceDescriptor, method: str, data: bytes,
@@ -56,14 +57,15 @@ class Stack:
 @contextlib.contextmanager
 def running_stack() -> Iterator[Stack]:
     engine = make_engine()
-    with fake_fleet(http_port=0, max_message_mb=GATEWAY_MAX_MESSAGE_MB) as (
+    with fake_fleet(http_port=0, epp_port=0,
+                                       max_message_mb=GATEWAY_MAX_MESSAGE_MB) as (
             gw, cache, _workers, _, _caller), running(engine) as (worker, _client):
         register_pool(cache.core, FLOAT_POOL)
         addresses = {"cache": f"127.0.0.1:{cache.port}", "compute": f"127.0.0.1:{worker.port}",
                      "gateway": gw.address}
         channels = {k: grpc.insecure_channel(a) for k, a in addresses.items()}
         try:
-            yield Stack(addresses, f"http://127.0.0.1:{gw.http_port}", channels)
+            yield Stack(addresses, f"http://127.0.0.1:{gw.http_port}", gw.epp.address, channels)
         finally:
             for c in channels.values():
                 c.close()

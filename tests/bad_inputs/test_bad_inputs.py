@@ -13,6 +13,8 @@ tests/bad_inputs` lists them all (design.md §8 "Bad input").
 - grpc-* and http-*: the vocabulary bound, prompts over the size limit, broken wire bytes, bad
   JSON numbers and bodies.
 - flag-*: float flags and their environment variables (NaN, inf, negative).
+- names, ids, stop sequences and lone surrogates: test_limits.py; the Endpoint Picker:
+  test_epp_bad_inputs.py.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import common_pb2
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
-from prefixcache_client.limits import TEXT_BYTES_PER_TOKEN
+from prefixcache_client.limits import QUOTE_LIMIT, TEXT_BYTES_PER_TOKEN
 from tests.bad_inputs.stack import (CACHE, COMPUTE, FLOAT_POOL, GATEWAY, GATEWAY_CONTEXT,
                                     GATEWAY_MAX_MESSAGE_MB, GATEWAY_VOCAB, SERVICES,
                                     WORKER_CONTEXT, field_paths, running_stack, set_along)
@@ -218,11 +220,16 @@ GRPC_CASES = {
 
 @pytest.mark.parametrize("case", list(GRPC_CASES))
 def test_grpc_bad_input_gets_a_clear_error(stack, case):
-    server, service, method, request, code, starts = GRPC_CASES[case]
+    check_grpc_case(stack, *GRPC_CASES[case])
+
+
+def check_grpc_case(stack, server, service, method, request, code, starts) -> None:
+    """The call gets `code` and a message that starts with `starts` (the field)."""
     data = request if isinstance(request, bytes) else request.SerializeToString()
     error = stack.call(server, service, method, data)
     assert error is not None and error.code() == code, error
     assert error.details().startswith(starts), error.details()
+    assert len(error.details()) < 1000  # nothing the client sent is echoed whole
 
 
 def test_a_prompt_at_the_limit_is_not_refused_for_its_size(stack):
@@ -275,7 +282,11 @@ HTTP_CASES = {
 
 @pytest.mark.parametrize("case", list(HTTP_CASES))
 def test_http_bad_input_gets_a_clear_error(stack, case):
-    path, body, status, param = HTTP_CASES[case]
+    check_http_case(stack, *HTTP_CASES[case])
+
+
+def check_http_case(stack, path, body, status, param) -> None:
+    """The POST gets `status` and OpenAI's error JSON naming `param`."""
     headers = {"Authorization": "Bearer tok-a", "Content-Type": "application/json"}
     if isinstance(body, dict):
         content = json.dumps(body).encode()
@@ -289,6 +300,8 @@ def test_http_bad_input_gets_a_clear_error(stack, case):
     assert error["param"] == param, error
     # The message starts with the field: the API's name, or the worker's (prompt.token_ids).
     assert error["message"].split(":")[0] in (param, "prompt.token_ids"), error
+    assert len(r.content) < 1000, len(r.content)  # nothing the client sent is echoed whole
+    assert "z" * (QUOTE_LIMIT + 1) not in r.text, r.text  # an echoed name is cut
 
 
 # ----- float flags ---------------------------------------------------------------------------

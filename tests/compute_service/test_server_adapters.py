@@ -12,6 +12,7 @@ from compute_service.server import ComputeServer
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from prefixcache_client.limits import MAX_NAME_BYTES
 from tests.compute_service.server_harness import (PAGE, LENGTH, INVALID, model, make_engine,
                                                   running, greedy, prompt, wait_until, sample,
                                                   fails)
@@ -124,7 +125,9 @@ def test_load_adapter_errors_name_the_field_and_change_nothing(adapter_dirs, nam
         assert message.startswith(f"{field}:"), message
         assert list(client.model_info().adapters) == before
         if code != EXISTS:  # nothing was loaded under the name
-            fails(client.generate([1, 2], greedy(1), adapter=name or "x"), NOT_FOUND)
+            # A name over the limit is not even looked up (prefixcache_client.limits).
+            fails(client.generate([1, 2], greedy(1), adapter=name or "x"),
+                  INVALID if len(name) > MAX_NAME_BYTES else NOT_FOUND)
         # The adapter already loaded is untouched.
         out = client.generate(prompt(41), greedy(4), adapter="a").result()
         assert out.token_ids == merged_reference(adapter_dirs["a"], tuple(prompt(41)), 4)

@@ -56,13 +56,15 @@ class Seen:
 class FakeWorker(pb_grpc.ComputeServiceServicer):
     """A compute worker without a model: streams `tokens` messages of one token each
     (`delay_s` apart), then stats naming it. `fail` makes Generate fail: "before" the first
-    token (with `fail_code`, UNAVAILABLE by default) or "mid" stream (after one message).
+    token (with `fail_code`, UNAVAILABLE by default, and `fail_message`) or "mid" stream (after
+    one message).
     `adapters`: the LoRA adapters GetModelInfo says are loaded."""
 
     def __init__(self, name: str, model_id: str = MODEL, page_size: int = PAGE):
         self.name, self.model_id, self.page_size = name, model_id, page_size
         self.tokens, self.delay_s, self.fail = 3, 0.0, ""
         self.fail_code = grpc.StatusCode.UNAVAILABLE
+        self.fail_message = "fake worker is down"
         self.adapters: list[str] = []
         # The presets' byte-level tokenizer, handed to the gateway as a worker hands its own.
         self.tokenizer = ByteTokenizer()
@@ -104,7 +106,7 @@ class FakeWorker(pb_grpc.ComputeServiceServicer):
         context.add_callback(lambda: None if context.is_active() else seen.cancelled.set())
         self.seen.append(seen)
         if self.fail == "before":
-            context.abort(self.fail_code, "fake worker is down")
+            context.abort(self.fail_code, self.fail_message)
         # A resumed request goes on after the tokens it is given, as a real worker does.
         for i in range(len(request.resume_output.ids), self.tokens):
             if i and self.delay_s:

@@ -67,6 +67,53 @@ def test_stop_strings_cut_exactly_whatever_the_chunking(stops, deltas):
             assert s not in shown
 
 
+class OneFindPerStop:
+    """The matcher as it was (one `find` and one `startswith` per stop string per delta): the
+    new one must release exactly what it released, delta by delta."""
+
+    def __init__(self, stops):
+        self.stops, self.held, self.matched = list(stops), "", False
+
+    def feed(self, text):
+        if self.matched:
+            return ""
+        if not self.stops:
+            return text
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.matched, self.held = True, ""
+            return buf[:min(hits)]
+        keep = 0
+        for k in range(min(max(map(len, self.stops)) - 1, len(buf)), 0, -1):
+            if any(s.startswith(buf[len(buf) - k:]) for s in self.stops):
+                keep = k
+                break
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep]
+
+
+def test_many_stop_strings_release_what_one_find_per_stop_released():
+    """16 stop strings (the limit) over a small alphabet, so that they overlap, share prefixes,
+    contain one another and span delta boundaries; random texts cut into random deltas."""
+    import random
+
+    from prefixcache_client.limits import MAX_STOP_STRINGS
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = list({"".join(rng.choice("abc.é") for _ in range(rng.randint(1, 6)))
+                      for _ in range(rng.randint(1, MAX_STOP_STRINGS))})
+        text = "".join(rng.choice("abcd.é ") for _ in range(rng.randint(0, 60)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 12))))
+        deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        new, old = StopMatcher(stops), OneFindPerStop(stops)
+        for d in deltas:
+            assert new.feed(d) == old.feed(d), (stops, deltas)
+            assert new.matched == old.matched
+        assert new.flush() == ("" if old.matched else old.held)
+        assert "".join(run(stops, deltas)[0]) == expected(stops, text)[0]
+
+
 def test_nothing_is_released_after_a_match():
     m = StopMatcher(["X"])
     assert m.feed("abXcd") == "ab" and m.matched
