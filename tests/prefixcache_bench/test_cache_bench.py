@@ -78,7 +78,10 @@ def test_cli_writes_every_metric_with_sane_values(tmp_path, trace, capsys):
     # pages share one node); 2 kB would be a leak.
     assert 64 < r["bytes_per_page"] < 2000
     assert r["mem_cached_pages"] >= 2000
-    assert r["mem_growth_bytes_per_hit"] >= 0
+    # Hits cache nothing anew: a leak shows as growth per hit. tracemalloc counts every thread,
+    # and an earlier part's threads (the ZMQ publisher's queue, gRPC's) may still free buffers
+    # while the hits run on a loaded machine, so the figure can read a few bytes below zero.
+    assert -64 < r["mem_growth_bytes_per_hit"] < 64
 
     assert r["trace_requests"] == 30
     assert 0 < r["trace_cpu_ms_per_request"] <= r["trace_ms_per_request"] * 1.5
