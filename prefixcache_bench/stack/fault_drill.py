@@ -6,7 +6,9 @@ cache service and the gateway fail one after another; every request's greedy out
 The stack starts as `python -m stack` starts it (service authentication on, L3 in Redis). Every
 client sends conversations whose turns resend a growing history (the assistant's turns in the
 history are fixed text, so each prompt's greedy answer is known): a baseline pass computes each
-prompt's answer once, then the clients loop over them while the faults are injected in turn,
+prompt's answer once, then the clients loop over them, each request a conversation's next turn
+(after its last turn a conversation starts again; no two clients send the same conversation at
+once), while the faults are injected in turn,
 each followed by its recovery and a quiet period. A request fails when its stream ends in an
 error (the clients do not retry a request: a retry would hide a failure; after a failure a client
 waits BACKOFF_S before its next request, as real clients back off); an output is wrong when its
@@ -153,6 +155,21 @@ class Load:
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
                          for i in range(clients)]
         self._recent: collections.deque[str] = collections.deque(maxlen=50)  # serving workers
+        # Conversations progress: each request sends a conversation's next turn (after its last
+        # it starts again), never one that another client has in flight.
+        self._turns = len(prompts) // (max(conversation.values()) + 1)
+        self._next_turn = {c: 0 for c in set(conversation.values())}
+        self._in_flight: set[int] = set()
+        self._picker = random.Random(7)
+
+    def _next_prompt(self) -> str:
+        with self._lock:
+            free = sorted(set(self._next_turn) - self._in_flight)
+            c = self._picker.choice(free)
+            self._in_flight.add(c)
+            turn = self._next_turn[c]
+            self._next_turn[c] = (turn + 1) % self._turns
+            return self.prompts[c * self._turns + turn]
 
     def busiest_worker(self) -> str:
         """The worker that served most of the last requests (the one a kill hurts most)."""
@@ -185,12 +202,11 @@ class Load:
             t.join(timeout=60)
 
     def _client(self, index: int) -> None:
-        rng = random.Random(index)
         channel = grpc.insecure_channel(self.gateway)
         stub = cgrpc.ComputeServiceStub(channel)
         n = 0
         while not self._stop.is_set():
-            prompt = rng.choice(self.prompts)
+            prompt = self._next_prompt()
             started = time.monotonic()
             stats = None
             try:
@@ -201,6 +217,7 @@ class Load:
             ended = time.monotonic()
             n += 1
             with self._lock:
+                self._in_flight.discard(self.conversation[prompt])
                 phase = self.phase  # when it ended: a fault fails the requests it interrupts
                 if error is None:
                     self._recent.append(worker)
@@ -245,7 +262,7 @@ def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str,
 
 
 def conversation_prompts(conversations: int, turns: int) -> list[str]:
-    """Prompt i belongs to conversation i // turns."""
+    """Prompt i is turn i % turns of conversation i // turns."""
     # Turn t of a conversation resends turns 0..t-1 with fixed assistant answers.
     rng = random.Random(11)
     prompts = []
