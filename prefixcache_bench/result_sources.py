@@ -207,6 +207,10 @@ def drill_rows(src: Source) -> None:
                                         verdict(share >= DRILL_L3_TURN_RATIO * base_l3)))
                 else:
                     src.rows.append(Row(name, share))
+        computed = {k: v["computed"] for k, v in (t.get("share_by_turn_after") or {}).items()}
+        if computed:
+            src.rows.append(Row(f"{phase}: computed share, turn 1 / 2 / later after",
+                                " / ".join(f"{v:.3f}" for v in computed.values())))
 
 
 def generic_rows(src: Source) -> None:

@@ -101,6 +101,12 @@ class Tally:
         """The L3 share of prompt tokens in each conversation's 1st, 2nd, ... turn (request)
         that started after the fault's recovery, and in its later ones ("later"); None when
         the phase has no recovery time (the baseline)."""
+        by_turn = self.shares_by_turn(after)
+        return None if by_turn is None else {k: v["l3"] for k, v in by_turn.items()}
+
+    def shares_by_turn(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]] | None:
+        """As l3_share_by_turn, every source's share (reuse that came back from the device
+        instead of L3 shows there, and lost reuse as computed)."""
         if self.recovered is None:
             return None
         seen: dict[int, int] = collections.Counter()
@@ -113,8 +119,8 @@ class Tally:
             group = groups[f"turn{seen[conv]}" if seen[conv] <= after else "later"]
             for k, v in counts.items():
                 group[k] += v
-        return {name: round(g["l3"] / sum(g.values()), 3) if sum(g.values()) else 0.0
-                for name, g in groups.items()}
+        return {name: {k: round(v / sum(g.values()), 3) if sum(g.values()) else 0.0
+                       for k, v in g.items()} for name, g in groups.items()}
 
     def late_l3_share(self) -> float:
         """The L3 share of the requests that ended in the phase's second half."""
@@ -428,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                                "prompt_tokens": t.tokens(), "share": t.shares(),
                                "l3_share_second_half": t.late_l3_share(),
                                "l3_share_by_turn_after": t.l3_share_by_turn(),
+                               "share_by_turn_after": t.shares_by_turn(),
                                "l3_pages_at_end": t.l3_pages}
                        for (phase, t), row in zip(load.tallies.items(), rows)},
             "exit_codes": dict(codes)})
