@@ -161,9 +161,12 @@ def simulate_rows(src: Source) -> None:
     src.rows += [Row(f"routing bench {k}", bench[k]) for k in SIM_BENCH_HEADLINE if k in bench]
 
 
-# Faults after which the drill expects L3 reuse back at the baseline's within the phase
-# (issue 25, finding 7), and faults that must stall no client for a second (finding 8).
+# Faults after which the drill expects L3 reuse back at the baseline's within the phase, its
+# pages back in Redis and its L3 share, in each conversation's second turn after the fault,
+# at least DRILL_L3_TURN_RATIO x the baseline's (issue 25, finding 7: "back at its baseline
+# within two turns"), and faults that must stall no client for a second (finding 8).
 DRILL_L3_BACK = ("redis-flushall", "redis-sigkill")
+DRILL_L3_TURN_RATIO = 0.8
 DRILL_NO_STALL = ("cache-sigkill",)
 
 
@@ -172,6 +175,7 @@ def drill_rows(src: Source) -> None:
     its p50, its longest gap without a token and its L3 share of prompt tokens."""
     phases = src.data["phases"]
     base_pages = phases.get("baseline", {}).get("l3_pages_at_end")
+    base_l3 = phases.get("baseline", {}).get("share", {}).get("l3")
     for phase, t in phases.items():
         src.rows.append(Row(f"{phase}: requests", t["requests"]))
         src.rows.append(Row(f"{phase}: failed", t["failed"], "== 0", verdict(t["failed"] == 0)))
@@ -192,6 +196,21 @@ def drill_rows(src: Source) -> None:
             src.rows.append(Row(f"{phase}: L3 pages at end", pages,
                                 f">= 0.8 x baseline ({base_pages})",
                                 verdict(pages is not None and pages >= 0.8 * base_pages)))
+        by_turn = t.get("l3_share_by_turn_after")
+        if by_turn:
+            for turn, share in by_turn.items():
+                name = f"{phase}: L3 share, {turn} after" if turn != "later" else \
+                    f"{phase}: L3 share, later turns after"
+                if phase in DRILL_L3_BACK and turn == "turn2" and base_l3:
+                    src.rows.append(Row(name, share,
+                                        f">= {DRILL_L3_TURN_RATIO} x baseline ({base_l3})",
+                                        verdict(share >= DRILL_L3_TURN_RATIO * base_l3)))
+                else:
+                    src.rows.append(Row(name, share))
+        computed = {k: v["computed"] for k, v in (t.get("share_by_turn_after") or {}).items()}
+        if computed:
+            src.rows.append(Row(f"{phase}: computed share, turn 1 / 2 / later after",
+                                " / ".join(f"{v:.3f}" for v in computed.values())))
 
 
 def generic_rows(src: Source) -> None:

@@ -76,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not bad else 1
 
 
-def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> tuple[str, str]:
-    """Starts every service; returns the gateway's gRPC address and HTTP base URL."""
+def start_stack(stack: Stack, run_dir: pathlib.Path, args,
+                device_pages: int = 512) -> tuple[str, str]:
+    """Starts every service; returns the gateway's gRPC address and HTTP base URL.
+    `device_pages`: each worker's device pool (the fault drill makes it smaller than its
+    conversations, so that they depend on L3)."""
     redis_url = ""
     if redis_server_binary():
         port = free_port()
@@ -111,7 +114,7 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args) -> tuple[str, str]:
         stack.start(f"worker-{i}", python_module(
             "compute_service", "--model", str(model_dir), "--cache-service", cache,
             "--pool-id", f"worker-{i}", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
-            "--threads", "1", "--device-pages", "512", "--adapter", f"{ADAPTER}={adapter_dir}",
+            "--threads", "1", "--device-pages", str(device_pages), "--adapter", f"{ADAPTER}={adapter_dir}",
             *identities, "--service-token-file", str(auth.tokens[f"worker-{i}"]),
             *(l3 + mac + ["--l3-write-policy", "write-through", "--l3-lookup"] if l3 else [])),
             address)

@@ -58,8 +58,8 @@ def test_the_fault_drill_costs_no_request_and_no_wrong_output(tmp_path):
     """Forged pages in Redis, a FLUSHALL and a killed cache service, under load through the
     whole stack: no request fails, no output is wrong, the killed cache service stalls no
     client for more than a second (issue 25, finding 8: 6 s), and L3 reuse comes back after the
-    FLUSHALL (finding 7). Each phase reports its p50, its longest gap without a token and where
-    its prompt tokens came from (finding 11)."""
+    FLUSHALL (finding 7; the L3 share per turn after it is reported). Each phase reports its
+    p50, its longest gap without a token and where its prompt tokens came from (finding 11)."""
     out = tmp_path / "drill.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "prefixcache_bench.stack.fault_drill", "--faults",
@@ -79,3 +79,8 @@ def test_the_fault_drill_costs_no_request_and_no_wrong_output(tmp_path):
     # L3 holds the pages again after the FLUSHALL: the workers wrote what their trees held.
     before = phases["baseline"]["l3_pages_at_end"]
     assert before > 0 and phases["redis-flushall"]["l3_pages_at_end"] >= 0.5 * before, phases
+    # The workers' device pools hold fewer pages than the conversations: the baseline loads part
+    # of its prompts from L3, and each fault phase reports the L3 share per turn after it.
+    assert phases["baseline"]["share"]["l3"] > 0.05, phases["baseline"]
+    assert phases["baseline"]["l3_share_by_turn_after"] is None
+    assert set(phases["redis-flushall"]["l3_share_by_turn_after"]) == {"turn1", "turn2", "later"}

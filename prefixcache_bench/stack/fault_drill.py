@@ -6,7 +6,9 @@ cache service and the gateway fail one after another; every request's greedy out
 The stack starts as `python -m stack` starts it (service authentication on, L3 in Redis). Every
 client sends conversations whose turns resend a growing history (the assistant's turns in the
 history are fixed text, so each prompt's greedy answer is known): a baseline pass computes each
-prompt's answer once, then the clients loop over them while the faults are injected in turn,
+prompt's answer once, then the clients loop over them, each request a conversation's next turn
+(after its last turn a conversation starts again; no two clients send the same conversation at
+once), while the faults are injected in turn,
 each followed by its recovery and a quiet period. A request fails when its stream ends in an
 error (the clients do not retry a request: a retry would hide a failure; after a failure a client
 waits BACKOFF_S before its next request, as real clients back off); an output is wrong when its
@@ -15,8 +17,14 @@ from its injection to the next one's: sent, failed, wrong, the outage (first to 
 the p50 latency of the requests that succeeded, the longest gap in which no client received a
 token (a stall shows there even when nothing fails), and where their prompt tokens came from
 (device / host / L3 / shared with a sibling in flight / computed; lost reuse shows there), with
-the L3 share also over the phase's second half, and the pages stored in Redis at the phase's
-end (after a FLUSHALL or a Redis restart they must be back: the workers write them again).
+the L3 share also over the phase's second half and in each conversation's first, second and
+later turns (requests) that started after the fault's recovery (issue 25, finding 7: back at
+its baseline within two turns of a FLUSHALL or a Redis restart), and the pages stored in Redis
+at the phase's end (after a FLUSHALL or a Redis restart they must be back: the workers write
+them again). The workers' device pools (--device-pages) are smaller than the conversations, as
+a serving pool is smaller than its users' histories: a turn often finds its history in L3 only
+(written by the other worker, or by this one before it evicted it), so the L3 share is a real
+part of the baseline and an L3 fault shows in it.
 """
 from __future__ import annotations
 
@@ -43,6 +51,10 @@ from stack.workload import QUESTIONS, SYSTEM
 
 MAX_TOKENS = 8
 BACKOFF_S = 0.1
+CONVERSATIONS = 24
+TURNS = 4
+DEVICE_PAGES = 96
+AFTER_TURNS = 2  # "back at its baseline within two turns" (issue 25, finding 7)
 
 
 @dataclass
@@ -57,8 +69,11 @@ class Tally:
     latencies: list[float] = field(default_factory=list)  # of the requests that succeeded
     max_gap_s: float = 0.0  # the longest time in which no client received a token
     l3_pages: int | None = None  # pages stored in Redis at the phase's end (None: not asked)
+    recovered: float | None = None  # when the fault's injection and recovery returned
     # (end time, prompt tokens by source) of each request that succeeded
     sources: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    # (start time, conversation, prompt tokens by source) of each request that succeeded
+    turns: list[tuple[float, int, dict[str, int]]] = field(default_factory=list)
 
     @property
     def outage_s(self) -> float:
@@ -81,6 +96,31 @@ class Tally:
         tokens = self.tokens(since)
         n = sum(tokens.values())
         return {k: round(v / n, 3) if n else 0.0 for k, v in tokens.items()}
+
+    def l3_share_by_turn(self, after: int = AFTER_TURNS) -> dict[str, float] | None:
+        """The L3 share of prompt tokens in each conversation's 1st, 2nd, ... turn (request)
+        that started after the fault's recovery, and in its later ones ("later"); None when
+        the phase has no recovery time (the baseline)."""
+        by_turn = self.shares_by_turn(after)
+        return None if by_turn is None else {k: v["l3"] for k, v in by_turn.items()}
+
+    def shares_by_turn(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]] | None:
+        """As l3_share_by_turn, every source's share (reuse that came back from the device
+        instead of L3 shows there, and lost reuse as computed)."""
+        if self.recovered is None:
+            return None
+        seen: dict[int, int] = collections.Counter()
+        groups = {f"turn{k}": dict.fromkeys(SOURCES, 0) for k in range(1, after + 1)}
+        groups["later"] = dict.fromkeys(SOURCES, 0)
+        for started, conv, counts in sorted(self.turns, key=lambda x: x[0]):
+            if started < self.recovered:
+                continue
+            seen[conv] += 1
+            group = groups[f"turn{seen[conv]}" if seen[conv] <= after else "later"]
+            for k, v in counts.items():
+                group[k] += v
+        return {name: {k: round(v / sum(g.values()), 3) if sum(g.values()) else 0.0
+                       for k, v in g.items()} for name, g in groups.items()}
 
     def late_l3_share(self) -> float:
         """The L3 share of the requests that ended in the phase's second half."""
@@ -110,8 +150,9 @@ class Load:
     the tally of the phase (`phase`, which the drill moves on) in which the request ended."""
 
     def __init__(self, gateway: str, prompts: list[str], expected: dict[str, list[int]],
-                 clients: int):
+                 clients: int, conversation: dict[str, int]):
         self.gateway, self.prompts, self.expected = gateway, prompts, expected
+        self.conversation = conversation  # prompt -> its conversation's index
         self.phase = "baseline"
         self.tallies: dict[str, Tally] = {}
         self._last_token = 0.0  # when any client last received a token (monotonic)
@@ -120,6 +161,21 @@ class Load:
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
                          for i in range(clients)]
         self._recent: collections.deque[str] = collections.deque(maxlen=50)  # serving workers
+        # Conversations progress: each request sends a conversation's next turn (after its last
+        # it starts again), never one that another client has in flight.
+        self._turns = len(prompts) // (max(conversation.values()) + 1)
+        self._next_turn = {c: 0 for c in set(conversation.values())}
+        self._in_flight: set[int] = set()
+        self._picker = random.Random(7)
+
+    def _next_prompt(self) -> str:
+        with self._lock:
+            free = sorted(set(self._next_turn) - self._in_flight)
+            c = self._picker.choice(free)
+            self._in_flight.add(c)
+            turn = self._next_turn[c]
+            self._next_turn[c] = (turn + 1) % self._turns
+            return self.prompts[c * self._turns + turn]
 
     def busiest_worker(self) -> str:
         """The worker that served most of the last requests (the one a kill hurts most)."""
@@ -152,12 +208,11 @@ class Load:
             t.join(timeout=60)
 
     def _client(self, index: int) -> None:
-        rng = random.Random(index)
         channel = grpc.insecure_channel(self.gateway)
         stub = cgrpc.ComputeServiceStub(channel)
         n = 0
         while not self._stop.is_set():
-            prompt = rng.choice(self.prompts)
+            prompt = self._next_prompt()
             started = time.monotonic()
             stats = None
             try:
@@ -168,6 +223,7 @@ class Load:
             ended = time.monotonic()
             n += 1
             with self._lock:
+                self._in_flight.discard(self.conversation[prompt])
                 phase = self.phase  # when it ended: a fault fails the requests it interrupts
                 if error is None:
                     self._recent.append(worker)
@@ -178,6 +234,8 @@ class Load:
                     tally.latencies.append(ended - started)
                     if stats is not None:
                         tally.sources.append((ended, prompt_sources(stats)))
+                        tally.turns.append((started, self.conversation[prompt],
+                                            prompt_sources(stats)))
                 if error is not None:
                     now = time.monotonic()
                     tally.first_failure = tally.first_failure or now
@@ -210,7 +268,8 @@ def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str,
 
 
 def conversation_prompts(conversations: int, turns: int) -> list[str]:
-    """Turn t of a conversation resends turns 0..t-1 with fixed assistant answers."""
+    """Prompt i is turn i % turns of conversation i // turns."""
+    # Turn t of a conversation resends turns 0..t-1 with fixed assistant answers.
     rng = random.Random(11)
     prompts = []
     for c in range(conversations):
@@ -299,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-s", type=float, default=6.0,
                         help="load after each fault's recovery before the next fault")
     parser.add_argument("--model", default="tiny-hybrid")
+    parser.add_argument("--conversations", type=int, default=CONVERSATIONS,
+                        help=f"conversations of {TURNS} turns the clients pick from")
+    parser.add_argument("--device-pages", type=int, default=DEVICE_PAGES,
+                        help="each worker's device pool, in pages (`python -m stack`: 512); "
+                             "smaller than the conversations, so that a turn often finds its "
+                             "history in L3 only and the L3 faults show in the L3 share")
     parser.add_argument("--json", help="write the results here")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -312,14 +377,16 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(run_dir)
     load = None
     try:
-        gateway, _ = start_stack(stack, run_dir, argparse.Namespace(model=args.model, workers=2))
+        gateway, _ = start_stack(stack, run_dir, argparse.Namespace(model=args.model, workers=2),
+                                 device_pages=args.device_pages)
         if not stack.has("redis"):
             raise RuntimeError("the drill needs redis-server (the L3 faults)")
-        prompts = conversation_prompts(conversations=6, turns=4)
+        prompts = conversation_prompts(conversations=args.conversations, turns=TURNS)
         with grpc.insecure_channel(gateway) as channel:
             stub = cgrpc.ComputeServiceStub(channel)
             expected = {p: ask(stub, f"baseline-{i}", p)[0] for i, p in enumerate(prompts)}
-        load = Load(gateway, prompts, expected, args.clients)
+        load = Load(gateway, prompts, expected, args.clients,
+                    {p: i // TURNS for i, p in enumerate(prompts)})
         load.start()
         time.sleep(args.quiet_s)
         load.tallies[load.phase].l3_pages = l3_pages(stack)
@@ -327,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fault: {FAULTS[name][0]}", flush=True)
             load.enter(name)
             FAULTS[name][1](stack, load)
+            load.tallies[name].recovered = time.monotonic()
             time.sleep(args.quiet_s)
             load.tallies[name].l3_pages = l3_pages(stack)
         load.stop()
@@ -343,23 +411,30 @@ def main(argv: list[str] | None = None) -> int:
              t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-",
              t.p50_s, round(t.max_gap_s, 2),
              " / ".join(f"{100 * v:.0f}" for v in t.shares().values()),
-             f"{100 * t.late_l3_share():.0f}", t.l3_pages]
-            for phase, t in load.tallies.items()]
+             f"{100 * t.late_l3_share():.0f}",
+             " / ".join(f"{100 * v:.0f}" for v in by_turn.values()) if by_turn else "-",
+             t.l3_pages]
+            for phase, t in load.tallies.items() for by_turn in [t.l3_share_by_turn()]]
     print()
     print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
                          "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
-                         "% L3 2nd half", "L3 pages at end"], rows))
+                         "% L3 2nd half", "% L3 turn 1/2/later after", "L3 pages at end"],
+                        rows))
     print(f"streams the gateway moved to another worker mid-answer: {resumed}")
     if args.json:
         write_json(args.json, {
             "command": " ".join(["python -m prefixcache_bench.stack.fault_drill", *argv]),
             "machine": machine_info(), "clients": args.clients, "max_tokens": MAX_TOKENS,
             "backoff_s": BACKOFF_S, "resumed_streams": resumed,
+            "conversations": args.conversations, "turns": TURNS,
+            "device_pages": args.device_pages,
             "phases": {phase: {"fault": row[1], "requests": t.sent, "failed": t.failed,
                                "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors,
                                "p50_s": t.p50_s, "max_gap_s": round(t.max_gap_s, 3),
                                "prompt_tokens": t.tokens(), "share": t.shares(),
                                "l3_share_second_half": t.late_l3_share(),
+                               "l3_share_by_turn_after": t.l3_share_by_turn(),
+                               "share_by_turn_after": t.shares_by_turn(),
                                "l3_pages_at_end": t.l3_pages}
                        for (phase, t), row in zip(load.tallies.items(), rows)},
             "exit_codes": dict(codes)})
