@@ -122,12 +122,22 @@ class Slots:
         if self.emit is not None:
             emit_checkpoint(self.emit, node)
 
+    def forget(self, node: Node) -> None:
+        """The node's checkpoint leaves the index now (its namespace was evicted) although a
+        lease may still hold its slot: it stays counted as used, and `release` frees the slot
+        later without a second drop (an empty hash: already dropped)."""
+        page_hash = self.checkpointed.get(node)
+        if page_hash:
+            self.checkpointed[node] = b""
+            if self.emit is not None:
+                self.emit.checkpoint_dropped(page_hash)
+
     def release(self, node: Node) -> None:
         if node.slot != NO_SLOT:
             self.free.append(node.slot)
             node.slot = NO_SLOT
             page_hash = self.checkpointed.pop(node, None)
-            if self.emit is not None and page_hash is not None:
+            if self.emit is not None and page_hash:
                 self.emit.checkpoint_dropped(page_hash)
 
 

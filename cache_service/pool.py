@@ -80,6 +80,9 @@ class Pool:
         for node in list(nodes_below(root)):
             n = size(node)
             self.events.removed(node.medium, node.hashes)
+            # Its checkpoint goes with its pages, even while a lease keeps the slot (found by
+            # test_vllm_events_properties: the same prefix served again was stored twice).
+            self.slots.forget(node)
             self.cached[node.medium] -= n
             node.parent = None
             node.children = None

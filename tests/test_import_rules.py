@@ -243,8 +243,6 @@ def test_imports_nothing_forbidden(roots, forbidden):
 # reads no flag and no environment variable (service_shell.redis_flags builds its settings).
 
 SEAM = "cache_service.embedded"
-# Moving to prefixcache_bench (benchmarks may use any internal); not the compute service's code.
-MOVING_OUT = ("compute_service/bench", "compute_service/bench_tiers")
 PAGESTORE_FORBIDDEN = {"cache_service", "compute_service", "gateway", "torch", "argparse"}
 
 
@@ -268,7 +266,7 @@ def imports_of(root: Path, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
 
 def cache_service_reached_past_the_seam(root: Path) -> list[str]:
     """Imports under `root` (compute_service/) of a cache_service module other than the seam."""
-    return [f"{where}: {name}" for where, name in imports_of(root, MOVING_OUT)
+    return [f"{where}: {name}" for where, name in imports_of(root)
             if name.partition(".")[0] == "cache_service"
             and name != SEAM and not name.startswith(SEAM + ".")]
 
@@ -294,8 +292,7 @@ def test_the_compute_service_imports_only_the_cache_services_seam():
     assert reached == [], (f"the compute service may import only {SEAM} of the cache service:\n"
                            + "\n".join(reached))
     # The scan saw the seam's one import (it is not vacuous).
-    assert any(name.startswith(SEAM + ".") for _, name in imports_of(REPO / "compute_service",
-                                                                        MOVING_OUT))
+    assert any(name.startswith(SEAM + ".") for _, name in imports_of(REPO / "compute_service"))
 
 
 def test_pagestore_imports_neither_service_nor_torch_and_reads_no_environment():
@@ -309,12 +306,9 @@ def test_pagestore_imports_neither_service_nor_torch_and_reads_no_environment():
 def test_the_checks_catch_a_planted_violation(tmp_path):
     compute = tmp_path / "compute_service"
     (compute / "engine").mkdir(parents=True)
-    (compute / "bench_tiers").mkdir()
     (compute / "__main__.py").write_text("from cache_service.embedded import CacheCore\n"
                                          "from cache_service import embedded\n")
     assert cache_service_reached_past_the_seam(compute) == []
-    (compute / "bench_tiers" / "cli.py").write_text("from cache_service.core import CacheCore\n")
-    assert cache_service_reached_past_the_seam(compute) == []  # moving out: not scanned
     (compute / "engine" / "scheduler.py").write_text(
         "import os\nfrom cache_service.tree import common_pages\nimport cache_service.core\n"
         "from cache_service import l3\n")

@@ -38,13 +38,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import redis
 
 from prefixcache.v1 import compute_service_pb2 as cpb, compute_service_pb2_grpc as cgrpc
 from prefixcache_bench.harness import columns_table, machine_info, write_json
+from prefixcache_bench.stack.drill_tally import Tally, prompt_sources
 from stack.__main__ import TOKENS, start_stack  # the README's stack, exactly
 from stack.launcher import Stack
 from stack.workload import QUESTIONS, SYSTEM
@@ -54,95 +54,6 @@ BACKOFF_S = 0.1
 CONVERSATIONS = 24
 TURNS = 4
 DEVICE_PAGES = 96
-AFTER_TURNS = 2  # "back at its baseline within two turns" (issue 25, finding 7)
-
-
-@dataclass
-class Tally:
-    sent: int = 0
-    failed: int = 0
-    wrong: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    first_failure: float = 0.0
-    last_failure: float = 0.0
-    started: float = 0.0  # when the phase began (monotonic)
-    latencies: list[float] = field(default_factory=list)  # of the requests that succeeded
-    max_gap_s: float = 0.0  # the longest time in which no client received a token
-    l3_pages: int | None = None  # pages stored in Redis at the phase's end (None: not asked)
-    recovered: float | None = None  # when the fault's injection and recovery returned
-    # (end time, prompt tokens by source) of each request that succeeded
-    sources: list[tuple[float, dict[str, int]]] = field(default_factory=list)
-    # (start time, conversation, prompt tokens by source) of each request that succeeded
-    turns: list[tuple[float, int, dict[str, int]]] = field(default_factory=list)
-
-    @property
-    def outage_s(self) -> float:
-        return round(self.last_failure - self.first_failure, 2)
-
-    @property
-    def p50_s(self) -> float:
-        xs = sorted(self.latencies)
-        return round(xs[len(xs) // 2], 3) if xs else 0.0
-
-    def tokens(self, since: float = 0.0) -> dict[str, int]:
-        total = dict.fromkeys(SOURCES, 0)
-        for ended, counts in self.sources:
-            if ended >= since:
-                for k, v in counts.items():
-                    total[k] += v
-        return total
-
-    def shares(self, since: float = 0.0) -> dict[str, float]:
-        tokens = self.tokens(since)
-        n = sum(tokens.values())
-        return {k: round(v / n, 3) if n else 0.0 for k, v in tokens.items()}
-
-    def l3_share_by_turn(self, after: int = AFTER_TURNS) -> dict[str, float] | None:
-        """The L3 share of prompt tokens in each conversation's 1st, 2nd, ... turn (request)
-        that started after the fault's recovery, and in its later ones ("later"); None when
-        the phase has no recovery time (the baseline)."""
-        by_turn = self.shares_by_turn(after)
-        return None if by_turn is None else {k: v["l3"] for k, v in by_turn.items()}
-
-    def shares_by_turn(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]] | None:
-        """As l3_share_by_turn, every source's share (reuse that came back from the device
-        instead of L3 shows there, and lost reuse as computed)."""
-        if self.recovered is None:
-            return None
-        seen: dict[int, int] = collections.Counter()
-        groups = {f"turn{k}": dict.fromkeys(SOURCES, 0) for k in range(1, after + 1)}
-        groups["later"] = dict.fromkeys(SOURCES, 0)
-        for started, conv, counts in sorted(self.turns, key=lambda x: x[0]):
-            if started < self.recovered:
-                continue
-            seen[conv] += 1
-            group = groups[f"turn{seen[conv]}" if seen[conv] <= after else "later"]
-            for k, v in counts.items():
-                group[k] += v
-        return {name: {k: round(v / sum(g.values()), 3) if sum(g.values()) else 0.0
-                       for k, v in g.items()} for name, g in groups.items()}
-
-    def late_l3_share(self) -> float:
-        """The L3 share of the requests that ended in the phase's second half."""
-        if not self.sources:
-            return 0.0
-        end = self.sources[-1][0]
-        return self.shares(self.started + (end - self.started) / 2)["l3"]
-
-
-SOURCES = ("device", "host", "l3", "shared", "computed")
-
-
-def prompt_sources(stats: cpb.GenerateStats) -> dict[str, int]:
-    """A request's prompt tokens by where they came from; `shared` (a sibling in flight
-    computed them) is taken out of device and host, where the stats count it, so the parts
-    add up to the prompt."""
-    shared = stats.shared_tokens_in_flight
-    from_device = min(shared, stats.cached_tokens_device)
-    return {"device": stats.cached_tokens_device - from_device,
-            "host": max(0, stats.cached_tokens_host - (shared - from_device)),
-            "l3": stats.cached_tokens_remote, "shared": shared,
-            "computed": stats.computed_prompt_tokens}
 
 
 class Load:
@@ -349,6 +260,45 @@ FAULTS: dict[str, tuple[str, Callable[[Stack, Load], None]]] = {
 }
 
 
+def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
+           codes: dict) -> int:
+    """Prints the table of phases and writes --json."""
+    # Streams the gateway moved to another worker mid-answer (design.md §6, "Resuming a stream").
+    resumed = stack.get("gateway").log_path.read_text().count("event=generate_resumed")
+    rows = [[phase, FAULTS[phase][0] if phase in FAULTS else "no fault", t.sent, t.failed,
+             t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-",
+             t.p50_s, round(t.max_gap_s, 2),
+             " / ".join(f"{100 * v:.0f}" for v in t.shares().values()),
+             f"{100 * t.late_l3_share():.0f}",
+             " / ".join(f"{100 * v:.0f}" for v in by_turn.values()) if by_turn else "-",
+             t.l3_pages]
+            for phase, t in load.tallies.items() for by_turn in [t.l3_share_by_turn()]]
+    print()
+    print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
+                         "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
+                         "% L3 2nd half", "% L3 turn 1/2/later after", "L3 pages at end"],
+                        rows))
+    print(f"streams the gateway moved to another worker mid-answer: {resumed}")
+    if args.json:
+        write_json(args.json, {
+            "command": " ".join(["python -m prefixcache_bench.stack.fault_drill", *argv]),
+            "machine": machine_info(), "clients": args.clients, "max_tokens": MAX_TOKENS,
+            "backoff_s": BACKOFF_S, "resumed_streams": resumed,
+            "conversations": args.conversations, "turns": TURNS,
+            "device_pages": args.device_pages,
+            "phases": {phase: {"fault": row[1], "requests": t.sent, "failed": t.failed,
+                               "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors,
+                               "p50_s": t.p50_s, "max_gap_s": round(t.max_gap_s, 3),
+                               "prompt_tokens": t.tokens(), "share": t.shares(),
+                               "l3_share_second_half": t.late_l3_share(),
+                               "l3_share_by_turn_after": t.l3_share_by_turn(),
+                               "share_by_turn_after": t.shares_by_turn(),
+                               "l3_pages_at_end": t.l3_pages}
+                       for (phase, t), row in zip(load.tallies.items(), rows)},
+            "exit_codes": dict(codes)})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixcache_bench.stack.fault_drill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -405,40 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         if load is not None:
             load.stop()
         codes = stack.stop()
-    # Streams the gateway moved to another worker mid-answer (design.md §6, "Resuming a stream").
-    resumed = stack.get("gateway").log_path.read_text().count("event=generate_resumed")
-    rows = [[phase, FAULTS[phase][0] if phase in FAULTS else "no fault", t.sent, t.failed,
-             t.wrong, t.outage_s, ", ".join(f"{k} {v}" for k, v in sorted(t.errors.items())) or "-",
-             t.p50_s, round(t.max_gap_s, 2),
-             " / ".join(f"{100 * v:.0f}" for v in t.shares().values()),
-             f"{100 * t.late_l3_share():.0f}",
-             " / ".join(f"{100 * v:.0f}" for v in by_turn.values()) if by_turn else "-",
-             t.l3_pages]
-            for phase, t in load.tallies.items() for by_turn in [t.l3_share_by_turn()]]
-    print()
-    print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
-                         "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
-                         "% L3 2nd half", "% L3 turn 1/2/later after", "L3 pages at end"],
-                        rows))
-    print(f"streams the gateway moved to another worker mid-answer: {resumed}")
-    if args.json:
-        write_json(args.json, {
-            "command": " ".join(["python -m prefixcache_bench.stack.fault_drill", *argv]),
-            "machine": machine_info(), "clients": args.clients, "max_tokens": MAX_TOKENS,
-            "backoff_s": BACKOFF_S, "resumed_streams": resumed,
-            "conversations": args.conversations, "turns": TURNS,
-            "device_pages": args.device_pages,
-            "phases": {phase: {"fault": row[1], "requests": t.sent, "failed": t.failed,
-                               "wrong": t.wrong, "outage_s": t.outage_s, "errors": t.errors,
-                               "p50_s": t.p50_s, "max_gap_s": round(t.max_gap_s, 3),
-                               "prompt_tokens": t.tokens(), "share": t.shares(),
-                               "l3_share_second_half": t.late_l3_share(),
-                               "l3_share_by_turn_after": t.l3_share_by_turn(),
-                               "share_by_turn_after": t.shares_by_turn(),
-                               "l3_pages_at_end": t.l3_pages}
-                       for (phase, t), row in zip(load.tallies.items(), rows)},
-            "exit_codes": dict(codes)})
-    return 0
+    return report(args, argv, load, stack, codes)
 
 
 if __name__ == "__main__":

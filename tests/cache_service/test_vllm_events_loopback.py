@@ -52,7 +52,7 @@ def tree_blocks(core: CacheCore, pool_id: str) -> set[tuple[int, str, int]]:
                 out |= {(0, MEDIUM[node.medium], u64(node.hashes[i:i + 16]))
                         for i in range(0, len(node.hashes), 16)}
         out |= {(1, "GPU", u64(h)) for node, h in pool.checkpointed.items()
-                if node.slot != NO_SLOT}
+                if node.slot != NO_SLOT and h}
         return out
 
 

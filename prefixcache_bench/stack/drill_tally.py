@@ -1,0 +1,99 @@
+"""The fault drill's tally of one phase (prefixcache_bench.stack.fault_drill): requests, failures,
+wrong outputs, latencies and gaps, and each request's prompt tokens by source (device / host /
+L3 / shared with a sibling in flight / computed), overall and per turn after the fault."""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from prefixcache.v1 import compute_service_pb2 as cpb
+
+AFTER_TURNS = 2  # "back at its baseline within two turns" (issue 25, finding 7)
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    failed: int = 0
+    wrong: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    first_failure: float = 0.0
+    last_failure: float = 0.0
+    started: float = 0.0  # when the phase began (monotonic)
+    latencies: list[float] = field(default_factory=list)  # of the requests that succeeded
+    max_gap_s: float = 0.0  # the longest time in which no client received a token
+    l3_pages: int | None = None  # pages stored in Redis at the phase's end (None: not asked)
+    recovered: float | None = None  # when the fault's injection and recovery returned
+    # (end time, prompt tokens by source) of each request that succeeded
+    sources: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    # (start time, conversation, prompt tokens by source) of each request that succeeded
+    turns: list[tuple[float, int, dict[str, int]]] = field(default_factory=list)
+
+    @property
+    def outage_s(self) -> float:
+        return round(self.last_failure - self.first_failure, 2)
+
+    @property
+    def p50_s(self) -> float:
+        xs = sorted(self.latencies)
+        return round(xs[len(xs) // 2], 3) if xs else 0.0
+
+    def tokens(self, since: float = 0.0) -> dict[str, int]:
+        total = dict.fromkeys(SOURCES, 0)
+        for ended, counts in self.sources:
+            if ended >= since:
+                for k, v in counts.items():
+                    total[k] += v
+        return total
+
+    def shares(self, since: float = 0.0) -> dict[str, float]:
+        tokens = self.tokens(since)
+        n = sum(tokens.values())
+        return {k: round(v / n, 3) if n else 0.0 for k, v in tokens.items()}
+
+    def l3_share_by_turn(self, after: int = AFTER_TURNS) -> dict[str, float] | None:
+        """The L3 share of prompt tokens in each conversation's 1st, 2nd, ... turn (request)
+        that started after the fault's recovery, and in its later ones ("later"); None when
+        the phase has no recovery time (the baseline)."""
+        by_turn = self.shares_by_turn(after)
+        return None if by_turn is None else {k: v["l3"] for k, v in by_turn.items()}
+
+    def shares_by_turn(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]] | None:
+        """As l3_share_by_turn, every source's share (reuse that came back from the device
+        instead of L3 shows there, and lost reuse as computed)."""
+        if self.recovered is None:
+            return None
+        seen: dict[int, int] = collections.Counter()
+        groups = {f"turn{k}": dict.fromkeys(SOURCES, 0) for k in range(1, after + 1)}
+        groups["later"] = dict.fromkeys(SOURCES, 0)
+        for started, conv, counts in sorted(self.turns, key=lambda x: x[0]):
+            if started < self.recovered:
+                continue
+            seen[conv] += 1
+            group = groups[f"turn{seen[conv]}" if seen[conv] <= after else "later"]
+            for k, v in counts.items():
+                group[k] += v
+        return {name: {k: round(v / sum(g.values()), 3) if sum(g.values()) else 0.0
+                       for k, v in g.items()} for name, g in groups.items()}
+
+    def late_l3_share(self) -> float:
+        """The L3 share of the requests that ended in the phase's second half."""
+        if not self.sources:
+            return 0.0
+        end = self.sources[-1][0]
+        return self.shares(self.started + (end - self.started) / 2)["l3"]
+
+
+SOURCES = ("device", "host", "l3", "shared", "computed")
+
+
+def prompt_sources(stats: cpb.GenerateStats) -> dict[str, int]:
+    """A request's prompt tokens by where they came from; `shared` (a sibling in flight
+    computed them) is taken out of device and host, where the stats count it, so the parts
+    add up to the prompt."""
+    shared = stats.shared_tokens_in_flight
+    from_device = min(shared, stats.cached_tokens_device)
+    return {"device": stats.cached_tokens_device - from_device,
+            "host": max(0, stats.cached_tokens_host - (shared - from_device)),
+            "l3": stats.cached_tokens_remote, "shared": shared,
+            "computed": stats.computed_prompt_tokens}
