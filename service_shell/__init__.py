@@ -6,9 +6,8 @@ to PREFIXCACHE_* environment variables.
 torch-free, so the cache service, the compute service's client and the gateway can all use it.
 """
 from service_shell.config import (ConfigError, add_bool_flag, add_flag, declared_variables,
-                                  parse_bool)
-from service_shell.flags import (add_server_flags, add_tls_flags, env_default, finite_float,
-                                 tls_from_args)
+                                  env_default, finite_float, parse_bool)
+from service_shell.flags import add_server_flags, add_tls_flags, tls_from_args
 from service_shell.grpc_server import bind, enable_reflection, new_server
 from service_shell.health import HealthPort, HealthProbes
 from service_shell.logs import LOG_LEVELS, configure_logging, kv

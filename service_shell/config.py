@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,8 +27,6 @@ NATIVE_MODES = ("auto", "on", "off")
 # Variables a parser declared, flag by variable: kept on the parser object itself, so each
 # service's parser answers for itself.
 _DECLARED = "_prefixcache_variables"
-# Variables named in a flag's help, for flags declared without `add_flag`.
-_HELP_VARIABLE = re.compile(r"\benv (PREFIXCACHE_[A-Z0-9_]+)")
 
 
 class ConfigError(ValueError):
@@ -95,14 +92,9 @@ def declare(parser: argparse.ArgumentParser, env: str, flag: str) -> None:
 
 
 def declared_variables(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Every PREFIXCACHE_* variable `parser` reads, with its flag: those declared through this
-    module, and any other a flag's help names ("env PREFIXCACHE_X")."""
-    found: dict[str, str] = {}
-    for action in parser._actions:
-        for name in _HELP_VARIABLE.findall(action.help or ""):
-            found[name] = action.option_strings[0] if action.option_strings else action.dest
-    found.update(parser.__dict__.get(_DECLARED, {}))
-    return found
+    """Every PREFIXCACHE_* variable `parser` reads, with its flag (every flag that falls back to
+    one is declared through this module's add_*_flag helpers)."""
+    return dict(parser.__dict__.get(_DECLARED, {}))
 
 
 def _from_env(convert: Callable[[str], Any], env: str, text: str,
@@ -155,9 +147,19 @@ def add_flag(parser: argparse.ArgumentParser, name: str, env: str, default: obje
         kwargs["type"] = _from_env(kwargs.get("type") or str, env, text, kwargs.get("choices"))
     declare(parser, env, name)
     shown = "" if default is None else "; default %(default)s"
+    # `text` itself, not an equal string: _from_env tells the environment's value by identity.
     return parser.add_argument(
         name, default=text if text is not None else (None if default is None else str(default)),
         help=f"{help} (env {variable(env)}{shown})", **kwargs)
+
+
+def env_default(name: str, default: object) -> str | None:
+    """A flag's default: $PREFIXCACHE_<name> when set, else `default`, as the text argparse
+    converts with the flag's type (None stays None: "not set")."""
+    value = env_text(name)
+    if value is not None:
+        return value
+    return None if default is None else str(default)
 
 
 def add_bool_flag(parser: argparse.ArgumentParser, name: str, env: str, help: str,

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from service_shell.config import add_flag, env_text, finite_float  # noqa: F401 (re-exported)
+from service_shell.config import add_flag
 from service_shell.logs import LOG_LEVELS
 from service_shell.tls import SETTINGS as TLS_SETTINGS
 from service_shell.tls import TlsConfig
-
-
-def env_default(name: str, default: object) -> str | None:
-    """A flag's default: $PREFIXCACHE_<name> when set, else `default`, as the text argparse
-    converts with the flag's type (None stays None: "not set")."""
-    value = env_text(name)
-    if value is not None:
-        return value
-    return None if default is None else str(default)
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
