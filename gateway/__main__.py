@@ -31,6 +31,7 @@ from gateway.core.policies import POLICY_NAMES
 from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO
 from gateway.core.workers import WorkerSettings
+from gateway.http.bounds import HttpLimits  # no HTTP stack: only the bounds' defaults
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag, add_server_flags,
                            configure_logging, finite_float, kv, tls_from_args)
@@ -43,7 +44,7 @@ log = logging.getLogger("gateway")
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the gateway; `declared_variables(build_parser())` lists the PREFIXCACHE_*
     variables it reads."""
-    cfg, workers = GatewayConfig(), WorkerSettings()
+    cfg, workers, bounds = GatewayConfig(), WorkerSettings(), HttpLimits()
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = functools.partial(add_flag, p)
@@ -66,14 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--http-max-in-flight", "HTTP_MAX_IN_FLIGHT", 64, "HTTP API: requests of one tenant "
          "running at once, streams included (the entry's max_in_flight overrides it); past it "
          "429; 0 = unlimited", type=int)
-    flag("--http-header-timeout-s", "HTTP_HEADER_TIMEOUT_S", 10.0, "HTTP API: seconds a "
-         "connection has to send a complete request head; a slower one is closed", type=float)
-    flag("--http-body-timeout-s", "HTTP_BODY_TIMEOUT_S", 30.0, "HTTP API: seconds a request "
-         "has to send its body after its head; a slower one is closed", type=float)
-    flag("--http-keep-alive-s", "HTTP_KEEP_ALIVE_S", 5.0, "HTTP API: seconds an idle "
-         "keep-alive connection stays open", type=float)
-    flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", 4096, "HTTP API: open connections; "
-         "one more is closed as soon as it is accepted", type=int)
+    flag("--http-header-timeout-s", "HTTP_HEADER_TIMEOUT_S", bounds.header_timeout_s,
+         "HTTP API: seconds a connection has to send a complete request head; a slower one is "
+         "closed", type=float)
+    flag("--http-body-timeout-s", "HTTP_BODY_TIMEOUT_S", bounds.body_timeout_s,
+         "HTTP API: seconds a request has to send its body after its head; a slower one is "
+         "closed", type=float)
+    flag("--http-keep-alive-s", "HTTP_KEEP_ALIVE_S", bounds.keep_alive_s,
+         "HTTP API: seconds an idle keep-alive connection stays open", type=float)
+    flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", bounds.max_connections,
+         "HTTP API: open connections; one more is closed as soon as it is accepted", type=int)
     flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
          "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
@@ -174,7 +177,6 @@ def _http_limits(args: argparse.Namespace) -> dict:
     if not args.http_port:
         return {}
     from gateway.http.limits import TenantLimits
-    from gateway.http.server import HttpLimits
     return {"http_tenant_limits": TenantLimits(args.http_rate_per_s, args.http_burst,
                                                args.http_max_in_flight),
             "http_limits": HttpLimits(args.http_header_timeout_s, args.http_body_timeout_s,

@@ -39,7 +39,7 @@ from service_shell.auth import ServiceIdentities
 
 if TYPE_CHECKING:  # the `gateway` extra: imported where the HTTP API starts
     from gateway.http.limits import TenantLimits
-    from gateway.http.server import HttpLimits
+    from gateway.http.bounds import HttpLimits
 
 log = logging.getLogger("gateway.server")
 

@@ -9,4 +9,5 @@ the gRPC port (gateway/core/proxy.py), served by uvicorn inside the gateway proc
 - generation.py: the calls of one request, read concurrently; streaming.py: SSE and stop
   strings; schemas.py: the OpenAI request and response shapes; models.py: the model catalog;
 - errors.py: OpenAI's error bodies; body_limit.py: the request size limit;
-- server.py: uvicorn on its own thread, tied to the gateway's lifecycle."""
+- server.py: uvicorn on its own thread, tied to the gateway's lifecycle; bounds.py: its
+  slow-client bounds (no HTTP dependency: `python -m gateway` reads their defaults)."""

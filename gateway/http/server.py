@@ -35,7 +35,6 @@ import logging
 import socket
 import ssl
 import threading
-from dataclasses import dataclass
 
 import prometheus_client
 import uvicorn
@@ -44,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service_shell import TlsConfig, kv
 from service_shell.tls import SslContextReloader
+from gateway.http.bounds import HttpLimits
 
 log = logging.getLogger("gateway.http")
 
@@ -66,19 +66,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-    max_connections: int = 4096
-    max_head_bytes: int = 64 << 10
-
-    def __post_init__(self) -> None:
-        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0 and self.keep_alive_s > 0):
-            raise ValueError("header_timeout_s, body_timeout_s and keep_alive_s must be > 0")
-        if self.max_connections < 1 or self.max_head_bytes < 1024:
-            raise ValueError("max_connections must be >= 1 and max_head_bytes >= 1024")
 
 
 def closed_counter(registry: prometheus_client.CollectorRegistry | None

@@ -22,7 +22,8 @@ from fastapi import FastAPI
 
 from gateway.core.tenants import TenantDirectory
 from gateway.http.limits import TenantLimiter, TenantLimits
-from gateway.http.server import HttpLimits, HttpServer
+from gateway.http.bounds import HttpLimits
+from gateway.http.server import HttpServer
 from service_shell import TlsConfig
 from tests.gateway.gateway_harness import wait_until
 from tests.gateway.http_helpers import auth
