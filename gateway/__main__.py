@@ -84,18 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
          "HTTP API: seconds an idle keep-alive connection stays open", type=float)
     flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", bounds.max_connections,
          "HTTP API: open connections; one more is closed as soon as it is accepted", type=int)
-    flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
-         "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
-    flag("--epp-model-server-port", "EPP_MODEL_SERVER_PORT", 0, "port of the workers' model "
-         "servers (--model-server gateways beside them; the InferencePool's targetPort): the "
-         "Endpoint Picker then routes OpenAI HTTP (/v1/completions, /v1/chat/completions, "
-         "/v1/models) to a worker's host at this port; 0 = it routes gRPC Generate only",
-         type=int)
-    add_bool_flag(p, "--model-server", "MODEL_SERVER", "serve the one worker of --workers to "
-                  "an InferencePool's data plane (the OpenAI HTTP API of --http-port, as a vLLM "
-                  "pod serves it): callers are identities of role dataplane in "
-                  "--service-identities-file, forwarding the tenant the Endpoint Picker named; "
-                  "no tenants file, no anonymous caller", "off")
+    _add_endpoint_picker_flags(p)
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
     flag("--tenants-file", "TENANTS_FILE", None,
          'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
@@ -132,6 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "role 'dataplane' may call the Endpoint Picker (--epp-port), nobody "
                         "else; required with --epp-port")
     return p
+
+
+def _add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
+    """The Gateway API Inference Extension's side: the Endpoint Picker, and the model server
+    that runs beside each worker."""
+    flag = functools.partial(add_flag, p)
+    flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
+         "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
+    flag("--epp-model-server-port", "EPP_MODEL_SERVER_PORT", 0, "port of the workers' model "
+         "servers (--model-server gateways beside them; the InferencePool's targetPort): the "
+         "Endpoint Picker then routes OpenAI HTTP (/v1/completions, /v1/chat/completions, "
+         "/v1/models) to a worker's host at this port; 0 = it routes gRPC Generate only",
+         type=int)
+    add_bool_flag(p, "--model-server", "MODEL_SERVER", "serve the one worker of --workers to "
+                  "an InferencePool's data plane (the OpenAI HTTP API of --http-port, as a vLLM "
+                  "pod serves it): callers are identities of role dataplane in "
+                  "--service-identities-file, forwarding the tenant the Endpoint Picker named; "
+                  "no tenants file, no anonymous caller", "off")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
