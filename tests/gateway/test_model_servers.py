@@ -181,3 +181,26 @@ def test_a_drained_worker_fails_no_request():
             t.join(30)
         assert failures == []
         assert len(done) >= 30
+
+
+def test_the_flags(tmp_path, capsys):
+    from gateway.__main__ import config_from_args, parse_args
+    identities = tmp_path / "ids.json"
+    identities.write_text('{"identities": [{"name": "envoy", "role": "dataplane", '
+                          f'"token": "{DATAPLANE_TOKEN}"}}]}}')
+    ids = f"--service-identities-file={identities}"
+    server = ["--model-server", "--workers", "localhost:50052", "--http-port", "8000"]
+    config = config_from_args(parse_args([*server, ids]))
+    assert isinstance(config.tenants, DataplaneTenants) and config.epp_model_servers is None
+    for extra, why in (([], "needs --service-identities-file"),
+                       ([ids, "--allow-anonymous"], "drop --tenants-file"),
+                       ([ids, "--workers", "a:1,b:1"], "serves one worker"),
+                       ([ids, "--epp-port", "9002"], "the picker runs in the gateway")):
+        with pytest.raises(SystemExit):
+            parse_args([*server, *extra])
+        assert why in capsys.readouterr().err, why
+    picker = config_from_args(parse_args(["--workers", "10.0.0.7:50052", "--allow-anonymous",
+                                          ids, "--epp-port", "9002",
+                                          "--epp-model-server-port", "8000"]))
+    assert picker.epp_model_servers("10.0.0.7:50052") == "10.0.0.7:8000"
+    assert picker.epp_model_servers("[fd00::7]:50052") == "[fd00::7]:8000"
