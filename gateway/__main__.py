@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--workers", "WORKERS", None, "static workers: COMPUTE_ADDR[@CACHE_ADDR],...")
     flag("--workers-dns", "WORKERS_DNS", None, "HOST:PORT of a headless Service whose A/AAAA "
          "records are the workers' compute addresses")
+    flag("--workers-inferencepool", "WORKERS_INFERENCEPOOL", None, "[NAMESPACE/]NAME of an "
+         "InferencePool (inference.networking.k8s.io/v1; default namespace: the pod's own) "
+         "whose Ready pods, at its target "
+         "port, are the workers, watched through the Kubernetes API (in-cluster credentials; "
+         "gateway/core/inferencepool.py)")
     flag("--resolve-interval-s", "RESOLVE_INTERVAL_S", cfg.resolve_interval_s,
          "seconds between DNS resolutions of --workers-dns", type=float)
     flag("--cache-port", "CACHE_PORT", 50051, "cache service port of a worker whose address "
@@ -151,9 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.epp_port and args.epp_callers is None:
         p.error("--epp-port needs --service-identities-file (PREFIXCACHE_SERVICE_IDENTITIES_FILE):"
                 " the Endpoint Picker serves only the data plane's identity (role dataplane)")
-    if (args.workers is None) == (args.workers_dns is None):
-        p.error("give exactly one of --workers (PREFIXCACHE_WORKERS) and --workers-dns "
-                "(PREFIXCACHE_WORKERS_DNS)")
+    if sum(x is not None for x in (args.workers, args.workers_dns,
+                                   args.workers_inferencepool)) != 1:
+        p.error("give exactly one of --workers (PREFIXCACHE_WORKERS), --workers-dns "
+                "(PREFIXCACHE_WORKERS_DNS) and --workers-inferencepool "
+                "(PREFIXCACHE_WORKERS_INFERENCEPOOL)")
     if args.hash_spec != NS_DOMAIN.decode():
         p.error(f"--hash-spec {args.hash_spec!r}: this gateway implements "
                 f"{NS_DOMAIN.decode()!r} only")
@@ -172,14 +179,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}: must be > 0")
     try:
-        args.source = (static_workers(parse_static(args.workers, args.cache_port))
-                       if args.workers is not None
-                       else DnsWorkers(args.workers_dns, args.cache_port))
+        args.source = _worker_source(args)
         args.tenants = (DataplaneTenants(args.epp_callers) if args.model_server
                         else TenantDirectory.from_file(args.tenants_file, args.allow_anonymous))
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def _worker_source(args: argparse.Namespace):
+    """The workers' addresses, as the flags say; ValueError naming the flag."""
+    if args.workers is not None:
+        return static_workers(parse_static(args.workers, args.cache_port))
+    if args.workers_dns is not None:
+        return DnsWorkers(args.workers_dns, args.cache_port)
+    # Imported here: only this source reads the Kubernetes API (its watch thread starts now).
+    from gateway.core.inferencepool import InferencePoolWorkers
+    return InferencePoolWorkers(args.workers_inferencepool, args.cache_port)
 
 
 def _check_model_server(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -252,6 +252,9 @@ class GatewayServer(ShellPorts):
         self._stop.set()
         self._loop.join(5)
         self.workers.close()
+        close_source = getattr(cfg.workers, "close", None)  # an InferencePool's watch
+        if close_source is not None:
+            close_source()
         self._shell.close()
         self._stopped.set()
         log.info(kv("server_stopped", address=self.address))

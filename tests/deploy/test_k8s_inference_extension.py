@@ -34,9 +34,10 @@ def test_the_pools_are_the_workers_ports_and_their_picker_the_gateway(renders, v
     assert [p["number"] for p in pool["targetPorts"]] == [port] and port in listening
     assert pool["appProtocol"] == protocol
     gateway = container(docs, "gateway", "gateway")
-    # The endpoints the picker names are the addresses the gateway discovers workers at
-    # (their engine port), or the same pod's model server.
-    assert gateway.env_value("PREFIXCACHE_WORKERS_DNS").endswith(":50052")
+    # The workers the picker chooses among are the gRPC pool's pods (a watch on the API), the
+    # endpoints it names their engine port or the same pod's model server.
+    assert gateway.env_value("PREFIXCACHE_WORKERS_INFERENCEPOOL") == "prefixcache-workers-grpc"
+    assert gateway.env_value("PREFIXCACHE_WORKERS_DNS") is None
     assert gateway.env_value("PREFIXCACHE_EPP_MODEL_SERVER_PORT") == "8000"
     ref = pool["endpointPickerRef"]
     assert ref["failureMode"] == "FailClose"
@@ -149,3 +150,23 @@ def test_the_data_plane_has_an_identity_of_its_own_and_the_picker_checks_it(rend
                for m in gateway.mounts().values()}
     assert not any(s.startswith("dataplane-service-token") for s in mounted)
     assert gateway.env_value(IDENTITIES_ENV)
+
+
+@pytest.mark.parametrize("variant", WITH)
+def test_the_gateway_reads_only_its_pool_and_pods(renders, variant):
+    """The picker's one use of the Kubernetes API: get the gRPC pool, list / watch pods, in its
+    namespace (gateway/core/inferencepool.py); no other pod mounts an API token."""
+    docs = renders[variant]
+    (role,) = by_kind(docs, "Role")
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    assert sorted((tuple(r["resources"]), tuple(r["verbs"]), tuple(r.get("resourceNames", ())))
+                  for r in role["rules"]) == [
+        (("inferencepools",), ("get",), ("prefixcache-workers-grpc",)),
+        (("pods",), ("list", "watch"), ())]
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gateway",
+                                    "namespace": NAMESPACE}]
+    for w in workloads(docs):
+        mounted = pod_spec(w).get("automountServiceAccountToken")
+        assert mounted is (w["metadata"]["name"] == "gateway"), w["metadata"]["name"]
