@@ -204,3 +204,37 @@ def test_the_flags(tmp_path, capsys):
                                           "--epp-model-server-port", "8000"]))
     assert picker.epp_model_servers("10.0.0.7:50052") == "10.0.0.7:8000"
     assert picker.epp_model_servers("[fd00::7]:50052") == "[fd00::7]:8000"
+
+
+def test_a_worker_dying_mid_stream_ends_its_streams_with_an_error_and_no_later_request_fails():
+    """A worker killed outright (no drain): the streams it was running end with an error the
+    client sees (a model server has only its own worker, and a started response is not
+    re-routed: as with a vLLM pod), and once the picker has seen it down every request
+    succeeds on the other."""
+    with model_server_pool() as (gw, cache, workers, caller, _, envoy, stopped):
+        w2 = workers["w2"]
+        w2.tokens, w2.delay_s = 50, 0.05  # long streams, so they are cut mid-way
+        text = "a prompt cached on the second worker only " * 3
+        cached_on((gw, cache, workers, caller), "w2",
+                  from_directory(BPE_TOKENIZER).text_prompt_ids(text))
+        errors = []
+
+        def stream():
+            try:
+                for _ in client(envoy).completions.create(model=MODEL, prompt=text,
+                                                          max_tokens=50, stream=True):
+                    pass
+            except openai.OpenAIError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: len(w2.seen) == 1)
+        w2.stop()
+        stopped.add("w2")
+        t.join(30)
+        assert len(errors) == 1  # the client is told, not left with a silently short answer
+        wait_until(lambda: not gw.router.get("w2").up, what="the picker sees w2 down")
+        for _ in range(5):
+            out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
+            assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
