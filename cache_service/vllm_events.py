@@ -9,10 +9,19 @@ wire; design.md §4 the mapping.
 - Hashes: a 16-byte page hash goes out as the unsigned integer of its LAST 8 bytes, big-endian
   (u64; exactly what vLLM's `maybe_convert_block_hash` does to its own hashes with
   VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES). `parent_block_hash` is null at a namespace root.
-- Namespaces: the salt never goes on the wire. Each block's `extra_keys` entry is
-  `[adapter, namespace id]` (`[namespace id]` without an adapter), where the namespace id is an
-  HMAC-SHA256 of the namespace seed under a key configured on the cache service
-  (`NamespaceIds`): opaque, stable while the key is, distinct per (model, adapter, salt).
+- Namespaces, laid out so that llm-d's indexer (llm-d-kv-cache's token processor: block key =
+  FNV-64a of CBOR [parent key, tokens, extra], the chain started from the model name, which is
+  `lora_name` when set) computes from our events the keys it computes from a request's prompt:
+  an unsalted namespace (the anonymous tenant, with or without an adapter) publishes NO
+  `extra_keys`, exactly what vLLM publishes for a text request; the adapter travels as
+  `lora_name` only (vLLM also repeats the bare name in `extra_keys`, which llm-d reads as a
+  multimodal hash, so its keys would match no prompt). A salted namespace (a tenant) puts one
+  entry on the FIRST block of a run that starts at the namespace root, `[namespace id]`, where
+  vLLM puts the cache salt (on a request's first block only), so every key of the chain differs
+  per tenant; the salt itself never goes on the wire. The namespace id is an HMAC-SHA256 of the
+  namespace seed under a key configured on the cache service (`NamespaceIds`): opaque, stable
+  while the key is, distinct per (model, adapter, salt); a router that knows it matches a
+  tenant's prompt by passing it as block 0's extra key (docs/kv-events.md).
 - Hybrid pools: attention pages are group 0 (`kv_cache_spec_kind` "full_attention"); a Mamba
   checkpoint is a block of group 1 ("mamba") with the hash of the page whose state it holds,
   stored when the checkpoint appears and removed when it goes (vLLM's own fields for hybrid
@@ -30,8 +39,11 @@ import numpy as np
 from cache_service.events import (CHECKPOINT_DROPPED, CHECKPOINTED, CLEARED, REMOVED, STORED,
                                    record_pages)
 from prefixcache.v1 import common_pb2
+from prefixcache_client.hash import namespace_seed
 
-ENCODINGS = ("map", "array")
+# "array" first: the default, the positional events llm-d's current indexer decodes
+# (llm-d-kv-cache engineadapter/vllm_adapter.go unmarshals each event into a list).
+ENCODINGS = ("array", "map")
 MEDIUM_NAMES = {common_pb2.MEDIUM_DEVICE: "GPU", common_pb2.MEDIUM_HOST: "CPU",
                 common_pb2.MEDIUM_REMOTE: "STORAGE"}
 ATTENTION_GROUP, MAMBA_GROUP = 0, 1
@@ -81,7 +93,7 @@ class NamespaceIds:
 class VllmEncoder:
     """Encodes one batch of records (cache_service.events) as a msgpack KVEventBatch."""
 
-    def __init__(self, encoding: str = "map", namespace_key: bytes = b"",
+    def __init__(self, encoding: str = "array", namespace_key: bytes = b"",
                  data_parallel_rank: int = 0):
         if encoding not in ENCODINGS:
             raise ValueError(f"kv events encoding: must be one of {', '.join(ENCODINGS)}, "
@@ -91,14 +103,28 @@ class VllmEncoder:
         self.namespace_id = NamespaceIds(namespace_key)
         self.data_parallel_rank = data_parallel_rank
         self._encode = msgspec.msgpack.Encoder().encode
+        self._unsalted: dict[tuple[str, str], bytes] = {}
 
     def batch(self, timestamp: float, records: list[list], page_size: int,
-              hybrid: bool = False, pause=None) -> bytes:
-        return self._encode([timestamp, self.events(records, page_size, hybrid, pause),
+              hybrid: bool = False, pause=None, model_id: str = "") -> bytes:
+        return self._encode([timestamp, self.events(records, page_size, hybrid, pause, model_id),
                              self.data_parallel_rank])
 
+    def extra_keys(self, namespace: bytes, adapter: str, model_id: str, at_root: bool,
+                   blocks: int) -> list | None:
+        """The `extra_keys` of a run of `blocks` blocks (see the module docstring): None for an
+        unsalted namespace, else the namespace id on the first block of a run at the root."""
+        unsalted = self._unsalted.get((model_id, adapter))
+        if unsalted is None:
+            if len(self._unsalted) >= 4096:  # adapters come and go: keep the memo bounded
+                self._unsalted.clear()
+            unsalted = self._unsalted[(model_id, adapter)] = namespace_seed(model_id, adapter)
+        if namespace == unsalted or not at_root:
+            return None
+        return [[self.namespace_id(namespace)]] + [None] * (blocks - 1)
+
     def events(self, records: list[list], page_size: int, hybrid: bool = False,
-               pause=None) -> list:
+               pause=None, model_id: str = "") -> list:
         """`pause()`, when given, is called between records every PAUSE_PAGES pages or so."""
         out = []
         budget = PAUSE_PAGES
@@ -112,25 +138,26 @@ class VllmEncoder:
             if kind == STORED:
                 hashes = int_hashes(b"".join(r[3]))
                 out.append(self._stored(hashes, r[2], token_ids(b"".join(r[4])), page_size,
-                                        r[1], r[5], r[6], ATTENTION_GROUP, ATTENTION_KIND))
+                                        r[1], r[5], r[6], model_id, ATTENTION_GROUP,
+                                        ATTENTION_KIND))
             elif kind == REMOVED:
                 out.append(self._removed(int_hashes(b"".join(r[2])), r[1], ATTENTION_GROUP))
             elif kind == CLEARED:
                 out.append({"type": "AllBlocksCleared"} if self.as_map else ["AllBlocksCleared"])
             elif kind == CHECKPOINTED:
                 out.append(self._stored([int_hash(r[1])], r[2], token_ids(r[3]), page_size,
-                                        common_pb2.MEDIUM_DEVICE, r[4], r[5], MAMBA_GROUP,
-                                        MAMBA_KIND))
+                                        common_pb2.MEDIUM_DEVICE, r[4], r[5], model_id,
+                                        MAMBA_GROUP, MAMBA_KIND))
             elif kind == CHECKPOINT_DROPPED:
                 out.append(self._removed([int_hash(r[1])], common_pb2.MEDIUM_DEVICE, MAMBA_GROUP))
         return out
 
     def _stored(self, hashes: list[int], parent: bytes, tokens: list[int], page_size: int,
-                medium: int, adapter: str, namespace: bytes, group: int, spec_kind: str):
-        ns = self.namespace_id(namespace)
-        key = [adapter, ns] if adapter else [ns]
+                medium: int, adapter: str, namespace: bytes, model_id: str, group: int,
+                spec_kind: str):
+        extra = self.extra_keys(namespace, adapter, model_id, not parent, len(hashes))
         values = (hashes, int_hash(parent), tokens, page_size, None, MEDIUM_NAMES[medium],
-                  adapter or None, [key] * len(hashes), group, spec_kind)
+                  adapter or None, extra, group, spec_kind)
         if self.as_map:
             # The tag first, where vLLM's encoder puts it (some decoders read it first).
             event = {"type": "BlockStored"}

@@ -47,7 +47,7 @@ class ZmqEventsConfig:
     endpoint: str
     # "" = no replay socket.
     replay_endpoint: str = ""
-    encoding: str = "map"
+    encoding: str = "array"
     topic: str = "kv@{pool_id}@{model_id}"
     # Key of the namespace ids in extra_keys; b"" = a random key per process.
     namespace_key: bytes = b""
@@ -162,7 +162,7 @@ class ZmqEventPublisher:
 
     def encode(self, pool, timestamp: float, records: list[list], pause=None) -> bytes:
         return self.encoder.batch(timestamp, records, pool.cfg.page_size, pool.cfg.mamba_slots > 0,
-                                  pause)
+                                  pause, pool.cfg.model_id)
 
     def _run(self) -> None:
         get, send = self._queue.get, self._pub.send_multipart
@@ -254,8 +254,9 @@ def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--kv-events-zmq-replay-endpoint", "KV_EVENTS_ZMQ_REPLAY_ENDPOINT", "",
              "ZMQ ROUTER endpoint answering replay requests from the replay buffer, e.g. "
              "tcp://*:5558; empty = none")
-    add_flag(p, "--kv-events-encoding", "KV_EVENTS_ENCODING", "map",
-             "events as msgpack maps (vLLM >= 0.11) or positional arrays (older vLLM)",
+    add_flag(p, "--kv-events-encoding", "KV_EVENTS_ENCODING", "array",
+             "events as positional arrays (what llm-d's indexer decodes) or msgpack maps "
+             "(vLLM 0.33's own encoding)",
              choices=list(ENCODINGS))
     add_flag(p, "--kv-events-topic", "KV_EVENTS_TOPIC", "kv@{pool_id}@{model_id}",
              "ZMQ topic of a pool's batches; {pool_id} and {model_id} are substituted")

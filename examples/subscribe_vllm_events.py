@@ -132,6 +132,15 @@ class VllmSubscriber:
             dealer.close(linger=0)
 
 
+def namespace_of(f: dict) -> str:
+    """The opaque id a salted namespace's root run carries on its first block; "plain" for an
+    unsalted root, "(parent's)" for a run that continues its parent."""
+    keys = f.get("extra_keys")
+    if keys and keys[0]:
+        return keys[0][-1]
+    return "plain" if f["parent_block_hash"] is None else "(parent's)"
+
+
 def describe(topic: bytes, seq: int, payload: bytes) -> list[str]:
     ts, events, *_ = msgspec.msgpack.decode(payload)
     lines = []
@@ -143,7 +152,7 @@ def describe(topic: bytes, seq: int, payload: bytes) -> list[str]:
                          f"{f['medium']} (group {f.get('group_idx')}, "
                          f"{f.get('kv_cache_spec_kind')}) parent "
                          f"{'root' if parent is None else format(parent, '016x')}, "
-                         f"lora {f['lora_name']!r}, namespace {f['extra_keys'][0][-1]}")
+                         f"lora {f['lora_name']!r}, namespace {namespace_of(f)}")
         elif kind == "BlockRemoved":
             lines.append(f"{topic.decode()} seq {seq}: removed {len(f['block_hashes'])} blocks "
                          f"from {f['medium']} (group {f.get('group_idx')})")

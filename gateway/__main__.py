@@ -12,7 +12,13 @@ With --http-port the gateway also serves an OpenAI-compatible HTTP API (gateway/
 port, with the same tenants (`Authorization: Bearer TOKEN` headers), routing and drain.
 With --epp-port it is also an Endpoint Picker of the Gateway API Inference Extension on that
 port (gateway/epp/): Envoy's ext_proc protocol, the same tenants, router and drain; only the
-data plane's identity (role dataplane in --service-identities-file) may call it.
+data plane's identity (role dataplane in --service-identities-file) may call it; with
+--epp-model-server-port it also routes OpenAI HTTP to the workers' model servers.
+
+With --model-server it is such a model server: beside one worker (--workers localhost:50052),
+the OpenAI HTTP API of that worker alone, called only by the data plane, for the tenant the
+Endpoint Picker named (gateway/core/dataplane_tenants.py): an InferencePool of these looks to
+the Inference Extension like a pool of vLLM pods.
 
 Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
 line on stdout is `listening on HOST:PORT`. Readiness turns SERVING once a worker is known and
@@ -26,6 +32,7 @@ import logging
 import sys
 
 from gateway.assembly import GatewayConfig, GatewayServer
+from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import DnsWorkers, parse_static, static_workers
 from gateway.core.policies import POLICY_NAMES
 from gateway.core.tenants import TenantDirectory
@@ -53,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--workers", "WORKERS", None, "static workers: COMPUTE_ADDR[@CACHE_ADDR],...")
     flag("--workers-dns", "WORKERS_DNS", None, "HOST:PORT of a headless Service whose A/AAAA "
          "records are the workers' compute addresses")
+    flag("--workers-inferencepool", "WORKERS_INFERENCEPOOL", None, "[NAMESPACE/]NAME of an "
+         "InferencePool (inference.networking.k8s.io/v1; default namespace: the pod's own) "
+         "whose Ready pods, at its target "
+         "port, are the workers, watched through the Kubernetes API (in-cluster credentials; "
+         "gateway/core/inferencepool.py)")
     flag("--resolve-interval-s", "RESOLVE_INTERVAL_S", cfg.resolve_interval_s,
          "seconds between DNS resolutions of --workers-dns", type=float)
     flag("--cache-port", "CACHE_PORT", 50051, "cache service port of a worker whose address "
@@ -77,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
          "HTTP API: seconds an idle keep-alive connection stays open", type=float)
     flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", bounds.max_connections,
          "HTTP API: open connections; one more is closed as soon as it is accepted", type=int)
-    flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
-         "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
+    _add_endpoint_picker_flags(p)
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
     flag("--tenants-file", "TENANTS_FILE", None,
          'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
@@ -117,6 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
+    """The Gateway API Inference Extension's side: the Endpoint Picker, and the model server
+    that runs beside each worker."""
+    flag = functools.partial(add_flag, p)
+    flag("--epp-port", "EPP_PORT", 0, "port of the Endpoint Picker (Gateway API Inference "
+         "Extension: Envoy's ext_proc gRPC protocol, gateway/epp/), 0 = off", type=int)
+    flag("--epp-model-server-port", "EPP_MODEL_SERVER_PORT", 0, "port of the workers' model "
+         "servers (--model-server gateways beside them; the InferencePool's targetPort): the "
+         "Endpoint Picker then routes OpenAI HTTP (/v1/completions, /v1/chat/completions, "
+         "/v1/models) to a worker's host at this port; 0 = it routes gRPC Generate only",
+         type=int)
+    add_bool_flag(p, "--model-server", "MODEL_SERVER", "serve the one worker of --workers to "
+                  "an InferencePool's data plane (the OpenAI HTTP API of --http-port, as a vLLM "
+                  "pod serves it): callers are identities of role dataplane in "
+                  "--service-identities-file, forwarding the tenant the Endpoint Picker named; "
+                  "no tenants file, no anonymous caller", "off")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
@@ -127,13 +156,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.epp_port and args.epp_callers is None:
         p.error("--epp-port needs --service-identities-file (PREFIXCACHE_SERVICE_IDENTITIES_FILE):"
                 " the Endpoint Picker serves only the data plane's identity (role dataplane)")
-    if (args.workers is None) == (args.workers_dns is None):
-        p.error("give exactly one of --workers (PREFIXCACHE_WORKERS) and --workers-dns "
-                "(PREFIXCACHE_WORKERS_DNS)")
+    if sum(x is not None for x in (args.workers, args.workers_dns,
+                                   args.workers_inferencepool)) != 1:
+        p.error("give exactly one of --workers (PREFIXCACHE_WORKERS), --workers-dns "
+                "(PREFIXCACHE_WORKERS_DNS) and --workers-inferencepool "
+                "(PREFIXCACHE_WORKERS_INFERENCEPOOL)")
     if args.hash_spec != NS_DOMAIN.decode():
         p.error(f"--hash-spec {args.hash_spec!r}: this gateway implements "
                 f"{NS_DOMAIN.decode()!r} only")
-    if args.tenants_file is None and not args.allow_anonymous:
+    args.model_server = bool(args.model_server)
+    if args.model_server:
+        _check_model_server(p, args)
+    elif args.tenants_file is None and not args.allow_anonymous:
         p.error("--tenants-file or --allow-anonymous is required: without either every call "
                 "would be UNAUTHENTICATED")
     for name in ("http_burst", "http_max_in_flight"):
@@ -145,13 +179,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}: must be > 0")
     try:
-        args.source = (static_workers(parse_static(args.workers, args.cache_port))
-                       if args.workers is not None
-                       else DnsWorkers(args.workers_dns, args.cache_port))
-        args.tenants = TenantDirectory.from_file(args.tenants_file, args.allow_anonymous)
+        args.source = _worker_source(args)
+        args.tenants = (DataplaneTenants(args.epp_callers) if args.model_server
+                        else TenantDirectory.from_file(args.tenants_file, args.allow_anonymous))
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def _worker_source(args: argparse.Namespace):
+    """The workers' addresses, as the flags say; ValueError naming the flag."""
+    if args.workers is not None:
+        return static_workers(parse_static(args.workers, args.cache_port))
+    if args.workers_dns is not None:
+        return DnsWorkers(args.workers_dns, args.cache_port)
+    # Imported here: only this source reads the Kubernetes API (its watch thread starts now).
+    from gateway.core.inferencepool import InferencePoolWorkers
+    return InferencePoolWorkers(args.workers_inferencepool, args.cache_port)
+
+
+def _check_model_server(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.epp_callers is None:
+        p.error("--model-server needs --service-identities-file: only the data plane's identity "
+                "(role dataplane) may call a model server")
+    if args.tenants_file is not None or args.allow_anonymous:
+        p.error("--model-server takes its tenants from the data plane (the Endpoint Picker's "
+                "headers): drop --tenants-file / --allow-anonymous")
+    if args.workers is None or "," in args.workers or not args.http_port:
+        p.error("--model-server serves one worker: give --workers with exactly one address "
+                "(its own, e.g. localhost:50052) and --http-port")
+    if args.epp_port:
+        p.error("--model-server and --epp-port: the picker runs in the gateway, not beside a "
+                "worker")
+
+
+def _model_server_endpoint(port: int):
+    """A worker's compute address -> its model server's: the same host at `port`."""
+    def endpoint(address: str) -> str:
+        return f"{address.rpartition(':')[0]}:{port}"
+    return endpoint
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -160,6 +226,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         metrics_port=args.metrics_port or None, health_port=args.health_port or None,
         http_port=args.http_port or None, epp_port=args.epp_port or None,
         epp_callers=args.epp_callers,
+        epp_model_servers=(_model_server_endpoint(args.epp_model_server_port)
+                           if args.epp_model_server_port else None),
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import WorkerAddress
 from gateway.core.index import IndexConfig
 from gateway.core.metrics import GatewayMetrics
@@ -71,12 +72,20 @@ class GatewayConfig:
     # Who may call the Endpoint Picker: identities of role `dataplane` (service_shell/auth.py);
     # None = nobody (every ext_proc stream is UNAUTHENTICATED).
     epp_callers: ServiceIdentities | None = None
+    # A worker's compute address -> its model server's endpoint (`--model-server` gateways
+    # beside the workers, the InferencePool's targetPort): the Endpoint Picker then routes
+    # OpenAI HTTP requests there. None = it routes gRPC Generate only.
+    epp_model_servers: Callable[[str], str] | None = None
     tls: TlsConfig | None = None
     max_message_mb: int = 64
     # Each Generate stream holds a server thread for its whole life.
     max_streams: int = 512
     policy: str = "affinity"
-    tenants: TenantDirectory = field(default_factory=lambda: TenantDirectory({}, True))
+    # Who calls, as which tenant: bearer tokens (TenantDirectory), or, for a model server
+    # (`--model-server`), the data plane forwarding the tenant its Endpoint Picker named
+    # (gateway/core/dataplane_tenants.py).
+    tenants: TenantDirectory | DataplaneTenants = field(
+        default_factory=lambda: TenantDirectory({}, True))
     # `auto`: the workers' own (GetTokenizer); `byte` or a checkpoint directory (tokenize.py).
     tokenizer: str = AUTO
     # None: from the first worker; workers with another value are refused.
@@ -186,7 +195,8 @@ class GatewayServer(ShellPorts):
         return EppServer(self.proxy, self.router, self.metrics.registry, host=cfg.host,
                          port=cfg.epp_port, max_streams=cfg.max_streams,
                          max_message_mb=cfg.max_message_mb, tls=cfg.tls,
-                         callers=cfg.epp_callers, gateway_calls=self.running).start()
+                         callers=cfg.epp_callers, gateway_calls=self.running,
+                         model_servers=cfg.epp_model_servers).start()
 
     def _watch(self) -> None:
         """Readiness (a worker with a live stream) and periodic discovery."""
@@ -242,6 +252,9 @@ class GatewayServer(ShellPorts):
         self._stop.set()
         self._loop.join(5)
         self.workers.close()
+        close_source = getattr(cfg.workers, "close", None)  # an InferencePool's watch
+        if close_source is not None:
+            close_source()
         self._shell.close()
         self._stopped.set()
         log.info(kv("server_stopped", address=self.address))

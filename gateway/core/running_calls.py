@@ -25,7 +25,7 @@ class ProxiedCall:
     def scope(self) -> str:
         """The request-id scope the worker keys this call by (ids are unique per tenant only,
         so the worker must not key them globally): the tenant's."""
-        return request_scope(self.tenant.name)
+        return self.tenant.scope or request_scope(self.tenant.name)
 
     def attach(self, worker: Worker, stream: GenerateStream) -> None:
         with self._lock:

@@ -37,6 +37,10 @@ class AuthError(Exception):
 class Tenant:
     name: str
     salt: str
+    # The request-id scope its worker calls carry; "" = request_scope(name). Set only for a
+    # tenant the Endpoint Picker named to a model server (gateway/core/dataplane_tenants.py),
+    # which knows the scope, not the name.
+    scope: str = ""
 
 
 # The limits an entry may set, with their type: requests per second, burst, in flight.

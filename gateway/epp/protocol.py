@@ -10,7 +10,9 @@ protocol) asks, and how this module answers it:
   `x-gateway-destination-endpoint-subset` (a list, or a comma-separated string, of "ip:port");
   nothing eligible in it is an ImmediateResponse 503, as is no ready endpoint at all.
 - Requests this EPP routes are gRPC `prefixcache.v1.ComputeService` calls (the workers' own API,
-  served over h2c): the body is the gRPC length-prefixed GenerateRequest.
+  served over h2c): the body is the gRPC length-prefixed GenerateRequest; and, where the pool's
+  workers run model servers (`python -m gateway --model-server`), OpenAI HTTP requests: the
+  body is their JSON (gateway/epp/openai_body.py).
 """
 from __future__ import annotations
 
@@ -159,13 +161,17 @@ def streamed_body(body: bytes, end_of_stream: bool, response: bool = False
     return out
 
 
-def immediate(status: int, message: str, grpc: bool,
-              grpc_status: int | None = None) -> ep.ProcessingResponse:
+def immediate(status: int, message: str, grpc: bool, grpc_status: int | None = None,
+              json_body: bytes | None = None) -> ep.ProcessingResponse:
     """The data plane answers the client itself: `status` with `message`, and for a gRPC client
-    the matching gRPC status."""
+    the matching gRPC status; `json_body` (an OpenAI error object) replaces the text body."""
     # Envoy's local reply to a gRPC request turns the body into grpc-message.
     resp = ep.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status),
-                                body=message.encode(), details=message)
+                                body=json_body or message.encode(), details=message)
     if grpc:
         resp.grpc_status.status = grpc_status or _GRPC_STATUS.get(status, 2)
+    elif json_body is not None:
+        resp.headers.set_headers.append(base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+            append_action=_OVERWRITE))
     return ep.ProcessingResponse(immediate_response=resp)

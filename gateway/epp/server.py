@@ -14,6 +14,8 @@ point at it, and the gateway's `--max-streams` bounds it separately (each ext_pr
 a server thread for its whole HTTP request, a Generate's whole stream)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import threading
 
 import prometheus_client
@@ -34,11 +36,12 @@ class EppServer:
                  registry: prometheus_client.CollectorRegistry, *, host: str, port: int,
                  max_streams: int, max_message_mb: int, tls: TlsConfig | None = None,
                  callers: ServiceIdentities | None = None,
-                 gateway_calls: RunningCalls | None = None) -> None:
+                 gateway_calls: RunningCalls | None = None,
+                 model_servers: Callable[[str], str] | None = None) -> None:
         self.host, self._port, self.tls = host, port, tls
         self.port = 0
         self.picker = EndpointPicker(proxy, router, EppMetrics(registry), max_message_mb << 20,
-                                     gateway_calls)
+                                     gateway_calls, model_servers)
         self.refusals = Refusals(registry, "gateway-epp")
         auth = AuthInterceptor(callers if callers is not None else ServiceIdentities(),
                                EXT_PROC_SERVICE, EPP_POLICY, self.refusals)

@@ -23,17 +23,26 @@ first response body chunk is its first token.
 
 Only Generate (by prefix) and Abort (only to the worker running that tenant's request, through
 the data plane or the gateway) are routed: they are all the data plane's identity may call on a
-worker. GetModelInfo and GetTokenizer are the gateway's own (its gRPC port). Refusals are ImmediateResponses: 401 (unauthenticated), 400 (a body that
+worker. GetModelInfo and GetTokenizer are the gateway's own (its gRPC port).
+
+With `model_servers` (--epp-model-server-port), the workers also run model servers (`python -m
+gateway --model-server`, the OpenAI HTTP API of one worker, gateway/core/dataplane_tenants.py)
+and the picker routes OpenAI HTTP to them as the Inference Extension's reference deployment
+routes to vLLM pods: POST /v1/completions and /v1/chat/completions by their prompt's prefix
+(the body read as the gateway's HTTP API reads it: gateway/epp/openai_body.py), GET /v1/models
+and /health to the least loaded; the same tenant headers are set, the endpoint is the worker's
+model server. Refusals are ImmediateResponses: 401 (unauthenticated), 400 (a body that
 is not one uncompressed request message, a bad prompt), 404 (any other call, an Abort of nothing
-running), 413 (over --max-message-mb), 503 (no worker, none in the data plane's subset, or
-draining); a gRPC client gets the matching gRPC status.
+running, an unknown model), 413 (over --max-message-mb), 503 (no worker, none in the data
+plane's subset, or draining); a gRPC client gets the matching gRPC status, an HTTP one an
+OpenAI error object.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import prometheus_client
@@ -41,12 +50,13 @@ import prometheus_client
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from gateway.core.policies.base import RouteRequest
 from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.request_checks import check_request, check_request_id
 from gateway.core.router import Router
 from gateway.core.running_calls import RunningCalls
 from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
-from gateway.epp import protocol as wire
+from gateway.epp import openai_body, protocol as wire
 from gateway.epp.protocol import Refusal
 from prefixcache_client.limits import quote_untrusted
 from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, kv, request_scope
@@ -73,9 +83,12 @@ class EppMetrics:
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def __init__(self, proxy: GenerateProxy, router: Router, metrics: EppMetrics,
-                 max_body_bytes: int,
-                 gateway_calls: RunningCalls | None = None) -> None:
+                 max_body_bytes: int, gateway_calls: RunningCalls | None = None,
+                 model_servers: Callable[[str], str] | None = None) -> None:
         self.proxy, self.router, self.metrics = proxy, router, metrics
+        # A worker's compute address -> its model server's endpoint (the InferencePool's
+        # podIP:targetPort), where OpenAI HTTP requests go; None: they are not routed here.
+        self.model_servers = model_servers
         # The gateway's own calls in progress (an Abort may name one of them).
         self.gateway_calls = gateway_calls if gateway_calls is not None else RunningCalls()
         self.max_body_bytes = max_body_bytes
@@ -101,11 +114,15 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     def pick(self, ex: _Exchange, body: bytes) -> tuple[str, dict[str, str | None]]:
         """(endpoint, headers to set or remove) for the exchange's request; Refusal."""
-        if ex.path != wire.GENERATE_PATH and ex.path != wire.ABORT_PATH:
+        openai = self.model_servers is not None and ex.path in openai_body.PATHS
+        if not openai and ex.path not in (wire.GENERATE_PATH, wire.ABORT_PATH):
             raise Refusal(404, f"{ex.path or 'the request'}: not routed here; the pool serves "
-                               "prefixcache.v1.ComputeService Generate and Abort over gRPC "
-                               "(GetModelInfo, GetTokenizer and the OpenAI API are the "
-                               "gateway's own ports)")
+                               "prefixcache.v1.ComputeService Generate and Abort over gRPC"
+                               + (", and POST /v1/completions, /v1/chat/completions, GET "
+                                  "/v1/models over HTTP" if self.model_servers else
+                                  " (the OpenAI API is the gateway's own HTTP port, or the "
+                                  "workers' model servers with --epp-model-server-port)"))
+        ex.openai = openai
         tenant = self._tenant(ex)
         try:
             self.proxy.check_open()
@@ -122,23 +139,38 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                      if (w := self.router.get(n)) is not None and w.address == endpoint]
             self.metrics.picks.labels(names[0] if names else "", "picked").inc()
             return endpoint, self._headers(tenant)
-        request = wire.generate_request(body)
+        return self._route(ex, tenant, self._route_request(ex, tenant, body)), \
+            self._headers(tenant)
+
+    def _route_request(self, ex: _Exchange, tenant: Tenant, body: bytes) -> RouteRequest:
+        """What the router scores for this exchange: its prompt's pages in the tenant's
+        namespace (no prompt, for GET /v1/models: any worker, the least loaded)."""
+        if ex.openai and ex.path not in openai_body.PROMPT_PATHS:
+            return RouteRequest(uuid.uuid4().hex, [], 0, self.proxy.fleet.page_size)
+        if ex.openai:
+            request, fingerprint = openai_body.prompt_request(ex.path, body, self.proxy,
+                                                              self.router)
+        else:
+            request, fingerprint = wire.generate_request(body), None
         try:
             # What the gateway's own Generate refuses, refused before the prompt is
             # tokenized and hashed (gateway/core/request_checks.py).
             check_request(request, self.proxy.fleet)
-            route = self.proxy.prepare(request, tenant, uuid.uuid4().hex)
+            route = self.proxy.prepare(request, tenant, uuid.uuid4().hex, fingerprint)
         except ProxyError as exc:
             raise Refusal(_HTTP_STATUS.get(exc.code, 400), exc.message) from None
         if request.request_id:
             ex.running_key = (tenant.name, request.request_id)
-        chosen = self.router.route(route, exclude=self._outside(ex.subset))
+        return route
+
+    def _route(self, ex: _Exchange, tenant: Tenant, route: RouteRequest) -> str:
+        chosen = self.router.route(route, exclude=self._outside(ex.subset, ex.openai))
         if chosen is None:
             why = ("no worker in the data plane's subset "
                    f"({', '.join(sorted(ex.subset))}) is available"
                    if ex.subset is not None else "no worker is available")
             raise Refusal(503, why)
-        endpoint = chosen.worker.address
+        endpoint = self._endpoint(chosen.worker.address, ex.openai)
         # Counted on its worker until the stream ends.
         ex.routed = route.request_id
         if ex.running_key is not None:
@@ -147,7 +179,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self.metrics.picks.labels(chosen.worker.name, "picked").inc()
         log.debug(kv("epp_pick", path=ex.path, worker=chosen.worker.name, endpoint=endpoint,
                      reason=chosen.decision.reason))
-        return endpoint, self._headers(tenant)
+        return endpoint
+
+    def _endpoint(self, address: str, openai: bool) -> str:
+        """A worker's endpoint for this request: its compute address (gRPC), or its model
+        server's (OpenAI HTTP)."""
+        return self.model_servers(address) if openai else address
 
     def _running_on(self, tenant: Tenant, abort) -> str:
         """The worker running the tenant's request (sent through the data plane, or through
@@ -185,14 +222,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 SERVICE_TOKEN_METADATA_KEY: None,
                 REQUEST_SCOPE_METADATA_KEY: request_scope(tenant.name)}
 
-    def _outside(self, subset: set[str] | None) -> list[str]:
-        """Workers whose address the data plane's subset leaves out."""
+    def _outside(self, subset: set[str] | None, openai: bool = False) -> list[str]:
+        """Workers whose endpoint the data plane's subset leaves out."""
         if subset is None:
             return []
         out = []
         for name in self.router.names():
             worker = self.router.get(name)
-            if worker is None or worker.address not in subset:
+            if worker is None or self._endpoint(worker.address, openai) not in subset:
                 out.append(name)
         return out
 
@@ -219,6 +256,7 @@ class _Exchange:
         self.body = bytearray()
         self.picked = self.first_token = self.done = False
         self.routed: str | None = None  # the router's request id while it counts the load
+        self.openai = False  # an OpenAI HTTP request to a model server
         self.running_key: tuple[str, str] | None = None
 
     def handle(self, req: ep.ProcessingRequest) -> Iterator[ep.ProcessingResponse]:
@@ -247,7 +285,9 @@ class _Exchange:
             self.picker.metrics.picks.labels("", _OUTCOMES.get(exc.status, "refused")).inc()
             log.info(kv("epp_refused", path=self.path, status=exc.status, message=exc.message))
             self.done = True
-            yield wire.immediate(exc.status, exc.message, self.grpc, exc.grpc_status)
+            yield wire.immediate(exc.status, exc.message, self.grpc, exc.grpc_status,
+                                 openai_body.error_body(exc.status, exc.message)
+                                 if self.openai else None)
 
     def _request_headers(self, req: ep.ProcessingRequest) -> Iterator[ep.ProcessingResponse]:
         self.headers = wire.header_map(req.request_headers)

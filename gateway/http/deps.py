@@ -15,7 +15,7 @@ import anyio
 from fastapi import Depends, Request
 
 from gateway.core.proxy import GenerateProxy
-from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, Tenant
+from gateway.core.tenants import AuthError, Tenant
 from gateway.http.errors import ApiError
 from gateway.http.models import ModelCatalog
 
@@ -61,10 +61,10 @@ async def created(core: HttpCore = Depends(core)) -> int:
 
 async def tenant(request: Request, proxy: GenerateProxy = Depends(proxy)) -> Tenant:
     """The caller's tenant from its `Authorization: Bearer TOKEN` header (the gRPC API's
-    metadata, the same tenants); 401 otherwise."""
-    values = request.headers.getlist(AUTH_METADATA_KEY)
+    metadata, the same tenants), or on a model server the one the data plane forwards
+    (gateway/core/dataplane_tenants.py); 401 otherwise."""
     try:
-        return proxy.tenants.authenticate([(AUTH_METADATA_KEY, v) for v in values])
+        return proxy.tenants.authenticate(request.headers.items())
     except AuthError as exc:
         raise ApiError(401, str(exc), "authentication_error", None,
                        "invalid_api_key") from None

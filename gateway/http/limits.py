@@ -25,10 +25,9 @@ from dataclasses import dataclass, replace
 import prometheus_client
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.core.tenants import AUTH_METADATA_KEY, AuthError, TenantDirectory
+from gateway.core.tenants import AuthError, TenantDirectory
 
 UNAUTHENTICATED = "unauthenticated"
-_AUTH = AUTH_METADATA_KEY.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +122,8 @@ class RateLimit:
         self.app, self.tenants, self.limiter, self.throttled = app, tenants, limiter, throttled
 
     def tenant_of(self, scope: Scope) -> str:
-        values = [(AUTH_METADATA_KEY, v.decode("latin-1"))
-                  for k, v in scope.get("headers", ()) if k == _AUTH]
+        # Every header: a model server's tenants read the data plane's (dataplane_tenants.py).
+        values = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())]
         try:
             return self.tenants.authenticate(values).name
         except AuthError:

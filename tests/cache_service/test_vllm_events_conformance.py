@@ -74,11 +74,14 @@ class Expect:
         adapter, salt = ns = self._namespace(parent, hashes, tokens)
         for h in hashes:
             self.namespace_of[h] = ns
-        key = (adapter, namespace_id(*ns)) if adapter else (namespace_id(*ns),)
+        # A salted namespace is named on the first block of a run at its root only, where vLLM
+        # puts a cache salt; an unsalted one, with or without an adapter, has no extra keys.
+        extra = ([(namespace_id(*ns),)] + [None] * (len(hashes) - 1)
+                 if salt and not parent else None)
         return self.v.BlockStored(
             block_hashes=[u64(h) for h in hashes], parent_block_hash=u64(parent) if parent
             else None, token_ids=tokens, block_size=P, lora_id=None, medium=medium,
-            lora_name=adapter or None, extra_keys=[key] * len(hashes), group_idx=group,
+            lora_name=adapter or None, extra_keys=extra, group_idx=group,
             kv_cache_spec_kind=kind)
 
     def batch(self, grpc_batch, records, hybrid: bool) -> list:

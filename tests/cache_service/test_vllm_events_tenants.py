@@ -1,6 +1,6 @@
 """Tenants on the vLLM-format stream: no salt (nor a namespace seed, which is a hash of it) in any
-published or replayed byte; each namespace named in extra_keys by an opaque id that is stable
-under one key and differs per namespace; and the flags that configure the stream."""
+published or replayed byte; each salted namespace named in extra_keys by an opaque id that is
+stable under one key and differs per namespace; and the flags that configure the stream."""
 from __future__ import annotations
 
 import msgspec
@@ -60,7 +60,7 @@ def namespace_ids(frames: list[bytes]) -> set[str]:
         for ev in batch[1]:
             keys = ev.get("extra_keys") if isinstance(ev, dict) else (
                 ev[8] if ev[0] == "BlockStored" else None)
-            ids |= {k[-1] for k in keys or ()}
+            ids |= {k[-1] for k in keys or () if k}
     return ids
 
 
@@ -75,15 +75,15 @@ def test_no_salt_nor_seed_in_any_published_byte(encoding):
         seed = namespace_seed(MODEL, adapter, salt)
         assert seed not in blob and seed.hex().encode() not in blob
         assert seed[8:] not in blob  # nor as the u64 a hash would be sent as
-    # One opaque id per namespace that published pages (the default namespace included).
-    assert len(namespace_ids(frames)) == len(NAMESPACES)
+    # One opaque id per salted namespace (an unsalted one publishes no extra keys).
+    assert len(namespace_ids(frames)) == len(SALTS)
 
 
 def test_namespace_ids_are_stable_under_a_key_and_change_with_it():
     one, again = namespace_ids(published_frames("map", b"a" * 32)), namespace_ids(
         published_frames("map", b"a" * 32))
     other = namespace_ids(published_frames("map", b"b" * 32))
-    assert one == again and len(one) == len(NAMESPACES)
+    assert one == again and len(one) == len(SALTS)
     assert not one & other
 
 

@@ -223,10 +223,13 @@ def test_gpu_overlay_requests_whole_gpus(docs, variant):
         assert c.spec["image"].startswith("prefixcache/compute:")
 
 
-def test_gateway_discovers_workers_through_the_headless_service(docs):
+def test_gateway_discovers_workers_through_the_headless_service(docs, variant):
     gw = service_container(docs, "gateway")
     env = gw.env()
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    if "inference-extension" in VARIANTS[variant][1]:  # the pool's pods, through the API
+        assert "PREFIXCACHE_WORKERS_DNS" not in env and env["PREFIXCACHE_WORKERS_INFERENCEPOOL"]
+        return
     assert env["PREFIXCACHE_WORKERS_DNS"]["value"] == (
         f"compute-headless.$(POD_NAMESPACE).svc.cluster.local:{SERVICES['compute']['grpc']}")
     headless = one(docs, "Service", "compute-headless")["spec"]
@@ -235,14 +238,19 @@ def test_gateway_discovers_workers_through_the_headless_service(docs):
     assert [p["port"] for p in headless["ports"]][0] == SERVICES["compute"]["grpc"]
 
 
-def test_no_pod_talks_to_the_api_server(docs):
+def test_no_pod_talks_to_the_api_server(docs, variant):
     """Discovery is DNS only (gateway/core/discovery.py): no Role or binding grants anything, and no
-    pod or service account mounts an API token."""
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRole",
-                                                 "ClusterRoleBinding")]
+    pod or service account mounts an API token. (With the inference-extension component the
+    gateway reads its InferencePool: test_k8s_inference_extension.py checks that Role.)"""
+    reader = "inference-extension" in VARIANTS[variant][1]
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in (
+        "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")] == ([
+            ("Role", "gateway-inferencepool-reader"),
+            ("RoleBinding", "gateway-inferencepool-reader")] if reader else [])
     for w in workloads(docs):
         pod = pod_spec(w)
-        assert pod["automountServiceAccountToken"] is False, w["metadata"]["name"]
+        reads = reader and w["metadata"]["name"] == "gateway"
+        assert pod["automountServiceAccountToken"] is reads, w["metadata"]["name"]
         is_gateway = w["metadata"]["name"] == "gateway"
         assert (pod["serviceAccountName"] == "gateway") is is_gateway
     for account in (d for d in docs if d["kind"] == "ServiceAccount"):

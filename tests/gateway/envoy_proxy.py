@@ -67,7 +67,8 @@ def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED",
     """`body_mode`: the request body mode, FULL_DUPLEX_STREAMED (what the EPP protocol asks of
     a data plane; the response body streams through the EPP too) or BUFFERED (the response body
     is not sent to it). `service_token`: the data plane's own (role dataplane), sent to the EPP
-    and to the workers."""
+    and to the workers. gRPC ComputeService calls go to the workers (h2c); OpenAI HTTP (/v1/)
+    to their model servers (HTTP/1.1), as an InferencePool over them would."""
     duplex = body_mode == "FULL_DUPLEX_STREAMED"
     token_header = ([{"key": SERVICE_TOKEN_METADATA_KEY, "value": service_token}]
                     if service_token else [])
@@ -88,10 +89,12 @@ def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED",
                  ".v3.HttpConnectionManager",
         "stat_prefix": "ingress", "codec_type": "AUTO",
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
-            "match": {"prefix": "/prefixcache.v1.ComputeService/"},
-            "route": {"cluster": "pool", "timeout": "60s"},
+            "match": {"prefix": prefix},
+            "route": {"cluster": cluster, "timeout": "60s"},
             "request_headers_to_add": [{"header": h, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-                                       for h in token_header]}]}]},
+                                       for h in token_header]}
+            for prefix, cluster in (("/prefixcache.v1.ComputeService/", "pool"),
+                                    ("/v1/", "model_servers"))]}]},
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
             {"name": "envoy.filters.http.router", "typed_config": {
@@ -114,6 +117,12 @@ def config(epp_port: int, body_mode: str = "FULL_DUPLEX_STREAMED",
                 # consume x-gateway-destination-endpoint).
                 {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
                  "connect_timeout": "5s", "typed_extension_protocol_options": _h2(),
+                 "original_dst_lb_config": {
+                     "use_http_header": True,
+                     "http_header_name": "x-gateway-destination-endpoint"}},
+                # The workers' model servers (OpenAI HTTP/1.1), picked the same way.
+                {"name": "model_servers", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                 "connect_timeout": "5s",
                  "original_dst_lb_config": {
                      "use_http_header": True,
                      "http_header_name": "x-gateway-destination-endpoint"}},

@@ -163,9 +163,9 @@ def running_gateway(workers: Callable[[], list[WorkerAddress]], *, anonymous: bo
     config.setdefault("grace_s", 0.0)
     if config.get("epp_port") is not None:
         config.setdefault("epp_callers", EPP_CALLERS)
-    server = GatewayServer(GatewayConfig(
-        workers=workers, host="127.0.0.1", port=0,
-        tenants=TenantDirectory(TOKENS, allow_anonymous=anonymous), **config)).start()
+    config.setdefault("tenants", TenantDirectory(TOKENS, allow_anonymous=anonymous))
+    server = GatewayServer(GatewayConfig(workers=workers, host="127.0.0.1", port=0,
+                                         **config)).start()
     try:
         yield server
     finally:

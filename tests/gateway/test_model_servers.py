@@ -1,0 +1,240 @@
+"""Workers as InferencePool model servers, behind a real Envoy: each fake worker has a model
+server beside it (`--model-server`: the gateway's OpenAI HTTP API over that worker alone,
+gateway/core/dataplane_tenants.py), and the gateway's Endpoint Picker routes OpenAI HTTP to them
+by prefix (gateway/epp/openai_body.py), as the Inference Extension's reference deployment routes
+to vLLM pods. The official `openai` client calls Envoy."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import httpx
+import openai
+import pytest
+
+from gateway.core.dataplane_tenants import DataplaneTenants
+from gateway.core.discovery import WorkerAddress
+from gateway.core.tenants import AuthError
+from prefixcache_client.tokenizer import from_directory
+from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, request_scope
+from service_shell.auth import DATAPLANE, GATEWAY, Identity, ServiceIdentities, token_digest
+from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
+from tests.cache_service.grpc_harness import running_server
+from tests.gateway.conftest import BPE_TOKENIZER
+from tests.gateway.envoy_proxy import running_envoy
+from tests.gateway.gateway_harness import (DATAPLANE_TOKEN, EPP_CALLERS, MODEL, Caller,
+                                           FakeWorker, register_pool, running_gateway, wait_until)
+from tests.gateway.server_helpers import cached_on, list_workers
+
+SCOPE_A = request_scope("tenant-a")
+
+
+def dataplane_headers(token: str = DATAPLANE_TOKEN, salt: str | None = "salt-a",
+                      scope: str | None = SCOPE_A) -> list[tuple[str, str]]:
+    out = [(SERVICE_TOKEN_METADATA_KEY, token)] if token else []
+    out += [(SALT_METADATA_KEY, salt)] if salt is not None else []
+    return out + ([(REQUEST_SCOPE_METADATA_KEY, scope)] if scope else [])
+
+
+def test_a_model_server_takes_only_the_data_planes_tenant():
+    callers = ServiceIdentities({token_digest(DATAPLANE_TOKEN): Identity("envoy", DATAPLANE),
+                                 token_digest("gateway-token-0123456789"): Identity("gw", GATEWAY)})
+    tenants = DataplaneTenants(callers)
+    tenant = tenants.authenticate(dataplane_headers())
+    assert (tenant.salt, tenant.scope) == ("salt-a", SCOPE_A)
+    assert tenants.authenticate(dataplane_headers(salt=None)).salt == ""
+    for bad in (dataplane_headers(token=""),  # a tenant's own bearer is no caller here
+                [("authorization", "Bearer tok-a"), *dataplane_headers(token="")],
+                dataplane_headers(token="gateway-token-0123456789"),  # another role
+                dataplane_headers(token="forged-token-0123456789"),
+                dataplane_headers(scope=None), dataplane_headers(scope="not-a-scope"),
+                dataplane_headers() + [(SALT_METADATA_KEY, "salt-b")]):
+        with pytest.raises(AuthError):
+            tenants.authenticate(bad)
+
+
+@contextlib.contextmanager
+def model_server_pool():
+    """A cache service, two fake workers with a chat tokenizer, a model server beside each,
+    a gateway whose Endpoint Picker routes to the model servers, and Envoy in front."""
+    servers: dict[str, str] = {}
+    with running_server() as cache, contextlib.ExitStack() as stack:
+        workers = {name: FakeWorker(name) for name in ("w1", "w2")}
+        stopped: set[str] = set()
+        for w in workers.values():
+            stack.callback(lambda w=w: w.name in stopped or w.stop())
+            w.tokenizer = from_directory(BPE_TOKENIZER)
+            register_pool(cache.core, w.name)
+        cache_addr = f"127.0.0.1:{cache.port}"
+        addresses = [WorkerAddress(w.address, cache_addr) for w in workers.values()]
+        model_servers = {}
+        for address, w in zip(addresses, workers.values()):
+            ms = stack.enter_context(running_gateway(
+                lambda a=address: [a], tenants=DataplaneTenants(EPP_CALLERS), http_port=0))
+            model_servers[w.name] = ms
+            servers[w.address] = f"127.0.0.1:{ms.http_port}"
+        gw = stack.enter_context(running_gateway(lambda: addresses, epp_port=0,
+                                                 epp_model_servers=lambda a: servers[a]))
+        caller = Caller(gw.address)
+        stack.callback(caller.close)
+        wait_until(lambda: len(list_workers(caller)) == 2 and gw.router.ready()
+                   and all(m.router.ready() for m in model_servers.values()))
+        envoy = stack.enter_context(running_envoy(gw.epp.port, service_token=DATAPLANE_TOKEN))
+        yield gw, cache, workers, caller, model_servers, envoy, stopped
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with model_server_pool() as p:
+        yield p
+
+
+def client(envoy: str, key: str = "tok-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{envoy}/v1", api_key=key, max_retries=0,
+                         timeout=20)
+
+
+def test_openai_client_through_envoy_reaches_the_worker_holding_the_prefix(pool):
+    gw, cache, workers, caller, _, envoy, _ = pool
+    tokenizer = from_directory(BPE_TOKENIZER)
+    for name, text in (("w1", "the first long shared system prompt " * 4),
+                       ("w2", "another quite different preamble text " * 4)):
+        cached_on((gw, cache, workers, caller), name, tokenizer.text_prompt_ids(text))
+        out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
+        assert out.choices[0].text == "ABC"
+        assert out.usage.model_extra["prefixcache"]["worker"] == name
+        # The worker got the tenant's salt through the data plane, with the data plane's token.
+        seen = workers[name].seen[-1]
+        assert seen.salts == ["salt-a"] and seen.service_tokens == []
+        streamed = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3,
+                                                    stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == "ABC"
+        assert workers[name].seen[-1].request.text == "" and workers[name].seen[-1].salts == [
+            "salt-a"]
+
+
+def test_a_conversations_next_turn_follows_its_prefix(pool):
+    envoy = pool[5]
+    messages = [{"role": "system", "content": "You answer briefly. " * 8},
+                {"role": "user", "content": "What is a prefix cache?"}]
+    first = client(envoy).chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    worker = first.usage.model_extra["prefixcache"]["worker"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And why?"}]
+    for _ in range(3):
+        again = client(envoy).chat.completions.create(model=MODEL, messages=messages,
+                                                      max_tokens=3)
+        assert again.usage.model_extra["prefixcache"]["worker"] == worker
+
+
+def test_refusals_are_openai_errors(pool):
+    envoy = pool[5]
+    with pytest.raises(openai.AuthenticationError):
+        client(envoy, "not-a-tenant").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(envoy).completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert [m.id for m in client(envoy).models.list()] == [MODEL]
+
+
+def test_a_model_server_refuses_everyone_but_the_data_plane(pool):
+    model_servers = pool[4]
+    base = f"http://127.0.0.1:{model_servers['w1'].http_port}"
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
+    # A tenant's own bearer (it could otherwise pick any salt) is refused.
+    r = httpx.post(f"{base}/v1/completions", json=body,
+                   headers={"authorization": "Bearer tok-a"})
+    assert r.status_code == 401
+    r = httpx.post(f"{base}/v1/completions", json=body, headers=dict(dataplane_headers()))
+    assert r.status_code == 200, r.text
+
+
+def test_a_drained_worker_fails_no_request():
+    """One worker leaves as Kubernetes takes a pod away (readiness off, then it stops); the
+    requests sent all along through Envoy all succeed."""
+    with model_server_pool() as (gw, _, workers, _, model_servers, envoy, stopped):
+        failures, done, stop = [], [], threading.Event()
+
+        def send():
+            c = client(envoy)
+            while not stop.is_set():
+                try:
+                    c.completions.create(model=MODEL, prompt="a prompt to send", max_tokens=3)
+                    done.append(1)
+                except openai.OpenAIError as exc:
+                    failures.append(repr(exc))
+
+        threads = [threading.Thread(target=send) for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(done) >= 10)
+        workers["w2"].set_ready(False)  # the pod's readiness probe fails first
+        wait_until(lambda: not gw.router.get("w2").up, what="the picker sees w2 down")
+        count = len(done)
+        wait_until(lambda: len(done) >= count + 10)
+        model_servers["w2"].drain()
+        workers["w2"].stop()
+        stopped.add("w2")
+        count = len(done)
+        wait_until(lambda: len(done) >= count + 10)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert failures == []
+        assert len(done) >= 30
+
+
+def test_the_flags(tmp_path, capsys):
+    from gateway.__main__ import config_from_args, parse_args
+    identities = tmp_path / "ids.json"
+    identities.write_text('{"identities": [{"name": "envoy", "role": "dataplane", '
+                          f'"token": "{DATAPLANE_TOKEN}"}}]}}')
+    ids = f"--service-identities-file={identities}"
+    server = ["--model-server", "--workers", "localhost:50052", "--http-port", "8000"]
+    config = config_from_args(parse_args([*server, ids]))
+    assert isinstance(config.tenants, DataplaneTenants) and config.epp_model_servers is None
+    for extra, why in (([], "needs --service-identities-file"),
+                       ([ids, "--allow-anonymous"], "drop --tenants-file"),
+                       ([ids, "--workers", "a:1,b:1"], "serves one worker"),
+                       ([ids, "--epp-port", "9002"], "the picker runs in the gateway")):
+        with pytest.raises(SystemExit):
+            parse_args([*server, *extra])
+        assert why in capsys.readouterr().err, why
+    picker = config_from_args(parse_args(["--workers", "10.0.0.7:50052", "--allow-anonymous",
+                                          ids, "--epp-port", "9002",
+                                          "--epp-model-server-port", "8000"]))
+    assert picker.epp_model_servers("10.0.0.7:50052") == "10.0.0.7:8000"
+    assert picker.epp_model_servers("[fd00::7]:50052") == "[fd00::7]:8000"
+
+
+def test_a_worker_dying_mid_stream_ends_its_streams_with_an_error_and_no_later_request_fails():
+    """A worker killed outright (no drain): the streams it was running end with an error the
+    client sees (a model server has only its own worker, and a started response is not
+    re-routed: as with a vLLM pod), and once the picker has seen it down every request
+    succeeds on the other."""
+    with model_server_pool() as (gw, cache, workers, caller, _, envoy, stopped):
+        w2 = workers["w2"]
+        w2.tokens, w2.delay_s = 50, 0.05  # long streams, so they are cut mid-way
+        text = "a prompt cached on the second worker only " * 3
+        cached_on((gw, cache, workers, caller), "w2",
+                  from_directory(BPE_TOKENIZER).text_prompt_ids(text))
+        errors = []
+
+        def stream():
+            try:
+                for _ in client(envoy).completions.create(model=MODEL, prompt=text,
+                                                          max_tokens=50, stream=True):
+                    pass
+            except openai.OpenAIError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: len(w2.seen) == 1)
+        w2.stop()
+        stopped.add("w2")
+        t.join(30)
+        assert len(errors) == 1  # the client is told, not left with a silently short answer
+        wait_until(lambda: not gw.router.get("w2").up, what="the picker sees w2 down")
+        for _ in range(5):
+            out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
+            assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
