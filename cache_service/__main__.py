@@ -21,6 +21,7 @@ import sys
 from cache_service import chain_hash
 from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
+from cache_service.eviction import POLICIES
 from cache_service.l3_loss import StoreWatch
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--drain-delay-s", "DRAIN_DELAY_S", defaults.drain_delay_s,
              "seconds between readiness NOT_SERVING and refusing calls on SIGTERM", type=float)
     add_redis_flags(p, "L3 page store probed for remote lookups")
+    add_flag(p, "--eviction-policy", "EVICTION_POLICY", "lru", "how runs are ranked for "
+             "eviction (cache_service/eviction.py): lru, or frequency (last use + 2 x the mean "
+             "reuse gap x log2(1 + uses): runs used often outlive runs used once)",
+             choices=list(POLICIES))
     add_flag(p, "--l3-prefix", "L3_PREFIX", "pc", "key prefix in Redis")
     add_flag(p, "--l3-timeout-ms", "L3_TIMEOUT_MS", 100,
              "per-call Redis timeout; a slower Redis is a miss", type=float)
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         remote.check(1.0)
         remote.watch()
         StoreWatch(remote).start()  # a store that lost its data is written again
-    core = CacheCore(replay_events=args.replay_events, remote=remote)
+    core = CacheCore(replay_events=args.replay_events, remote=remote,
+                     eviction=args.eviction_policy)
     kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
     server = CacheServer(core, config, kv_events).start()
     kv_lines = [] if kv_events is None else [

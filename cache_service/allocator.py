@@ -1,17 +1,18 @@
-"""Pages, eviction order and Mamba slots of one pool: free pages per medium, the LRU over runs,
-and the checkpoint slots.
+"""Pages, eviction order and Mamba slots of one pool: free pages per medium, the eviction order
+over runs (by the policy's rank: cache_service/eviction.py; LRU by default), and the checkpoint
+slots.
 
 Accounting invariant per medium: free + (in-tree or lease-held or dead-but-pinned) = total pages,
 and a page is in exactly one of those places. Free pages are a u32 array used as a stack: the
 lowest page number is handed out first.
 
-The LRU orders eviction *candidates*, runs that may leave their medium now: an unpinned device
+The heap orders eviction *candidates*, runs that may leave their medium now: an unpinned device
 run without device children (its tail is demoted or dropped) and an unpinned host run without
-children (dropped). A match touches only the deepest run of its path; a run that leaves its
-medium hands its last use up to its parent (`hand_up_last_use`), so an ancestor becomes a
-candidate carrying the latest use of any path through it: the same order as touching every run
-of every path, at O(1) per match. Each candidate has one heap entry (`Node.queued` says which
-heap holds it); an entry whose run was touched since is pushed again with the new time when it
+children (dropped), smallest rank first. A match uses only the deepest run of its path; a run
+that leaves its medium hands its rank up to its parent (`hand_up`), so an ancestor becomes a
+candidate ranked at least as high as any path through it: the same order as using every run of
+every path, at O(1) per match. Each candidate has one heap entry (`Node.queued` says which
+heap holds it); an entry whose run was used since is pushed again with its new rank when it
 comes up, and one whose run stopped being a candidate is dropped then (the run is offered again
 when it becomes one).
 """
@@ -27,9 +28,12 @@ MEDIA = (DEVICE, HOST)
 
 
 class Pages:
-    """Free pages per medium, cached page counts, and the LRU of eviction candidates."""
+    """Free pages per medium, cached page counts, and the heap of eviction candidates."""
 
-    def __init__(self, device_pages: int, host_pages: int):
+    def __init__(self, device_pages: int, host_pages: int, policy=None):
+        """`policy`: the pool's eviction policy (cache_service/eviction.py), told of the pages
+        that leave the tree."""
+        self.policy = policy
         self.free = {DEVICE: array(PAGE_CODE, range(device_pages - 1, -1, -1)),
                      HOST: array(PAGE_CODE, range(host_pages - 1, -1, -1))}
         self.cached = {DEVICE: 0, HOST: 0}
@@ -59,10 +63,11 @@ class Pages:
         """Queues `node` if it is a candidate and not queued on its medium already."""
         if type(node) is Node and node.queued != node.medium and self.is_candidate(node):
             node.queued = node.medium
-            heapq.heappush(self._heaps[node.medium], (node.last_used, next(self._tie), node))
+            heapq.heappush(self._heaps[node.medium], (node.rank, next(self._tie), node))
 
-    def pop_lru(self, medium: int) -> Node | None:
-        """The least recently used candidate on `medium`, taken off the heap."""
+    def pop_victim(self, medium: int) -> Node | None:
+        """The candidate on `medium` ranked lowest (the least recently used, with LRU), taken
+        off the heap."""
         heap = self._heaps[medium]
         while heap:
             used, _, node = heapq.heappop(heap)
@@ -71,8 +76,8 @@ class Pages:
             if node.medium != medium or not self.is_candidate(node):
                 node.queued = None  # offered again when it becomes a candidate
                 continue
-            if node.last_used != used:
-                heapq.heappush(heap, (node.last_used, next(self._tie), node))
+            if node.rank != used:
+                heapq.heappush(heap, (node.rank, next(self._tie), node))
                 continue
             node.queued = None
             return node
@@ -82,11 +87,16 @@ class Pages:
         return sum(len(h) for h in self._heaps.values())
 
 
-def hand_up_last_use(node: Node) -> None:
+def hand_up(node: Node) -> None:
     """Called as (part of) a run leaves its medium: see the module docstring."""
     parent = node.parent
-    if type(parent) is Node and parent.last_used < node.last_used:
-        parent.last_used = node.last_used
+    if type(parent) is Node:
+        if parent.rank < node.rank:
+            parent.rank = node.rank
+        if parent.used_at < node.used_at:
+            parent.used_at = node.used_at
+        if parent.uses < node.uses:
+            parent.uses = node.uses
 
 
 class Slots:
@@ -99,7 +109,7 @@ class Slots:
         # A u32 array like the pages' (not a list of ints: 4M slots would be ~150 MB of int
         # objects in arenas Python keeps after the pool is gone).
         self.free = array(PAGE_CODE, range(total - 1, -1, -1))
-        # Insertion-ordered (not a set) so that LRU ties break the same way in every run. The
+        # Insertion-ordered (not a set) so that rank ties break the same way in every run. The
         # value is the hash of the checkpointed page: a cut run's hashes no longer hold it.
         self.checkpointed: dict[Node, bytes] = {}
         self.evictions = 0
@@ -111,7 +121,7 @@ class Slots:
             victims = [n for n in self.checkpointed if not n.pins]
             if not victims:
                 return None
-            self.release(min(victims, key=lambda n: n.last_used))
+            self.release(min(victims, key=lambda n: n.rank))
             self.evictions += 1
         return self.free.pop()
 

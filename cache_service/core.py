@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from cache_service import events
+from cache_service.eviction import make_policy
 from cache_service.leases import LeaseDirectory
 from cache_service.pool import MEDIA, REMOTE, Pool, PoolConfig
 from cache_service.step import (Allocate, Checkpoint, LoadReport, Match, Publish, Release, Renew,
@@ -37,8 +38,12 @@ STEP_OPERATIONS: tuple[StepOperation, ...] = (
 
 class CacheCore:
     def __init__(self, *, replay_events: int = 200_000, max_ops_per_step: int = 4096,
-                 clock: Callable[[], float] = time.monotonic, remote=None):
-        """`remote`: an L3 client (pagestore.L3Client) for pools with remote_lookup."""
+                 clock: Callable[[], float] = time.monotonic, remote=None,
+                 eviction: str = "lru"):
+        """`remote`: an L3 client (pagestore.L3Client) for pools with remote_lookup;
+        `eviction`: every pool's eviction policy (cache_service/eviction.py)."""
+        make_policy(eviction)  # an unknown name fails here, not at the first RegisterPool
+        self.eviction = eviction
         self.remote = remote
         self.replay_events = replay_events
         self.max_ops_per_step = max_ops_per_step
@@ -84,7 +89,8 @@ class CacheCore:
                 return pb.RegisterPoolResponse(reset=False, next_seq=old.log.head_seq + 1)
             if old is not None:
                 self._retire(old)
-            pool = self._pools[req.pool_id] = Pool(cfg, self.replay_events, self.clock, self.remote)
+            pool = self._pools[req.pool_id] = Pool(cfg, self.replay_events, self.clock, self.remote,
+                                                      self.eviction)
             pool.log.keep_records = bool(self.event_sinks)  # replayed in vLLM's format
             self._flush(pool)
             return pb.RegisterPoolResponse(reset=True, next_seq=pool.log.head_seq + 1)

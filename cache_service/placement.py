@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 
-from cache_service.allocator import Pages, Slots, hand_up_last_use
+from cache_service.allocator import Pages, Slots, hand_up
 from cache_service.emitter import Emitter
 from cache_service.l3_loss import generation
 from cache_service.results import RemoteExtension
@@ -61,7 +61,7 @@ class Placement:
 
     def _evict_device(self, short: int) -> bool:
         """Frees up to `short` device pages from the LRU candidate; False when none can go."""
-        while (node := self.pages.pop_lru(DEVICE)) is not None:
+        while (node := self.pages.pop_victim(DEVICE)) is not None:
             k = min(short, size(node))
             if self.host_tier:
                 host = self._take_host(k)
@@ -79,7 +79,7 @@ class Placement:
         """Up to k free host pages, dropping least recently used host pages for them."""
         free = self.pages.free[HOST]
         while len(free) < k:
-            node = self.pages.pop_lru(HOST)
+            node = self.pages.pop_victim(HOST)
             if node is None:
                 break
             self.drop(node, min(k - len(free), size(node)))
@@ -96,7 +96,7 @@ class Placement:
                                page_hash=hashes[i * HASH:(i + 1) * HASH])
                         for i, (src, dst) in enumerate(zip(node.pages, host))]
         self.pages.free[DEVICE].extend(node.pages)
-        hand_up_last_use(node)
+        hand_up(node)
         self._move(node, HOST, host)
         self.counters.evictions[DEVICE] += h
         self.pages.offer(node)
@@ -109,7 +109,7 @@ class Placement:
             self.write_remote(node, n - k, n)  # listed before any copy that reuses its pages
         if k == n:
             hashes, pages = node.hashes, node.pages
-            hand_up_last_use(node)
+            hand_up(node)
             parent = node.parent
             remove_child(node, self.stride)
             self.slots.release(node)
@@ -119,6 +119,8 @@ class Placement:
             self.slots.release(node)  # its checkpoint was the state after its last page
             self.pages.offer(node)
         self.emit.removed(medium, hashes)
+        if self.pages.policy is not None:
+            self.pages.policy.dropped(hashes, node.uses)
         self.pages.free[medium].extend(pages)
         self.pages.cached[medium] -= k
         self.counters.evictions[medium] += k

@@ -18,6 +18,7 @@ from cache_service.allocator import MEDIA, Pages, Slots, emit_checkpoint
 from cache_service.chain_hash import chain_function
 from cache_service.emitter import Emitter
 from cache_service.events import CLEARED, EventLog, to_event
+from cache_service.eviction import make_policy
 from cache_service.leases import Lease, locate, path_to, pinned_pages
 from cache_service.placement import REMOTE, Placement
 from cache_service.pool_config import Counters, PoolConfig
@@ -33,14 +34,17 @@ __all__ = ["MEDIA", "REMOTE", "Allocated", "Checkpointed", "Counters", "Lease", 
 
 
 class Pool:
-    def __init__(self, cfg: PoolConfig, replay_events: int, clock, remote=None):
-        """`remote` probes L3 (pagestore.L3Client) when cfg.remote_lookup is set."""
+    def __init__(self, cfg: PoolConfig, replay_events: int, clock, remote=None,
+                 eviction: str = "lru"):
+        """`remote` probes L3 (pagestore.L3Client) when cfg.remote_lookup is set; `eviction`
+        names the policy that ranks runs (cache_service/eviction.py)."""
         self.cfg = cfg
+        self.eviction = make_policy(eviction)
         self.stride = 4 * cfg.page_size
         self.clock = clock
         self.roots: dict[tuple[str, str], Root] = {}
         self.leases: dict[str, Lease] = {}
-        self.pages = Pages(cfg.device_pages, cfg.host_pages)
+        self.pages = Pages(cfg.device_pages, cfg.host_pages, self.eviction)
         self.free, self.cached = self.pages.free, self.pages.cached
         self.events = Emitter()
         self.slots = Slots(cfg.mamba_slots, self.events)
@@ -137,7 +141,7 @@ class Pool:
         deepest = path[-1] if path else None
         if deepest is not None:
             deepest.pins += 1
-            deepest.last_used = now  # only the deepest run: see allocator.py
+            self.eviction.use(deepest, now)  # only the deepest run: see allocator.py
         self.placement.matched(path)
         remote = self.placement.probe_remote(root, path, depth, data, n_tokens)
         if not is_resume:
@@ -227,7 +231,7 @@ class Pool:
                 path[-1] = self.placement.split(path[-1], part)
             for node in path:
                 self._duplicates(lease, node, depth, result)
-                node.last_used = now
+                self.eviction.refresh(node, now)
                 depth += size(node)
             parent = path[-1] if path else parent
         if depth < computed_pages:
@@ -263,6 +267,7 @@ class Pool:
         # A new run, never an extension of the parent's: runs are immutable until split, so
         # the event log shares their bytes instead of copying them.
         node = Node(tokens, hashes, lease.page_table[depth:end], parent, lease.root, DEVICE, now)
+        self.eviction.use(node, now)
         add_child(parent, node, stride)
         self.placement.published(node)
         self.cached[DEVICE] += end - depth

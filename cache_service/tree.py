@@ -64,10 +64,10 @@ class Root:
 
 class Node:
     """A run of cached pages (see the module docstring). `queued`: the medium of the eviction
-    heap holding this node's entry, or None (`allocator.Lru`)."""
+    heap holding this node's entry, or None (`allocator.Pages`)."""
 
-    __slots__ = ("tokens", "hashes", "pages", "parent", "children", "root", "medium", "last_used",
-                 "pins", "slot", "hits", "in_remote", "queued")
+    __slots__ = ("tokens", "hashes", "pages", "parent", "children", "root", "medium", "rank",
+                 "used_at", "uses", "pins", "slot", "hits", "in_remote", "queued")
 
     def __init__(self, tokens: bytes, hashes: bytes, pages: array, parent: Node | Root,
                  root: Root, medium: int, now: float):
@@ -78,7 +78,10 @@ class Node:
         self.children: dict[bytes, Node] | None = None
         self.root = root
         self.medium = medium
-        self.last_used = now
+        # The eviction policy's rank (cache_service/eviction.py: smallest leaves first), the
+        # last use and the number of uses it is computed from.
+        self.rank = self.used_at = now
+        self.uses = 0
         self.pins = 0
         self.slot = NO_SLOT
         self.hits = 0  # matches that used this run (REMOTE_WRITE_POLICY_HOT)
@@ -139,7 +142,8 @@ def split(node: Node, k: int, stride: int) -> Node:
     cut = k * stride
     parent = node.parent
     head = Node(node.tokens[:cut], node.hashes[:k * HASH], node.pages[:k], parent, node.root,
-                node.medium, node.last_used)
+                node.medium, node.used_at)
+    head.rank, head.uses = node.rank, node.uses
     head.hits, head.in_remote = node.hits, node.in_remote
     node.tokens = node.tokens[cut:]
     node.hashes = node.hashes[k * HASH:]

@@ -21,15 +21,27 @@ from prefixcache_bench.harness import Progress
 def bench_trace(p: Params) -> dict:
     """Replays the trace one request at a time through CacheCore.step: match, allocate the
     uncached pages, publish every full prompt page with the release. Only the three steps are
-    timed (building the prompts is not)."""
+    timed (building the prompts is not). Once per eviction policy (cache_service/eviction.py):
+    the default's figures are `trace_*`, the others' `trace_<policy>_*`, from the same run."""
     trace = load_trace(p.trace_path, p.trace_requests)
-    core = CacheCore()
+    out: dict = {}
+    for policy in ("lru", "frequency"):
+        figures = _replay(p, trace, policy)
+        prefix = "trace_" if policy == "lru" else f"trace_{policy}_"
+        out.update({prefix + k: v for k, v in figures.items()})
+    out["trace_frequency_ops_over_lru"] = round(
+        out["trace_frequency_cpu_ops_per_s"] / out["trace_cpu_ops_per_s"], 3)
+    return out
+
+
+def _replay(p: Params, trace, policy: str) -> dict:
+    core = CacheCore(eviction=policy)
     device_pages = p.trace_device_tokens // p.page_size
     core.register_pool(register("trace", p, device_pages, p.trace_host_tokens // p.page_size))
     steps = CoreSteps(core.step, "trace", p.page_size)
     block = BlockCache(p.vocab)
     busy, cpu, failed = 0.0, 0.0, 0
-    progress = Progress("trace", len(trace))
+    progress = Progress(f"trace ({policy})", len(trace))
     for i, (n, ids) in enumerate(trace):
         tokens = np.concatenate([block(h) for h in ids])[:n]
         op = pb.MatchOp(request_id=str(i), packed_token_ids=tokens.astype("<u4").tobytes(),
@@ -44,16 +56,17 @@ def bench_trace(p: Params) -> dict:
     stats = core.get_stats(pb.GetStatsRequest(pool_id="trace")).pools[0]
     hits = stats.hit_tokens_device + stats.hit_tokens_host
     prompt_tokens = sum(n for n, _ in trace)
-    return {
-        "trace_requests": len(trace),
-        "trace_ops_per_s": round(len(trace) / busy, 1),
-        "trace_cpu_ops_per_s": round(len(trace) / cpu, 1),
-        "trace_ms_per_request": round(busy / len(trace) * 1e3, 3),
-        "trace_cpu_ms_per_request": round(cpu / len(trace) * 1e3, 3),
-        "trace_prompt_tokens": prompt_tokens,
-        "trace_hit_ratio": round(hits / stats.queried_tokens, 4) if stats.queried_tokens else 0.0,
-        "trace_ideal_hit_ratio": round(ideal_hit_tokens(trace, p.page_size) / prompt_tokens, 4),
-        "trace_device_pages": device_pages,
-        "trace_evictions": sum(m.evictions for m in stats.media),
-        "trace_failed_allocations": failed,
+    figures = {
+        "requests": len(trace),
+        "ops_per_s": round(len(trace) / busy, 1),
+        "cpu_ops_per_s": round(len(trace) / cpu, 1),
+        "ms_per_request": round(busy / len(trace) * 1e3, 3),
+        "cpu_ms_per_request": round(cpu / len(trace) * 1e3, 3),
+        "prompt_tokens": prompt_tokens,
+        "hit_ratio": round(hits / stats.queried_tokens, 4) if stats.queried_tokens else 0.0,
+        "ideal_hit_ratio": round(ideal_hit_tokens(trace, p.page_size) / prompt_tokens, 4),
+        "device_pages": device_pages,
+        "evictions": sum(m.evictions for m in stats.media),
+        "failed_allocations": failed,
     }
+    return figures

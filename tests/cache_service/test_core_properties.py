@@ -35,11 +35,13 @@ class Clock:
 
 
 class CoreMachine(RuleBasedStateMachine):
+    eviction = "lru"  # the cache service's eviction policy (cache_service/eviction.py)
+
     @initialize(device=st.integers(4, 12), host=st.sampled_from([0, 0, 3, 8]),
                 slots=st.sampled_from([0, 0, 2, 4]))
     def setup(self, device, host, slots):
         self.clock = Clock()
-        self.core = CacheCore(clock=self.clock)
+        self.core = CacheCore(clock=self.clock, eviction=self.eviction)
         self.cfg = dict(device=device, host=host, slots=slots)
         self.core.register_pool(pb.RegisterPoolRequest(
             pool_id="p", epoch=1, page_size=PAGE, device_pages=device, host_pages=host,
@@ -279,3 +281,15 @@ class CoreMachine(RuleBasedStateMachine):
 TestCoreProperties = CoreMachine.TestCase
 TestCoreProperties.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
+
+
+class FrequencyCoreMachine(CoreMachine):
+    """The same machine and invariants (the event stream equals the tree, the accounting adds
+    up) under the frequency policy."""
+    eviction = "frequency"
+
+
+TestCorePropertiesFrequency = FrequencyCoreMachine.TestCase
+TestCorePropertiesFrequency.settings = settings(max_examples=100, stateful_step_count=50,
+                                                deadline=None,
+                                                suppress_health_check=[HealthCheck.too_slow])
