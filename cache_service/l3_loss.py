@@ -12,7 +12,7 @@ checks it with one EXISTS every `interval_s`. A missing sentinel means the store
 the watch writes it again and bumps the store's *generation*. `Node.in_remote` holds the
 generation in which the run was written (0: never), so a bump makes every run of every pool
 "not written" at once; at its next step each pool queues again the writes of every run still on
-the worker that its policy had written (placement.Refill), so the next turn after a FLUSHALL
+the worker that its policy had written (l3_refill.Refill), so the next turn after a FLUSHALL
 finds them in L3 instead of computing them. A Redis that cannot be asked changes nothing: the
 check runs again once it answers. `answered` counts the checks that got an answer: a pool
 retries the writes its worker reported failed once the store answered after the report.
@@ -44,9 +44,8 @@ def answers(remote) -> int | None:
 
 
 class StoreWatch:
-    # 5 EXISTS a second: a loss is known within 0.2 s, well before a conversation's next
-    # turn (~0.7 s apart in the fault drill; at 0.5 s half of the turns after a FLUSHALL
-    # started before their pool knew).
+    # 5 EXISTS a second: a loss is known within 0.2 s, well before a conversation's next turn
+    # (0.7 s apart or more in the fault drill), so its pages are back in L3 by then.
     def __init__(self, remote, interval_s: float = 0.2):
         """`remote`: a pagestore.L3Client (its `redis` client and `cfg.prefix`). Attaches
         itself to it (`remote.store_watch`), where the pools' tier policy reads the generation."""
