@@ -27,11 +27,19 @@ def _worker_b_turn(redis_server, workers) -> tuple[list[int], object]:
     return generate(b, PROMPT)
 
 
+def _watched_worker(redis_server, workers):
+    """Worker A (write-through, quick breaker) and the store watch of its cache service,
+    whose client has time to answer on a loaded machine."""
+    service_l3 = l3_client(redis_server.url, timeout_s=1.0, connect_timeout_s=1.0)
+    watch = StoreWatch(service_l3)
+    assert watch.check() is False  # arms the sentinel
+    a = workers(NAME, l3_client(redis_server.url), lookup=True, probe=service_l3,
+                l3_write_policy="write-through")
+    return a, watch
+
+
 def test_a_write_lost_while_redis_was_paused_is_written_again(redis_server, workers):
-    l3 = l3_client(redis_server.url)
-    watch = StoreWatch(l3)
-    assert watch.check() is False
-    a = workers(NAME, l3, lookup=True, l3_write_policy="write-through")
+    a, watch = _watched_worker(redis_server, workers)
     redis_server.pause()  # SIGSTOP: the writes time out, then the breaker skips them
     try:
         first, _ = generate(a, PROMPT)
@@ -39,7 +47,7 @@ def test_a_write_lost_while_redis_was_paused_is_written_again(redis_server, work
     finally:
         redis_server.resume()
     assert a.l3.counters.write_pages_failed >= PROMPT_PAGES
-    assert not any(redis.Redis.from_url(redis_server.url).exists(l3.key(NAME, h))
+    assert not any(redis.Redis.from_url(redis_server.url).exists(a.l3.client.key(NAME, h))
                    for h in prompt_hashes(PROMPT, PAGE, NAME))
     time.sleep(0.4)  # the worker's breaker lets a trial call through (l3_client: 0.3 s)
     generate(a, prompt_of(5, 9))  # other work: its first step reports the lost writes ...
@@ -54,10 +62,7 @@ def test_a_write_lost_while_redis_was_paused_is_written_again(redis_server, work
 def test_after_flushall_resident_pages_are_back_in_l3_before_the_next_turn(redis_server, workers):
     """The conversation's next turn goes to worker B; worker A meanwhile served something else
     (no match of A used the conversation's pages, which is how they came back before)."""
-    l3 = l3_client(redis_server.url)
-    watch = StoreWatch(l3)
-    assert watch.check() is False
-    a = workers(NAME, l3, lookup=True, l3_write_policy="write-through")
+    a, watch = _watched_worker(redis_server, workers)
     first, _ = generate(a, PROMPT)
     assert a.flush_l3()
     redis.Redis.from_url(redis_server.url).flushall()
