@@ -16,8 +16,9 @@ from cache_service import events
 from cache_service.eviction import make_policy
 from cache_service.leases import LeaseDirectory
 from cache_service.pool import MEDIA, REMOTE, Pool, PoolConfig
-from cache_service.step import (Allocate, Checkpoint, LoadReport, Match, Publish, Release, Renew,
-                                StepCheck, StepOperation, WriteThrough)
+from cache_service.step import (Allocate, Checkpoint, LoadReport, Match, Publish, Release,
+                                RemoteWriteFailures, Renew, StepCheck, StepOperation,
+                                WriteThrough)
 from cache_service.tree import DEVICE, HOST
 from cache_service.validate import (MAX_PAGE_SIZE, check_heartbeat_interval, check_lease_ttl,
                                     check_name, check_pool_id)
@@ -29,11 +30,13 @@ SNAPSHOT_BATCH_PAGES = 4096
 
 # The order in which a Step's operations are applied (design.md §4, "One Step per engine step"):
 # a release's final publish lands first; the write-through copies follow the checkpoints, so
-# each carries its page's slot; pages that releases free serve this step's matches and
+# each carries its page's slot, and the worker's failed L3 writes, so that the writes listed again
+# (l3_refill) go out with them; pages that releases free serve this step's matches and
 # allocations; a request matched in this step sees what its siblings published in it. Every
 # operation is planned (validated) in this same order before the first one is applied.
 STEP_OPERATIONS: tuple[StepOperation, ...] = (
-    Publish(), Checkpoint(), WriteThrough(), Release(), Renew(), Match(), Allocate(), LoadReport())
+    Publish(), Checkpoint(), RemoteWriteFailures(), WriteThrough(), Release(), Renew(), Match(),
+    Allocate(), LoadReport())
 
 
 class CacheCore:

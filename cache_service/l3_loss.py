@@ -11,9 +11,11 @@ per cache service process, so several cache services sharing one Redis each noti
 checks it with one EXISTS every `interval_s`. A missing sentinel means the store lost its data:
 the watch writes it again and bumps the store's *generation*. `Node.in_remote` holds the
 generation in which the run was written (0: never), so a bump makes every run of every pool
-"not written" at once, without walking a tree; the write policies then write them again (write-
-through: when a match next uses the run; write-back: when it leaves the worker; hot: at its next
-hit). A Redis that cannot be asked changes nothing: the check runs again once it answers.
+"not written" at once; at its next step each pool queues again the writes of every run still on
+the worker that its policy had written (l3_refill.Refill), so the next turn after a FLUSHALL
+finds them in L3 instead of computing them. A Redis that cannot be asked changes nothing: the
+check runs again once it answers. `answered` counts the checks that got an answer: a pool
+retries the writes its worker reported failed once the store answered after the report.
 
 Not covered: pages evicted one by one by Redis's maxmemory policy (the sentinel may survive
 them), and on a Redis Cluster the loss of a master other than the sentinel's.
@@ -35,8 +37,16 @@ def generation(remote) -> int:
     return watch.generation if watch is not None else FIRST_GENERATION
 
 
+def answers(remote) -> int | None:
+    """How many sentinel checks the store answered so far; None without a watch."""
+    watch = getattr(remote, "store_watch", None)
+    return watch.answered if watch is not None else None
+
+
 class StoreWatch:
-    def __init__(self, remote, interval_s: float = 0.5):
+    # 5 EXISTS a second: a loss is known within 0.2 s, well before a conversation's next turn
+    # (0.7 s apart or more in the fault drill), so its pages are back in L3 by then.
+    def __init__(self, remote, interval_s: float = 0.2):
         """`remote`: a pagestore.L3Client (its `redis` client and `cfg.prefix`). Attaches
         itself to it (`remote.store_watch`), where the pools' tier policy reads the generation."""
         self.remote = remote
@@ -44,6 +54,7 @@ class StoreWatch:
         self.key = f"{remote.cfg.prefix}:sentinel:{secrets.token_hex(8)}"
         self.generation = FIRST_GENERATION
         self.losses = 0  # times the store was found to have lost its data
+        self.answered = 0  # checks the store answered (present or lost)
         self._armed = False  # the sentinel was written at least once
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,13 +68,16 @@ class StoreWatch:
             if not self._armed:
                 conn.set(self.key, b"1")
                 self._armed = True
+                self.answered += 1
                 return False
             if conn.exists(self.key):
+                self.answered += 1
                 return False
             conn.set(self.key, b"1")
         except Exception as exc:  # unreachable, timed out, a cluster without a master: later
             log.debug("event=l3_sentinel_unknown cause=%r", exc)
             return None
+        self.answered += 1
         self.generation += 1
         self.losses += 1
         log.warning("event=l3_data_lost generation=%d: pools write their pages to L3 again",

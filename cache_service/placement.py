@@ -9,7 +9,7 @@ demoted (device -> host copies), otherwise, or when the host tier has no room, a
 loses them. Every page move is a `CopyOp` the worker runs in order, and an event.
 
 L3 write policies (`RegisterPool.remote_write_policy`) become `CopyOp`s to REMOTE, each page at
-most once per pool: write-through at publish (flushed after the step's checkpoints so that each
+most once per pool and store generation (l3_refill.py lists them again when they did not stay): write-through at publish (flushed after the step's checkpoints so that each
 write carries its page's slot), write-back when a page leaves the worker's last local tier
 (listed before any copy that reuses its memory), hot once a run has `remote_min_hits` hits.
 """
@@ -199,6 +199,12 @@ class Placement:
             for node in path:
                 if node.in_remote != gen:
                     self.write_remote(node)
+
+    def policy_wrote(self, node: Node) -> bool:
+        """Whether the write policy has written this run while it stayed on the worker (what
+        l3_refill writes again after the store lost its data)."""
+        policy = self.cfg.remote_write_policy
+        return policy == WRITE_THROUGH or (policy == HOT and node.hits >= self.cfg.remote_min_hits)
 
     def flush_write_through(self) -> None:
         """The L3 writes of this step's publishes, once its checkpoints are attached."""

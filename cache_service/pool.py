@@ -19,6 +19,7 @@ from cache_service.chain_hash import chain_function
 from cache_service.emitter import Emitter
 from cache_service.events import CLEARED, EventLog, to_event
 from cache_service.eviction import make_policy
+from cache_service.l3_refill import Refill
 from cache_service.leases import Lease, locate, path_to, pinned_pages
 from cache_service.placement import REMOTE, Placement
 from cache_service.pool_config import Counters, PoolConfig
@@ -54,6 +55,7 @@ class Pool:
         self.placement = Placement(cfg, self.pages, self.slots, self.events, self.counters, remote,
                            self.chain)
         self.copies = self.placement.copies
+        self.refill = Refill(self.placement, self.roots, remote, clock)
         self.log = EventLog(cfg.pool_id, cfg.epoch, replay_events, cfg.page_size, cfg.model_id)
         self.load = common_pb2.LoadReport()
         self.closed = False
@@ -304,7 +306,13 @@ class Pool:
         return result
 
     def flush_write_through(self) -> None:
+        """This step's write-through, then the writes listed again (l3_refill) after it."""
         self.placement.flush_write_through()
+        self.refill.step()
+
+    def remote_writes_failed(self, hashes: bytes) -> None:
+        """The worker reported L3 writes it could not do (StepRequest.failed_remote_writes)."""
+        self.refill.report_failed(hashes)
 
     def release(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]

@@ -313,8 +313,13 @@ class L3Client:
         """Writes (hash, payload) pairs, one pipelined round trip per node; returns how many
         were written (0 on failure). Each payload is one value, so no half-written pair of page
         and metadata can exist."""
+        return sum(self.set_pages(model_id, items))
+
+    def set_pages(self, model_id: str, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        """set_many, saying for each pair whether it was written (False: failed, or skipped
+        while its node's breaker was open)."""
         if not items:
-            return 0
+            return []
         keys = [self.key(model_id, h) for h, _ in items]
         ex = self.cfg.ttl_s or None
 
@@ -322,11 +327,12 @@ class L3Client:
             return self._pipeline(conn, lambda pipe: [pipe.set(keys[i], items[i][1], ex=ex)
                                                       for i in idx])
 
-        done = self._per_node(keys, run, UNAVAILABLE) or []
-        written = sum(1 for r in done if r is not UNAVAILABLE and r)
+        done = self._per_node(keys, run, UNAVAILABLE) or [UNAVAILABLE] * len(items)
+        ok = [r is not UNAVAILABLE and bool(r) for r in done]
+        written = sum(ok)
         self.counters.add("set_pages", written)
         self.counters.add("set_failed_pages", len(items) - written)
-        return written
+        return ok
 
     def delete(self, model_id: str, page_hash: bytes) -> None:
         key = self.key(model_id, page_hash)

@@ -165,8 +165,10 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
     d = src.data
     lines = ["| fault | requests | failed | outage | wrong output | p50 | max gap "
              "| prompt tokens: device / host / L3 / shared / computed | L3, 2nd half "
-             "| L3, turn 1 / 2 / later after the fault | L3 pages at end |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L3, turn 1 / 2 / later after the fault "
+             "| computed, turn 2 after the fault: of its history / of its new part "
+             "| L3 pages at end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in d["phases"].values():
         errors = ", ".join(f"{k} {v}" for k, v in sorted(t["errors"].items()))
         outage = f"{fmt(t['outage_s'])} s" if t["failed"] else "-"
@@ -176,11 +178,15 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
         late = t.get("l3_share_second_half")
         by_turn = t.get("l3_share_by_turn_after")
         turns = " / ".join(f"{100 * v:.0f}%" for v in by_turn.values()) if by_turn else "-"
+        split = t.get("computed_history_new") or {}
+        part = split.get("turn2", split.get("all"))
+        split_cell = f"{100 * part['history']:.0f}% / {100 * part['new']:.0f}%" if part else "-"
         lines.append(f"| {t['fault']} | {fmt(t['requests'])} | {fmt(t['failed'])}"
                      f"{f' ({errors})' if errors else ''} | {outage} | {fmt(t['wrong'])} "
                      f"| {fmt(t['p50_s']) + ' s' if 'p50_s' in t else '-'} "
                      f"| {fmt(t['max_gap_s']) + ' s' if 'max_gap_s' in t else '-'} | {parts} "
                      f"| {f'{100 * late:.0f}%' if late is not None else '-'} | {turns} "
+                     f"| {split_cell} "
                      f"| {fmt(t.get('l3_pages_at_end')) if t.get('l3_pages_at_end') is not None else '-'} |")
     lines += ["", f"{d['clients']} clients, greedy, {d['max_tokens']} tokens per request, no "
                   f"retries (a client waits {fmt(d['backoff_s'])} s after a failure); the outage "
@@ -189,7 +195,11 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
                   f"prompt tokens by where they came from (shared: computed by a sibling in "
                   f"flight), the L3 share over the phase's second half and in each "
                   f"conversation's first, second and later turns that started after the "
-                  f"fault's recovery, and the pages stored in Redis at the phase's end; "
+                  f"fault's recovery; the share computed in their second turn of the tokens the "
+                  f"conversation's previous turn sent too (history: reuse a fault need not lose) "
+                  f"and of the rest (new: cached only because the conversations repeat, in L3 "
+                  f"alone unless a worker still holds it; the no-fault row: over all its turns); "
+                  f"the pages stored in Redis at the phase's end; "
                   f"{fmt(d['conversations']) + ' conversations of ' + fmt(d['turns']) + ' turns, ' if 'conversations' in d else ''}"
                   f"{'workers with ' + fmt(d['device_pages']) + ' device pages each (fewer than the conversations: turns load their history from L3); ' if 'device_pages' in d else ''}"
                   f"streams the gateway "

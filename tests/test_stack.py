@@ -84,3 +84,6 @@ def test_the_fault_drill_costs_no_request_and_no_wrong_output(tmp_path):
     assert phases["baseline"]["share"]["l3"] > 0.05, phases["baseline"]
     assert phases["baseline"]["l3_share_by_turn_after"] is None
     assert set(phases["redis-flushall"]["l3_share_by_turn_after"]) == {"turn1", "turn2", "later"}
+    # ... and where its lost reuse lies: in each prompt's history or in its new part.
+    assert set(phases["baseline"]["computed_history_new"]) == {"all"}
+    assert set(phases["redis-flushall"]["computed_history_new"]["turn2"]) == {"history", "new"}

@@ -7,7 +7,8 @@ from cache_service.step.load import LoadReport
 from cache_service.step.match import Match
 from cache_service.step.publish import Publish
 from cache_service.step.release import Release, Renew
+from cache_service.step.remote_failures import RemoteWriteFailures
 from cache_service.step.write_through import WriteThrough
 
-__all__ = ["Allocate", "Checkpoint", "LoadReport", "Match", "Publish", "Release", "Renew",
-           "StepCheck", "StepOperation", "WriteThrough"]
+__all__ = ["Allocate", "Checkpoint", "LoadReport", "Match", "Publish", "Release",
+           "RemoteWriteFailures", "Renew", "StepCheck", "StepOperation", "WriteThrough"]

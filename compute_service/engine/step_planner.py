@@ -34,6 +34,7 @@ What keeps the call cheap (a decode step usually has nothing to say):
 - a lease is renewed only once `RENEW_FRACTION` of its TTL passed since a call last named it
   (any op naming a lease renews it), so a step may take up to 3/4 of the TTL;
 - the load report rides along any call; alone, only when it changed or after `LOAD_REFRESH_S`;
+  so do the L3 writes the worker could not do (`failed_remote_writes`), never alone;
 - a step with nothing to say sends no call at all.
 
 Overlap (`EngineConfig.overlap_cache_calls`, prefix caching on): a step whose forward needs no
@@ -85,6 +86,7 @@ log = logging.getLogger("compute_service.engine")
 SERVICE_LEASE_TTL_S = 30.0
 RENEW_FRACTION = 0.25  # of the TTL: late enough to skip most steps, early enough for slow ones
 LOAD_REFRESH_S = 5.0  # a call with nothing else to say, to keep the report's timestamp fresh
+MAX_FAILED_REPORT = 4096  # failed L3 writes reported per call (the service takes 65536)
 
 _EMPTY = pb.StepResponse()
 
@@ -230,6 +232,9 @@ class StepPlanner:
                 return
         plan.sent_at = time.monotonic()
         self.stats.cache_calls += 1
+        if self.caching:  # rides along a call, never one of its own (lost if the call fails:
+            # the pool is registered again then, its tree empty)
+            req.failed_remote_writes = self.tiers.failed_writes(MAX_FAILED_REPORT)
         if overlap:
             for r, index in plan.slot_checkpoints:  # the forward moves the running slot on
                 r.checkpoints[index] = self.runner.snapshot_state(r.slot)

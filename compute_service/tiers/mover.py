@@ -5,6 +5,8 @@ Invariants:
 - copies run in the order the cache service listed them (see copies.plan_runs); an L3 write
   reads its page's bytes (and its Mamba checkpoint slot) at its position in that order, so a
   page whose memory a later copy of the same step reuses is written with its own bytes;
+- an L3 write that was not done (failed, skipped by the breaker, dropped) is reported back to
+  the cache service in a later Step (`failed_remote_writes`), which lists it again;
 - a loaded L3 extension is written into its device pages before the step's forward, and only
   the part that the request will resume over: for models with Mamba layers that ends at the
   deepest loaded page that carries a checkpoint (the state there is needed to go on).
@@ -53,6 +55,11 @@ class TierMover:
             for k, i in enumerate(with_ckpt):
                 mamba[i] = [(ssm[k], conv[k]) for ssm, conv in gathered]
         self.remote.write(hashes, kv, mamba)
+
+    def failed_writes(self, limit: int) -> bytes:
+        """Up to `limit` page hashes (concatenated) of L3 writes not done since the last call:
+        the next Step's `failed_remote_writes`."""
+        return b"".join(self.remote.take_failed(limit)) if self.remote is not None else b""
 
     def load_extensions(self, matches: list[pb.MatchResult]) -> list[list[PageData]]:
         """Loads every match's L3 extension (one batched load), writes the usable pages into the

@@ -18,7 +18,10 @@ bytes: a page forged, written without the key or copied from another key is reje
 (payload.decode) like any invalid one. Without a key this tier warns once at start.
 
 Invariant: nothing here raises because of Redis. The L3Client bounds every call by its timeout
-and circuit breaker and turns every failure into "missing"; a failed write is counted and lost.
+and circuit breaker and turns every failure into "missing". A write that fails, is skipped while
+the breaker is open, or is dropped from the full queue is counted and its page hash kept for
+`take_failed`: the engine reports it in its next Step (`failed_remote_writes`), and the cache
+service lists the write again once the store answers (cache_service/l3_refill.py).
 """
 from __future__ import annotations
 
@@ -48,6 +51,9 @@ class RemoteTierConfig:
     # stays a few MB: a single huge reply is more likely to meet a stall longer than the
     # per-operation timeout on a loaded machine, and then loses every page instead of a batch.
     batch_pages: int = 32
+    # Page hashes of writes not done, kept for the engine to report (the oldest go beyond it:
+    # their runs stay marked written until the store is found to have lost its data).
+    failed_kept: int = 65536
 
 
 @dataclass(slots=True)
@@ -95,6 +101,7 @@ class RemoteTier:
                         "pages are checksummed, not authenticated; anyone who can write to "
                         "Redis can change this worker's output", model_id)
         self._jobs: collections.deque[_Job] = collections.deque()
+        self._failed: list[bytes] = []  # page hashes not written, not yet reported
         self._queued_bytes = 0
         self._busy = False
         self._closed = False
@@ -114,6 +121,8 @@ class RemoteTier:
             with self._cv:
                 if self._queued_bytes + nbytes > self.cfg.write_queue_bytes:
                     self.counters.write_pages_dropped += 1
+                    if len(self._failed) < self.cfg.failed_kept:
+                        self._failed.append(h)
                     continue
                 self._jobs.append(_Job(h, kv[:, :, i], mamba[i], nbytes))
                 self._queued_bytes += nbytes
@@ -125,6 +134,13 @@ class RemoteTier:
         with self._cv:
             self._jobs.append(_Job(page_hash))
             self._cv.notify()
+
+    def take_failed(self, limit: int) -> list[bytes]:
+        """Up to `limit` page hashes whose writes were not done (oldest first), handed over to
+        be reported; the rest stay for the next call."""
+        with self._cv:
+            taken, self._failed = self._failed[:limit], self._failed[limit:]
+        return taken
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every queued write and delete has been attempted; False on timeout."""
@@ -159,6 +175,7 @@ class RemoteTier:
             except Exception:  # the writer must outlive any one bad batch
                 log.exception("event=l3_write_batch_failed pages=%d", len(batch))
                 self.counters.write_pages_failed += sum(j.kv is not None for j in batch)
+                self._lost([j.page_hash for j in batch if j.kv is not None])
             finally:
                 with self._cv:
                     self._queued_bytes -= sum(j.nbytes for j in batch)
@@ -183,13 +200,22 @@ class RemoteTier:
                                             context=self._context(job.page_hash)))
                      for job in batch[i:j]]
             # On a cluster, a dead master's share of the batch fails and the rest is written.
-            written = self.client.set_many(self.model_id, items)
+            ok = self.client.set_pages(self.model_id, items)
+            written = sum(ok)
+            if written < len(items):
+                self._lost([h for (h, _), done in zip(items, ok, strict=True) if not done])
             self.counters.write_pages_ok += written
             self.counters.write_pages_failed += len(items) - written
             if written:
                 self.counters.write_bytes += written * len(items[0][1])
             i = j
         self.counters.write_seconds += time.perf_counter() - start
+
+    def _lost(self, hashes: list[bytes]) -> None:
+        with self._cv:
+            self._failed += hashes
+            if len(self._failed) > self.cfg.failed_kept:
+                del self._failed[:-self.cfg.failed_kept]
 
     # ---- loads ----------------------------------------------------------------------------
 

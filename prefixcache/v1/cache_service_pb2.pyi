@@ -229,7 +229,7 @@ class ReleaseOp(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "epoch", "publishes", "checkpoints", "releases", "renew_lease_ids", "matches", "allocations", "load")
+    __slots__ = ("pool_id", "epoch", "publishes", "checkpoints", "releases", "renew_lease_ids", "matches", "allocations", "load", "failed_remote_writes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PUBLISHES_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class StepRequest(_message.Message):
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REMOTE_WRITES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     publishes: _containers.RepeatedCompositeFieldContainer[PublishOp]
@@ -248,7 +249,8 @@ class StepRequest(_message.Message):
     matches: _containers.RepeatedCompositeFieldContainer[MatchOp]
     allocations: _containers.RepeatedCompositeFieldContainer[AllocateOp]
     load: _common_pb2.LoadReport
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., publishes: _Optional[_Iterable[_Union[PublishOp, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., renew_lease_ids: _Optional[_Iterable[str]] = ..., matches: _Optional[_Iterable[_Union[MatchOp, _Mapping]]] = ..., allocations: _Optional[_Iterable[_Union[AllocateOp, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+    failed_remote_writes: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., publishes: _Optional[_Iterable[_Union[PublishOp, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., renew_lease_ids: _Optional[_Iterable[str]] = ..., matches: _Optional[_Iterable[_Union[MatchOp, _Mapping]]] = ..., allocations: _Optional[_Iterable[_Union[AllocateOp, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., failed_remote_writes: _Optional[bytes] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("copies", "publishes", "checkpoints", "matches", "allocations", "expired_lease_ids")

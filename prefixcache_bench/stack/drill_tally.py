@@ -26,8 +26,9 @@ class Tally:
     recovered: float | None = None  # when the fault's injection and recovery returned
     # (end time, prompt tokens by source) of each request that succeeded
     sources: list[tuple[float, dict[str, int]]] = field(default_factory=list)
-    # (start time, conversation, prompt tokens by source) of each request that succeeded
-    turns: list[tuple[float, int, dict[str, int]]] = field(default_factory=list)
+    # (start time, conversation, prompt tokens by source, prompt tokens new since the
+    # conversation's previous turn) of each request that succeeded
+    turns: list[tuple[float, int, dict[str, int], int]] = field(default_factory=list)
 
     @property
     def outage_s(self) -> float:
@@ -63,18 +64,50 @@ class Tally:
         instead of L3 shows there, and lost reuse as computed)."""
         if self.recovered is None:
             return None
-        seen: dict[int, int] = collections.Counter()
-        groups = {f"turn{k}": dict.fromkeys(SOURCES, 0) for k in range(1, after + 1)}
-        groups["later"] = dict.fromkeys(SOURCES, 0)
-        for started, conv, counts in sorted(self.turns, key=lambda x: x[0]):
-            if started < self.recovered:
-                continue
-            seen[conv] += 1
-            group = groups[f"turn{seen[conv]}" if seen[conv] <= after else "later"]
+        groups: dict[str, dict[str, int]] = {}
+        for name, counts, _ in self._by_turn(after):
+            group = groups.setdefault(name, dict.fromkeys(SOURCES, 0))
             for k, v in counts.items():
                 group[k] += v
         return {name: {k: round(v / sum(g.values()), 3) if sum(g.values()) else 0.0
                        for k, v in g.items()} for name, g in groups.items()}
+
+    def computed_history_new(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]]:
+        """Lost reuse split by where it lies in each prompt: the share computed of its
+        *history* (the tokens its conversation's previous turn sent too: reuse a fault need
+        not lose, as that turn put them in the cache) and of its *new* part (the rest: cached
+        only if this same prompt ran before, which the drill's conversations do, as they repeat;
+        a FLUSHALL loses those of them no worker holds, and nothing can write them back). Per
+        turn after the fault's recovery as l3_share_by_turn; for the baseline, over all its
+        requests ("all"). The computed tokens are a prompt's tail: its new part first."""
+        sums: dict[str, list[int]] = {}  # name -> [history, its computed, new, its computed]
+        for name, counts, new in self._by_turn(after):
+            total, computed = sum(counts.values()), counts.get("computed", 0)
+            acc = sums.setdefault(name, [0, 0, 0, 0])
+            acc[0] += total - new
+            acc[1] += max(0, computed - new)
+            acc[2] += new
+            acc[3] += min(computed, new)
+        return {name: {"history": round(a[1] / a[0], 3) if a[0] else 0.0,
+                       "new": round(a[3] / a[2], 3) if a[2] else 0.0}
+                for name, a in sums.items()}
+
+    def _by_turn(self, after: int):
+        """(group name, prompt tokens by source, new tokens) per request, in start order:
+        turn1.. turn`after` and "later" after the recovery; "all" without one (the
+        baseline)."""
+        names = [f"turn{k}" for k in range(1, after + 1)] + ["later"]
+        if self.recovered is not None:
+            yield from ((name, {}, 0) for name in names)  # every group, in order, even if empty
+        seen: dict[int, int] = collections.Counter()
+        for started, conv, counts, new in sorted(self.turns, key=lambda x: x[0]):
+            if self.recovered is None:
+                yield "all", counts, new
+                continue
+            if started < self.recovered:
+                continue
+            seen[conv] += 1
+            yield names[min(seen[conv], after + 1) - 1], counts, new
 
     def late_l3_share(self) -> float:
         """The L3 share of the requests that ended in the phase's second half."""

@@ -19,7 +19,10 @@ token (a stall shows there even when nothing fails), and where their prompt toke
 (device / host / L3 / shared with a sibling in flight / computed; lost reuse shows there), with
 the L3 share also over the phase's second half and in each conversation's first, second and
 later turns (requests) that started after the fault's recovery (issue 25, finding 7: back at
-its baseline within two turns of a FLUSHALL or a Redis restart), and the pages stored in Redis
+its baseline within two turns of a FLUSHALL or a Redis restart), the share computed of each
+prompt's history (what its conversation's previous turn sent too) and of its new part (the rest,
+cached only because the conversations repeat: after a FLUSHALL, lost unless a worker holds it),
+and the pages stored in Redis
 at the phase's end (after a FLUSHALL or a Redis restart they must be back: the workers write
 them again). The workers' device pools (--device-pages) are smaller than the conversations, as
 a serving pool is smaller than its users' histories: a turn often finds its history in L3 only
@@ -78,6 +81,7 @@ class Load:
         self._next_turn = {c: 0 for c in set(conversation.values())}
         self._in_flight: set[int] = set()
         self._picker = random.Random(7)
+        self._new = new_since_previous_turn(prompts, self._turns)
 
     def _next_prompt(self) -> str:
         with self._lock:
@@ -146,7 +150,7 @@ class Load:
                     if stats is not None:
                         tally.sources.append((ended, prompt_sources(stats)))
                         tally.turns.append((started, self.conversation[prompt],
-                                            prompt_sources(stats)))
+                                            prompt_sources(stats), self._new[prompt]))
                 if error is not None:
                     now = time.monotonic()
                     tally.first_failure = tally.first_failure or now
@@ -190,6 +194,18 @@ def conversation_prompts(conversations: int, turns: int) -> list[str]:
             prompts.append(history)
             history += " Thank you for asking; let me check that for you.\n"
     return prompts
+
+
+def new_since_previous_turn(prompts: list[str], turns: int) -> dict[str, int]:
+    """Prompt -> its tokens that its conversation's previous turn (cyclically: the first turn
+    follows the last) did not send: the bytes after the two prompts' common prefix, which is
+    its token count for the byte-level tokenizer of the tiny presets the drill serves."""
+    new = {}
+    for i, prompt in enumerate(prompts):
+        c, t = divmod(i, turns)
+        previous = prompts[c * turns + (t - 1) % turns]
+        new[prompt] = len(prompt.encode()) - len(os.path.commonprefix([previous, prompt]).encode())
+    return new
 
 
 # ---- the faults ----------------------------------------------------------------------------
@@ -271,12 +287,16 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
              " / ".join(f"{100 * v:.0f}" for v in t.shares().values()),
              f"{100 * t.late_l3_share():.0f}",
              " / ".join(f"{100 * v:.0f}" for v in by_turn.values()) if by_turn else "-",
+             "; ".join(f"{100 * v['history']:.0f} / {100 * v['new']:.0f}"
+                       for v in t.computed_history_new().values()),
              t.l3_pages]
             for phase, t in load.tallies.items() for by_turn in [t.l3_share_by_turn()]]
     print()
     print(columns_table(["phase", "fault", "requests", "failed", "wrong output", "outage s",
                          "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
-                         "% L3 2nd half", "% L3 turn 1/2/later after", "L3 pages at end"],
+                         "% L3 2nd half", "% L3 turn 1/2/later after",
+                         "% computed of history / new: turn 1; 2; later (all)",
+                         "L3 pages at end"],
                         rows))
     print(f"streams the gateway moved to another worker mid-answer: {resumed}")
     if args.json:
@@ -293,6 +313,7 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
                                "l3_share_second_half": t.late_l3_share(),
                                "l3_share_by_turn_after": t.l3_share_by_turn(),
                                "share_by_turn_after": t.shares_by_turn(),
+                               "computed_history_new": t.computed_history_new(),
                                "l3_pages_at_end": t.l3_pages}
                        for (phase, t), row in zip(load.tallies.items(), rows)},
             "exit_codes": dict(codes)})
