@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
          "which a worker's index entries count less", type=float)
     flag("--dead-after-s", "DEAD_AFTER_S", cfg.dead_after_s, "seconds of silence after which "
          "a worker is not routed to", type=float)
+    flag("--index-memory-mb", "INDEX_MEMORY_MB", cfg.index_memory_mb, "memory the routing "
+         "index may use, in MiB; past it the least useful entries are evicted, counted "
+         "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
+         type=finite_float(1.0, 1e9))
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
@@ -163,7 +167,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
-        dead_after_s=args.dead_after_s, resolve_interval_s=args.resolve_interval_s,
+        dead_after_s=args.dead_after_s, index_memory_mb=args.index_memory_mb,
+        resolve_interval_s=args.resolve_interval_s,
         worker=WorkerSettings(tls=args.tls, service_token=args.service_token,
                               max_message_mb=args.max_message_mb,
                               probe_interval_s=args.probe_interval_s,

@@ -16,27 +16,42 @@ within an epoch. A seq jump (gap), a batch of another epoch that is not a snapsh
 snapshot that breaks off, is reported as RESYNC with the point to re-subscribe from; the worker's
 entries are kept (scored with less confidence) until the snapshot that follows replaces them.
 
-Bound: at most `max_entries` (page hash, medium) keys. Over it, the least recently stored keys go
-first, REMOTE before HOST before DEVICE (the cheapest hits to lose first), in batches of
-`evict_fraction` so that eviction is amortised O(1). An evicted key only turns a hit into a miss
-for routing; the worker still has the page.
+Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
+`max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by
+`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet.py). Over it, keys go in batches of
+`evict_fraction` (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose
+first), within a medium the least recently stored first, and among those a page held by one
+worker before a page several hold (a widely shared prefix serves more requests). An evicted key
+only turns a hit into a miss for routing; the worker still has the page. `stats()` counts keys,
+evictions and the estimated memory (exported as metrics), and the first eviction, then one per
+minute, is logged as a warning: the fleet has outgrown the budget.
 
 `routed_prefixes.RoutedPrefixes` is the event-less variant: what the gateway itself routed where.
 """
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
 from prefixcache.v1 import common_pb2, events_pb2
+from service_shell import kv
+
+log = logging.getLogger("gateway.index")
 
 # Medium enum value -> position in the per-medium tuples below.
 _TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
+# Bytes one (page hash, medium) key costs, all structures included (mask dict slot, 16-byte hash
+# object, the holder's set slot, a mask int when several workers hold it): measured with
+# tracemalloc at 1,000 workers by prefixcache_bench/gateway_fleet.py (docs/results/gateway/fleet.txt).
+BYTES_PER_ENTRY = 160
+# Seconds between two "index full" warnings.
+_FULL_WARNING_INTERVAL_S = 60.0
 
 
 def bit_positions(mask: int) -> Iterator[int]:
@@ -49,8 +64,11 @@ def bit_positions(mask: int) -> Iterator[int]:
 
 @dataclass(slots=True)
 class IndexConfig:
-    # Bound on (page hash, medium) keys; ~200 bytes each with the per-worker sets.
-    max_entries: int = 4_000_000
+    # Memory the index may use, in MiB: its bound is memory_budget_mb / BYTES_PER_ENTRY keys
+    # (--index-memory-mb). 1024 MiB: ~6.7M keys.
+    memory_budget_mb: float = 1024.0
+    # Explicit bound on (page hash, medium) keys; 0 = from memory_budget_mb.
+    max_entries: int = 0
     # Fraction of max_entries dropped at once when over the bound (amortises the scan).
     evict_fraction: float = 0.05
     # A worker heard from (event or heartbeat) within stale_after_s has full confidence; it then
@@ -88,6 +106,17 @@ class PrefixMatch:
     host_pages: int
     remote_pages: int
     confidence: float
+
+
+@dataclass(slots=True)
+class IndexStats:
+    entries: int
+    capacity: int
+    # Keys dropped under the bound since start: > 0 means the fleet outgrew the budget.
+    evicted_entries: int
+    # entries x BYTES_PER_ENTRY: an estimate, measured by the fleet benchmark.
+    memory_bytes: int
+    page_events: int
 
 
 @dataclass(slots=True)
@@ -131,6 +160,22 @@ class KvIndex:
         self.page_events = 0
         self.evicted_entries = 0
         self.resyncs = 0
+        self._warned_at: float | None = None
+        if self.capacity() < 1:
+            raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
+                             f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
+
+    def capacity(self) -> int:
+        """The most (page hash, medium) keys held: max_entries, else from the memory budget."""
+        cfg = self.config
+        if cfg.max_entries:
+            return cfg.max_entries
+        return int(cfg.memory_budget_mb * 2**20 // BYTES_PER_ENTRY)
+
+    def stats(self) -> IndexStats:
+        n = len(self)
+        return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
+                          self.page_events)
 
     # ----- workers -----------------------------------------------------------------------------
 
@@ -227,7 +272,7 @@ class KvIndex:
         else:
             w.last_seq = batch.seq
         self.page_events += n
-        if len(self) > self.config.max_entries:
+        if len(self) > self.capacity():
             self._evict()
         return ApplyResult(ApplyStatus.APPLIED, w.pool_id, "", w.epoch, w.last_seq, n)
 
@@ -262,11 +307,15 @@ class KvIndex:
                 tier = _TIER.get(ev.stored.medium)
                 if tier is None:
                     continue
-                hashes = ev.stored.block_hashes
+                # One bytes object per hash, shared by the mask dict and the worker's set (the
+                # repeated field builds a new one on every iteration).
+                hashes = list(ev.stored.block_hashes)
                 d = masks[tier]
                 for h in hashes:
-                    # pop + insert moves the key to the end: insertion order = last stored.
-                    d[h] = d.pop(h, 0) | bit
+                    # pop + insert moves the key to the end: insertion order = last stored. A
+                    # page held by one worker shares that worker's `bit` object (no new int).
+                    old = d.pop(h, 0)
+                    d[h] = old | bit if old else bit
                 pages[tier].update(hashes)
                 n += len(hashes)
             elif kind == "removed":
@@ -278,7 +327,7 @@ class KvIndex:
                 for h in mine.intersection(hashes):  # held ones, each once
                     m = d[h] & nbit
                     if m:
-                        d[h] = m
+                        d[h] = self._compact(m)
                     else:
                         del d[h]
                 mine.difference_update(hashes)
@@ -294,24 +343,43 @@ class KvIndex:
             for h in mine:
                 m = d[h] & nbit
                 if m:
-                    d[h] = m
+                    d[h] = self._compact(m)
                 else:
                     del d[h]
             mine.clear()
 
+    def _compact(self, mask: int) -> int:
+        """A mask left with one holder becomes that worker's own `bit` object (a shared int
+        instead of one per page: up to 160 bytes at 1,000 workers)."""
+        if mask & (mask - 1):
+            return mask
+        return self._by_slot[mask.bit_length() - 1].bit
+
     def _evict(self) -> None:
-        target = int(self.config.max_entries * (1.0 - self.config.evict_fraction))
+        cap = self.capacity()
+        target = int(cap * (1.0 - self.config.evict_fraction))
         excess = len(self) - target
+        self._warn_full(cap, excess)
         for tier in _EVICT_ORDER:
             if excess <= 0:
                 return
             d = self._masks[tier]
-            victims = list(islice(d, excess))
+            victims = _victims(d, excess)
             for h in victims:
                 for slot in bit_positions(d.pop(h)):
                     self._by_slot[slot].pages[tier].discard(h)
             excess -= len(victims)
             self.evicted_entries += len(victims)
+
+    def _warn_full(self, cap: int, excess: int) -> None:
+        now = self._clock()
+        if self._warned_at is not None and now - self._warned_at < _FULL_WARNING_INTERVAL_S:
+            return
+        self._warned_at = now
+        log.warning(kv("kv_index_full", capacity=cap, evicting=excess,
+                       evicted_total=self.evicted_entries + excess, workers=len(self._workers),
+                       budget_mb=self.config.memory_budget_mb, bytes_per_entry=BYTES_PER_ENTRY,
+                       hint="raise --index-memory-mb: routing is losing prefix knowledge"))
 
     def _worker(self, pool_id: str) -> _Worker:
         w = self._workers.get(pool_id)
@@ -369,6 +437,17 @@ class KvIndex:
 
 
 _SET_PROBE_WORKERS = 4
+
+
+def _victims(d: dict[bytes, int], n: int) -> list[bytes]:
+    """Up to n keys to drop from the least recently stored 2n: pages one worker holds first, then
+    the oldest shared ones (a power of two has one bit set)."""
+    window = list(islice(d, 2 * n))
+    single = [h for h in window if not d[h] & (d[h] - 1)]
+    if len(single) >= n:
+        return single[:n]
+    shared = [h for h in window if d[h] & (d[h] - 1)]
+    return single + shared[:n - len(single)]
 
 
 def _run_in(pages: set[bytes], hashes: Sequence[bytes], i: int) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
-from gateway.core.metrics import MEDIA, GatewayMetrics
+from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
 from gateway.core.policies import LoadTracker, Policy, RouteDecision, RouteRequest
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -250,7 +250,7 @@ class Router:
                     in_flight=self.load.get(name, now).inflight_requests)
             return out
 
-    def _gauges(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    def _gauges(self) -> Snapshot:
         with self.lock:
             now = self._clock()
             pages: dict[tuple[str, str], int] = {}
@@ -259,7 +259,10 @@ class Router:
                 for medium, n in zip(MEDIA, info.pages if info else (0, 0, 0)):
                     pages[name, medium] = n
             eligible = sum(self._eligible(w, now) for w in self._workers.values())
-            return pages, {"known": len(self._workers), "eligible": eligible}
+            st = self.index.stats()
+            totals = {"entries": st.entries, "capacity": st.capacity,
+                      "evictions": st.evicted_entries, "memory_bytes": st.memory_bytes}
+            return pages, {"known": len(self._workers), "eligible": eligible}, totals
 
     def names(self) -> Sequence[str]:
         with self.lock:
