@@ -30,15 +30,19 @@ minute, is logged as a warning: the fleet has outgrown the budget.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
+from gateway.core.index_scan import SET_PROBE_WORKERS, bit_positions, run_in, runs, victims
+from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
+                                      WorkerInfo)
 from prefixcache.v1 import common_pb2, events_pb2
 from service_shell import kv
+
+__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "IndexConfig", "IndexStats", "KvIndex",
+           "PrefixMatch", "WorkerInfo", "bit_positions"]
 
 log = logging.getLogger("gateway.index")
 
@@ -52,82 +56,6 @@ _EVICT_ORDER = (2, 1, 0)
 BYTES_PER_ENTRY = 160
 # Seconds between two "index full" warnings.
 _FULL_WARNING_INTERVAL_S = 60.0
-
-
-def bit_positions(mask: int) -> Iterator[int]:
-    """Slot numbers of the set bits of `mask`."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-@dataclass(slots=True)
-class IndexConfig:
-    # Memory the index may use, in MiB: its bound is memory_budget_mb / BYTES_PER_ENTRY keys
-    # (--index-memory-mb). 1024 MiB: ~6.7M keys.
-    memory_budget_mb: float = 1024.0
-    # Explicit bound on (page hash, medium) keys; 0 = from memory_budget_mb.
-    max_entries: int = 0
-    # Fraction of max_entries dropped at once when over the bound (amortises the scan).
-    evict_fraction: float = 0.05
-    # A worker heard from (event or heartbeat) within stale_after_s has full confidence; it then
-    # falls linearly to min_confidence at dead_after_s.
-    stale_after_s: float = 5.0
-    dead_after_s: float = 30.0
-    min_confidence: float = 0.0
-    # Multiplier while a worker's view is known to be incomplete (gap seen, snapshot in progress).
-    resync_confidence: float = 0.5
-
-
-class ApplyStatus(enum.Enum):
-    APPLIED = "applied"
-    # Already applied (seq not above the last one): ignored.
-    DUPLICATE = "duplicate"
-    # Cannot be applied: re-subscribe from (resume_epoch, resume_after_seq).
-    RESYNC = "resync"
-
-
-@dataclass(slots=True)
-class ApplyResult:
-    status: ApplyStatus
-    pool_id: str
-    reason: str = ""
-    # Where the subscriber should resume: SubscribeRequest(epoch, after_seq). -1 = snapshot.
-    resume_epoch: int = 0
-    resume_after_seq: int = -1
-    page_events: int = 0
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """Leading pages of a request one worker holds: device run, then host, then remote extension."""
-    device_pages: int
-    host_pages: int
-    remote_pages: int
-    confidence: float
-
-
-@dataclass(slots=True)
-class IndexStats:
-    entries: int
-    capacity: int
-    # Keys dropped under the bound since start: > 0 means the fleet outgrew the budget.
-    evicted_entries: int
-    # entries x BYTES_PER_ENTRY: an estimate, measured by the fleet benchmark.
-    memory_bytes: int
-    page_events: int
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    pool_id: str
-    epoch: int
-    last_seq: int
-    needs_resync: bool
-    in_snapshot: bool
-    last_seen: float
-    pages: tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -364,12 +292,12 @@ class KvIndex:
             if excess <= 0:
                 return
             d = self._masks[tier]
-            victims = _victims(d, excess)
-            for h in victims:
+            dropped = victims(d, excess)
+            for h in dropped:
                 for slot in bit_positions(d.pop(h)):
                     self._by_slot[slot].pages[tier].discard(h)
-            excess -= len(victims)
-            self.evicted_entries += len(victims)
+            excess -= len(dropped)
+            self.evicted_entries += len(dropped)
 
     def _warn_full(self, cap: int, excess: int) -> None:
         now = self._clock()
@@ -405,8 +333,8 @@ class KvIndex:
         if not everyone or not hashes:
             return {}
         dev_end = self._device_runs(hashes)
-        host_end = dev_end if not host else _runs(hashes, dev_end, lambda h: host.get(h, 0) | dev.get(h, 0))
-        rem_end = host_end if not rem else _runs(
+        host_end = dev_end if not host else runs(hashes, dev_end, lambda h: host.get(h, 0) | dev.get(h, 0))
+        rem_end = host_end if not rem else runs(
             hashes, host_end, lambda h: everyone if h in rem else host.get(h, 0) | dev.get(h, 0))
         now = self._clock() if now is None else now
         out: dict[str, PrefixMatch] = {}
@@ -424,7 +352,7 @@ class KvIndex:
         dev, n = self._masks[0], len(hashes)
         alive, i = self._all, 0
         ends: dict[int, int] = {}
-        while i < n and alive.bit_count() > _SET_PROBE_WORKERS:
+        while i < n and alive.bit_count() > SET_PROBE_WORKERS:
             m = dev.get(hashes[i], 0)
             if alive & m != alive:
                 for slot in bit_positions(alive & ~m):
@@ -432,57 +360,5 @@ class KvIndex:
                 alive &= m
             i += 1
         for slot in bit_positions(alive):
-            ends[slot] = _run_in(self._by_slot[slot].pages[0], hashes, i)
+            ends[slot] = run_in(self._by_slot[slot].pages[0], hashes, i)
         return ends
-
-
-_SET_PROBE_WORKERS = 4
-
-
-def _victims(d: dict[bytes, int], n: int) -> list[bytes]:
-    """Up to n keys to drop from the least recently stored 2n: pages one worker holds first, then
-    the oldest shared ones (a power of two has one bit set)."""
-    window = list(islice(d, 2 * n))
-    single = [h for h in window if not d[h] & (d[h] - 1)]
-    if len(single) >= n:
-        return single[:n]
-    shared = [h for h in window if d[h] & (d[h] - 1)]
-    return single + shared[:n - len(single)]
-
-
-def _run_in(pages: set[bytes], hashes: Sequence[bytes], i: int) -> int:
-    """First position >= i whose hash is not in `pages` (len(hashes) when none)."""
-    n, step = len(hashes), 32
-    while i < n:
-        stop = min(n, i + step)
-        if not pages.issuperset(hashes[i:stop]):
-            while hashes[i] in pages:
-                i += 1
-            return i
-        i, step = stop, min(step * 2, 1024)
-    return n
-
-
-def _runs(hashes: Sequence[bytes], starts: dict[int, int], mask_of: Callable[[bytes], int]) -> dict[int, int]:
-    """For each worker slot, the first page at or after starts[slot] whose mask lacks its bit."""
-    joining: dict[int, int] = {}
-    for slot, pos in starts.items():
-        joining[pos] = joining.get(pos, 0) | (1 << slot)
-    ends: dict[int, int] = {}
-    alive, n = 0, len(hashes)
-    for i in range(min(joining), n):
-        alive |= joining.pop(i, 0)
-        if not alive:
-            if not joining:
-                return ends
-            continue
-        m = mask_of(hashes[i])
-        if alive & m != alive:
-            for slot in bit_positions(alive & ~m):
-                ends[slot] = i
-            alive &= m
-    for pos, mask in joining.items():  # runs that started at the very end
-        alive |= mask
-    for slot in bit_positions(alive):
-        ends[slot] = n
-    return ends
