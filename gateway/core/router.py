@@ -140,6 +140,17 @@ class Router:
             self.metrics.resyncs.labels(name).inc()
         return result
 
+    def resume_point(self, name: str) -> tuple[int, int]:
+        """Where a worker's broken stream picks up: SubscribeRequest(epoch, after_seq) right after
+        the last batch applied, so that the cache service replays from its buffer and sends a
+        snapshot only when the buffer no longer holds that point (after_seq -1: a snapshot,
+        as when nothing complete was applied or a snapshot broke off)."""
+        with self.lock:
+            info = self.index.info(name)
+        if info is None or info.in_snapshot:
+            return (info.epoch if info else 0), -1
+        return info.epoch, info.last_seq
+
     # ----- routing -----------------------------------------------------------------------------
 
     def _candidates(self, exclude: Collection[str],
