@@ -132,6 +132,12 @@ class KvIndex:
         return WorkerInfo(w.pool_id, w.epoch, w.last_seq, w.needs_resync, w.in_snapshot, w.last_seen,
                           (len(w.pages[0]), len(w.pages[1]), len(w.pages[2])))
 
+    def last_seen(self, pool_id: str) -> float | None:
+        """When the worker's stream last delivered anything; None when unknown. (What routing
+        asks of every worker per decision: cheaper than `info`.)"""
+        w = self._workers.get(pool_id)
+        return None if w is None else w.last_seen
+
     def pages(self, pool_id: str, medium: int) -> frozenset[bytes]:
         """The page hashes the index holds for a worker on a medium (for tests and debugging)."""
         w = self._workers.get(pool_id)

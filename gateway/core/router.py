@@ -110,8 +110,8 @@ class Router:
             return min((w.info.max_context_tokens for w in self._workers.values()), default=0)
 
     def _staleness(self, name: str, now: float) -> float:
-        info = self.index.info(name)
-        return max(0.0, now - info.last_seen) if info is not None else float("inf")
+        seen = self.index.last_seen(name)
+        return max(0.0, now - seen) if seen is not None else float("inf")
 
     def _eligible(self, w: Worker, now: float) -> bool:
         return (w.up and w.synced
