@@ -69,6 +69,54 @@ def build_parser() -> argparse.ArgumentParser:
          "seconds between DNS resolutions of --workers-dns", type=float)
     flag("--cache-port", "CACHE_PORT", 50051, "cache service port of a worker whose address "
          "names none (its sidecar, at the worker's host)", type=int)
+    _add_http_flags(p, bounds)
+    _add_endpoint_picker_flags(p)
+    flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
+    flag("--tenants-file", "TENANTS_FILE", None,
+         'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
+    add_bool_flag(p, "--allow-anonymous", "ALLOW_ANONYMOUS", 'calls without a token are tenant '
+                  '"anonymous", salt ""; otherwise UNAUTHENTICATED', "off")
+    flag("--tokenizer", "TOKENIZER", AUTO, "'auto': the workers' own tokenizer, fetched from "
+         "the first worker that has one (GetTokenizer); 'byte' or a checkpoint directory with "
+         "tokenizer.json: that one. Text and chats are tokenized here and sent only to workers "
+         "with the same tokenizer")
+    flag("--model-id", "MODEL_ID", None, "model id of the fleet; default: the first worker's")
+    flag("--page-size", "PAGE_SIZE", None, "tokens per page; default: the first worker's",
+         type=int)
+    flag("--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
+         "expects; anything but this build's is refused")
+    flag("--stale-after-s", "STALE_AFTER_S", cfg.stale_after_s, "seconds of silence after "
+         "which a worker's index entries count less", type=float)
+    flag("--dead-after-s", "DEAD_AFTER_S", cfg.dead_after_s, "seconds of silence after which "
+         "a worker is not routed to", type=float)
+    flag("--index-memory-mb", "INDEX_MEMORY_MB", cfg.index_memory_mb, "memory the routing "
+         "index may use, in MiB; past it the least useful entries are evicted, counted "
+         "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
+         type=finite_float(1.0, 1e9))
+    flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
+         "seconds between readiness probes of each worker", type=float)
+    flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
+         "heartbeat interval asked of the cache services, in [0.05, 60] (the cache service's "
+         "bounds)", type=finite_float(0.05, 60.0))
+    flag("--max-streams", "MAX_STREAMS", cfg.max_streams, "concurrent Generate streams",
+         type=int)
+    flag("--generate-timeout-s", "GENERATE_TIMEOUT_S", cfg.generate_timeout_s,
+         "deadline of a worker call when the client set none", type=float)
+    flag("--grace-s", "GRACE_S", cfg.grace_s, "seconds running streams get to finish on "
+         "SIGTERM before they are aborted", type=float)
+    flag("--drain-delay-s", "DRAIN_DELAY_S", cfg.drain_delay_s, "seconds between readiness "
+         "NOT_SERVING and refusing new calls on SIGTERM", type=float)
+    add_token_flag(p, to="the workers' compute and cache services")
+    add_identities_flag(p, "JSON file of service identities (service_shell/auth.py); those of "
+                        "role 'dataplane' may call the Endpoint Picker (--epp-port), nobody "
+                        "else; required with --epp-port")
+    return p
+
+
+def _add_http_flags(p: argparse.ArgumentParser, bounds: HttpLimits) -> None:
+    """The OpenAI-compatible HTTP API: its port, its per-tenant limits, its slow-client
+    bounds."""
+    flag = functools.partial(add_flag, p)
     flag("--http-port", "HTTP_PORT", 0, "port of the OpenAI-compatible HTTP API "
          "(/v1/completions, /v1/chat/completions, /v1/models, /health), 0 = off", type=int)
     flag("--http-rate-per-s", "HTTP_RATE_PER_S", 50.0, "HTTP API: requests per second each "
@@ -89,43 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
          "HTTP API: seconds an idle keep-alive connection stays open", type=float)
     flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", bounds.max_connections,
          "HTTP API: open connections; one more is closed as soon as it is accepted", type=int)
-    _add_endpoint_picker_flags(p)
-    flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
-    flag("--tenants-file", "TENANTS_FILE", None,
-         'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
-    add_bool_flag(p, "--allow-anonymous", "ALLOW_ANONYMOUS", 'calls without a token are tenant '
-                  '"anonymous", salt ""; otherwise UNAUTHENTICATED', "off")
-    flag("--tokenizer", "TOKENIZER", AUTO, "'auto': the workers' own tokenizer, fetched from "
-         "the first worker that has one (GetTokenizer); 'byte' or a checkpoint directory with "
-         "tokenizer.json: that one. Text and chats are tokenized here and sent only to workers "
-         "with the same tokenizer")
-    flag("--model-id", "MODEL_ID", None, "model id of the fleet; default: the first worker's")
-    flag("--page-size", "PAGE_SIZE", None, "tokens per page; default: the first worker's",
-         type=int)
-    flag("--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "
-         "expects; anything but this build's is refused")
-    flag("--stale-after-s", "STALE_AFTER_S", cfg.stale_after_s, "seconds of silence after "
-         "which a worker's index entries count less", type=float)
-    flag("--dead-after-s", "DEAD_AFTER_S", cfg.dead_after_s, "seconds of silence after which "
-         "a worker is not routed to", type=float)
-    flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
-         "seconds between readiness probes of each worker", type=float)
-    flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
-         "heartbeat interval asked of the cache services, in [0.05, 60] (the cache service's "
-         "bounds)", type=finite_float(0.05, 60.0))
-    flag("--max-streams", "MAX_STREAMS", cfg.max_streams, "concurrent Generate streams",
-         type=int)
-    flag("--generate-timeout-s", "GENERATE_TIMEOUT_S", cfg.generate_timeout_s,
-         "deadline of a worker call when the client set none", type=float)
-    flag("--grace-s", "GRACE_S", cfg.grace_s, "seconds running streams get to finish on "
-         "SIGTERM before they are aborted", type=float)
-    flag("--drain-delay-s", "DRAIN_DELAY_S", cfg.drain_delay_s, "seconds between readiness "
-         "NOT_SERVING and refusing new calls on SIGTERM", type=float)
-    add_token_flag(p, to="the workers' compute and cache services")
-    add_identities_flag(p, "JSON file of service identities (service_shell/auth.py); those of "
-                        "role 'dataplane' may call the Endpoint Picker (--epp-port), nobody "
-                        "else; required with --epp-port")
-    return p
 
 
 def _add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
@@ -231,7 +242,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
-        dead_after_s=args.dead_after_s, resolve_interval_s=args.resolve_interval_s,
+        dead_after_s=args.dead_after_s, index_memory_mb=args.index_memory_mb,
+        resolve_interval_s=args.resolve_interval_s,
         worker=WorkerSettings(tls=args.tls, service_token=args.service_token,
                               max_message_mb=args.max_message_mb,
                               probe_interval_s=args.probe_interval_s,

@@ -95,6 +95,8 @@ class GatewayConfig:
     # `dead_after_s` the worker is not routed to.
     stale_after_s: float = 5.0
     dead_after_s: float = 30.0
+    # Memory the routing index may use (gateway/core/index.py: its bound in keys).
+    index_memory_mb: float = 1024.0
     resolve_interval_s: float = 10.0
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     # Worker-call deadline when the client set none.
@@ -119,7 +121,8 @@ class GatewayServer(ShellPorts):
         tokenizer = load_tokenizer(cfg.tokenizer, self.metrics)
         self.router = Router(make_policy(cfg.policy), self.metrics,
                              IndexConfig(stale_after_s=cfg.stale_after_s,
-                                         dead_after_s=cfg.dead_after_s))
+                                         dead_after_s=cfg.dead_after_s,
+                                         memory_budget_mb=cfg.index_memory_mb))
         self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer)
         self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker)
         self.running = RunningCalls()

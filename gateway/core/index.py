@@ -16,89 +16,46 @@ within an epoch. A seq jump (gap), a batch of another epoch that is not a snapsh
 snapshot that breaks off, is reported as RESYNC with the point to re-subscribe from; the worker's
 entries are kept (scored with less confidence) until the snapshot that follows replaces them.
 
-Bound: at most `max_entries` (page hash, medium) keys. Over it, the least recently stored keys go
-first, REMOTE before HOST before DEVICE (the cheapest hits to lose first), in batches of
-`evict_fraction` so that eviction is amortised O(1). An evicted key only turns a hit into a miss
-for routing; the worker still has the page.
+Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
+`max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by
+`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet.py). Over it, keys go in batches of
+`evict_fraction` (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose
+first), within a medium the least recently stored first, and among those a page held by one
+worker before a page several hold (a widely shared prefix serves more requests). An evicted key
+only turns a hit into a miss for routing; the worker still has the page. `stats()` counts keys,
+evictions and the estimated memory (exported as metrics), and the first eviction, then one per
+minute, is logged as a warning: the fleet has outgrown the budget.
 
 `routed_prefixes.RoutedPrefixes` is the event-less variant: what the gateway itself routed where.
 """
 from __future__ import annotations
 
-import enum
+import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
+from gateway.core.index_scan import SET_PROBE_WORKERS, bit_positions, run_in, runs, victims
+from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
+                                      WorkerInfo)
 from prefixcache.v1 import common_pb2, events_pb2
+from service_shell import kv
+
+__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "IndexConfig", "IndexStats", "KvIndex",
+           "PrefixMatch", "WorkerInfo", "bit_positions"]
+
+log = logging.getLogger("gateway.index")
 
 # Medium enum value -> position in the per-medium tuples below.
 _TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
-
-
-def bit_positions(mask: int) -> Iterator[int]:
-    """Slot numbers of the set bits of `mask`."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-@dataclass(slots=True)
-class IndexConfig:
-    # Bound on (page hash, medium) keys; ~200 bytes each with the per-worker sets.
-    max_entries: int = 4_000_000
-    # Fraction of max_entries dropped at once when over the bound (amortises the scan).
-    evict_fraction: float = 0.05
-    # A worker heard from (event or heartbeat) within stale_after_s has full confidence; it then
-    # falls linearly to min_confidence at dead_after_s.
-    stale_after_s: float = 5.0
-    dead_after_s: float = 30.0
-    min_confidence: float = 0.0
-    # Multiplier while a worker's view is known to be incomplete (gap seen, snapshot in progress).
-    resync_confidence: float = 0.5
-
-
-class ApplyStatus(enum.Enum):
-    APPLIED = "applied"
-    # Already applied (seq not above the last one): ignored.
-    DUPLICATE = "duplicate"
-    # Cannot be applied: re-subscribe from (resume_epoch, resume_after_seq).
-    RESYNC = "resync"
-
-
-@dataclass(slots=True)
-class ApplyResult:
-    status: ApplyStatus
-    pool_id: str
-    reason: str = ""
-    # Where the subscriber should resume: SubscribeRequest(epoch, after_seq). -1 = snapshot.
-    resume_epoch: int = 0
-    resume_after_seq: int = -1
-    page_events: int = 0
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """Leading pages of a request one worker holds: device run, then host, then remote extension."""
-    device_pages: int
-    host_pages: int
-    remote_pages: int
-    confidence: float
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    pool_id: str
-    epoch: int
-    last_seq: int
-    needs_resync: bool
-    in_snapshot: bool
-    last_seen: float
-    pages: tuple[int, int, int]
+# Bytes one (page hash, medium) key costs, all structures included (mask dict slot, 16-byte hash
+# object, the holder's set slot, a mask int when several workers hold it): measured with
+# tracemalloc at 1,000 workers by prefixcache_bench/gateway_fleet.py (docs/results/gateway/fleet.txt).
+BYTES_PER_ENTRY = 160
+# Seconds between two "index full" warnings.
+_FULL_WARNING_INTERVAL_S = 60.0
 
 
 @dataclass(slots=True)
@@ -131,6 +88,22 @@ class KvIndex:
         self.page_events = 0
         self.evicted_entries = 0
         self.resyncs = 0
+        self._warned_at: float | None = None
+        if self.capacity() < 1:
+            raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
+                             f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
+
+    def capacity(self) -> int:
+        """The most (page hash, medium) keys held: max_entries, else from the memory budget."""
+        cfg = self.config
+        if cfg.max_entries:
+            return cfg.max_entries
+        return int(cfg.memory_budget_mb * 2**20 // BYTES_PER_ENTRY)
+
+    def stats(self) -> IndexStats:
+        n = len(self)
+        return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
+                          self.page_events)
 
     # ----- workers -----------------------------------------------------------------------------
 
@@ -158,6 +131,12 @@ class KvIndex:
             return None
         return WorkerInfo(w.pool_id, w.epoch, w.last_seq, w.needs_resync, w.in_snapshot, w.last_seen,
                           (len(w.pages[0]), len(w.pages[1]), len(w.pages[2])))
+
+    def last_seen(self, pool_id: str) -> float | None:
+        """When the worker's stream last delivered anything; None when unknown. (What routing
+        asks of every worker per decision: cheaper than `info`.)"""
+        w = self._workers.get(pool_id)
+        return None if w is None else w.last_seen
 
     def pages(self, pool_id: str, medium: int) -> frozenset[bytes]:
         """The page hashes the index holds for a worker on a medium (for tests and debugging)."""
@@ -227,7 +206,7 @@ class KvIndex:
         else:
             w.last_seq = batch.seq
         self.page_events += n
-        if len(self) > self.config.max_entries:
+        if len(self) > self.capacity():
             self._evict()
         return ApplyResult(ApplyStatus.APPLIED, w.pool_id, "", w.epoch, w.last_seq, n)
 
@@ -262,11 +241,15 @@ class KvIndex:
                 tier = _TIER.get(ev.stored.medium)
                 if tier is None:
                     continue
-                hashes = ev.stored.block_hashes
+                # One bytes object per hash, shared by the mask dict and the worker's set (the
+                # repeated field builds a new one on every iteration).
+                hashes = list(ev.stored.block_hashes)
                 d = masks[tier]
                 for h in hashes:
-                    # pop + insert moves the key to the end: insertion order = last stored.
-                    d[h] = d.pop(h, 0) | bit
+                    # pop + insert moves the key to the end: insertion order = last stored. A
+                    # page held by one worker shares that worker's `bit` object (no new int).
+                    old = d.pop(h, 0)
+                    d[h] = old | bit if old else bit
                 pages[tier].update(hashes)
                 n += len(hashes)
             elif kind == "removed":
@@ -278,7 +261,7 @@ class KvIndex:
                 for h in mine.intersection(hashes):  # held ones, each once
                     m = d[h] & nbit
                     if m:
-                        d[h] = m
+                        d[h] = self._compact(m)
                     else:
                         del d[h]
                 mine.difference_update(hashes)
@@ -294,24 +277,43 @@ class KvIndex:
             for h in mine:
                 m = d[h] & nbit
                 if m:
-                    d[h] = m
+                    d[h] = self._compact(m)
                 else:
                     del d[h]
             mine.clear()
 
+    def _compact(self, mask: int) -> int:
+        """A mask left with one holder becomes that worker's own `bit` object (a shared int
+        instead of one per page: up to 160 bytes at 1,000 workers)."""
+        if mask & (mask - 1):
+            return mask
+        return self._by_slot[mask.bit_length() - 1].bit
+
     def _evict(self) -> None:
-        target = int(self.config.max_entries * (1.0 - self.config.evict_fraction))
+        cap = self.capacity()
+        target = int(cap * (1.0 - self.config.evict_fraction))
         excess = len(self) - target
+        self._warn_full(cap, excess)
         for tier in _EVICT_ORDER:
             if excess <= 0:
                 return
             d = self._masks[tier]
-            victims = list(islice(d, excess))
-            for h in victims:
+            dropped = victims(d, excess)
+            for h in dropped:
                 for slot in bit_positions(d.pop(h)):
                     self._by_slot[slot].pages[tier].discard(h)
-            excess -= len(victims)
-            self.evicted_entries += len(victims)
+            excess -= len(dropped)
+            self.evicted_entries += len(dropped)
+
+    def _warn_full(self, cap: int, excess: int) -> None:
+        now = self._clock()
+        if self._warned_at is not None and now - self._warned_at < _FULL_WARNING_INTERVAL_S:
+            return
+        self._warned_at = now
+        log.warning(kv("kv_index_full", capacity=cap, evicting=excess,
+                       evicted_total=self.evicted_entries + excess, workers=len(self._workers),
+                       budget_mb=self.config.memory_budget_mb, bytes_per_entry=BYTES_PER_ENTRY,
+                       hint="raise --index-memory-mb: routing is losing prefix knowledge"))
 
     def _worker(self, pool_id: str) -> _Worker:
         w = self._workers.get(pool_id)
@@ -337,8 +339,8 @@ class KvIndex:
         if not everyone or not hashes:
             return {}
         dev_end = self._device_runs(hashes)
-        host_end = dev_end if not host else _runs(hashes, dev_end, lambda h: host.get(h, 0) | dev.get(h, 0))
-        rem_end = host_end if not rem else _runs(
+        host_end = dev_end if not host else runs(hashes, dev_end, lambda h: host.get(h, 0) | dev.get(h, 0))
+        rem_end = host_end if not rem else runs(
             hashes, host_end, lambda h: everyone if h in rem else host.get(h, 0) | dev.get(h, 0))
         now = self._clock() if now is None else now
         out: dict[str, PrefixMatch] = {}
@@ -356,7 +358,7 @@ class KvIndex:
         dev, n = self._masks[0], len(hashes)
         alive, i = self._all, 0
         ends: dict[int, int] = {}
-        while i < n and alive.bit_count() > _SET_PROBE_WORKERS:
+        while i < n and alive.bit_count() > SET_PROBE_WORKERS:
             m = dev.get(hashes[i], 0)
             if alive & m != alive:
                 for slot in bit_positions(alive & ~m):
@@ -364,46 +366,5 @@ class KvIndex:
                 alive &= m
             i += 1
         for slot in bit_positions(alive):
-            ends[slot] = _run_in(self._by_slot[slot].pages[0], hashes, i)
+            ends[slot] = run_in(self._by_slot[slot].pages[0], hashes, i)
         return ends
-
-
-_SET_PROBE_WORKERS = 4
-
-
-def _run_in(pages: set[bytes], hashes: Sequence[bytes], i: int) -> int:
-    """First position >= i whose hash is not in `pages` (len(hashes) when none)."""
-    n, step = len(hashes), 32
-    while i < n:
-        stop = min(n, i + step)
-        if not pages.issuperset(hashes[i:stop]):
-            while hashes[i] in pages:
-                i += 1
-            return i
-        i, step = stop, min(step * 2, 1024)
-    return n
-
-
-def _runs(hashes: Sequence[bytes], starts: dict[int, int], mask_of: Callable[[bytes], int]) -> dict[int, int]:
-    """For each worker slot, the first page at or after starts[slot] whose mask lacks its bit."""
-    joining: dict[int, int] = {}
-    for slot, pos in starts.items():
-        joining[pos] = joining.get(pos, 0) | (1 << slot)
-    ends: dict[int, int] = {}
-    alive, n = 0, len(hashes)
-    for i in range(min(joining), n):
-        alive |= joining.pop(i, 0)
-        if not alive:
-            if not joining:
-                return ends
-            continue
-        m = mask_of(hashes[i])
-        if alive & m != alive:
-            for slot in bit_positions(alive & ~m):
-                ends[slot] = i
-            alive &= m
-    for pos, mask in joining.items():  # runs that started at the very end
-        alive |= mask
-    for slot in bit_positions(alive):
-        ends[slot] = n
-    return ends

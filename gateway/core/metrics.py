@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import prometheus_client
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 MEDIA = ("device", "host", "remote")
@@ -13,14 +13,20 @@ MEDIA = ("device", "host", "remote")
 _DECISION_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
-class _Gauges(Collector):
-    """`snapshot()` -> (index pages per (worker, medium), workers per state), read per scrape."""
+# (index pages per (worker, medium), workers per state, index totals: entries, capacity,
+# evictions, memory_bytes)
+Snapshot = tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]
 
-    def __init__(self, snapshot: Callable[[], tuple[dict[tuple[str, str], int], dict[str, int]]]):
+
+class _Gauges(Collector):
+    """`snapshot()` -> Snapshot, read per scrape."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[prometheus_client.Metric]:
-        pages, states = self._snapshot()
+        pages, states, totals = self._snapshot()
+        yield from _index_totals(totals)
         index = GaugeMetricFamily("prefixcache_gateway_index_pages",
                                   "Pages the gateway's index holds, by worker and medium.",
                                   labels=["worker", "medium"])
@@ -33,6 +39,21 @@ class _Gauges(Collector):
             workers.add_metric([state], n)
         yield index
         yield workers
+
+
+def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
+    """The routing index's bound and how full it is (gateway/core/index.py)."""
+    for name, doc in (("entries", "(page hash, medium) keys the routing index holds."),
+                      ("capacity", "Keys the routing index may hold (--index-memory-mb)."),
+                      ("memory_bytes", "Estimated memory of the routing index (keys x the "
+                                       "measured bytes per key).")):
+        g = GaugeMetricFamily(f"prefixcache_gateway_index_{name}", doc)
+        g.add_metric([], totals[name])
+        yield g
+    c = CounterMetricFamily("prefixcache_gateway_index_evictions", "Keys the routing index "
+                            "dropped at its bound: the fleet outgrew --index-memory-mb.")
+    c.add_metric([], totals["evictions"])
+    yield c
 
 
 class GatewayMetrics:
@@ -72,5 +93,5 @@ class GatewayMetrics:
             "fingerprint differs from the gateway's: they are sent token-id prompts only.",
             registry=r)
 
-    def watch(self, snapshot: Callable[[], tuple[dict[tuple[str, str], int], dict[str, int]]]) -> None:
+    def watch(self, snapshot: Callable[[], Snapshot]) -> None:
         self.registry.register(_Gauges(snapshot))

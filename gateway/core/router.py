@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
-from gateway.core.metrics import MEDIA, GatewayMetrics
+from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
 from gateway.core.policies import LoadTracker, Policy, RouteDecision, RouteRequest
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -110,8 +110,8 @@ class Router:
             return min((w.info.max_context_tokens for w in self._workers.values()), default=0)
 
     def _staleness(self, name: str, now: float) -> float:
-        info = self.index.info(name)
-        return max(0.0, now - info.last_seen) if info is not None else float("inf")
+        seen = self.index.last_seen(name)
+        return max(0.0, now - seen) if seen is not None else float("inf")
 
     def _eligible(self, w: Worker, now: float) -> bool:
         return (w.up and w.synced
@@ -139,6 +139,17 @@ class Router:
         if result.status is ApplyStatus.RESYNC:
             self.metrics.resyncs.labels(name).inc()
         return result
+
+    def resume_point(self, name: str) -> tuple[int, int]:
+        """Where a worker's broken stream picks up: SubscribeRequest(epoch, after_seq) right after
+        the last batch applied, so that the cache service replays from its buffer and sends a
+        snapshot only when the buffer no longer holds that point (after_seq -1: a snapshot,
+        as when nothing complete was applied or a snapshot broke off)."""
+        with self.lock:
+            info = self.index.info(name)
+        if info is None or info.in_snapshot:
+            return (info.epoch if info else 0), -1
+        return info.epoch, info.last_seq
 
     # ----- routing -----------------------------------------------------------------------------
 
@@ -250,7 +261,7 @@ class Router:
                     in_flight=self.load.get(name, now).inflight_requests)
             return out
 
-    def _gauges(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    def _gauges(self) -> Snapshot:
         with self.lock:
             now = self._clock()
             pages: dict[tuple[str, str], int] = {}
@@ -259,7 +270,10 @@ class Router:
                 for medium, n in zip(MEDIA, info.pages if info else (0, 0, 0)):
                     pages[name, medium] = n
             eligible = sum(self._eligible(w, now) for w in self._workers.values())
-            return pages, {"known": len(self._workers), "eligible": eligible}
+            st = self.index.stats()
+            totals = {"entries": st.entries, "capacity": st.capacity,
+                      "evictions": st.evicted_entries, "memory_bytes": st.memory_bytes}
+            return pages, {"known": len(self._workers), "eligible": eligible}, totals
 
     def names(self) -> Sequence[str]:
         with self.lock:

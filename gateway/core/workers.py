@@ -9,7 +9,9 @@ Per address, one thread (`WorkerHandle._run`):
    `--tokenizer auto` (gateway/core/tokenize.py): a worker with another tokenizer is admitted for
    token-id prompts only;
 3. follow: a second thread feeds its cache service's event stream for its pool into the router,
-   resubscribing from where the index says when it reports a gap or a new epoch; this thread
+   resubscribing from where the index says when it reports a gap or a new epoch, and after a
+   broken stream from the last batch applied (the cache service replays its buffer, or sends a
+   snapshot when the buffer has moved past that point); this thread
    probes the worker's `readiness` health, so a dead or draining worker stops being routed to.
    A third holds a health `Watch` on `readiness`: a worker that starts draining (SIGTERM:
    readiness NOT_SERVING, design.md §8) is out of the routing within a round trip, before it
@@ -279,9 +281,12 @@ class WorkerHandle:
                 if done():
                     return
                 failures += 1
+                # Resume where the index stopped: a replay of the missed batches, not a
+                # snapshot of the whole pool (the cache service decides, by its buffer).
+                epoch, after_seq = self._router.resume_point(name)
                 log.warning(kv("stream_failed", worker=name, code=exc.status.name,
-                               message=exc.message, attempts=failures))
-                epoch, after_seq = 0, -1  # start over from a snapshot
+                               message=exc.message, attempts=failures, resume_epoch=epoch,
+                               resume_after_seq=after_seq))
                 self._stopped.wait(backoff.delay(failures))
             finally:
                 sub.close()

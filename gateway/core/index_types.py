@@ -1,0 +1,74 @@
+"""The value types of the gateway's KV index (gateway/core/index.py): its settings, what applying
+a batch answers, a worker's match and state, and the index's totals."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class IndexConfig:
+    # Memory the index may use, in MiB: its bound is memory_budget_mb / BYTES_PER_ENTRY keys
+    # (--index-memory-mb). 1024 MiB: ~6.7M keys.
+    memory_budget_mb: float = 1024.0
+    # Explicit bound on (page hash, medium) keys; 0 = from memory_budget_mb.
+    max_entries: int = 0
+    # Fraction of max_entries dropped at once when over the bound (amortises the scan).
+    evict_fraction: float = 0.05
+    # A worker heard from (event or heartbeat) within stale_after_s has full confidence; it then
+    # falls linearly to min_confidence at dead_after_s.
+    stale_after_s: float = 5.0
+    dead_after_s: float = 30.0
+    min_confidence: float = 0.0
+    # Multiplier while a worker's view is known to be incomplete (gap seen, snapshot in progress).
+    resync_confidence: float = 0.5
+
+
+class ApplyStatus(enum.Enum):
+    APPLIED = "applied"
+    # Already applied (seq not above the last one): ignored.
+    DUPLICATE = "duplicate"
+    # Cannot be applied: re-subscribe from (resume_epoch, resume_after_seq).
+    RESYNC = "resync"
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    status: ApplyStatus
+    pool_id: str
+    reason: str = ""
+    # Where the subscriber should resume: SubscribeRequest(epoch, after_seq). -1 = snapshot.
+    resume_epoch: int = 0
+    resume_after_seq: int = -1
+    page_events: int = 0
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """Leading pages of a request one worker holds: device run, then host, then remote extension."""
+    device_pages: int
+    host_pages: int
+    remote_pages: int
+    confidence: float
+
+
+@dataclass(slots=True)
+class IndexStats:
+    entries: int
+    capacity: int
+    # Keys dropped under the bound since start: > 0 means the fleet outgrew the budget.
+    evicted_entries: int
+    # entries x BYTES_PER_ENTRY: an estimate, measured by the fleet benchmark.
+    memory_bytes: int
+    page_events: int
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    pool_id: str
+    epoch: int
+    last_seq: int
+    needs_resync: bool
+    in_snapshot: bool
+    last_seen: float
+    pages: tuple[int, int, int]

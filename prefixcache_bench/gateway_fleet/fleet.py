@@ -1,0 +1,129 @@
+"""The recorded fleet: what every simulated pool holds and streams, and a CacheService that
+replays it (the load generator; it runs in its own process, on its own core).
+
+Content, deterministic so that both processes know it without sharing it: each pool holds
+`pages_per_pool` private pages (conversations of CONVERSATION_PAGES pages) and the system prompts
+(SHARED_PROMPTS prompts of CONVERSATION_PAGES pages) its (pool, prompt) draw gives it (~1 in 10).
+Its stream is a snapshot of that (batches of SNAPSHOT_BATCH_PAGES pages, as the cache service
+sends it), then `live_batches` live batches that each store LIVE_PAGES new private pages and
+remove the oldest LIVE_PAGES. Page hashes are distinct 16-byte strings (the index hashes them
+again, so their bit pattern does not matter).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import common_pb2, events_pb2
+
+CONVERSATION_PAGES = 32
+SHARED_PROMPTS = 16
+LIVE_PAGES = 64
+SNAPSHOT_BATCH_PAGES = 4096  # cache_service/core.py's
+EPOCH = 1
+_DEVICE = common_pb2.MEDIUM_DEVICE
+
+
+def pool_name(i: int) -> str:
+    return f"pool-{i:04d}"
+
+
+def private_page(pool: int, j: int) -> bytes:
+    return ((pool << 40) | j).to_bytes(16, "little")
+
+
+def shared_page(prompt: int, j: int) -> bytes:
+    return ((1 << 100) | (prompt << 20) | j).to_bytes(16, "little")
+
+
+def holds_prompt(pool: int, prompt: int) -> bool:
+    return (pool * 2654435761 + prompt * 40503) % 10 == 0
+
+
+def snapshot_pages(pool: int, pages_per_pool: int) -> list[bytes]:
+    shared = [shared_page(s, j) for s in range(SHARED_PROMPTS) if holds_prompt(pool, s)
+              for j in range(CONVERSATION_PAGES)]
+    return shared + [private_page(pool, j) for j in range(pages_per_pool)]
+
+
+def _stored(hashes: list[bytes]) -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(stored=events_pb2.BlockStored(block_hashes=hashes, block_size=16,
+                                                            medium=_DEVICE))
+
+
+def recorded_stream(pool: int, pages_per_pool: int, live_batches: int) -> list[bytes]:
+    """The pool's stream as serialized SubscribeResponses: snapshot (seq 0), then live 1..K."""
+    name, pages = pool_name(pool), snapshot_pages(pool, pages_per_pool)
+    chunks = [pages[i:i + SNAPSHOT_BATCH_PAGES] for i in range(0, len(pages), SNAPSHOT_BATCH_PAGES)]
+    out = []
+    for k, chunk in enumerate(chunks):
+        events = ([events_pb2.KvEvent(cleared=events_pb2.AllBlocksCleared())] if k == 0 else [])
+        out.append(events_pb2.EventBatch(pool_id=name, epoch=EPOCH, seq=0, snapshot=True,
+                                         snapshot_end=k == len(chunks) - 1,
+                                         events=[*events, _stored(chunk)]))
+    for seq in range(1, live_batches + 1):
+        new = [private_page(pool, pages_per_pool + (seq - 1) * LIVE_PAGES + j) for j in range(LIVE_PAGES)]
+        old = [private_page(pool, (seq - 1) * LIVE_PAGES + j) for j in range(LIVE_PAGES)]
+        gone = events_pb2.KvEvent(removed=events_pb2.BlockRemoved(block_hashes=old, medium=_DEVICE))
+        out.append(events_pb2.EventBatch(pool_id=name, epoch=EPOCH, seq=seq, events=[_stored(new), gone]))
+    return [cpb.SubscribeResponse(batch=b).SerializeToString() for b in out]
+
+
+def page_events(pool: int, pages_per_pool: int, live_batches: int) -> tuple[int, int]:
+    """(snapshot page events, live page events) of a pool's stream."""
+    return len(snapshot_pages(pool, pages_per_pool)), 2 * LIVE_PAGES * live_batches
+
+
+class ReplayCache:
+    """Subscribe: the pool's recorded stream from the request's point (after_seq -1: from the
+    snapshot; its live part once `go` is set, so that warm-up and live ingest are timed apart),
+    then heartbeats at the asked interval until cancelled. Messages go out pre-serialized (the
+    server's work is the transport, not building messages)."""
+
+    def __init__(self, pools: int, pages_per_pool: int, live_batches: int, go):
+        self.live_batches, self.go = live_batches, go
+        self.streams = {pool_name(i): recorded_stream(i, pages_per_pool, live_batches)
+                        for i in range(pools)}
+
+    def Subscribe(self, request: cpb.SubscribeRequest, context) -> Iterator[bytes]:
+        stream = self.streams[request.pool_id]
+        live_start = len(stream) - self.live_batches  # live seq k sits at live_start + k - 1
+        if request.after_seq < 0 or request.epoch != EPOCH:
+            yield from stream[:live_start]
+            while not self.go.wait(0.05):
+                if not context.is_active():
+                    return
+            yield from stream[live_start:]
+        else:
+            yield from stream[live_start + request.after_seq:]
+        interval = request.heartbeat_interval_s or 1.0
+        while context.is_active():
+            time.sleep(interval)
+            yield cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(
+                pool_id=request.pool_id, epoch=EPOCH, head_seq=self.live_batches)).SerializeToString()
+
+
+def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu: int | None) -> None:
+    """The load generator's process: builds the recording, serves it, reports its port."""
+    import os
+
+    import grpc
+    from concurrent import futures
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    servicer = ReplayCache(pools, pages_per_pool, live_batches, go)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=pools + 8),
+                         options=[("grpc.max_send_message_length", 64 << 20),
+                                  ("grpc.max_concurrent_streams", pools + 8)])
+    # CacheService.Subscribe with an identity serializer: the recording is already bytes.
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.Subscribe, request_deserializer=cpb.SubscribeRequest.FromString,
+        response_serializer=lambda b: b)
+    service = cpb.DESCRIPTOR.services_by_name["CacheService"].full_name
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service,
+                                                                          {"Subscribe": handler})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port_out.put(port)
+    server.wait_for_termination()

@@ -1,0 +1,170 @@
+"""One configuration of the fleet benchmark: N pools streamed by the load generator (its own
+process, pinned to one core) into one gateway's Router through the real feed code path
+(WorkerHandle._feed: CacheClient.subscribe, Router.on_stream_item), the gateway pinned to the
+other core, while a routing thread times Router.route. Phases: warm (every pool's snapshot
+applied: restart-to-warm), then live (every pool's recorded live batches applied)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import threading
+import time
+import tracemalloc
+
+from gateway.core.discovery import WorkerAddress
+from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import RouteRequest, make_policy
+from gateway.core.router import Router, Worker
+from gateway.core.workers import Fleet, WorkerHandle, WorkerSettings
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.harness import percentile
+
+PAGE_SIZE = 16
+REQUEST_PAGES = 64  # a 1,024-token prompt: a held conversation or system prompt, then new pages
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def index_bytes_per_page(pools: int, pages_per_pool: int) -> float:
+    """tracemalloc's count of the index's own memory after the pools' snapshots, per page key."""
+    msgs = [cpb.SubscribeResponse.FromString(b).batch for i in range(pools)
+            for b in F.recorded_stream(i, pages_per_pool, 0)]
+    index = KvIndex(IndexConfig(max_entries=1 << 40))
+    tracemalloc.start()
+    try:
+        for m in msgs:
+            index.apply(m)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return used / len(index)
+
+
+class _Router:
+    """The timed routing thread: requests for a pool's conversation (routed to it when the index
+    knows it) or a system prompt, each followed by new pages."""
+
+    def __init__(self, router: Router, pools: int, pages_per_pool: int, live_batches: int):
+        self.router, self.pools, self.pages = router, pools, pages_per_pool
+        # Conversations the live batches do not remove (those go oldest first).
+        self.first_conv = (live_batches * F.LIVE_PAGES) // F.CONVERSATION_PAGES + 1
+        self.samples: list[tuple[float, float]] = []  # (start, seconds)
+        self.to_holder = self.private = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
+
+    def _request(self, rng: random.Random, n: int) -> tuple[RouteRequest, str | None]:
+        fresh = [(n * 131 + j).to_bytes(16, "big") for j in range(REQUEST_PAGES - F.CONVERSATION_PAGES)]
+        if rng.random() < 0.3:
+            held, holder = [F.shared_page(rng.randrange(F.SHARED_PROMPTS), j)
+                            for j in range(F.CONVERSATION_PAGES)], None
+        else:
+            pool = rng.randrange(self.pools)
+            convs = self.pages // F.CONVERSATION_PAGES
+            c = rng.randrange(min(self.first_conv, convs - 1), convs)
+            held = [F.private_page(pool, c * F.CONVERSATION_PAGES + j) for j in range(F.CONVERSATION_PAGES)]
+            holder = F.pool_name(pool)
+        return RouteRequest(f"r{n}", held + fresh, REQUEST_PAGES * PAGE_SIZE + 1, PAGE_SIZE), holder
+
+    def _run(self) -> None:
+        rng, n = random.Random(1), 0
+        while not self.stop.is_set():
+            req, holder = self._request(rng, n)
+            start = time.perf_counter()
+            route = self.router.route(req)
+            self.samples.append((start, time.perf_counter() - start))
+            if route is not None:
+                self.router.finish(req.request_id)
+                if holder is not None and self.router.index.info(holder) is not None:
+                    self.private += 1
+                    self.to_holder += route.worker.name == holder
+            n += 1
+            time.sleep(0.001)
+
+    def summary(self, t0: float, t1: float) -> dict:
+        lat = [s * 1e6 for t, s in self.samples if t0 <= t < t1]
+        if not lat:
+            return {"decisions": 0}
+        return {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
+                "max_us": max(lat)}
+
+
+def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
+          timeout_s: float = 1800.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with router.lock:
+            infos = [router.index.info(n) for n in names]
+        if all(i is not None and done(i) for i in infos):
+            return time.perf_counter()
+        if time.monotonic() > deadline:
+            raise TimeoutError("the fleet did not reach the state in time")
+        time.sleep(poll_s)
+
+
+def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
+               cpus: tuple[int, int] | None = (0, 1)) -> dict:
+    """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned."""
+    ctx = multiprocessing.get_context("spawn")
+    ports, go = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
+                                               cpus[1] if cpus else None), daemon=True)
+    server.start()
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=1800)}"
+        if cpus:
+            os.sched_setaffinity(0, {cpus[0]})
+        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go)
+    finally:
+        server.kill()
+        server.join(10)
+
+
+def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
+             go) -> dict:
+    router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
+    names = [F.pool_name(i) for i in range(pools)]
+    for name in names:
+        router.add(Worker(name, "bench", address, None, pb.GetModelInfoResponse(worker=name)))
+    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
+    fleet, rss0 = Fleet(None, None), _rss_bytes()
+    timed = _Router(router, pools, pages_per_pool, live_batches)
+    timed.thread.start()
+    t0 = time.perf_counter()
+    handles = []
+    for name in names:
+        handle, left = WorkerHandle(WorkerAddress("127.0.0.1:9", address), router, fleet, settings), threading.Event()
+        threading.Thread(target=handle._feed, args=(name, left), name=f"feed-{name}", daemon=True).start()
+        handles.append(handle)
+    t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
+    threads = threading.active_count()
+    go.set()  # the load generator streams the live batches now
+    t_live = time.perf_counter()
+    t_done = _wait(router, names, lambda i: i.last_seq == live_batches)
+    rss = _rss_bytes() - rss0
+    time.sleep(idle_s)
+    timed.stop.set()
+    timed.thread.join(10)
+    for handle in handles:
+        handle.stop()
+    snap, live = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches) for i in range(pools))))
+    st = router.index.stats()
+    return {
+        "pools": pools, "pages_per_pool": pages_per_pool, "live_batches_per_pool": live_batches,
+        "indexed_pages": st.entries, "snapshot_page_events": snap, "live_page_events": live,
+        "restart_to_warm_s": t_warm - t0, "snapshot_page_events_per_s": snap / (t_warm - t0),
+        "live_page_events_per_s": live / max(t_done - t_live, 1e-9),
+        "routing_during_warmup": timed.summary(t0, t_warm),
+        "routing_during_ingest": timed.summary(t_live, t_done),
+        "routing_idle": timed.summary(t_done, t_done + idle_s + 1),
+        "routed_to_holder": timed.to_holder / max(timed.private, 1),
+        "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
+        "index_evictions": st.evicted_entries,
+    }

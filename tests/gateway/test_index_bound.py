@@ -1,0 +1,62 @@
+"""The routing index's bound: sized from a memory budget, never silent when full."""
+from __future__ import annotations
+
+import logging
+
+import prometheus_client
+import pytest
+
+from gateway.core.index import BYTES_PER_ENTRY, IndexConfig, KvIndex
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router
+from tests.gateway.helpers import FakeClock, batch, pages, stored
+
+
+def test_capacity_comes_from_the_memory_budget_unless_set():
+    assert KvIndex(IndexConfig(memory_budget_mb=1.0)).capacity() == 2**20 // BYTES_PER_ENTRY
+    assert KvIndex(IndexConfig(memory_budget_mb=1.0, max_entries=7)).capacity() == 7
+    with pytest.raises(ValueError, match="memory_budget_mb=0.0001"):
+        KvIndex(IndexConfig(memory_budget_mb=0.0001))
+
+
+def test_a_full_index_says_so_in_stats_and_a_rate_limited_warning(caplog):
+    clock = FakeClock()
+    index = KvIndex(IndexConfig(max_entries=100, evict_fraction=0.1), clock=clock)
+    index.apply(batch("a", 0, stored(pages(0, 100))))
+    assert index.stats().evicted_entries == 0 and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="gateway.index"):
+        index.apply(batch("a", 1, stored(pages(100, 120))))
+        index.apply(batch("a", 2, stored(pages(120, 140))))  # within the minute: no new line
+        clock.now += 61
+        index.apply(batch("a", 3, stored(pages(140, 160))))
+    st = index.stats()
+    assert st.entries == len(index) <= 100 and st.capacity == 100
+    assert st.evicted_entries == 160 - st.entries
+    assert st.memory_bytes == st.entries * BYTES_PER_ENTRY
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and all("event=kv_index_full" in w and "capacity=100" in w
+                                      for w in warnings)
+
+
+def test_eviction_keeps_pages_several_workers_hold():
+    index = KvIndex(IndexConfig(max_entries=100, evict_fraction=0.2))
+    shared = pages(0, 10)
+    index.apply(batch("a", 0, stored(shared)))
+    index.apply(batch("b", 0, stored(shared)))  # the oldest keys, held by two workers
+    index.apply(batch("a", 1, stored(pages(100, 191))))  # 101 keys: evict down to 80
+    assert set(shared) <= index.pages("a", 1) and set(shared) <= index.pages("b", 1)
+    assert len(index) == 80
+    assert index.lookup(shared)["b"].device_pages == 10
+
+
+def test_index_metrics_report_entries_capacity_memory_and_evictions():
+    metrics = GatewayMetrics()
+    router = Router(make_policy("affinity"), metrics, IndexConfig(max_entries=50,
+                                                                  evict_fraction=0.5))
+    router.index.apply(batch("w", 0, stored(pages(0, 60))))
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    assert "prefixcache_gateway_index_capacity 50.0" in text
+    assert "prefixcache_gateway_index_entries 25.0" in text
+    assert f"prefixcache_gateway_index_memory_bytes {25.0 * BYTES_PER_ENTRY}" in text
+    assert "prefixcache_gateway_index_evictions_total 35.0" in text
