@@ -107,6 +107,9 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     stats: RequestStats | None = None
+    # Its worker.Generate span's context (service_shell.tracing), or None: the engine's spans
+    # (engine/step_traces.py) join the caller's trace through it.
+    trace: object | None = None
     _packed: bytes = field(default=b"", repr=False)  # token_bytes() so far
 
     @property

@@ -64,7 +64,9 @@ async def tenant(request: Request, proxy: GenerateProxy = Depends(proxy)) -> Ten
     metadata, the same tenants); 401 otherwise."""
     values = request.headers.getlist(AUTH_METADATA_KEY)
     try:
-        return proxy.tenants.authenticate([(AUTH_METADATA_KEY, v) for v in values])
+        who = proxy.tenants.authenticate([(AUTH_METADATA_KEY, v) for v in values])
     except AuthError as exc:
         raise ApiError(401, str(exc), "authentication_error", None,
                        "invalid_api_key") from None
+    request.state.tenant = who.name  # for the access-log line (request_log.py)
+    return who
