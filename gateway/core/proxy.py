@@ -149,6 +149,7 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
         with self._lock:
             self._worker, self._routed = chosen.worker, True
         self.route_reason = chosen.decision.reason
+        proxy._metrics.routed(chosen.decision.policy, chosen.decision.reason)
         req, call = self._request, self._call
         stream = chosen.worker.client.generate(
             route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,

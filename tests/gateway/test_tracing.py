@@ -4,7 +4,6 @@ the OpenTelemetry SDK's in-memory exporter. Also X-Request-Id (accepted, used, e
 gateway's access-log line."""
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import httpx
@@ -14,14 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cache_service.core import CacheCore
-from compute_service.__main__ import open_cache
 from gateway.core.discovery import WorkerAddress
-from pagestore.client import L3Client, L3Config
 from service_shell import tracing
-from tests.cache_service.grpc_harness import running_server
-from tests.compute_service.server_harness import greedy, make_engine, prompt, running
-from tests.gateway.gateway_harness import Caller, running_gateway, wait_until
+from tests.compute_service.server_harness import greedy, prompt
+from tests.gateway.gateway_harness import Caller
+from tests.observed_stack import cache_service, gateway, worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,26 +44,10 @@ def spans():
         exporter.shutdown()
 
 
-def l3(url: str) -> L3Client:
-    client = L3Client(L3Config(url, prefix="trace", timeout_s=1.0, mac_key=b"k" * 16))
-    assert client.check(1.0)
-    return client
-
-
-@contextlib.contextmanager
-def worker(pool: str, cache_address: str, redis_url: str):
-    """A worker whose cache service is the remote one (Step over gRPC) and whose L3 is Redis."""
-    cache = open_cache(cache_address, 5, None)
-    engine = make_engine(pool_id=pool, cache=cache, l3=l3(redis_url),
-                         l3_write_policy="write-through", l3_lookup=True)
-    with running(engine) as pair:
-        yield pair
-
-
 def test_one_trace_from_the_gateway_to_the_cache_step_and_the_l3_load(spans, redis_server,
                                                                         caplog):
     words = prompt(11, 33)
-    with running_server(CacheCore(remote=l3(redis_server.url))) as cache:
+    with cache_service(redis_server.url) as cache:
         cache_address = f"127.0.0.1:{cache.port}"
         # Worker 1 computes the prompt and writes its pages through to Redis (untraced).
         with worker("t-one", cache_address, redis_server.url) as (one, client):
@@ -76,9 +56,8 @@ def test_one_trace_from_the_gateway_to_the_cache_step_and_the_l3_load(spans, red
         spans.clear()
         with worker("t-two", cache_address, redis_server.url) as (two, _):
             address = WorkerAddress(f"127.0.0.1:{two.port}", cache_address)
-            with running_gateway(lambda: [address], anonymous=True, http_port=0) as gw:
+            with gateway([address]) as gw:
                 caller = Caller(gw.address)
-                wait_until(lambda: gw.router.ready(), what="worker routable")
                 base = f"http://127.0.0.1:{gw.http_port}"
                 with caplog.at_level(logging.INFO, logger="gateway.access"):
                     r = httpx.post(base + "/v1/completions", timeout=60, json={
