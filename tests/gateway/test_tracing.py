@@ -116,3 +116,33 @@ def test_tracing_off_sends_no_trace_context_and_makes_no_span():
     (True, {"OTEL_SDK_DISABLED": "true"}, False)])
 def test_tracing_is_wanted_by_the_flag_or_the_standard_variables(flag, env, want):
     assert tracing.wanted(flag, env) is want
+
+
+def test_request_ids_from_headers_over_grpc_and_http(redis_server):
+    """gRPC: `x-request-id` metadata names a request that sets no id, and the id comes back as
+    initial metadata. HTTP: an unusable X-Request-Id is replaced, never refused, and echoed."""
+    with cache_service(redis_server.url) as cache:
+        cache_address = f"127.0.0.1:{cache.port}"
+        with worker("ids", cache_address, redis_server.url) as (server, _):
+            address = WorkerAddress(f"127.0.0.1:{server.port}", cache_address)
+            with gateway([address]) as gw:
+                caller = Caller(gw.address)
+                call = caller.stream(prompt(3, 9), None, extra=(("x-request-id", "grpc-id-7"),))
+                messages = list(call)
+                assert dict(call.initial_metadata())["x-request-id"] == "grpc-id-7"
+                assert messages[-1].stats.request_id == "grpc-id-7"
+                call = caller.stream(prompt(4, 9), None, request_id="own-id",
+                                     extra=(("x-request-id", "ignored"),))
+                list(call)  # the field wins over the header
+                assert dict(call.initial_metadata())["x-request-id"] == "own-id"
+                caller.close()
+                base = f"http://127.0.0.1:{gw.http_port}"
+                for sent in ("x" * 200, "has space\u00e9"):
+                    r = httpx.post(base + "/v1/completions", timeout=60,
+                                   json={"prompt": prompt(5, 9), "max_tokens": 2},
+                                   headers={"X-Request-Id": sent.encode("utf-8")})
+                    assert r.status_code == 200, r.text
+                    echoed = r.headers["x-request-id"]
+                    assert echoed != sent and len(echoed) == 32 and r.json()["id"].endswith(echoed)
+                r = httpx.get(base + "/v1/models", headers={"X-Request-Id": "models-1"})
+                assert r.headers["x-request-id"] == "models-1"
