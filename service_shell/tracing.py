@@ -9,9 +9,10 @@ tracing off neither reads nor writes it, and every helper here is then one attri
 the hot paths pay nothing (prefixcache_bench.stack.tracing_overhead measures the on case).
 
 The spans: gateway (`gateway.http` per HTTP request, `gateway.Generate` per gRPC call) ->
-`worker.Generate` -> `cache.Step` (one per engine step with a cache call; parent: the first
-traced request of the step, links to the others) and `l3.load` (L3 pages loaded for admitted
-requests); the cache service's own `cache.Step` server span under the worker's.
+`worker.Generate` -> `cache.Step` (one per engine step with a cache call, the worker's side of
+the RPC; parent: the first traced request of the step, links to the others) and `l3.load` (L3
+pages loaded for admitted requests). The cache service takes the flags like every server but
+makes no spans of its own yet: its Step is the worker's `cache.Step` span.
 """
 from __future__ import annotations
 
