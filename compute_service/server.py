@@ -286,6 +286,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 tracing.SpanKind.SERVER, **{"prefixcache.request_id": client_id or None,
                                             "prefixcache.prompt_tokens": len(prompt)})
             if not self._running.add(stream):
+                tracing.end(stream.span)
                 stream = None  # the running one is not ours to remove
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: '{client_id}' is already running")
