@@ -26,6 +26,7 @@ from cache_service.l3_loss import StoreWatch
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
 from pagestore.client import L3Client, L3Config
+from service_shell import tracing
 from service_shell import (ServiceShell, ShutdownSignal, add_flag, add_server_flags,
                            configure_logging, tls_from_args)
 from prefixcache_client.hash import NS_DOMAIN
@@ -113,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    tracing.configure("prefixcache-cache", args)
     chain_hash.configure(args.cache_native, args.kernel_cache)
     shutdown = ShutdownSignal(log)
     config = ServerConfig(host=args.host, port=args.port,

@@ -27,6 +27,7 @@ from pagestore.client import L3Client, L3Config
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
+from service_shell import tracing
 from service_shell import ServiceShell, ShutdownSignal, TlsConfig, configure_logging, kv
 
 log = logging.getLogger("compute_service")
@@ -112,6 +113,7 @@ def engine_config(args: argparse.Namespace, model: CausalLM, model_id: str, port
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    tracing.configure("prefixcache-compute", args)
     configure_hashing(args.cache_native, args.kernel_cache)
     cpu_native.configure(args.cpu_native, args.kernel_cache)
     if args.threads:

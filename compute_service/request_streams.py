@@ -13,7 +13,7 @@ class RequestStream:
     (which takes them). The engine never blocks on a slow client: outputs queue up here and the
     handler sends everything queued as one message."""
 
-    __slots__ = ("request_id", "client_id", "cancel_requested", "sent", "handed_back",
+    __slots__ = ("request_id", "client_id", "cancel_requested", "sent", "handed_back", "span",
                  "_outputs")
 
     def __init__(self, request_id: str, client_id: str | None = None):
@@ -22,6 +22,7 @@ class RequestStream:
         # client's own, the one its answer names.
         self.request_id = request_id
         self.client_id = request_id if client_id is None else client_id
+        self.span = None  # its worker.Generate span (service_shell.tracing), None when off
         # Set when the client left or Abort named the request: from then on the engine is asked
         # to abort it again at every token, until it does (see ComputeServicer._sink).
         self.cancel_requested = False

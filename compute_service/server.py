@@ -67,9 +67,12 @@ from prefixcache_client.limits import quote_untrusted, request_id_too_long
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
+from service_shell import tracing
 from service_shell.auth import COMPUTE_POLICY, ServiceIdentities, interceptors
+from compute_service.engine.step_traces import request_attributes
 
 log = logging.getLogger("compute_service.server")
+_TRACER = tracing.tracer("prefixcache.compute")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 # How often a stream waiting for its next token checks that its client is still there (the
@@ -160,6 +163,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         finally:  # also when gRPC drops this generator after the client left
             self._stream_slots.release()
             self._metrics.rpcs.labels("Generate", code.name).inc()
+            tracing.end(stream.span)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         def abort() -> pb.AbortResponse:
@@ -277,15 +281,22 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             sampling = sampling_of(request.sampling, engine.vocab_size, self.defaults)
             check_fits(len(prompt), sampling.max_tokens, self.info.max_context_tokens)
             stream = RequestStream(request_id, client_id)
+            stream.span = tracing.start(
+                _TRACER, "worker.Generate", tracing.extract(context.invocation_metadata()),
+                tracing.SpanKind.SERVER, **{"prefixcache.request_id": client_id or None,
+                                            "prefixcache.prompt_tokens": len(prompt)})
             if not self._running.add(stream):
+                tracing.end(stream.span)
                 stream = None  # the running one is not ours to remove
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: '{client_id}' is already running")
             engine.submit(prompt, sampling, lambda out: self._sink(stream, out),
                           request_id=request_id, adapter=request.adapter, salt=salt,
-                          resume_output=request.resume_output.ids)
+                          resume_output=request.resume_output.ids,
+                          trace=tracing.context_of(stream.span))
         except BaseException as exc:
             if stream is not None:
+                tracing.end(stream.span)
                 self._running.remove(stream.request_id)
             self._stream_slots.release()
             if isinstance(exc, ValueError):
@@ -312,6 +323,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             s = out.stats
             self._running.remove(stream.request_id)
             self._metrics.request_finished(s)
+            tracing.annotate(tracing.context_of(stream.span), **request_attributes(s))
             log.info(kv("request_finished", request=s.request_id, reason=s.finish_reason.value,
                         prompt_tokens=s.prompt_tokens, cached_device=s.cached_tokens_device,
                         cached_host=s.cached_tokens_host, cached_remote=s.cached_tokens_remote,

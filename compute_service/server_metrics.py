@@ -9,9 +9,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from compute_service.engine import Engine, RequestStats
+from compute_service.vllm_metrics import VllmMetrics, held_device_pages
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Time per output token after the first (decode time / (output tokens - 1)): CPU decode steps of
+# the tiny models are milliseconds, a GPU's tens of milliseconds at most, a loaded CPU's seconds.
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
 class _EngineCollector(Collector):
@@ -86,17 +90,6 @@ class _EngineCollector(Collector):
         yield from tier_metric_families(engine.tier_metrics())
 
 
-def held_device_pages(engine: Engine) -> int:
-    """Distinct device pages the running and retiring requests hold. Read from the scrape thread
-    while the engine thread steps: copies of the queues (taken whole under the GIL) and of each
-    page list, so a page freed meanwhile is at worst counted once more for one scrape."""
-    held: set[int] = set()
-    for queue in (engine.running, engine.retiring):
-        for r in list(queue):
-            held.update(list(r.pages))
-    return len(held)
-
-
 # Engine.tier_metrics() keys that are levels, not monotonic counts.
 _TIER_GAUGES = {
     "l3_breaker_open": "L3 circuit breaker: 0 closed, 1 half-open, 2 open.",
@@ -164,8 +157,19 @@ class ComputeMetrics:
         self.duration = prometheus_client.Histogram(
             "prefixcache_compute_request_duration_seconds", "Arrival to the last message.",
             buckets=_DURATION_BUCKETS, registry=r)
+        self.tpot = prometheus_client.Histogram(
+            "prefixcache_compute_tpot_seconds",
+            "Time per output token after the first, per request (its decode time / (output "
+            "tokens - 1)); requests of one output token have none.",
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.queue = prometheus_client.Histogram(
+            "prefixcache_compute_queue_seconds",
+            "Arrival to first scheduled (matched and given pages), per request.",
+            buckets=_TTFT_BUCKETS, registry=r)
         r.register(_EngineCollector(engine, open_requests))
         prometheus_client.ProcessCollector(registry=r)
+        self._engine = engine
+        self.vllm = VllmMetrics(r, engine)
 
     def request_finished(self, s: RequestStats) -> None:
         self.requests.labels(s.finish_reason.value).inc()
@@ -180,3 +184,8 @@ class ComputeMetrics:
         if s.output_tokens:  # an aborted request that never produced a token has no TTFT
             self.ttft.observe(s.ttft_s)
         self.duration.observe(s.total_s)
+        self.queue.observe(s.queue_s)
+        if s.token_gaps_s:
+            self.tpot.observe(s.decode_s / len(s.token_gaps_s))
+        engine = self._engine()
+        self.vllm.request_finished(s, engine.cfg.model_id if engine is not None else "")

@@ -40,6 +40,7 @@ from gateway.core.tokenize import AUTO
 from gateway.core.workers import WorkerSettings
 from gateway.http.bounds import HttpLimits  # no HTTP stack: only the bounds' defaults
 from prefixcache_client.hash import NS_DOMAIN
+from service_shell import tracing
 from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag, add_server_flags,
                            configure_logging, finite_float, kv, tls_from_args)
 from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
@@ -137,6 +138,9 @@ def _add_http_flags(p: argparse.ArgumentParser, bounds: HttpLimits) -> None:
          "HTTP API: seconds an idle keep-alive connection stays open", type=float)
     flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", bounds.max_connections,
          "HTTP API: open connections; one more is closed as soon as it is accepted", type=int)
+    add_bool_flag(p, "--http-access-log", "HTTP_ACCESS_LOG", "one logfmt line per HTTP request "
+                  "on logger gateway.access (method, path, status, duration_ms, tenant, "
+                  "request_id, prompt/cached/completion tokens)", "on")
 
 
 def _add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
@@ -249,7 +253,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                               probe_interval_s=args.probe_interval_s,
                               heartbeat_interval_s=args.heartbeat_interval_s),
         generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
-        drain_delay_s=args.drain_delay_s, **_http_limits(args))
+        drain_delay_s=args.drain_delay_s,
+        http_access_log=args.http_access_log is not False, **_http_limits(args))
 
 
 def _http_limits(args: argparse.Namespace) -> dict:
@@ -266,6 +271,7 @@ def _http_limits(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    tracing.configure("prefixcache-gateway", args)
     shutdown = ShutdownSignal(log)
     try:
         server = GatewayServer(config_from_args(args)).start()

@@ -67,6 +67,8 @@ class GatewayConfig:
     # `python -m gateway` always passes its flags' values (50/s, burst 100, 64 in flight).
     http_tenant_limits: TenantLimits | None = None
     http_limits: HttpLimits | None = None
+    # One logfmt line per HTTP request on logger gateway.access (gateway/http/request_log.py).
+    http_access_log: bool = True
     # The Endpoint Picker (gateway/epp/): Envoy's ext_proc protocol; None = off, 0 = any port.
     epp_port: int | None = None
     # Who may call the Endpoint Picker: identities of role `dataplane` (service_shell/auth.py);
@@ -185,7 +187,8 @@ class GatewayServer(ShellPorts):
         cfg = self.config
         app = create_app(self.proxy, self.router, lambda: self._ready, cfg.max_streams,
                          max_body_bytes=cfg.max_message_mb << 20,
-                         tenant_limits=cfg.http_tenant_limits, registry=self.metrics.registry)
+                         tenant_limits=cfg.http_tenant_limits, registry=self.metrics.registry,
+                         access_log=cfg.http_access_log)
         return HttpServer(app, cfg.host, cfg.http_port, tls=cfg.tls,
                           graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0,
                           limits=cfg.http_limits, registry=self.metrics.registry).start()

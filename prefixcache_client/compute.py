@@ -119,13 +119,16 @@ class ComputeClient:
     def generate(self, prompt: Sequence[int] | str, sampling: pb.SamplingParams | None = None, *,
                  request_id: str = "", adapter: str = "", salt: str | None = None,
                  timeout_s: float | None = None, resume_output: Sequence[int] = (),
-                 scope: str | None = None) -> GenerateStream:
+                 scope: str | None = None,
+                 trace_metadata: Sequence[tuple[str, str]] = ()) -> GenerateStream:
         """Starts a completion of `prompt` (token ids, or text the worker tokenizes).
 
         `salt` sets the tenant metadata, which only a trusted caller (the gateway) may send;
         `scope` the request-id scope (the tenant's, service_shell.request_scope) likewise.
         `resume_output`: output tokens already received from a worker that failed mid-stream
-        (GenerateRequest.resume_output). Errors are raised when the stream is read."""
+        (GenerateRequest.resume_output). `trace_metadata`: the W3C trace context (traceparent)
+        the worker's spans join (service_shell.tracing.inject). Errors are raised when the
+        stream is read."""
         req = pb.GenerateRequest(request_id=request_id, adapter=adapter, sampling=sampling)
         req.resume_output.ids.extend(resume_output)
         if isinstance(prompt, str):
@@ -133,7 +136,7 @@ class ComputeClient:
         else:
             req.token_ids.ids.extend(prompt)
         metadata = self._auth + (((SALT_METADATA_KEY, salt),) if salt is not None else ()) \
-            + _scope(scope)
+            + _scope(scope) + tuple(trace_metadata)
         timeout = self.generate_timeout_s if timeout_s is None else timeout_s
         return GenerateStream(self._stub.Generate(req, timeout=timeout, metadata=metadata))
 

@@ -9,6 +9,7 @@ from service_shell.config import add_flag
 from service_shell.logs import LOG_LEVELS
 from service_shell.tls import SETTINGS as TLS_SETTINGS
 from service_shell.tls import TlsConfig
+from service_shell.tracing import add_tracing_flags
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,8 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
 def add_server_flags(parser: argparse.ArgumentParser, *, env_prefix: str, host: str, port: int,
                      max_message_mb: int) -> None:
     """Flags every server has: --host, --port (env PREFIXCACHE_<env_prefix>_HOST/_PORT),
-    --metrics-port, --health-port, --max-message-mb, the TLS flags and --log-level."""
+    --metrics-port, --health-port, --max-message-mb, the TLS flags, --log-level and the
+    tracing flags (--tracing, --otlp-endpoint: service_shell.tracing)."""
     add_flag(parser, "--host", f"{env_prefix}_HOST", host, "address to bind")
     add_flag(parser, "--port", f"{env_prefix}_PORT", port, "gRPC port, 0 = any free port",
              type=int)
@@ -41,6 +43,7 @@ def add_server_flags(parser: argparse.ArgumentParser, *, env_prefix: str, host: 
     add_tls_flags(parser)
     add_flag(parser, "--log-level", "LOG_LEVEL", "INFO", "log level", choices=LOG_LEVELS,
              type=str.upper)
+    add_tracing_flags(parser)
 
 
 

@@ -185,10 +185,11 @@ class Engine(CacheAwayMixin):
 
     def submit(self, prompt: list[int], sampling: SamplingParams, sink: Callable[[Output], None],
                request_id: str = "", adapter: str = "", salt: str = "",
-               resume_output: Sequence[int] = ()) -> Request:
+               resume_output: Sequence[int] = (), trace: object | None = None) -> Request:
         """Queues a request; raises ValueError naming the bad field. `resume_output`: output
         tokens the caller already has (another worker streamed them, then failed): the request
-        goes on after them, as a preempted one does, and streams only what follows."""
+        goes on after them, as a preempted one does, and streams only what follows. `trace`:
+        the caller's span context, which the engine's spans join (engine/step_traces.py)."""
         if not prompt:
             raise ValueError("prompt: must not be empty")
         for field, ids in (("prompt.token_ids", prompt), ("resume_output.ids", resume_output)):
@@ -208,7 +209,7 @@ class Engine(CacheAwayMixin):
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {sampling.max_tokens} exceed "
                              f"this worker's context of {limit} tokens")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), sampling, sink,
-                      adapter=adapter, salt=salt)
+                      adapter=adapter, salt=salt, trace=trace)
         for i in range(len(resume_output)):  # the text stream where the other worker left it
             req.output.append(resume_output[i])
             req.text.next(self.tokenizer, req.output)

@@ -49,6 +49,15 @@ class RequestStats:
     output_tokens: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    # The phases vLLM's histograms name (vllm:request_queue_time_seconds, ..._prefill_..,
+    # ..._decode_..): arrival -> first scheduled, -> first token, -> last token. A twin whose first
+    # token came from a sibling's logits while it waited was never scheduled before it: its wait
+    # is all queue, its prefill 0.
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    # The gap before each output token after the first (inter-token latency; len = output - 1).
+    token_gaps_s: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     preemptions: int = 0
 
@@ -94,8 +103,13 @@ class Request:
     checkpoints: dict[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=dict)
     generator: torch.Generator | None = None
     text: TextStream = field(default_factory=TextStream)  # what of the output has streamed
+    scheduled_at: float | None = None  # time.monotonic() it first left `waiting` to run
     first_token_at: float | None = None
+    last_token_at: float | None = None
     stats: RequestStats | None = None
+    # Its worker.Generate span's context (service_shell.tracing), or None: the engine's spans
+    # (engine/step_traces.py) join the caller's trace through it.
+    trace: object | None = None
     _packed: bytes = field(default=b"", repr=False)  # token_bytes() so far
 
     @property

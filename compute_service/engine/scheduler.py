@@ -174,6 +174,8 @@ class Scheduler:
         lease is released in the next step)."""
         self.waiting.remove(r)
         r.status = Status.RUNNING
+        if r.scheduled_at is None:  # a preempted request resuming keeps its first start
+            r.scheduled_at = time.monotonic()
         r.lease, r.lease_tokens = lease, lease_tokens
         r.pages, r.computed, r.published = pages, computed, published
         r.slot = heapq.heappop(self.free_slots)
@@ -276,6 +278,11 @@ class Scheduler:
         if r.first_token_at is None:
             r.first_token_at = now
             r.stats.ttft_s = now - r.arrival
+            started = r.scheduled_at if r.scheduled_at is not None else now
+            r.stats.queue_s, r.stats.prefill_s = started - r.arrival, now - started
+        else:
+            r.stats.token_gaps_s.append(now - r.last_token_at)
+        r.last_token_at = now
         delta = r.text.next(self.tokenizer, r.output)  # held back: an incomplete character
         sp = r.sampling
         reason = None
@@ -301,4 +308,8 @@ class Scheduler:
         s = r.stats
         s.output_tokens, s.finish_reason = len(r.output), reason
         s.total_s = time.monotonic() - r.arrival
+        if r.first_token_at is not None:
+            s.decode_s = r.last_token_at - r.first_token_at
+        elif r.scheduled_at is None:  # aborted while it waited: all of it was queue
+            s.queue_s = s.total_s
         r.sink(Output([], r.text.flush(self.tokenizer, r.output), stats=s))

@@ -75,6 +75,7 @@ from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.request import Request, Status
 from compute_service.engine.scheduler import Scheduler
+from compute_service.engine.step_traces import end_l3_span, l3_span, step_span
 from compute_service.tiers import PageData
 from compute_service.tiers.mover import TierMover
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
@@ -109,6 +110,13 @@ class StepPlan:
     overlapped: bool = False
     future: Future | None = None
     resp: pb.StepResponse | None = None  # the answer of a call that is not overlapped
+    span: object | None = None  # its cache.Step span while the call runs (step_traces)
+
+
+def _end(plan: StepPlan) -> None:
+    if plan.span is not None:
+        plan.span.end()
+        plan.span = None
 
 
 class StepPlanner:
@@ -235,6 +243,7 @@ class StepPlanner:
         if self.caching:  # rides along a call, never one of its own (lost if the call fails:
             # the pool is registered again then, its tree empty)
             req.failed_remote_writes = self.tiers.failed_writes(MAX_FAILED_REPORT)
+        plan.span = step_span(req, [*plan.admitted, *plan.by_lease.values()])
         if overlap:
             for r, index in plan.slot_checkpoints:  # the forward moves the running slot on
                 r.checkpoints[index] = self.runner.snapshot_state(r.slot)
@@ -250,6 +259,7 @@ class StepPlanner:
             raise
         finally:
             self.stats.cache_wait_s += time.perf_counter() - started
+            _end(plan)
 
     def _publish_ahead(self, plan: StepPlan) -> None:
         """An overlapped call also publishes the page each decode token of its forward completes
@@ -301,6 +311,7 @@ class StepPlanner:
             finally:
                 self.stats.cache_wait_s += time.perf_counter() - started
                 plan.future = None
+                _end(plan)
         self._apply(plan, plan.resp)
 
     def _apply(self, plan: StepPlan, resp: pb.StepResponse) -> None:
@@ -329,7 +340,9 @@ class StepPlanner:
             elif res.lease_id in plan.now:  # a lookahead that failed is asked for again
                 failed.append(r)
         if resp.matches:
+            span = l3_span(plan.admitted, resp.matches)
             loaded = self.tiers.load_extensions(list(resp.matches))
+            end_l3_span(span, loaded)
             for r, m, pages, n in zip(plan.admitted, resp.matches, loaded, plan.match_tokens,
                                       strict=True):
                 self._start(r, m, pages, n)

@@ -2,6 +2,7 @@
 worker gauges are read from the router at scrape time, so they are never stale."""
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 import prometheus_client
@@ -56,6 +57,12 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
     yield c
 
 
+def reason_kind(reason: str) -> str:
+    """A routing reason without its particulars: the part before ':' with every number as N
+    ("near-tie of 3 workers within 12 tokens: ..." -> "near-tie of N workers within N tokens")."""
+    return re.sub(r"\d+(\.\d+)?", "N", reason.split(":", 1)[0]).strip()[:80]
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = prometheus_client.CollectorRegistry()
@@ -92,6 +99,14 @@ class GatewayMetrics:
             "prefixcache_gateway_tokenizer_mismatched_workers", "Admitted workers whose tokenizer "
             "fingerprint differs from the gateway's: they are sent token-id prompts only.",
             registry=r)
+
+        self.routing_decisions = prometheus_client.Counter(
+            "prefixcache_gateway_routing_decisions", "Workers chosen, by policy and the kind "
+            "of reason it gave (RouteDecision.reason with its numbers as N: a bounded set).",
+            ["policy", "reason"], registry=r)
+
+    def routed(self, policy: str, reason: str) -> None:
+        self.routing_decisions.labels(policy, reason_kind(reason)).inc()
 
     def watch(self, snapshot: Callable[[], Snapshot]) -> None:
         self.registry.register(_Gauges(snapshot))

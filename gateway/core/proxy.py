@@ -29,7 +29,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.compute import ComputeClientError, GenerateStream
 from prefixcache_client.hash import chain_hashes, namespace_seed, token_bytes
 from prefixcache_client.limits import quote_untrusted, request_id_too_long
-from service_shell import kv
+from service_shell import kv, tracing
 
 log = logging.getLogger("gateway.proxy")
 
@@ -85,8 +85,10 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
     """
 
     def __init__(self, proxy: GenerateProxy, request: pb.GenerateRequest, route: _PromptRoute,
-                 call: ProxiedCall, timeout_s: float, active: Callable[[], bool]):
+                 call: ProxiedCall, timeout_s: float, active: Callable[[], bool],
+                 trace: tracing.Context | None = None):
         self._proxy, self._request, self._route, self._call = proxy, request, route, call
+        self._trace = trace  # the front end's span: each worker call carries it (traceparent)
         self._deadline = time.monotonic() + timeout_s
         self._active = active
         self._failed: list[str] = []
@@ -147,11 +149,15 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
         with self._lock:
             self._worker, self._routed = chosen.worker, True
         self.route_reason = chosen.decision.reason
+        proxy._metrics.routed(chosen.decision.policy, chosen.decision.reason)
         req, call = self._request, self._call
         stream = chosen.worker.client.generate(
             route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,
             salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()),
-            resume_output=self._output, scope=call.scope)
+            resume_output=self._output, scope=call.scope,
+            trace_metadata=tracing.inject((), self._trace))
+        tracing.annotate(self._trace, **{"prefixcache.worker": chosen.worker.name,
+                                         "prefixcache.route_reason": self.route_reason})
         self._stream, self._fresh = stream, True
         call.attach(chosen.worker, stream)
 
@@ -288,11 +294,12 @@ class GenerateProxy:
 
     def open(self, request: pb.GenerateRequest, tenant: Tenant, timeout_s: float | None = None,
              *, active: Callable[[], bool] | None = None,
-             tokenizer_fingerprint: str | None = None) -> ProxiedStream:
+             tokenizer_fingerprint: str | None = None,
+             trace: tracing.Context | None = None) -> ProxiedStream:
         """Routes `request` for `tenant` and starts the worker call (see ProxiedStream).
         `timeout_s`: the whole call's deadline (None: the gateway's default); `active`: False
         once the caller is gone (a failure then counts as a cancel); `tokenizer_fingerprint`:
-        as `prepare`'s. ProxyError when the call is refused: draining, a bad request, a
+        as `prepare`'s; `trace`: the front end's span context, which the worker's spans join. ProxyError when the call is refused: draining, a bad request, a
         duplicate request id, no worker."""
         self.check_open()
         request_id = request.request_id or uuid.uuid4().hex
@@ -308,7 +315,7 @@ class GenerateProxy:
                              f"request_id: {quote_untrusted(request_id)} is already running")
         stream = ProxiedStream(self, request, route, call,
                                self._default_timeout_s if timeout_s is None else timeout_s,
-                               active or (lambda: True))
+                               active or (lambda: True), trace)
         try:
             stream._start()
         except BaseException:

@@ -33,12 +33,17 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache.v1 import gateway_pb2 as gpb
 from prefixcache.v1 import gateway_pb2_grpc as gpb_grpc
-from service_shell import SALT_METADATA_KEY, enable_reflection, kv
+from prefixcache_client.limits import request_id_too_long
+from service_shell import SALT_METADATA_KEY, enable_reflection, kv, tracing
 
 log = logging.getLogger("gateway.servicer")
 
 COMPUTE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 GATEWAY_SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["GatewayService"].full_name
+_TRACER = tracing.tracer("prefixcache.gateway")
+# X-Request-Id, as gRPC metadata keys are lowercase: a client that names its call this way (as
+# it does over HTTP) gets it as the request id when the request sets none, and back.
+REQUEST_ID_METADATA_KEY = "x-request-id"
 # gRPC reports "no deadline" as ~2^63 s.
 _NO_DEADLINE_S = 1e9
 
@@ -52,28 +57,57 @@ def authenticate(proxy: GenerateProxy, context: grpc.ServicerContext) -> Tenant:
         raise  # unreachable: abort raises
 
 
+def request_id_of_header(request: pb.GenerateRequest, metadata, context: grpc.ServicerContext
+                         ) -> None:
+    """`x-request-id` metadata becomes the request id when the request has none (the field wins
+    when both are set), and the request id is echoed as `x-request-id` initial metadata. The
+    id stays tenant-scoped like any request id (the proxy checks it: length, duplicates)."""
+    if not request.request_id:
+        request.request_id = next((v for k, v in metadata if k == REQUEST_ID_METADATA_KEY
+                                   and isinstance(v, str)), "")
+    rid = request.request_id
+    # Only what a metadata value may carry; an id too long is refused by the proxy anyway.
+    if rid and rid.isascii() and rid.isprintable() and request_id_too_long(rid) is None:
+        context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
+
+
 class ComputeServicer(pb_grpc.ComputeServiceServicer):
     def __init__(self, proxy: GenerateProxy, default_timeout_s: float):
         self._proxy, self._default_timeout_s = proxy, default_timeout_s
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        metadata = context.invocation_metadata() or ()
+        request_id_of_header(request, metadata, context)
+        span = tracing.start(_TRACER, "gateway.Generate", tracing.extract(metadata),
+                             tracing.SpanKind.SERVER, **{"rpc.system": "grpc",
+                                                         "prefixcache.request_id":
+                                                         request.request_id or None})
+        try:
+            yield from self._generate(request, context, metadata, tracing.context_of(span))
+        finally:
+            tracing.end(span)
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
+                  metadata, trace):
         proxy = self._proxy
         try:
             proxy.check_open()
             tenant = authenticate(proxy, context)
-            if any(k == SALT_METADATA_KEY for k, _ in context.invocation_metadata() or ()):
+            if any(k == SALT_METADATA_KEY for k, _ in metadata):
                 # Never trusted from a client: the tenant's salt replaces it.
                 log.debug(kv("client_salt_ignored", tenant=tenant.name, peer=context.peer()))
             check_request(request, proxy.fleet)
             stream = proxy.open(request, tenant, self._deadline(context),
-                                active=context.is_active)
+                                active=context.is_active, trace=trace)
         except ProxyError as exc:
+            tracing.fail(trace, exc.code.name, exc.message)
             context.abort(exc.code, exc.message)
         try:
             if not context.add_callback(stream.cancel):
                 stream.cancel()
             yield from stream
         except ProxyError as exc:
+            tracing.fail(trace, exc.code.name, exc.message)
             context.abort(exc.code, exc.message)
         finally:
             stream.close()

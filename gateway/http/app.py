@@ -39,25 +39,29 @@ from gateway.http.body_limit import BodyLimit
 from gateway.http.deps import HttpCore
 from gateway.http.limits import RateLimit, TenantLimiter, TenantLimits, throttled_counter
 from gateway.http.models import ModelCatalog
+from gateway.http.request_log import RequestLog
 from gateway.http.routes import ROUTERS
 
 
 def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
                max_streams: int = 512, max_body_bytes: int = 64 << 20,
                tenant_limits: TenantLimits | None = None,
-               registry: prometheus_client.CollectorRegistry | None = None) -> FastAPI:
+               registry: prometheus_client.CollectorRegistry | None = None,
+               access_log: bool = True) -> FastAPI:
     """The app over a gateway's proxy and router; `ready()` answers /health. A request body
     over `max_body_bytes` is refused unread (413, body_limit.py); a tenant past its limits
     (`tenant_limits`, overridden per tenant by the tenants file) is answered 429 before that
-    (limits.py), counted in `registry`."""
+    (limits.py), counted in `registry`. Every request gets an X-Request-Id, a span when
+    tracing is on, and with `access_log` one access-log line (request_log.py)."""
     app = FastAPI(title="prefixcache gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # before any parsing
     limiter = TenantLimiter(tenant_limits or TenantLimits(), proxy.tenants.limits)
     app.state.tenant_limiter = limiter
-    app.add_middleware(RateLimit, tenants=proxy.tenants, limiter=limiter,  # outermost
+    app.add_middleware(RateLimit, tenants=proxy.tenants, limiter=limiter,
                        throttled=throttled_counter(registry))
+    app.add_middleware(RequestLog, access_log=access_log)  # outermost: sees a 429 too
     # Blocking gRPC reads run in threads; each open stream may hold one.
     limiter = anyio.CapacityLimiter(max_streams + 16)
     app.state.core = HttpCore(proxy, ready, ModelCatalog(router, proxy.fleet, limiter), limiter,

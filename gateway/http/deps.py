@@ -64,7 +64,9 @@ async def tenant(request: Request, proxy: GenerateProxy = Depends(proxy)) -> Ten
     metadata, the same tenants), or on a model server the one the data plane forwards
     (gateway/core/dataplane_tenants.py); 401 otherwise."""
     try:
-        return proxy.tenants.authenticate(request.headers.items())
+        who = proxy.tenants.authenticate(request.headers.items())
     except AuthError as exc:
         raise ApiError(401, str(exc), "authentication_error", None,
                        "invalid_api_key") from None
+    request.state.tenant = who.name  # for the access-log line (request_log.py)
+    return who

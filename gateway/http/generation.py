@@ -88,8 +88,9 @@ def _next(stream: ProxiedStream) -> pb.GenerateResponse | None:
 
 class Generation:
     def __init__(self, proxy: GenerateProxy, tenant: Tenant, jobs: list[Job],
-                 stops: list[str], limiter: anyio.CapacityLimiter):
+                 stops: list[str], limiter: anyio.CapacityLimiter, trace=None):
         self._proxy, self._tenant, self._limiter = proxy, tenant, limiter
+        self._trace = trace  # the gateway.http span's context (request_log.py)
         self.samples = [Sample(job, StopMatcher(stops)) for job in jobs]
 
     async def open(self, disconnected: Awaitable[Any] | None = None, peek: bool = False) -> None:
@@ -104,7 +105,8 @@ class Generation:
         try:
             for s in self.samples:
                 s.stream = self._proxy.open(s.job.request, self._tenant,
-                                            tokenizer_fingerprint=s.job.tokenizer_fingerprint)
+                                            tokenizer_fingerprint=s.job.tokenizer_fingerprint,
+                                            trace=self._trace)
             for s in self.samples if peek else ():
                 s.first = _next(s.stream)
         except BaseException:

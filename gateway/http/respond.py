@@ -40,7 +40,9 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
     if len(jobs) > schemas.MAX_N:  # each choice is a worker call
         raise bad_request("n", f"prompts x n is {len(jobs)} choices; at most "
                                f"{schemas.MAX_N} per request")
-    generation = Generation(proxy, who, jobs, body.stop_strings(), limiter)
+    generation = Generation(proxy, who, jobs, body.stop_strings(), limiter,
+                            trace=getattr(request.state, "trace", None))
+    request.state.usage = generation.usage  # the access-log line's tokens (request_log.py)
     model = body.model or proxy.fleet.model_id or ""
     try:
         await generation.open(disconnected(request), peek=body.stream)

@@ -39,6 +39,7 @@ def test_components_add_their_resources(renders):
     for name, docs in renders.items():
         components = VARIANTS[name][1]
         assert bool(by_kind(docs, "ServiceMonitor")) == ("monitoring" in components), name
+        assert bool(by_kind(docs, "PrometheusRule")) == ("monitoring" in components), name
         assert bool(by_kind(docs, "Certificate")) == ("mtls" in components), name
         assert bool(by_kind(docs, "InferencePool")) == ("inference-extension" in components), name
         assert bool(by_kind(docs, "ScaledObject")) == ("autoscaling-workers" in components), name
@@ -62,6 +63,7 @@ def test_custom_resources_are_only_the_known_ones(renders):
     custom = {(d["apiVersion"], d["kind"]) for docs in renders.values() for d in docs
               if not is_builtin(d)}
     assert custom == {("monitoring.coreos.com/v1", "ServiceMonitor"),
+                      ("monitoring.coreos.com/v1", "PrometheusRule"),
                       ("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
                       ("inference.networking.k8s.io/v1", "InferencePool"),
                       ("gateway.networking.k8s.io/v1", "HTTPRoute"),

@@ -3,8 +3,6 @@ gateway's tokenizer (the one the workers use), so the gateway routes on exactly 
 worker computes; `n` choices (gateway/http/respond.py)."""
 from __future__ import annotations
 
-import uuid
-
 import anyio
 import grpc
 from anyio import to_thread
@@ -41,7 +39,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
                               f"model's context is {models.max_model_len}")
     req = pb.GenerateRequest(adapter=adapter)
     req.token_ids.ids.extend(ids)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{request.state.request_id}"  # X-Request-Id (request_log.py)
     return await respond.generate(body, [req], max_tokens, request, who, rid, chat=True,
                                   proxy=proxy, limiter=limiter, fingerprint=fingerprint)
 

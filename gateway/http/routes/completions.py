@@ -2,7 +2,6 @@
 text prompt is) or token ids; `n` choices of each (gateway/http/respond.py)."""
 from __future__ import annotations
 
-import uuid
 
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
@@ -43,6 +42,6 @@ async def completions(body: schemas.CompletionRequest, request: Request,
             req.token_ids.ids.extend(p)
             check_request(req, proxy.fleet)  # the vocabulary, as RoutePreview checks it
         requests.append(req)
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = f"cmpl-{request.state.request_id}"  # X-Request-Id (request_log.py)
     return await respond.generate(body, requests, body.max_tokens, request, who, rid,
                                   chat=False, proxy=proxy, limiter=limiter)
