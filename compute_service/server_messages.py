@@ -156,6 +156,10 @@ def sampling_of(s: pb.SamplingParams, vocab_size: int,
         top_p=pick("top_p", 1.0), seed=s.seed if s.HasField("seed") else None,
         max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
+        min_p=s.min_p, logit_bias=dict(s.logit_bias),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     ).validate(vocab_size)
 
 
@@ -178,6 +182,9 @@ def response(outs: list[Output], request_id: str | None = None) -> pb.GenerateRe
     naming the request by `request_id` (the client's, without its scope) when given."""
     resp = pb.GenerateResponse(token_ids=[t for o in outs for t in o.token_ids],
                                text="".join(o.text for o in outs))
+    for lp in (lp for o in outs for lp in o.logprobs or ()):
+        resp.logprobs.add(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                          top_logprobs=[v for _, v in lp.top])
     if outs[-1].stats is not None:
         resp.stats.CopyFrom(_stats_pb(outs[-1].stats))
         if request_id is not None:

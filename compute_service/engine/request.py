@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from compute_service.engine.detokenize import TextStream
+from compute_service.engine.logits_ops import TokenLogprobs
 from compute_service.engine.sampling import SamplingParams
 
 
@@ -32,6 +33,8 @@ class Output:
     token_ids: list[int]
     text: str
     stats: RequestStats | None = None
+    # One per token of `token_ids` when the request asked for logprobs (SamplingParams.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
