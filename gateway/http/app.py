@@ -60,6 +60,7 @@ def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
                        throttled=throttled_counter(registry))
     # Blocking gRPC reads run in threads; each open stream may hold one.
     limiter = anyio.CapacityLimiter(max_streams + 16)
+    app.state.registry = registry  # GET /metrics (routes/service.py)
     app.state.core = HttpCore(proxy, ready, ModelCatalog(router, proxy.fleet, limiter), limiter,
                               created=int(time.time()))
     for routes in ROUTERS:

@@ -51,6 +51,14 @@ def completion(entries: Sequence[Entry], name: Callable[[int], str], offset: int
         offsets.append(at)
         at += len(s)
     return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for _, e in entries],
-            "top_logprobs": ([{name(i): _finite(v) for i, v in zip(e.top_ids, e.top_logprobs)}
-                              for _, e in entries] if tops else None),
+            "top_logprobs": [_top(e, name) for _, e in entries] if tops else None,
             "text_offset": offsets}
+
+
+def _top(e: pb.TokenLogprobs, name: Callable[[int], str]) -> dict[str, float]:
+    """{token string: logprob}: two ids may decode to one string (a byte of a multi-byte
+    character each); the likelier one's logprob is kept."""
+    out: dict[str, float] = {}
+    for i, v in zip(e.top_ids, e.top_logprobs):
+        out.setdefault(name(i), _finite(v))
+    return out
