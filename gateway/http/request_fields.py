@@ -94,22 +94,32 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "echo is implemented for /v1/completions only"),
 }
 
+# Fields whose neutral value differs by endpoint (vLLM's defaults differ): kind -> neutral.
+# add_special_tokens: a text prompt gets the workers' BOS rule (True), a chat its template's
+# tokens only (False).
+PER_KIND: dict[str, dict[str, tuple[Any, ...]]] = {
+    "add_special_tokens": {"completion": (None, True), "chat": (None, False)},
+}
+REFUSED["add_special_tokens"] = ((None,), "the special tokens are always vLLM's default for "
+                                 "the endpoint: a text prompt's BOS rule, a chat's template")
+
 # Accepted without effect on purpose (the answer does not depend on them, in OpenAI or vLLM).
 KNOWN_IGNORED: dict[str, str] = {
     "user": "an end-user id for the provider's abuse monitoring; it changes no answer",
 }
 
 
-def refusals(extra: dict[str, Any]) -> list[tuple[str, str]]:
+def refusals(extra: dict[str, Any], kind: str = "") -> list[tuple[str, str]]:
     """(field, why) for each field of `extra` (the body's fields the schema does not declare)
-    that is unknown, or a refused field set to a value other than a neutral one."""
+    that is unknown, or a refused field set to a value other than a neutral one; `kind`
+    ("completion" or "chat") picks PER_KIND's neutral values."""
     out = []
     for name, value in extra.items():
         known = STRUCTURED_OUTPUT.get(name) or REFUSED.get(name)
         if known is None:
             out.append((name, "unknown field: not a parameter of OpenAI's or vLLM's API "
                               "(check its spelling)"))
-        elif not _neutral(value, known[0]):
+        elif not _neutral(value, PER_KIND.get(name, {}).get(kind, known[0])):
             out.append((name, f"{known[1]} (only its default is accepted)"))
     return out
 

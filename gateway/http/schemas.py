@@ -23,7 +23,7 @@ place); `usage` carries the `prefixcache` extension (see `usage()`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -80,6 +80,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     """What /v1/completions and /v1/chat/completions share."""
+    KIND: ClassVar[str] = ""
     # Undeclared fields are kept (not dropped) for request_fields.refusals (module docstring).
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     # None: the base model. A loaded LoRA adapter's name selects that adapter.
@@ -126,6 +127,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
+    KIND: ClassVar[str] = "completion"  # request_fields.PER_KIND
     # A string, token ids, or a batch of either.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, lt=_U32)
@@ -172,6 +174,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    KIND: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, lt=_U32)
     max_completion_tokens: int | None = Field(None, ge=1, lt=_U32)
@@ -201,7 +204,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def _unsupported_sampling(r: _Sampling) -> list[tuple[str, str]]:
-    out = refusals(r.model_extra or {})
+    out = refusals(r.model_extra or {}, r.KIND)
     for key, bias in (r.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= _U32:
             out.append(("logit_bias", f"keys must be token ids (decimal strings), got "

@@ -32,7 +32,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # vLLM's default per form: text True, chat False
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
 
@@ -53,10 +53,13 @@ def _ids(proxy: GenerateProxy, body: TokenizeRequest) -> list[int]:
     tok = proxy.tokenizer
     try:
         if body.messages is not None:
+            if body.add_special_tokens:
+                raise bad_request("add_special_tokens", "a chat's special tokens are its "
+                                  "template's; only false is accepted")
             chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
             return list(tok.chat_prompt_ids(chat, body.add_generation_prompt))
-        if body.add_special_tokens or tok.current() is None:
+        if body.add_special_tokens is not False or tok.current() is None:
             # The workers' BOS rule; TokenizerUnavailable when the gateway knows no tokenizer.
             return list(tok.text_ids(body.prompt))
         return list(tok.current().encode(body.prompt))
@@ -72,7 +75,8 @@ async def tokenize(body: TokenizeRequest, _: Tenant = Depends(deps.tenant),
                    proxy: GenerateProxy = Depends(deps.proxy),
                    catalog: ModelCatalog = Depends(deps.catalog),
                    limiter: anyio.CapacityLimiter = Depends(deps.limiter)) -> dict[str, Any]:
-    respond.refuse_unsupported(refusals(body.model_extra or {}))
+    kind = "chat" if body.messages is not None else "completion"
+    respond.refuse_unsupported(refusals(body.model_extra or {}, kind))
     _, models = await catalog.resolve(body.model)
     ids = await to_thread.run_sync(_ids, proxy, body, limiter=limiter)
     tok = proxy.tokenizer.current()
