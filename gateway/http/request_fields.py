@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixcache_client.limits import QUOTE_LIMIT, quote_untrusted
+
 # Neutral values: a field set to one of these is accepted (it asks for vLLM's default).
 _OFF: tuple[Any, ...] = (None,)
 
@@ -117,6 +119,8 @@ def refusals(extra: dict[str, Any], kind: str = "") -> list[tuple[str, str]]:
     for name, value in extra.items():
         known = STRUCTURED_OUTPUT.get(name) or REFUSED.get(name)
         if known is None:
+            # A field name is the client's text: quoted and cut when long (never echoed whole).
+            name = name if len(name) <= QUOTE_LIMIT else quote_untrusted(name)
             out.append((name, "unknown field: not a parameter of OpenAI's or vLLM's API "
                               "(check its spelling)"))
         elif not _neutral(value, PER_KIND.get(name, {}).get(kind, known[0])):

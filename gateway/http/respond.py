@@ -100,7 +100,8 @@ def sampling(body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
                            presence_penalty=body.presence_penalty or 0.0,
                            frequency_penalty=body.frequency_penalty or 0.0,
                            min_p=body.min_p or 0.0,
-                           logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
+                           logit_bias=[pb.LogitBias(token_id=int(k), bias=v)
+                                       for k, v in (body.logit_bias or {}).items()])
     if body.repetition_penalty is not None:
         sp.repetition_penalty = body.repetition_penalty
     if body.logprobs_wanted() is not None:

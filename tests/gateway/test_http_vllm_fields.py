@@ -28,7 +28,8 @@ def _refusals(kind: str, body: dict) -> list[tuple[str, str]]:
     r = SCHEMA[kind].model_validate(body)
     if hasattr(r, "unsupported"):
         return r.unsupported()
-    return request_fields.refusals(r.model_extra or {}, "chat" if "messages" in body else "completion")
+    kind = "chat" if "messages" in body else "completion"
+    return request_fields.refusals(r.model_extra or {}, kind)
 
 
 CASES = [(kind, name) for kind in SCHEMA for name in FIELDS[kind]]
