@@ -2,10 +2,11 @@
 `Sampler` docstring): bans (stop tokens before min_tokens, bad words) -> logit_bias ->
 repetition, frequency and presence penalties; and the logprobs a request asked for.
 
-Every operation works on the whole batch at once: the rows that need it are gathered, processed
-as one tensor and written back (one scatter for the bans, one `index_put_` for the biases, one
-bin count of the padded token histories for the penalties); no Python loop over a row's
-vocabulary, and rows that ask for none of it cost nothing.
+Every operation works on the whole batch at once, on the (row, token) pairs it touches only:
+one indexed write for the bans, one `index_put_` for the biases, one gather and one scatter of
+the penalized tokens (each request's distinct prompt and output ids, TokenHistory) for the
+penalties; no Python loop over a row's vocabulary and no [rows, vocabulary] temporary, and rows
+that ask for none of it cost nothing.
 
 Penalties are vLLM's (vllm/model_executor/layers/utils.py `apply_penalties`):
 - repetition_penalty r (1 = off) on every token of the prompt or the output: a positive logit
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -53,55 +55,72 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
     logits.index_put_(idx, values, accumulate=True)
 
 
-def _padded(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), max(width, 1)), pad, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        if s:
-            out[i, :len(s)] = torch.as_tensor(s, dtype=torch.int64)
-    return out.to(device)
+class TokenHistory:
+    """A request's tokens as the penalties read them: the prompt's distinct ids (computed once)
+    and how often each id was generated (brought up to date with the output at each step, so
+    a step costs the new tokens, not the whole output)."""
+    __slots__ = ("prompt_ids", "counts", "_seen")
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64))
+        self.counts: dict[int, int] = {}
+        self._seen = 0
+
+    def update(self, output: Sequence[int]) -> TokenHistory:
+        if len(output) < self._seen:  # never shrinks in the engine; rebuilt if it did
+            self.counts, self._seen = {}, 0
+        for t in output[self._seen:]:
+            self.counts[t] = self.counts.get(t, 0) + 1
+        self._seen = len(output)
+        return self
 
 
-def _counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] how often each id occurs in each row's sequence (pad = vocab, dropped)."""
-    ids = _padded(seqs, vocab, device)
-    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[int], prompts: Sequence[Sequence[int]],
-                    outputs: Sequence[Sequence[int]], repetition: Sequence[float],
-                    frequency: Sequence[float], presence: Sequence[float]) -> None:
-    """vLLM's penalties (module docstring) on `rows` of `logits`, in place; `prompts`,
-    `outputs` and the penalties are per entry of `rows`."""
+def apply_penalties(logits: torch.Tensor, rows: list[int], histories: Sequence[TokenHistory],
+                    repetition: Sequence[float], frequency: Sequence[float],
+                    presence: Sequence[float]) -> None:
+    """vLLM's penalties (module docstring) on `rows` of `logits`, in place; `histories` and the
+    penalties are per entry of `rows`. Only the (row, token) pairs a penalty touches are read
+    and written (the prompt's and the output's distinct tokens: hundreds, not the vocabulary):
+    one gather, the arithmetic on those values, one scatter."""
     if not rows:
         return
-    device, vocab = logits.device, logits.shape[1]
-    sub = logits[rows]
-    out_counts = _counts(outputs, vocab, device)
-    out_mask = out_counts > 0
-    rep = torch.tensor(repetition, dtype=sub.dtype, device=device).unsqueeze(1)
-    if any(r != 1.0 for r in repetition):
-        seen = out_mask | (_counts(prompts, vocab, device) > 0)
-        scale = torch.where(seen, rep, torch.ones_like(sub))
-        sub = torch.where(sub > 0, sub / scale, sub * scale)
-    freq = torch.tensor(frequency, dtype=sub.dtype, device=device).unsqueeze(1)
-    pres = torch.tensor(presence, dtype=sub.dtype, device=device).unsqueeze(1)
-    sub = sub - freq * out_counts - pres * out_mask.to(sub.dtype)
-    logits[rows] = sub
+    r_idx, c_idx, rep, sub = [], [], [], []
+    for k, (row, h) in enumerate(zip(rows, histories, strict=True)):
+        out_ids = np.fromiter(h.counts, dtype=np.int64, count=len(h.counts))
+        out_n = np.fromiter(h.counts.values(), dtype=np.float64, count=len(h.counts))
+        ids = np.union1d(h.prompt_ids, out_ids) if repetition[k] != 1.0 else np.sort(out_ids)
+        # Frequency and presence on the output's tokens, aligned with `ids` (sorted).
+        minus = np.zeros(len(ids))
+        if len(out_ids):
+            minus[np.searchsorted(ids, out_ids)] = frequency[k] * out_n + presence[k]
+        r_idx.append(np.full(len(ids), row, dtype=np.int64))
+        c_idx.append(ids)
+        rep.append(np.full(len(ids), repetition[k]))
+        sub.append(minus)
+    device, dtype = logits.device, logits.dtype
+    r = torch.from_numpy(np.concatenate(r_idx)).to(device)
+    c = torch.from_numpy(np.concatenate(c_idx)).to(device)
+    if not len(r):
+        return
+    scale = torch.from_numpy(np.concatenate(rep)).to(device=device, dtype=dtype)
+    minus = torch.from_numpy(np.concatenate(sub)).to(device=device, dtype=dtype)
+    vals = logits[r, c]
+    vals = torch.where(vals > 0, vals / scale, vals * scale) - minus
+    logits[r, c] = vals
 
 
 def gather_logprobs(raw: torch.Tensor, tokens: Sequence[int],
                     tops: Sequence[int]) -> list[TokenLogprobs]:
     """Per row of `raw` logits: the log-softmax's value at the row's token and its `tops[i]`
-    best (one top-k for the batch, one host read)."""
-    lp = torch.log_softmax(raw.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1)
+    best. The log-softmax is never materialised: one logsumexp per row, and the top-k taken on
+    the logits (the same order), each value minus its row's logsumexp; one host read."""
+    raw = raw.float()
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    idx = torch.tensor(tokens, device=raw.device).unsqueeze(1)
+    chosen = (raw.gather(1, idx) - lse).squeeze(1).tolist()
     k = max(tops, default=0)
     if k:
-        top_vals, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    chosen = chosen.tolist()
+        top_vals, top_ids = raw.topk(min(k, raw.shape[1]), dim=-1)
+        top_vals, top_ids = (top_vals - lse).tolist(), top_ids.tolist()
     return [TokenLogprobs(chosen[i], list(zip(top_ids[i][:n], top_vals[i][:n])) if n else [])
             for i, n in enumerate(tops)]

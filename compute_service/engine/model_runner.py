@@ -97,8 +97,8 @@ class ModelRunner:
             logits = logits[rows]
         banned = [self._banned(r) for r in reqs]
         params = [r.sampling for r in reqs]
-        # Token histories only where penalties read them (a copy of prompt + output per step).
-        history = ([(r.prompt, r.output) if r.sampling.penalized else ((), ()) for r in reqs]
+        # Token histories only where penalties read them, kept on the request between steps.
+        history = ([r.token_history() if r.sampling.penalized else None for r in reqs]
                    if any(p.penalized for p in params) else None)
         got = sample_batch(logits.float(), params, [r.generator for r in reqs], banned, history)
         return list(zip(reqs, got.tokens, got.logprobs, strict=True))

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compute_service.engine.logits_ops import (TokenLogprobs, apply_bans, apply_logit_bias,
-                                               apply_penalties, gather_logprobs)
+from compute_service.engine.logits_ops import (TokenHistory, TokenLogprobs, apply_bans,
+                                               apply_logit_bias, apply_penalties,
+                                               gather_logprobs)
 
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default bound)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries at most
@@ -102,13 +103,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None], banned: Sequence[Sequence[int]],
-                 history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
+                 history: Sequence[TokenHistory | tuple[Sequence[int], Sequence[int]]] | None = None
                  ) -> Sampled:
     """The tokens of the rows of `logits` [K, V], and the logprobs rows asked for. `history[i]`
-    is row i's (prompt, output) ids, needed only by rows with penalties."""
+    is row i's TokenHistory, or its (prompt, output) ids; read only by rows with penalties."""
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     # raw_logprobs (logits_ops.py): taken before anything below changes the logits.
-    raw = logits[lp_rows] if lp_rows else None
+    # (`logits` itself, not a copy, when every row asked: what follows changes a clone.)
+    raw = (logits if len(lp_rows) == len(params) else logits[lp_rows]) if lp_rows else None
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     pen = [i for i, p in enumerate(params) if p.penalized]
     if any(banned) or biased or pen:
@@ -118,8 +120,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                                   for i in range(len(params))])
         if pen:
             assert history is not None, "penalties need the rows' token history"
-            apply_penalties(logits, pen, [history[i][0] for i in pen],
-                            [history[i][1] for i in pen],
+            apply_penalties(logits, pen, [_history(history[i]) for i in pen],
                             [params[i].repetition_penalty for i in pen],
                             [params[i].frequency_penalty for i in pen],
                             [params[i].presence_penalty for i in pen])
@@ -131,6 +132,11 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         for i, g in zip(lp_rows, got, strict=True):
             logprobs[i] = g
     return Sampled(tokens, logprobs)
+
+
+def _history(h: TokenHistory | tuple[Sequence[int], Sequence[int]]) -> TokenHistory:
+    """A row's TokenHistory (the engine keeps one per request), or one made of (prompt, output)."""
+    return h if isinstance(h, TokenHistory) else TokenHistory(h[0]).update(h[1])
 
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
