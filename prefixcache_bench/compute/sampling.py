@@ -10,7 +10,9 @@ output tokens each (ignore_eos), the preset's model with its vocabulary widened 
 in rotation, `--reps` times each, so they see the same machine; each mode's figure is the median
 (nearest rank) of its runs' decode tokens/s (output tokens after the first, over the time from
 the first token to the last); each ratio is the median over reps of the mode's run over the
-plain run of the same rep (and `_ratio_of_medians` the ratio of the medians).
+plain run of the same rep (and `_ratio_of_medians` the ratio of the medians). On a shared
+machine those rates move by 10% between runs; `*_sampler_ms_per_step` times the sampler alone
+on one step's logits, the steadier figure of what each mode adds.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 
 from cache_service.core import CacheCore
 from compute_service.engine import Engine, EngineConfig, SamplingParams
+from compute_service.engine.logits_ops import TokenHistory
+from compute_service.engine.sampling import sample_batch
 from compute_service.model import ByteTokenizer
 from compute_service.model.model import CausalLM
 from compute_service.model.presets import init_random_, preset_config
@@ -61,6 +65,27 @@ def decode_tok_s(model: CausalLM, extra: dict, batch: int, tokens: int, rep: int
     return decoded / elapsed
 
 
+def sampler_ms(vocab: int, batch: int, tokens: int, extra: dict, iters: int = 200) -> float:
+    """The sampler alone on one step's logits [batch, vocab]: milliseconds per call (median of
+    5 timings of `iters` calls), histories of a 64-token prompt and `tokens` outputs. Steadier
+    than the decode rates on a shared machine: it is the cost they differ by."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=g)
+    params = [SamplingParams(**extra)] * batch
+    history = [TokenHistory(torch.randint(0, vocab, (64,), generator=g).tolist()).update(
+        torch.randint(0, vocab, (tokens,), generator=g).tolist()) for _ in range(batch)]
+    args = (logits, params, [None] * batch, [()] * batch, history)
+    for _ in range(20):
+        sample_batch(*args)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            sample_batch(*args)
+        times.append((time.perf_counter() - t) / iters * 1e3)
+    return percentile(times, 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small-transformer")
@@ -89,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         results[f"{m}_ratio"] = round(percentile(
             [x / y for x, y in zip(runs[m], runs["plain"], strict=True)], 0.5), 4)
         results[f"{m}_ratio_of_medians"] = round(med[m] / med["plain"], 4)
+    for m in names:
+        results[f"{m}_sampler_ms_per_step"] = round(sampler_ms(args.vocab, args.batch,
+                                                               args.tokens, MODES[m]), 3)
     results.update(preset=args.preset, vocab=args.vocab, batch=args.batch,
                    output_tokens=args.tokens, reps=args.reps, threads=threads,
                    threads_why=why, runs={m: [round(x, 1) for x in v] for m, v in runs.items()})
