@@ -161,6 +161,7 @@ def sampling_of(s: pb.SamplingParams, vocab_size: int,
         repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
         min_p=s.min_p, logit_bias=logit_bias_of(s, vocab_size),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        bad_words=tuple(tuple(w.ids) for w in s.bad_words),
     ).validate(vocab_size)
 
 

@@ -43,6 +43,19 @@ def apply_bans(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
         logits[rows, cols] = float("-inf")
 
 
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """vLLM's bad_words rule (vllm/v1/sample/ops/bad_words.py): the last id of each entry is
+    banned when the output ends with the entry's other ids. Per entry, not per vocabulary id."""
+    out = []
+    for word in bad_words:
+        n = len(word) - 1
+        if n > len(output):
+            continue
+        if n == 0 or list(output[-n:]) == list(word[:-1]):
+            out.append(word[-1])
+    return out
+
+
 def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -> None:
     """Adds each row's {token id: bias} (in place, one accumulating indexed write)."""
     rows = [i for i, b in enumerate(biases) for _ in b]

@@ -28,7 +28,7 @@ import torch
 from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.request import Request
-from compute_service.engine.logits_ops import TokenLogprobs
+from compute_service.engine.logits_ops import TokenLogprobs, bad_word_bans
 from compute_service.engine.sampling import sample_batch
 from compute_service.lora import AdapterRegistry
 from compute_service.model import (CausalLM, ForwardBatch, ForwardMode, allocate_kv_caches,
@@ -174,10 +174,13 @@ class ModelRunner:
                                                for s, c in zip(bounds.ssm, bounds.conv, strict=True)]
 
     def _banned(self, r: Request) -> tuple[int, ...]:
-        """Tokens it may not sample yet: its stop tokens (and EOS) until `min_tokens`."""
-        if len(r.output) >= r.sampling.min_tokens:
-            return ()
-        return tuple(r.sampling.stop_token_ids) + (() if r.sampling.ignore_eos else self.eos)
+        """Tokens it may not sample now: its stop tokens (and EOS) until `min_tokens`, and the
+        ones its bad_words ban after its output so far."""
+        sp = r.sampling
+        words = tuple(bad_word_bans(sp.bad_words, r.output)) if sp.bad_words else ()
+        if len(r.output) >= sp.min_tokens:
+            return words
+        return tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.eos) + words
 
     # ---- Mamba state slots --------------------------------------------------------------------
 

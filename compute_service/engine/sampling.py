@@ -15,6 +15,7 @@ from compute_service.engine.logits_ops import (TokenHistory, TokenLogprobs, appl
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default bound)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries at most
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
+MAX_BAD_WORDS, MAX_BAD_WORD_IDS = 128, 1024  # vLLM's VLLM_MAX_NUM_BAD_WORDS, _TOTAL_TOKENS
 
 
 @dataclass(slots=True)
@@ -34,6 +35,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Top logprobs to return per token: None = no logprobs; 0 = the sampled token's only.
     logprobs: int | None = None
+    # vLLM's bad_words, tokenized (logits_ops.bad_word_bans).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raises ValueError naming the field (the gRPC layer maps it to INVALID_ARGUMENT)."""
@@ -73,9 +76,24 @@ class SamplingParams:
             if not -100 <= bias <= 100:
                 raise ValueError(f"sampling.logit_bias: the bias of token {tok} must be in "
                                  f"[-100, 100], got {bias}")
+        self._validate_bad_words(vocab_size)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"sampling.logprobs: must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.logprobs}")
+
+    def _validate_bad_words(self, vocab_size: int) -> None:
+        total = sum(len(w) for w in self.bad_words)
+        if len(self.bad_words) > MAX_BAD_WORDS or total > MAX_BAD_WORD_IDS:
+            raise ValueError(f"sampling.bad_words: at most {MAX_BAD_WORDS} entries and "
+                             f"{MAX_BAD_WORD_IDS} ids in all, got {len(self.bad_words)} and "
+                             f"{total}")
+        for i, word in enumerate(self.bad_words):
+            if not word:
+                raise ValueError(f"sampling.bad_words[{i}].ids: must not be empty")
+            bad = next((t for t in word if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"sampling.bad_words[{i}].ids: {bad} is outside "
+                                 f"[0, {vocab_size})")
 
     @property
     def penalized(self) -> bool:

@@ -65,6 +65,11 @@ def check_request(request: pb.GenerateRequest, fleet: Fleet) -> None:
     if bad is not None:
         raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
                          f"sampling.stop_token_ids: {bad} is outside [0, {vocab})")
+    for i, word in enumerate(request.sampling.bad_words):
+        bad = next((t for t in word.ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"sampling.bad_words[{i}].ids: {bad} is outside [0, {vocab})")
 
 
 def check_names(request: pb.GenerateRequest) -> None:
@@ -106,6 +111,7 @@ _BOUNDS = {"presence_penalty": (-2.0, 2.0, True), "frequency_penalty": (-2.0, 2.
            "repetition_penalty": (0.0, 100.0, False), "min_p": (0.0, 1.0, True)}
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS, MAX_BAD_WORD_IDS = 128, 1024
 
 
 def _check_processing(s: pb.SamplingParams) -> None:
@@ -127,5 +133,12 @@ def _check_processing(s: pb.SamplingParams) -> None:
     for i, e in enumerate(s.logit_bias):
         if not -100 <= e.bias <= 100:
             raise bad(f"sampling.logit_bias[{i}].bias: must be in [-100, 100], got {e.bias}")
+    words, ids = len(s.bad_words), sum(len(w.ids) for w in s.bad_words)
+    if words > MAX_BAD_WORDS or ids > MAX_BAD_WORD_IDS:
+        raise bad(f"sampling.bad_words: at most {MAX_BAD_WORDS} entries and {MAX_BAD_WORD_IDS} "
+                  f"ids in all, got {words} and {ids}")
+    if any(not w.ids for w in s.bad_words):
+        i = next(i for i, w in enumerate(s.bad_words) if not w.ids)
+        raise bad(f"sampling.bad_words[{i}].ids: must not be empty")
     if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
         raise bad(f"sampling.logprobs: must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")

@@ -9,7 +9,7 @@ and fails on one that is neither.
 - A field listed here is accepted only with a neutral value (vLLM's default, or null): it then
   changes nothing in vLLM either. Any other value is a 400 naming the field and saying why.
   Silently ignoring it would answer a different request than the one asked: a `request_id` the
-  client then cannot find, a `bad_words` list that was not applied.
+  client then cannot find, `prompt_logprobs` that never come.
 - A field nobody knows (neither OpenAI's nor vLLM's) is a 400 naming it: a typo such as
   `max_token` or `temprature` would otherwise be ignored and the request served with defaults.
   vLLM logs and ignores such fields; refusing is the stricter of the two, and the one that
@@ -64,7 +64,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logprob_token_ids": (_OFF, "logprobs of chosen token ids are not implemented; use "
                           "logprobs / top_logprobs"),
     "allowed_token_ids": (_OFF, "allowed_token_ids is not implemented; use logit_bias"),
-    "bad_words": ((None, []), "bad_words is not implemented; use logit_bias for single tokens"),
     "continue_final_message": ((None, False), "continuing the final message is not "
                                "implemented"),
     "documents": (_OFF, "documents for the chat template are not implemented"),

@@ -20,6 +20,7 @@ from gateway.core.proxy import GenerateProxy
 from gateway.core.tenants import Tenant
 from gateway.http import schemas
 from gateway.http.errors import ApiError, bad_request
+from gateway.http.bad_words import bad_word_ids
 from gateway.http.choices import Choices
 from gateway.http.generation import ClientGone, Generation, Job
 from gateway.http.logprobs import token_namer
@@ -37,6 +38,7 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
     `echo`: each prompt's text, put before its choices' text (completions' `echo`)."""
     who = who.with_cache_salt(body.cache_salt)
     temperature = default_temperature(proxy)
+    words = bad_word_ids(body.bad_words, proxy.tokenizer) if body.bad_words else []
     jobs = []
     for p, prompt in enumerate(prompts):
         for i in range(body.n):
@@ -45,6 +47,8 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
             index = p * body.n + i
             req.request_id = f"{rid}-{index}"
             req.sampling.CopyFrom(sampling(body, max_tokens, i, temperature))
+            for ids in words:
+                req.sampling.bad_words.add(ids=ids)
             jobs.append(Job(index, p, req, fingerprint))
     if len(jobs) > schemas.MAX_N:  # each choice is a worker call
         raise bad_request("n", f"prompts x n is {len(jobs)} choices; at most "

@@ -9,7 +9,8 @@ Requests follow OpenAI's and vLLM's rules for what is accepted:
   (`unsupported()`): an answer without the asked-for logprobs or with another sampling than
   asked would look right and be wrong.
 - vLLM's extra sampling fields are taken where the workers implement them: `ignore_eos`,
-  `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `cache_salt`.
+  `top_k`, `min_p`, `repetition_penalty`, `bad_words`, `min_tokens`, `stop_token_ids`,
+  `cache_salt`.
 - Every string of the body is text: JSON's `"\\ud800"` escape decodes to a lone surrogate,
   which no UTF-8 encoder takes (the prompt's encoding failed with a 500). `_Sampling` refuses
   the body before any field is read, naming the first string that has one, wherever it is
@@ -102,6 +103,7 @@ class _Sampling(_Body):
     # vLLM's extra sampling parameters.
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     min_p: float | None = Field(None, ge=0, le=1)
+    bad_words: list[str] | None = Field(None, max_length=128)  # gateway/http/bad_words.py
     ignore_eos: bool = False
     top_k: int | None = Field(None, ge=-1, lt=_U32)
     min_tokens: int = Field(0, ge=0, lt=_U32)

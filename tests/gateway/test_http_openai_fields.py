@@ -195,7 +195,7 @@ def test_echo_default_temperature_and_fields_refused_by_name(chat, client):
     r = client.completions.create(model=model, prompt=prompt, max_tokens=12, n=4,
                                   extra_body={"ignore_eos": True})
     assert len({c.text for c in r.choices}) > 1
-    for extra, param in (({"max_token": 5}, "max_token"), ({"bad_words": ["x"]}, "bad_words"),
+    for extra, param in (({"max_token": 5}, "max_token"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
                          ({"structured_outputs": {"json": {}}}, "structured_outputs")):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=model, prompt=prompt, max_tokens=2,
@@ -225,3 +225,28 @@ def test_tokenize_detokenize_version_ping_metrics(chat):
     gone = post(base, "/v1/responses", {"model": model, "input": "hi"}, token="EMPTY")
     assert gone.status_code == 404 and "stateful" in gone.json()["error"]["message"]
     assert not math.isnan(len(r["tokens"]))
+
+
+def test_bad_words_are_tokenized_as_vllm_does_and_banned(chat, client):
+    """A word of the greedy output, as a bad word: the output is the same up to it, then not it
+    (the gateway tokenized it with the workers' tokenizer; the worker banned its token)."""
+    stack, model, tokenizer = chat
+    for attempt in range(10):
+        prompt = f"bad words attempt {attempt}: the same words again"
+        plain = client.completions.create(model=model, prompt=prompt, max_tokens=16,
+                                          temperature=0, logprobs=0,
+                                          extra_body={"ignore_eos": True}).choices[0]
+        tokens = plain.logprobs.tokens
+        # A token whose text is a word that encodes back to that one token.
+        k = next((i for i, t in enumerate(tokens) if t.strip().isalpha()
+                  and len(tokenizer.encode(t.strip())) == 1 and t == t.strip()), None)
+        if k is not None:
+            break
+    else:
+        pytest.fail("no greedy output with a one-token word")
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                    logprobs=0, extra_body={"ignore_eos": True,
+                                                            "bad_words": [tokens[k]]})
+    new = got.choices[0].logprobs.tokens
+    assert new[:k] == tokens[:k] and new[k] != tokens[k]
+    assert tokens[k] not in new

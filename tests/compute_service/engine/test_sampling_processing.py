@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from compute_service.engine import SamplingParams
+from compute_service.engine.logits_ops import bad_word_bans
 from compute_service.engine.sampling import sample_batch
 from tests.compute_service.engine.test_engine import PROMPT, generate, make
 
@@ -93,9 +94,10 @@ def test_min_p_drops_the_unlikely_tokens():
 
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-    ("min_p", 1.5), ("logprobs", 21), ("logit_bias", {999: 1.0}), ("logit_bias", {1: 101.0})])
+    ("min_p", 1.5), ("logprobs", 21), ("logit_bias", {999: 1.0}), ("logit_bias", {1: 101.0}),
+    ("bad_words", ((),)), ("bad_words", ((1, 99),)), ("bad_words", ((1,),) * 129)])
 def test_out_of_range_values_name_their_field(field, value):
-    with pytest.raises(ValueError, match=f"^sampling.{field}:"):
+    with pytest.raises(ValueError, match=rf"^sampling\.{field}(\[\d+\]\.ids)?:"):
         SamplingParams(**{field: value}).validate(V)
 
 
@@ -114,3 +116,18 @@ def test_the_engine_streams_logprobs_equal_to_a_fresh_prefill():
         assert again[0].logprobs[0].logprob == pytest.approx(lps[k].logprob, abs=1e-4)
     plain = generate(make(), max_tokens=6, ignore_eos=True)
     assert plain[0] == toks and all(o.logprobs is None for o in plain[1])
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_as_vllm_does():
+    assert bad_word_bans([(7,), (3, 4), (1, 2, 5)], []) == [7]
+    assert bad_word_bans([(7,), (3, 4), (1, 2, 5)], [9, 3]) == [7, 4]
+    assert bad_word_bans([(7,), (3, 4), (1, 2, 5)], [1, 2]) == [7, 5]
+    eng = make()
+    free = generate(eng, max_tokens=10, ignore_eos=True)[0]
+    k = next(i for i in range(1, 10) if free[i] != free[i - 1])
+    pair = (free[k - 1], free[k])
+    toks = generate(eng, max_tokens=10, ignore_eos=True, bad_words=(pair,))[0]
+    assert toks[:k] == free[:k] and toks[k] != free[k]  # banned right after its prefix
+    assert all((a, b) != pair for a, b in zip(toks, toks[1:]))
+    single = generate(eng, max_tokens=10, ignore_eos=True, bad_words=((free[0],),))[0]
+    assert free[0] not in single
