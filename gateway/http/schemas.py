@@ -77,6 +77,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: usage in every chunk; refused when true (_unsupported_sampling).
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Body):
@@ -216,6 +218,9 @@ def _unsupported_sampling(r: _Sampling) -> list[tuple[str, str]]:
             out.append(("logit_bias", f"the bias of token {key} must be in [-100, 100], got "
                                       f"{bias}"))
             break
+    if r.stream_options is not None and r.stream_options.continuous_usage_stats:
+        out.append(("stream_options", "continuous_usage_stats is not implemented: the usage "
+                                      "comes in the last chunk (include_usage)"))
     problem = stop_problem(r.stop_strings())
     if problem is not None:
         param, message = problem.split(": ", 1)

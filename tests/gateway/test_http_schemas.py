@@ -156,3 +156,12 @@ def test_grpc_codes_map_to_http_statuses(code, status, param):
     assert set(body) == {"message", "type", "param", "code"}
     if status == 500:  # never the worker's own words: they may hold internals
         assert "something" not in body["message"]
+
+
+def test_stream_options_fields_are_honoured_or_refused():
+    r = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    assert [f for f, _ in r.unsupported()] == ["stream_options"]
+    ok = CompletionRequest.model_validate({"prompt": "x", "stream_options": {
+        "continuous_usage_stats": False}})
+    assert ok.unsupported() == []
