@@ -5,7 +5,6 @@ the output as the reference predicts, cache_salt isolation, anonymous access wit
 echo, the default temperature, unknown fields refused by name, and vLLM's extra endpoints."""
 from __future__ import annotations
 
-import math
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -224,7 +223,6 @@ def test_tokenize_detokenize_version_ping_metrics(chat):
     assert metrics.status_code == 200 and "prefixcache_gateway" in metrics.text
     gone = post(base, "/v1/responses", {"model": model, "input": "hi"}, token="EMPTY")
     assert gone.status_code == 404 and "stateful" in gone.json()["error"]["message"]
-    assert not math.isnan(len(r["tokens"]))
 
 
 def test_bad_words_are_tokenized_as_vllm_does_and_banned(chat, client):

@@ -1,7 +1,8 @@
 """Every request field of vLLM 0.33's completions, chat and tokenize protocols (vendored names:
 tests/data/vllm_openai_fields_v0_33_0.json, extracted by tests/data/extract_vllm_fields.py) is
 implemented (a declared field of our schema) or refused by name (gateway/http/request_fields.py)
-when set to anything but its neutral value; none is silently ignored."""
+when set to anything but its neutral value; none is silently ignored. And every endpoint of
+vLLM's routers is served or named, with its reason, as not served."""
 from __future__ import annotations
 
 import json
@@ -71,3 +72,19 @@ def test_unknown_fields_are_refused_by_name_and_structured_output_is_one_list():
         == ["priority"]
     for name in request_fields.KNOWN_IGNORED:  # accepted on purpose: declared and documented
         assert name in CompletionRequest.model_fields and name in ChatCompletionRequest.model_fields
+
+
+def test_every_vllm_endpoint_is_served_or_named_as_not_served():
+    """vLLM's routers (vendored (method, path) list) against this gateway's: each is served with
+    that method, or listed in NOT_SERVED with its reason (and then not served)."""
+    from gateway.http.routes import NOT_SERVED, ROUTERS
+
+    ours = {(m, r.path) for router in ROUTERS for r in router.routes for m in r.methods}
+    missing = [(m, p) for m, p in FIELDS["endpoints"]
+               if (m, p) not in ours and p not in NOT_SERVED
+               and not p.startswith("/v1/responses/")]
+    assert missing == []
+    assert not {p for _, p in ours} & set(NOT_SERVED)
+    # /v1/responses/{id}... are answered by the responses router's catch-all (a 404 with why).
+    assert ("GET", "/v1/responses/{rest:path}") in ours and ("POST", "/v1/responses") in ours
+    assert ("GET", "/metrics") in ours  # vLLM's comes from its Prometheus instrumentator
