@@ -100,7 +100,7 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # Token id (a decimal string, as OpenAI's JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    # vLLM's: isolates the request's cache from requests with another salt (cache_salt.py).
+    # vLLM's: isolates the request's cache from other salts (Tenant.with_cache_salt).
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # vLLM's extra sampling parameters.
     repetition_penalty: float | None = Field(None, gt=0, le=100)
