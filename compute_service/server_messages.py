@@ -10,6 +10,7 @@ import uuid
 import grpc
 
 from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
+from compute_service.engine.sampling import MAX_LOGIT_BIAS
 from compute_service.model import SamplingDefaults, Tokenizer
 from compute_service.sizing import kv_bytes_per_page, mamba_bytes_per_slot
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -156,7 +157,31 @@ def sampling_of(s: pb.SamplingParams, vocab_size: int,
         top_p=pick("top_p", 1.0), seed=s.seed if s.HasField("seed") else None,
         max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
+        min_p=s.min_p, logit_bias=logit_bias_of(s, vocab_size),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        bad_words=tuple(tuple(w.ids) for w in s.bad_words),
     ).validate(vocab_size)
+
+
+def logit_bias_of(s: pb.SamplingParams, vocab_size: int) -> dict[int, float]:
+    """The request's {token id: bias}; ValueError naming the entry that is out of range or
+    repeats a token."""
+    out: dict[int, float] = {}
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                         f"{len(s.logit_bias)}")
+    for i, e in enumerate(s.logit_bias):
+        if not -100 <= e.bias <= 100:  # NaN fails too
+            raise ValueError(f"sampling.logit_bias[{i}].bias: must be in [-100, 100], got "
+                             f"{e.bias}")
+        if e.token_id >= vocab_size or e.token_id in out:
+            raise ValueError(f"sampling.logit_bias[{i}].token_id: {e.token_id} is "
+                             + (f"outside [0, {vocab_size})" if e.token_id >= vocab_size
+                                else "repeated"))
+        out[e.token_id] = e.bias
+    return out
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, limit: int) -> None:
@@ -178,6 +203,9 @@ def response(outs: list[Output], request_id: str | None = None) -> pb.GenerateRe
     naming the request by `request_id` (the client's, without its scope) when given."""
     resp = pb.GenerateResponse(token_ids=[t for o in outs for t in o.token_ids],
                                text="".join(o.text for o in outs))
+    for lp in (lp for o in outs for lp in o.logprobs or ()):
+        resp.logprobs.add(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                          top_logprobs=[v for _, v in lp.top])
     if outs[-1].stats is not None:
         resp.stats.CopyFrom(_stats_pb(outs[-1].stats))
         if request_id is not None:

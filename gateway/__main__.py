@@ -6,7 +6,8 @@ defaults to the compute host with --cache-port) or --workers-dns (a headless Kub
 re-resolved every --resolve-interval-s). Callers authenticate with `authorization: Bearer TOKEN`
 metadata, mapped to a tenant and its cache salt by --tenants-file
 (`{"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}`); with --allow-anonymous, calls
-without a token are the tenant "anonymous" with salt "".
+without a token, or with one no tenant holds (vLLM without --api-key takes any key), are the
+tenant "anonymous" with salt "".
 
 With --http-port the gateway also serves an OpenAI-compatible HTTP API (gateway/http/) on that
 port, with the same tenants (`Authorization: Bearer TOKEN` headers), routing and drain.
@@ -75,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--policy", "POLICY", cfg.policy, "routing policy", choices=POLICY_NAMES)
     flag("--tenants-file", "TENANTS_FILE", None,
          'JSON {"tokens": {"TOKEN": {"tenant": "NAME", "salt": "SALT"}}}')
-    add_bool_flag(p, "--allow-anonymous", "ALLOW_ANONYMOUS", 'calls without a token are tenant '
-                  '"anonymous", salt ""; otherwise UNAUTHENTICATED', "off")
+    add_bool_flag(p, "--allow-anonymous", "ALLOW_ANONYMOUS", 'calls without a token, or with one '
+                  'no tenant holds, are tenant "anonymous", salt ""; otherwise UNAUTHENTICATED',
+                  "off")
     flag("--tokenizer", "TOKENIZER", AUTO, "'auto': the workers' own tokenizer, fetched from "
          "the first worker that has one (GetTokenizer); 'byte' or a checkpoint directory with "
          "tokenizer.json: that one. Text and chats are tokenized here and sent only to workers "

@@ -279,8 +279,8 @@ class Engine(CacheAwayMixin):
                     planner.receive(plan)  # 3., after the forward
                 except Exception as exc:  # the tokens are sampled: emit them, then raise
                     failure = exc
-        for r, tok in sampled:
-            self.scheduler.emit(r, tok)
+        for r, tok, logprobs in sampled:
+            self.scheduler.emit(r, tok, logprobs)
         if failure is not None:
             raise failure
 

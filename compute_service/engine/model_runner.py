@@ -28,7 +28,8 @@ import torch
 from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.request import Request
-from compute_service.engine.sampling import sample
+from compute_service.engine.logits_ops import TokenLogprobs, bad_word_bans
+from compute_service.engine.sampling import sample_batch
 from compute_service.lora import AdapterRegistry
 from compute_service.model import (CausalLM, ForwardBatch, ForwardMode, allocate_kv_caches,
                                    allocate_mamba_states)
@@ -61,9 +62,10 @@ class ModelRunner:
     # ---- the forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Request, int]], twins: TwinFinder) -> list[tuple[Request, int]]:
-        """One forward over (request, tokens to compute); returns the (request, token) pairs
-        sampled, in order, for the scheduler to emit."""
+    def run(self, batch: list[tuple[Request, int]], twins: TwinFinder
+            ) -> list[tuple[Request, int, TokenLogprobs | None]]:
+        """One forward over (request, tokens to compute); returns the (request, token, its
+        logprobs if asked for) sampled, in order, for the scheduler to emit."""
         host = self._host_inputs(batch)
         ids, positions, slots, cu, prefix, decode = host
         lora = (self.adapters.lora_batch([r.lora_slot for r, _ in batch], [n for _, n in batch])
@@ -94,9 +96,12 @@ class ModelRunner:
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[rows]
         banned = [self._banned(r) for r in reqs]
-        tokens = sample(logits.float(), [r.sampling for r in reqs], [r.generator for r in reqs],
-                        banned)
-        return list(zip(reqs, tokens, strict=True))
+        params = [r.sampling for r in reqs]
+        # Token histories only where penalties read them, kept on the request between steps.
+        history = ([r.token_history() if r.sampling.penalized else None for r in reqs]
+                   if any(p.penalized for p in params) else None)
+        got = sample_batch(logits.float(), params, [r.generator for r in reqs], banned, history)
+        return list(zip(reqs, got.tokens, got.logprobs, strict=True))
 
     def _host_inputs(self, batch: list[tuple[Request, int]]):
         """The packed token ids, their absolute positions, slot mapping (where each new token's
@@ -169,10 +174,13 @@ class ModelRunner:
                                                for s, c in zip(bounds.ssm, bounds.conv, strict=True)]
 
     def _banned(self, r: Request) -> tuple[int, ...]:
-        """Tokens it may not sample yet: its stop tokens (and EOS) until `min_tokens`."""
-        if len(r.output) >= r.sampling.min_tokens:
-            return ()
-        return tuple(r.sampling.stop_token_ids) + (() if r.sampling.ignore_eos else self.eos)
+        """Tokens it may not sample now: its stop tokens (and EOS) until `min_tokens`, and the
+        ones its bad_words ban after its output so far."""
+        sp = r.sampling
+        words = tuple(bad_word_bans(sp.bad_words, r.output)) if sp.bad_words else ()
+        if len(r.output) >= sp.min_tokens:
+            return words
+        return tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.eos) + words
 
     # ---- Mamba state slots --------------------------------------------------------------------
 

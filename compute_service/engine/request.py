@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from compute_service.engine.detokenize import TextStream
+from compute_service.engine.logits_ops import TokenHistory, TokenLogprobs
 from compute_service.engine.sampling import SamplingParams
 
 
@@ -32,6 +33,8 @@ class Output:
     token_ids: list[int]
     text: str
     stats: RequestStats | None = None
+    # One per token of `token_ids` when the request asked for logprobs (SamplingParams.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -111,6 +114,7 @@ class Request:
     # (engine/step_traces.py) join the caller's trace through it.
     trace: object | None = None
     _packed: bytes = field(default=b"", repr=False)  # token_bytes() so far
+    _history: TokenHistory | None = field(default=None, repr=False)  # token_history()
 
     @property
     def tokens(self) -> list[int]:
@@ -123,6 +127,12 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.computed < len(self.prompt)
+
+    def token_history(self) -> TokenHistory:
+        """Its tokens as the penalties read them (logits_ops.TokenHistory), up to date."""
+        if self._history is None:
+            self._history = TokenHistory(self.prompt)
+        return self._history.update(self.output)
 
     def token_bytes(self) -> bytes:
         """The tokens as little-endian u32 (the cache service's packed form and page keys).

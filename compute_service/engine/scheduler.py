@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Callable
 
 from compute_service.engine.config import EngineConfig, EngineStats
+from compute_service.engine.logits_ops import TokenLogprobs
 from compute_service.engine.request import FinishReason, Output, Request, Status
 from compute_service.lora import AdapterNotFoundError, AdapterRegistry
 from compute_service.model import Tokenizer
@@ -270,7 +271,7 @@ class Scheduler:
 
     # ---- outputs -----------------------------------------------------------------------------
 
-    def emit(self, r: Request, tok: int) -> None:
+    def emit(self, r: Request, tok: int, logprobs: TokenLogprobs | None = None) -> None:
         """Appends a sampled token, streams it, and ends the request on a stop token or its
         length (a twin that stops at its first token leaves `waiting` without ever running)."""
         now = time.monotonic()
@@ -291,7 +292,7 @@ class Scheduler:
             reason = FinishReason.STOP
         elif len(r.output) >= sp.max_tokens or r.num_tokens >= self.cfg.max_context:
             reason = FinishReason.LENGTH
-        r.sink(Output([tok], delta))
+        r.sink(Output([tok], delta, logprobs=None if logprobs is None else [logprobs]))
         if reason is not None:
             waiting = r.status is Status.WAITING  # a twin that got its first token
             self.finish(r, reason)

@@ -6,7 +6,8 @@ requests) refuse what a worker's Generate would refuse, with the worker's messag
 - a token id outside the fleet's vocabulary (GetModelInfo.vocab_size of its workers): without
   this RoutePreview previewed requests that Generate refuses;
 - sampling floats that are NaN or infinite or out of range (temperature 0 or (0, 100],
-  top_p [0, 1]: the workers' bounds, compute_service/engine/sampling.py);
+  top_p [0, 1], the penalties, min_p, logit_bias: the workers' bounds,
+  compute_service/engine/sampling.py), and more top logprobs than the workers return;
 - names, ids and counts over prefixcache_client.limits (the adapter, the request id, stop
   token ids), refused at parse as the worker refuses them: the gateway never routes, hashes,
   logs or forwards a 10 MB adapter name;
@@ -64,6 +65,11 @@ def check_request(request: pb.GenerateRequest, fleet: Fleet) -> None:
     if bad is not None:
         raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
                          f"sampling.stop_token_ids: {bad} is outside [0, {vocab})")
+    for i, word in enumerate(request.sampling.bad_words):
+        bad = next((t for t in word.ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"sampling.bad_words[{i}].ids: {bad} is outside [0, {vocab})")
 
 
 def check_names(request: pb.GenerateRequest) -> None:
@@ -97,3 +103,42 @@ def _check_sampling(s: pb.SamplingParams) -> None:
         if not (math.isfinite(p) and 0 <= p <= 1):
             raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"sampling.top_p: must be in [0, 1], got {p}")
+    _check_processing(s)
+
+
+# field -> (low, high, low inclusive): the workers' bounds (compute_service/engine/sampling.py).
+_BOUNDS = {"presence_penalty": (-2.0, 2.0, True), "frequency_penalty": (-2.0, 2.0, True),
+           "repetition_penalty": (0.0, 100.0, False), "min_p": (0.0, 1.0, True)}
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS, MAX_BAD_WORD_IDS = 128, 1024
+
+
+def _check_processing(s: pb.SamplingParams) -> None:
+    """The penalties, min_p, logit_bias and logprobs, as the workers check them (NaN fails
+    every comparison, so it is out of range too)."""
+    def bad(message: str) -> ProxyError:
+        return ProxyError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    for name, (low, high, closed) in _BOUNDS.items():
+        if name == "repetition_penalty" and not s.HasField(name):
+            continue
+        v = getattr(s, name)
+        if not ((low <= v if closed else low < v) and v <= high):
+            bracket = "[" if closed else "("
+            raise bad(f"sampling.{name}: must be in {bracket}{low:g}, {high:g}], got {v}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                  f"{len(s.logit_bias)}")
+    for i, e in enumerate(s.logit_bias):
+        if not -100 <= e.bias <= 100:
+            raise bad(f"sampling.logit_bias[{i}].bias: must be in [-100, 100], got {e.bias}")
+    words, ids = len(s.bad_words), sum(len(w.ids) for w in s.bad_words)
+    if words > MAX_BAD_WORDS or ids > MAX_BAD_WORD_IDS:
+        raise bad(f"sampling.bad_words: at most {MAX_BAD_WORDS} entries and {MAX_BAD_WORD_IDS} "
+                  f"ids in all, got {words} and {ids}")
+    if any(not w.ids for w in s.bad_words):
+        i = next(i for i, w in enumerate(s.bad_words) if not w.ids)
+        raise bad(f"sampling.bad_words[{i}].ids: must not be empty")
+    if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+        raise bad(f"sampling.logprobs: must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")

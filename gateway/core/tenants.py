@@ -10,11 +10,13 @@ gateway's --http-rate-per-s, --http-burst and --http-max-in-flight: `"rate_per_s
 "burst": 40, "max_in_flight": 8` (0 = no such limit). Tokens of one tenant share its limits,
 so two entries of a tenant may not set different ones.
 
-A salt is only ever taken from this file: a client's own `x-prefixcache-salt` metadata is never
+A salt is only ever taken from this file (or derived from it with a request's vLLM `cache_salt`,
+`Tenant.with_cache_salt`): a client's own `x-prefixcache-salt` metadata is never
 forwarded (the gateway sets that header itself), and GenerateRequest has no salt field.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -41,6 +43,18 @@ class Tenant:
     # tenant the Endpoint Picker named to a model server (gateway/core/dataplane_tenants.py),
     # which knows the scope, not the name.
     scope: str = ""
+
+    def with_cache_salt(self, cache_salt: str | None) -> Tenant:
+        """The tenant as one request with vLLM's `cache_salt` runs: its salt joined with the
+        request's, so two requests share pages only with equal tenant, adapter and cache_salt
+        (the salt is part of the namespace in every page hash). The result is a digest, never
+        the client's salt in clear, in the `x-prefixcache-salt` metadata, logs and Redis keys;
+        the tenant's own salt goes into it, so tenants never meet by choosing equal salts."""
+        if not cache_salt:
+            return self
+        digest = hashlib.sha256(b"prefixcache cache_salt\0" + self.salt.encode() + b"\0"
+                                + cache_salt.encode()).hexdigest()
+        return Tenant(self.name, f"cs-{digest[:48]}")
 
 
 # The limits an entry may set, with their type: requests per second, burst, in flight.
@@ -108,7 +122,11 @@ class TenantDirectory:
         return cls(tokens, allow_anonymous, limits)
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant:
-        """The tenant of a call's metadata; AuthError when it has none or an unknown one."""
+        """The tenant of a call's metadata; AuthError when it has none or an unknown one.
+        With `allow_anonymous` a call without a token, or with a token no tenant holds, is the
+        anonymous tenant, as vLLM without --api-key takes any key (the official `openai` client
+        refuses to send none, and vLLM's docs have it send "EMPTY"); a tenant's own token still
+        selects that tenant."""
         values = [v for k, v in metadata or () if k == AUTH_METADATA_KEY]
         if not values:
             if self.allow_anonymous:
@@ -118,8 +136,12 @@ class TenantDirectory:
             raise AuthError(f"{AUTH_METADATA_KEY}: sent {len(values)} times; send one")
         value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
         if not value.lower().startswith(_BEARER) or not value[len(_BEARER):].strip():
+            if self.allow_anonymous:
+                return Tenant(ANONYMOUS, "")
             raise AuthError(f"{AUTH_METADATA_KEY}: expected 'Bearer TOKEN'")
         tenant = self._tenants.get(token_digest(value[len(_BEARER):].strip()))
         if tenant is None:
+            if self.allow_anonymous:
+                return Tenant(ANONYMOUS, "")
             raise AuthError(f"{AUTH_METADATA_KEY}: unknown bearer token")
         return tenant

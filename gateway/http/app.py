@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of the gateway (FastAPI): `POST /v1/completions`,
 `POST /v1/chat/completions`, `GET /v1/models`, and `GET /health` (200 when the gateway is
-ready, 503 otherwise, for load balancers that speak HTTP only).
+ready, 503 otherwise, for load balancers that speak HTTP only); vLLM's `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET|POST /ping` and `GET /metrics` (routes/).
 
 Every generation goes through the same core as a gRPC Generate (`GenerateProxy.open`): the same
 tenants and salts (`Authorization: Bearer TOKEN`, or the anonymous tenant where the gateway
@@ -17,8 +18,9 @@ choices, as vLLM counts them) with `prompt_tokens_details.cached_tokens` = the p
 the request did not compute (generation.Generation.usage), plus an extension object
 `usage.prefixcache`: `cached_tokens_device`, `cached_tokens_host`, `cached_tokens_remote`,
 `shared_tokens_in_flight`, `computed_prompt_tokens` (GenerateStats, summed over the choices),
-`worker` (the worker(s) that ran them), `route_reason` (why the router chose it) and, with
-several choices, `choices`: the same per choice.
+`worker` (the worker(s) that ran them), `route_reason` (why the router chose it), `cache_salt`
+(whether the request ran under its own vLLM cache_salt) and, with several choices, `choices`:
+the same per choice.
 
 The routes are `APIRouter`s, one module per family (gateway/http/routes/), over dependencies
 (gateway/http/deps.py) read from the `HttpCore` this app carries; `create_app` assembles them.
@@ -64,6 +66,7 @@ def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
     app.add_middleware(RequestLog, access_log=access_log)  # outermost: sees a 429 too
     # Blocking gRPC reads run in threads; each open stream may hold one.
     limiter = anyio.CapacityLimiter(max_streams + 16)
+    app.state.registry = registry  # GET /metrics (routes/service.py)
     app.state.core = HttpCore(proxy, ready, ModelCatalog(router, proxy.fleet, limiter), limiter,
                               created=int(time.time()))
     for routes in ROUTERS:

@@ -51,6 +51,10 @@ _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
            "sampling.top_k": "top_k", "sampling.max_tokens": "max_tokens",
            "sampling.min_tokens": "min_tokens", "sampling.seed": "seed",
            "sampling.stop_token_ids": "stop_token_ids", "adapter": "model",
+           "sampling.presence_penalty": "presence_penalty",
+           "sampling.frequency_penalty": "frequency_penalty",
+           "sampling.repetition_penalty": "repetition_penalty", "sampling.min_p": "min_p",
+           "sampling.logit_bias": "logit_bias", "sampling.logprobs": "logprobs",
            "prompt.token_ids": "prompt", "prompt.text": "prompt"}
 # What a union-typed field accepts, for its validation message.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -59,6 +59,10 @@ class Sample:
     aborting: bool = False
     # The first message, read by `open(peek=True)` and not yet consumed.
     first: pb.GenerateResponse | None = None
+    # (token id, its logprobs) of every token up to the cut, when the request asked for them;
+    # `fresh`: those of the last message fed (what a streamed chunk carries).
+    logprobs: list[tuple[int, pb.TokenLogprobs]] = field(default_factory=list)
+    fresh: list[tuple[int, pb.TokenLogprobs]] = field(default_factory=list)
 
     @property
     def index(self) -> int:
@@ -69,8 +73,11 @@ class Sample:
         if msg.HasField("stats"):
             self.stats = msg.stats
         if self.finish is not None:  # cut at a stop string: the rest is the abort's tail
+            self.fresh = []
             return "", False
         self.tokens += len(msg.token_ids)
+        self.fresh = list(zip(msg.token_ids, msg.logprobs))
+        self.logprobs += self.fresh
         delta = self.stop.feed(msg.text)
         if self.stop.matched:
             self.finish = "stop"

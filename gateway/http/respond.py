@@ -1,7 +1,11 @@
 """Answering a completion or chat completion request once its prompts are built (the routes in
 gateway/http/routes/): one worker call per choice (`n` samples of each prompt, opened together
 so they run as twins on one worker, each with `seed + i` when a seed is given), then the JSON
-body or the SSE stream, with OpenAI's usage (app.py's docstring)."""
+body or the SSE stream, with OpenAI's usage (app.py's docstring).
+
+A request's `cache_salt` runs it in its own namespace within its tenant's
+(`Tenant.with_cache_salt`). An omitted `temperature` is vLLM's default: the model's
+generation_config.json (the workers apply it when the field is unset), else 1.0."""
 from __future__ import annotations
 
 import time
@@ -16,7 +20,10 @@ from gateway.core.proxy import GenerateProxy
 from gateway.core.tenants import Tenant
 from gateway.http import schemas
 from gateway.http.errors import ApiError, bad_request
+from gateway.http.bad_words import bad_word_ids
+from gateway.http.choices import Choices
 from gateway.http.generation import ClientGone, Generation, Job
+from gateway.http.logprobs import token_namer
 from gateway.http.streaming import sse_events
 from prefixcache.v1 import compute_service_pb2 as pb
 
@@ -25,9 +32,13 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                    prompts: list[pb.GenerateRequest], max_tokens: int | None,
                    request: Request, who: Tenant, rid: str, chat: bool,
                    proxy: GenerateProxy, limiter: anyio.CapacityLimiter,
-                   fingerprint: str | None = None) -> Response:
+                   fingerprint: str | None = None, echo: list[str] | None = None) -> Response:
     """The response to `body`, whose prompts are `prompts` (each a GenerateRequest with its
-    prompt and adapter set); `rid` names the response and, with the choice's index, each call."""
+    prompt and adapter set); `rid` names the response and, with the choice's index, each call.
+    `echo`: each prompt's text, put before its choices' text (completions' `echo`)."""
+    who = who.with_cache_salt(body.cache_salt)
+    temperature = default_temperature(proxy)
+    words = bad_word_ids(body.bad_words, proxy.tokenizer) if body.bad_words else []
     jobs = []
     for p, prompt in enumerate(prompts):
         for i in range(body.n):
@@ -35,7 +46,9 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
             req.CopyFrom(prompt)
             index = p * body.n + i
             req.request_id = f"{rid}-{index}"
-            req.sampling.CopyFrom(sampling(body, max_tokens, i))
+            req.sampling.CopyFrom(sampling(body, max_tokens, i, temperature))
+            for ids in words:
+                req.sampling.bad_words.add(ids=ids)
             jobs.append(Job(index, p, req, fingerprint))
     if len(jobs) > schemas.MAX_N:  # each choice is a worker call
         raise bad_request("n", f"prompts x n is {len(jobs)} choices; at most "
@@ -44,11 +57,13 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                             trace=getattr(request.state, "trace", None))
     request.state.usage = generation.usage  # the access-log line's tokens (request_log.py)
     model = body.model or proxy.fleet.model_id or ""
+    shape = Choices(chat, body.logprobs_wanted(), token_namer(proxy.tokenizer.current()), echo)
+    salted = body.cache_salt is not None
     try:
         await generation.open(disconnected(request), peek=body.stream)
         if body.stream:
-            events = sse_events(generation, chat, rid, int(time.time()), model,
-                                body.include_usage(), lambda: usage(generation))
+            events = sse_events(generation, shape, rid, int(time.time()), model,
+                                body.include_usage(), lambda: usage(generation, salted))
             return EventSourceResponse(events, sep="\n", ping=15)
         await generation.collect(disconnected(request))
     except ClientGone:
@@ -58,11 +73,10 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
         generation.close()
         raise
     generation.close()
-    make = schemas.chat_choice if chat else schemas.completion_choice
-    choices = [make(s.index, "".join(s.text), s.finish) for s in generation.samples]
+    choices = [shape.whole(s) for s in generation.samples]
     kind = "chat.completion" if chat else "text_completion"
     return JSONResponse(schemas.envelope(kind, rid, int(time.time()), model, choices,
-                                         usage=usage(generation)))
+                                         usage=usage(generation, salted)))
 
 
 def refuse_unsupported(problems: list[tuple[str, str]]) -> None:
@@ -71,15 +85,37 @@ def refuse_unsupported(problems: list[tuple[str, str]]) -> None:
         raise ApiError(400, f"{param}: {message}", param=param)
 
 
+def default_temperature(proxy: GenerateProxy) -> float | None:
+    """What an omitted temperature is sent as: None (unset: the workers apply the model's
+    generation_config.json temperature) when the model has one, else vLLM's 1.0."""
+    info = proxy.fleet.info
+    if info is not None and info.sampling_defaults.HasField("temperature"):
+        return None
+    return 1.0
+
+
 def sampling(body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
-             max_tokens: int | None, sample: int) -> pb.SamplingParams:
+             max_tokens: int | None, sample: int,
+             temperature: float | None = None) -> pb.SamplingParams:
     """The worker's sampling for choice `sample` of a prompt: fields the client left unset stay
-    unset (the worker applies the checkpoint's generation defaults); seed + i per sample."""
+    unset (the worker applies the checkpoint's generation defaults) but an omitted temperature
+    is `temperature` when given (default_temperature); seed + i per sample."""
     sp = pb.SamplingParams(max_tokens=max_tokens or 0, min_tokens=body.min_tokens,
                            ignore_eos=body.ignore_eos,
-                           stop_token_ids=list(body.stop_token_ids or ()))
+                           stop_token_ids=list(body.stop_token_ids or ()),
+                           presence_penalty=body.presence_penalty or 0.0,
+                           frequency_penalty=body.frequency_penalty or 0.0,
+                           min_p=body.min_p or 0.0,
+                           logit_bias=[pb.LogitBias(token_id=int(k), bias=v)
+                                       for k, v in (body.logit_bias or {}).items()])
+    if body.repetition_penalty is not None:
+        sp.repetition_penalty = body.repetition_penalty
+    if body.logprobs_wanted() is not None:
+        sp.logprobs = body.logprobs_wanted()
     if body.temperature is not None:
         sp.temperature = body.temperature
+    elif temperature is not None:
+        sp.temperature = temperature
     if body.top_p is not None:
         sp.top_p = body.top_p
     if body.top_k is not None:
@@ -89,8 +125,10 @@ def sampling(body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
     return sp
 
 
-def usage(generation: Generation) -> dict[str, Any]:
+def usage(generation: Generation, salted: bool = False) -> dict[str, Any]:
+    """`usage.prefixcache.cache_salt`: whether the request ran under its own cache_salt."""
     prompt, completion, cached, ext = generation.usage()
+    ext["cache_salt"] = salted
     return schemas.usage(prompt, completion, cached, ext)
 
 

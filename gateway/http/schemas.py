@@ -1,14 +1,16 @@
 """Request bodies of the OpenAI-compatible API (pydantic) and the response objects it returns.
 
 Requests follow OpenAI's and vLLM's rules for what is accepted:
-- Unknown fields are accepted and ignored (`extra="ignore"`), as OpenAI and vLLM do, so newer
-  clients keep working; known fields are validated strictly (`strict=True`: "3" is not an
-  integer, 1 is not a boolean), and a failure names the field (errors.py).
-- Fields this gateway cannot honour are refused when set to anything but their neutral value
-  (`unsupported()`), never silently ignored: an answer without the asked-for logprobs or with
-  another sampling than asked would look right and be wrong.
+- No request field is silently ignored. The fields declared here are implemented and validated
+  strictly (`strict=True`: "3" is not an integer, 1 is not a boolean), a failure naming the
+  field (errors.py). Every other top-level field lands in `model_extra` (`extra="allow"`) and
+  is judged by request_fields.py: vLLM's fields this gateway does not implement are accepted
+  only with their neutral value, and unknown fields are refused, each a 400 naming the field
+  (`unsupported()`): an answer without the asked-for logprobs or with another sampling than
+  asked would look right and be wrong.
 - vLLM's extra sampling fields are taken where the workers implement them: `ignore_eos`,
-  `top_k`, `min_tokens`, `stop_token_ids`.
+  `top_k`, `min_p`, `repetition_penalty`, `bad_words`, `min_tokens`, `stop_token_ids`,
+  `cache_salt`.
 - Every string of the body is text: JSON's `"\\ud800"` escape decodes to a lone surrogate,
   which no UTF-8 encoder takes (the prompt's encoding failed with a 500). `_Sampling` refuses
   the body before any field is read, naming the first string that has one, wherever it is
@@ -22,16 +24,19 @@ place); `usage` carries the `prefixcache` extension (see `usage()`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from gateway.http.request_fields import refusals
 from prefixcache_client.limits import (MAX_STOP_TOKEN_IDS, QUOTE_LIMIT,
                                      quote_untrusted, stop_problem)
 
 # Samples of one prompt per request; each is one worker call.
 MAX_N = 128
+MAX_LOGIT_BIAS = 1024  # the workers' bound (compute_service/engine/sampling.py)
+MAX_LOGPROBS = 20  # top logprobs per token, the workers' bound (OpenAI's is 20 too)
 # Token ids are u32 on the wire (design.md §3); so are the token counts of SamplingParams.
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 _U32 = 2**32
@@ -72,10 +77,15 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: usage in every chunk; refused when true (_unsupported_sampling).
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Body):
     """What /v1/completions and /v1/chat/completions share."""
+    KIND: ClassVar[str] = ""
+    # Undeclared fields are kept (not dropped) for request_fields.refusals (module docstring).
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     # None: the base model. A loaded LoRA adapter's name selects that adapter.
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=100)  # the workers' bound
@@ -85,12 +95,17 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    # Neutral values only (unsupported()).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # request_fields.KNOWN_IGNORED
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # Token id (a decimal string, as OpenAI's JSON keys are) -> bias added to its logit.
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: isolates the request's cache from other salts (Tenant.with_cache_salt).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # vLLM's extra sampling parameters.
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    min_p: float | None = Field(None, ge=0, le=1)
+    bad_words: list[str] | None = Field(None, max_length=128)  # gateway/http/bad_words.py
     ignore_eos: bool = False
     top_k: int | None = Field(None, ge=-1, lt=_U32)
     min_tokens: int = Field(0, ge=0, lt=_U32)
@@ -116,13 +131,17 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
+    KIND: ClassVar[str] = "completion"  # request_fields.PER_KIND
     # A string, token ids, or a batch of either.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, lt=_U32)
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    # The top logprobs per token (0: the sampled token's only); None: no logprobs.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one prompt per entry (a bare string or id list is a batch of one)."""
@@ -133,12 +152,9 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = _unsupported_sampling(self)
-        if self.echo:
-            out.append(("echo", "echoing the prompt is not supported"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported"))
-        if self.suffix:
-            out.append(("suffix", "suffix is not supported"))
+        if self.echo and self.logprobs is not None:
+            out.append(("echo", "echo with logprobs needs the prompt's logprobs, which the "
+                                "workers do not compute; send echo or logprobs"))
         if self.best_of is not None and self.best_of != self.n:
             out.append(("best_of", "best_of other than n is not supported"))
         return out
@@ -162,13 +178,12 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    KIND: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, lt=_U32)
     max_completion_tokens: int | None = Field(None, ge=1, lt=_U32)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: render the template with the generation prompt (the assistant turn's header).
     add_generation_prompt: bool = True
 
@@ -184,23 +199,28 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = _unsupported_sampling(self)
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
-        if self.tools:
-            out.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(("response_format", "only response_format {\"type\": \"text\"} is "
-                                           "supported"))
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            out.append(("top_logprobs", "needs logprobs: true"))
         return out
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _unsupported_sampling(r: _Sampling) -> list[tuple[str, str]]:
-    out = []
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(r, name):
-            out.append((name, f"{name} is not supported"))
-    if r.logit_bias:
-        out.append(("logit_bias", "logit_bias is not supported"))
+    out = refusals(r.model_extra or {}, r.KIND)
+    for key, bias in (r.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= _U32:
+            out.append(("logit_bias", f"keys must be token ids (decimal strings), got "
+                                      f"{quote_untrusted(key)}"))
+            break
+        if not -100 <= bias <= 100:
+            out.append(("logit_bias", f"the bias of token {key} must be in [-100, 100], got "
+                                      f"{bias}"))
+            break
+    if r.stream_options is not None and r.stream_options.continuous_usage_stats:
+        out.append(("stream_options", "continuous_usage_stats is not implemented: the usage "
+                                      "comes in the last chunk (include_usage)"))
     problem = stop_problem(r.stop_strings())
     if problem is not None:
         param, message = problem.split(": ", 1)
@@ -213,17 +233,23 @@ def _unsupported_sampling(r: _Sampling) -> list[tuple[str, str]]:
 FINISH_REASONS = {1: "stop", 2: "length", 3: "abort"}  # pb.FinishReason -> OpenAI's word
 
 
-def completion_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+def completion_choice(index: int, text: str, finish: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+def chat_choice(index: int, text: str, finish: str | None,
+                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish}
+            "logprobs": None if logprobs is None else {"content": logprobs},
+            "finish_reason": finish}
 
 
-def chat_delta(index: int, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+def chat_delta(index: int, delta: dict[str, str], finish: str | None,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta,
+            "logprobs": None if logprobs is None else {"content": logprobs},
+            "finish_reason": finish}
 
 
 def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],

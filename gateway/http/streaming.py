@@ -34,6 +34,7 @@ from typing import Any
 
 from gateway.core.proxy import ProxyError
 from gateway.http import schemas
+from gateway.http.choices import Choices
 from gateway.http.errors import ApiError, from_proxy
 from service_shell import kv
 
@@ -107,11 +108,12 @@ def _data(payload: dict[str, Any]) -> dict[str, str]:
     return {"data": json.dumps(payload, ensure_ascii=False, separators=(",", ":"))}
 
 
-async def sse_events(generation, chat: bool, rid: str, created: int, model: str,
+async def sse_events(generation, shape: Choices, rid: str, created: int, model: str,
                      include_usage: bool,
                      usage: Callable[[], dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
     """The SSE events of one streamed request (`generation` already opened; closed here, so a
-    client that leaves cancels its worker calls)."""
+    client that leaves cancels its worker calls); `shape` builds each choice's chunks."""
+    chat = shape.chat
     kind = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
@@ -119,20 +121,16 @@ async def sse_events(generation, chat: bool, rid: str, created: int, model: str,
         return _data(schemas.envelope(kind, rid, created, model, choices, **extra))
 
     try:
-        if chat:  # every choice opens with the assistant role, as OpenAI's do
-            for sample in generation.samples:
-                yield chunk([schemas.chat_delta(sample.index,
-                                                {"role": "assistant", "content": ""}, None)])
+        # Every chat choice opens with the assistant role, as OpenAI's do; a completion with
+        # echo opens with its prompt.
+        for sample in generation.samples:
+            opening = shape.opening(sample)
+            if opening is not None:
+                yield chunk([opening])
         async for sample, delta, finished in generation.events():
-            if not delta and not finished:
-                continue
-            finish = sample.finish if finished else None
-            if chat:
-                choice = schemas.chat_delta(sample.index, {"content": delta} if delta else {},
-                                            finish)
-            else:
-                choice = schemas.completion_choice(sample.index, delta, finish)
-            yield chunk([choice])
+            choice = shape.chunk(sample, delta, sample.finish if finished else None)
+            if choice is not None:
+                yield chunk([choice])
         if include_usage:
             yield _data(schemas.envelope(kind, rid, created, model, [], usage=usage()))
     except (ProxyError, ApiError) as exc:

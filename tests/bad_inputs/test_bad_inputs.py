@@ -113,7 +113,11 @@ BASE = {
 }
 # Beyond NaN, +-inf and -1: the values just outside each field's documented bounds.
 EXTRA_BAD = {"heartbeat_interval_s": [0.01, 61.0], "temperature": [101.0], "top_p": [1.5],
-             "lease_ttl_s": [1e9]}
+             "lease_ttl_s": [1e9], "presence_penalty": [2.5, -2.5],
+             "frequency_penalty": [2.5, -2.5], "repetition_penalty": [0.0, 101.0],
+             "min_p": [1.5], "bias": [101.0, -101.0]}
+# Fields for which -1 is a valid value (penalties and biases may be negative).
+NEGATIVE_OK = {"presence_penalty", "frequency_penalty", "bias"}
 FLOAT_FIELDS = [(server, service, method.name, path, chain)
                 for server, services in SERVICES.items() for service in services
                 for method in service.methods
@@ -123,7 +127,9 @@ FLOAT_CASES = [
     pytest.param(server, service, method, path, chain, value,
                  id=f"float-{server}-{method}-{path}={value!r}")
     for server, service, method, path, chain in FLOAT_FIELDS
-    for value in [math.nan, math.inf, -math.inf, -1.0, *EXTRA_BAD.get(chain[-1].name, [])]]
+    for value in [math.nan, math.inf, -math.inf,
+                  *([] if chain[-1].name in NEGATIVE_OK else [-1.0]),
+                  *EXTRA_BAD.get(chain[-1].name, [])]]
 
 
 def test_every_float_field_has_a_valid_request():

@@ -10,6 +10,8 @@ import grpc
 import httpx
 import pytest
 
+from gateway.http.respond import default_temperature
+from prefixcache.v1 import compute_service_pb2 as pb
 from tests.gateway.gateway_harness import MODEL, running_gateway, wait_until
 from tests.gateway.http_helpers import auth, events, post, stream, streamed_text
 from tests.gateway.server_helpers import fake_fleet, prompt
@@ -93,10 +95,30 @@ def test_n_samples_go_to_one_worker_together_with_their_own_seeds(http_fleet, wo
     assert r.json()["usage"]["prompt_tokens"] == 5
     r = post(base, "/v1/completions", {"prompt": [[1]] * 3, "n": 50})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    # Unset sampling fields stay unset: the worker applies the checkpoint's defaults.
+    # Unset sampling fields stay unset (the worker applies the checkpoint's defaults), but an
+    # omitted temperature is vLLM's 1.0 when the model names none (these workers' do not).
     r = post(base, "/v1/completions", {"prompt": [1, 2, 3]})
     [(_, s)] = seen_for(workers, r.json()["id"])
-    assert not s.request.sampling.HasField("temperature") and s.request.sampling.max_tokens == 16
+    assert s.request.sampling.temperature == 1.0 and s.request.sampling.max_tokens == 16
+    assert not s.request.sampling.HasField("top_p") and not s.request.sampling.HasField("top_k")
+
+
+def test_an_omitted_temperature_is_the_models_default_else_one():
+    """vLLM's rule: generation_config.json's temperature (left unset for the worker to apply)
+    when the model has one, else 1.0."""
+    class Fleet:
+        info = None
+
+    class Proxy:
+        fleet = Fleet()
+
+    assert default_temperature(Proxy()) == 1.0
+    Fleet.info = pb.GetModelInfoResponse()
+    assert default_temperature(Proxy()) == 1.0
+    Fleet.info = pb.GetModelInfoResponse(sampling_defaults=pb.SamplingParams(temperature=0.7))
+    assert default_temperature(Proxy()) is None
+    Fleet.info = pb.GetModelInfoResponse(sampling_defaults=pb.SamplingParams(temperature=0.0))
+    assert default_temperature(Proxy()) is None  # do_sample: false, greedy by default
 
 
 def test_stop_strings_cut_the_output_and_abort_the_worker_call(http_fleet, workers):

@@ -1,5 +1,5 @@
-"""The HTTP API's request schemas (strict types, unknown fields ignored, unsupported ones
-refused) and its errors: OpenAI's JSON with the right status, naming the field, never a
+"""The HTTP API's request schemas (strict types, unknown and unsupported fields refused by
+name) and its errors: OpenAI's JSON with the right status, naming the field, never a
 traceback."""
 from __future__ import annotations
 
@@ -23,10 +23,14 @@ def test_prompt_forms(prompt, prompts):
 
 
 def test_defaults_and_unknown_fields():
-    r = CompletionRequest.model_validate({"prompt": "x", "some_new_field": {"a": 1},
-                                          "user": "u", "best_of": 1})
+    r = CompletionRequest.model_validate({"prompt": "x", "user": "u", "best_of": 1,
+                                          "skip_special_tokens": True, "priority": 0})
     assert r.max_tokens == 16 and r.n == 1 and not r.stream and r.model is None
     assert r.unsupported() == [] and r.stop_strings() == []
+    # A typo is not served with defaults: it is a 400 naming it.
+    r = CompletionRequest.model_validate({"prompt": "x", "max_token": 5, "priority": False})
+    assert [f for f, _ in r.unsupported()] == ["max_token", "priority"]
+    assert "unknown field" in r.unsupported()[0][1]
     assert CompletionRequest.model_validate({"prompt": "x", "stop": "##"}).stop_strings() == ["##"]
 
 
@@ -45,11 +49,13 @@ def test_types_are_validated_strictly(field, value):
 
 def test_unsupported_fields_are_refused_by_name():
     r = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2, "echo": True,
-                                          "presence_penalty": 0.5, "stop": ["", "a"]})
-    assert [f for f, _ in r.unsupported()] == ["presence_penalty", "stop", "echo", "logprobs"]
+                                          "presence_penalty": 0.5, "stop": ["", "a"],
+                                          "suffix": "s", "logit_bias": {"x1": 1.0}})
+    assert [f for f, _ in r.unsupported()] == ["suffix", "logit_bias", "stop", "echo"]
     c = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                              "logprobs": True, "tools": [{"type": "f"}]})
-    assert [f for f, _ in c.unsupported()] == ["logprobs", "tools"]
+                                              "top_logprobs": 2, "tools": [{"type": "f"}],
+                                              "response_format": {"type": "text"}})
+    assert [f for f, _ in c.unsupported()] == ["tools", "top_logprobs"]
 
 
 def test_chat_messages():
@@ -150,3 +156,12 @@ def test_grpc_codes_map_to_http_statuses(code, status, param):
     assert set(body) == {"message", "type", "param", "code"}
     if status == 500:  # never the worker's own words: they may hold internals
         assert "something" not in body["message"]
+
+
+def test_stream_options_fields_are_honoured_or_refused():
+    r = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    assert [f for f, _ in r.unsupported()] == ["stream_options"]
+    ok = CompletionRequest.model_validate({"prompt": "x", "stream_options": {
+        "continuous_usage_stats": False}})
+    assert ok.unsupported() == []

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gateway.http.generation import Job, Sample
+from gateway.http.choices import Choices
 from gateway.http.streaming import StopMatcher, sse_events
 from prefixcache.v1 import compute_service_pb2 as pb
 
@@ -175,9 +176,9 @@ class _FakeGeneration:
         self.closed = True
 
 
-async def _collect(gen, chat: bool, include_usage: bool) -> list:
+async def _collect(gen, chat: bool, include_usage: bool, shape: Choices | None = None) -> list:
     out = []
-    async for event in sse_events(gen, chat, "id-1", 7, "m", include_usage,
+    async for event in sse_events(gen, shape or Choices(chat), "id-1", 7, "m", include_usage,
                                   lambda: {"prompt_tokens": 1}):
         out.append(event["data"])
     return out
@@ -209,3 +210,34 @@ def test_completion_chunks_without_usage():
         [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}],
         [{"index": 0, "text": "b", "logprobs": None, "finish_reason": "stop"}]]
     assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def _lp(logprob: float, *top: tuple[int, float]) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=logprob, top_ids=[t for t, _ in top],
+                            top_logprobs=[v for _, v in top])
+
+
+def test_streamed_logprobs_ride_with_their_tokens_in_both_shapes():
+    """A message's tokens' logprobs go in the chunk of that message, also when its text is held
+    back (a chunk with logprobs and no content); completions count text_offset across chunks,
+    after the echoed prompt."""
+    name = {1: "a", 2: "b", 3: "c"}.__getitem__
+
+    def run(chat: bool, echo=None):
+        gen = _FakeGeneration([])
+        s = gen.samples[0]
+        s.fresh = [(1, _lp(-0.5, (1, -0.5), (3, -1.5)))]
+        gen._events = [(0, "a", None)]
+        out = asyncio.run(_collect(gen, chat, False, Choices(chat, 1, name, echo)))
+        return [json.loads(d) for d in out[:-1]]
+
+    chat = run(True)[-1]["choices"][0]
+    assert chat["logprobs"] == {"content": [
+        {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+            {"token": "a", "logprob": -0.5, "bytes": [97]},
+            {"token": "c", "logprob": -1.5, "bytes": [99]}]}]}
+    chunks = run(False, echo=["PR"])
+    assert chunks[0]["choices"][0]["text"] == "PR"
+    assert chunks[-1]["choices"][0]["logprobs"] == {
+        "tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5, "c": -1.5}],
+        "text_offset": [2]}

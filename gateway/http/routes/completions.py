@@ -43,5 +43,17 @@ async def completions(body: schemas.CompletionRequest, request: Request,
             check_request(req, proxy.fleet)  # the vocabulary, as RoutePreview checks it
         requests.append(req)
     rid = f"cmpl-{request.state.request_id}"  # X-Request-Id (request_log.py)
+    echo = echo_texts(prompts, proxy) if body.echo else None
     return await respond.generate(body, requests, body.max_tokens, request, who, rid,
-                                  chat=False, proxy=proxy, limiter=limiter)
+                                  chat=False, proxy=proxy, limiter=limiter, echo=echo)
+
+
+def echo_texts(prompts: list[str | list[int]], proxy: GenerateProxy) -> list[str]:
+    """The text `echo` puts before each prompt's choices: the prompt as sent, or its ids
+    decoded by the workers' tokenizer, as vLLM echoes them."""
+    tokenizer = proxy.tokenizer.current()
+    if tokenizer is None and any(not isinstance(p, str) for p in prompts):
+        raise bad_request("echo", "the gateway knows no tokenizer to decode the prompt's "
+                                  "token ids with")
+    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+            for p in prompts]
