@@ -70,11 +70,37 @@ def _qwen3_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+_TRANSFORMER_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+
+
+def _transformer_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    mt = cfg.model_type
+    out = _attention_to_hf(cfg)
+    windows = sorted({w for w in cfg.sliding_windows if w})
+    if mt == "llama":
+        out |= {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+    elif mt == "qwen3_moe":
+        out |= _qwen3_moe_to_hf(cfg)
+    elif mt == "mistral":
+        out["sliding_window"] = windows[0] if windows else None
+    else:
+        if mt == "qwen3":
+            out["attention_bias"] = cfg.qkv_bias
+        sliding = [w > 0 for w in cfg.sliding_windows]
+        out |= {
+            "use_sliding_window": bool(windows),
+            "sliding_window": windows[0] if windows else None,
+            "max_window_layers": sliding.index(True) if windows else cfg.num_layers,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        }
+    return out
+
+
 def _check_writable(cfg: ModelConfig) -> None:
     mt = cfg.model_type
     kinds = set(cfg.layer_types)
     windows = {w for w in cfg.sliding_windows if w}
-    if mt in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe"):
+    if mt in _TRANSFORMER_TYPES:
         if kinds != {ATTENTION}:
             raise _unrepresentable("layer_types", mt, "needs attention layers only")
         if cfg.intermediate_size <= 0:
@@ -151,25 +177,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": eos,
         "pad_token_id": cfg.pad_token_id,
     }
-    if mt in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe"):
-        out |= _attention_to_hf(cfg)
-        windows = sorted({w for w in cfg.sliding_windows if w})
-        if mt == "llama":
-            out |= {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
-        elif mt == "qwen3_moe":
-            out |= _qwen3_moe_to_hf(cfg)
-        elif mt == "mistral":
-            out["sliding_window"] = windows[0] if windows else None
-        else:
-            if mt == "qwen3":
-                out["attention_bias"] = cfg.qkv_bias
-            sliding = [w > 0 for w in cfg.sliding_windows]
-            out |= {
-                "use_sliding_window": bool(windows),
-                "sliding_window": windows[0] if windows else None,
-                "max_window_layers": sliding.index(True) if windows else cfg.num_layers,
-                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-            }
+    if mt in _TRANSFORMER_TYPES:
+        out |= _transformer_to_hf(cfg)
     elif mt == "mamba2":
         out |= {
             "num_heads": cfg.mamba_num_heads,
