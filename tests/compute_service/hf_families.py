@@ -25,13 +25,18 @@ HF_FAMILIES = list(HF_FAMILY_CASES) if importlib.util.find_spec("transformers") 
 
 
 @functools.cache
-def _built(name: str) -> tuple[torch.nn.Module, CausalLM]:
+def _built(name: str) -> tuple[torch.nn.Module, CausalLM, Path]:
     from tests.compute_service.model.hf_reference import build_hf_model
 
     path = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     hf = build_hf_model(HF_FAMILY_CASES[name], path, seed=3)
-    return hf, load_model(path)
+    return hf, load_model(path), path
+
+
+def hf_family_checkpoint(name: str) -> Path:
+    """The directory of the transformers-written checkpoint of family `name`."""
+    return _built(name)[2]
 
 
 def hf_family_model(name: str) -> CausalLM:
