@@ -42,7 +42,9 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     flat = topk_ids.reshape(-1).to(torch.int64)
     rows = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its output from max(flat), a device sync.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
