@@ -1,5 +1,5 @@
 """Compute kernels of the model layers: paged attention, Mamba2 SSM scan/update, causal conv1d,
-batched multi-adapter LoRA, and the projections' `linear`.
+batched multi-adapter LoRA, the projections' `linear` and the fused mixture-of-experts MLP.
 
 Each public function has the signature of its PyTorch reference (the `*_ref` modules) plus the
 keywords `use_triton` and `reference`; `dispatch.TABLE` lists the backends of every operation
@@ -23,6 +23,7 @@ __all__ = [
     "choose",
     "cpu_status",
     "extend_attention",
+    "fused_moe",
     "linear",
     "linear_group",
     "lora_apply",
@@ -43,6 +44,7 @@ causal_conv1d = public("causal_conv1d")
 causal_conv1d_update = public("causal_conv1d_update")
 lora_apply = public("lora_apply")
 linear_group = public("linear_group")
+fused_moe = public("fused_moe")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

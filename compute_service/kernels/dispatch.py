@@ -56,6 +56,7 @@ TABLE: dict[str, Backends] = {
     "causal_conv1d_update":   Backends("conv_ref",      "",                "conv_triton",      "",              "x"),
     "lora_apply":             Backends("lora_ref",      "",                "lora_triton",      "lora_cpu",      "x", ("B_t",)),
     "linear_group":           Backends("linear_ref",    "",                "",                 "linear_cpu",    "x"),
+    "fused_moe":              Backends("moe_ref",       "",                "moe_triton",       "",              "x"),
 }  # fmt: skip
 
 

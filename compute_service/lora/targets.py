@@ -31,9 +31,10 @@ def target_linears(model: CausalLM) -> dict[Target, nn.Linear]:
     for i, layer in enumerate(model.layers):
         for name, path in LORA_TARGETS.items():
             owner, _, attr = path.partition(".")
-            module = getattr(layer, owner)
-            if module is not None:
-                out[(i, name)] = getattr(module, attr)
+            # An MoE layer's `mlp` has no gate/up/down nn.Linear: its experts take no LoRA.
+            linear = getattr(getattr(layer, owner), attr, None)
+            if isinstance(linear, nn.Linear):
+                out[(i, name)] = linear
     return out
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from compute_service import kernels
 from compute_service.model.batch import ForwardBatch, ForwardMode
 from compute_service.model.config import ModelConfig
-from compute_service.model.layers import apply_rope
+from compute_service.model.layers import RMSNorm, apply_rope
 from compute_service.model.lora_batch import LayerLora, project, project_group
 
 
@@ -29,6 +29,9 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        # Qwen3: each query and key head is RMS-normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -43,7 +46,7 @@ class PagedAttention(nn.Module):
         `batch.slot_mapping`. `cos_sin` are the RoPE tables of this call's positions and
         `seq_lens` [B] int32 is `batch.seq_lens()` in DECODE mode (None otherwise); both are
         computed once per call, not per layer. `lora` adds the per-token adapter updates of
-        q/k/v/o (before RoPE, as PEFT does)."""
+        q/k/v/o (before the q/k norms and RoPE, as PEFT does)."""
         t = x.shape[0]
         cos, sin = cos_sin
         q, k, v = project_group(
@@ -52,6 +55,8 @@ class PagedAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = cache
         kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)

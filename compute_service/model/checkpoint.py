@@ -10,8 +10,14 @@ Tensor names are mapped per family between HF's modules and ours (see `CausalLM`
     mamba2               backbone.embeddings (or .embedding) | backbone.layers.i.{norm, mixer} |
                          backbone.norm_f | lm_head
 
+    qwen3/qwen3_moe      as llama, plus self_attn.{q,k}_norm; MoE layers' mlp.gate (router) and
+                         mlp.experts (see below)
+
 Mamba's conv1d.weight [C, 1, W] becomes conv_weight [C, W]. With tied embeddings an `lm_head`
-tensor in the file is ignored (HF ties it to the embedding too).
+tensor in the file is ignored (HF ties it to the embedding too). MoE experts are read either
+stacked (`mlp.experts.{gate_up_proj,down_proj}`, transformers v5's in-memory names) or one
+tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the hub layout, which
+save_model writes); every expert's three tensors must be present.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from compute_service.model.model import CausalLM
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Buffers some exporters wrote next to the weights; recomputed here, so skipped.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in the hub layout (our name after mapping) -> a slice of the stack.
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,8 @@ _TRANSFORMER = _NameMap(
 _NAME_MAPS = {
     "llama": _TRANSFORMER,
     "qwen2": _TRANSFORMER,
+    "qwen3": _TRANSFORMER,
+    "qwen3_moe": _TRANSFORMER,
     "mistral": _TRANSFORMER,
     "bamba": _NameMap(
         "model.",
@@ -126,6 +136,27 @@ def ours_to_hf(name: str, model_type: str) -> str:
     raise ValueError(f"parameter {name!r}: no HF name")
 
 
+def _expert_slice(name: str, params: dict[str, torch.nn.Parameter]):
+    """For a per-expert tensor name (ours), (stacked parameter name, the view of it that the
+    tensor fills, piece id); None for any other name."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    prefix, e, part = match.group(1), int(match.group(2)), match.group(3)
+    stacked = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+    if stacked not in params or e >= params[stacked].shape[0]:
+        return None
+    p = params[stacked]
+    inter = p.shape[1] // 2
+    view = {"gate": p[e, :inter], "up": p[e, inter:], "down": p[e]}[part]
+    return stacked, view, (e, part)
+
+
+def _expert_pieces(stacked: str, params: dict[str, torch.nn.Parameter]) -> set[tuple[int, str]]:
+    parts = ("down",) if stacked.endswith("down_proj") else ("gate", "up")
+    return {(e, part) for e in range(params[stacked].shape[0]) for part in parts}
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """Parse `path/config.json` (raises UnsupportedConfigError naming an unsupported field)."""
     return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
@@ -153,18 +184,20 @@ def load_model(
     model = CausalLM.empty(cfg, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    pieces: dict[str, set[tuple[int, str]]] = {}  # stacked expert tensor -> pieces read
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 name = hf_to_ours(hf_name, cfg.model_type)
                 if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
-                if name not in params:
+                expert = _expert_slice(name, params)
+                if name not in params and expert is None:
                     raise ValueError(
                         f"tensor {hf_name!r} in {file.name}: no such parameter in this config"
                     )
                 tensor = f.get_tensor(hf_name)
-                target = params[name]
+                target = params[name] if expert is None else expert[1]
                 if name.endswith("conv_weight"):
                     tensor = tensor.reshape(tensor.shape[0], -1)
                 if tensor.shape != target.shape:
@@ -174,13 +207,31 @@ def load_model(
                     )
                 with torch.no_grad():
                     target.copy_(tensor)
-                loaded.add(name)
+                if expert is None:
+                    loaded.add(name)
+                else:
+                    pieces.setdefault(expert[0], set()).add(expert[2])
+    loaded |= {n for n, got in pieces.items() if got == _expert_pieces(n, params)}
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(
             f"{path}: missing tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}"
         )
     return model.eval()
+
+
+def _split_experts(hf_name: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked expert tensor as the hub's one tensor per expert and projection."""
+    prefix, _, kind = hf_name.rpartition(".")
+    out = {}
+    for e, w in enumerate(stacked):
+        if kind == "down_proj":
+            out[f"{prefix}.{e}.down_proj.weight"] = w.contiguous().cpu()
+        else:
+            gate, up = w.chunk(2)
+            out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous().cpu()
+            out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous().cpu()
+    return out
 
 
 def save_model(model: CausalLM, path: str | Path) -> None:
@@ -195,6 +246,9 @@ def save_model(model: CausalLM, path: str | Path) -> None:
         t = p.detach()
         if name.endswith("conv_weight"):
             t = t[:, None, :]
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors |= _split_experts(ours_to_hf(name, cfg.model_type), t)
+            continue
         tensors[ours_to_hf(name, cfg.model_type)] = t.contiguous().cpu()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,9 @@ A model is a stack of `num_layers` decoder layers. Each layer is
     h = h + mixer(norm1(h))          mixer = attention or Mamba2, per `layer_types[i]`
     h = h + mlp(norm2(h))            only when `intermediate_size > 0` (pure Mamba2 has no MLP)
 
+where `mlp` is a SwiGLU, or on the layers of `moe_layer_ids` a sparse mixture of SwiGLU experts
+(`moe.py`: `moe_num_experts` experts of width `moe_intermediate_size`, `moe_top_k` per token).
+
 followed by a final RMSNorm and the LM head. Attention is GQA with RoPE (optionally partial,
 i.e. only the first `rotary_dim` channels of each head rotate) and an optional per-layer sliding
 window. Mamba2 is the SSD mixer of the Mamba2 paper (in_proj -> causal depthwise conv1d -> SSD
@@ -15,7 +18,8 @@ Invariants (checked by `validate()`):
 - `num_heads % num_kv_heads == 0`; `rotary_dim` is even and `<= head_dim`;
 - `mamba_num_heads * mamba_head_dim == mamba_intermediate_size` and
   `mamba_num_heads % mamba_n_groups == 0`;
-- a sliding window is only set on attention layers.
+- a sliding window is only set on attention layers;
+- MoE layers are distinct layer ids in range, and 0 < `moe_top_k` <= `moe_num_experts`.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class ModelConfig:
     # them); the remaining head_dim - rotary_dim channels pass through unchanged.
     rotary_dim: int = 0
     rope_scaling: RopeScaling | None = None
+    # Qwen3: RMSNorm over head_dim of each query and key head (own weights), before RoPE.
+    qk_norm: bool = False
     # Per layer; 0 = full causal attention, W > 0 = attend to key positions > pos - W.
     sliding_windows: tuple[int, ...] = ()
     max_position_embeddings: int = 4096
@@ -80,11 +86,21 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_chunk_size: int = 256
     mamba_norm_eps: float = 1e-6
+    # --- mixture of experts (moe.py) ---
+    # Layers whose MLP is the sparse MoE block (the others keep the dense SwiGLU, if any).
+    moe_layer_ids: tuple[int, ...] = ()
+    moe_num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    # Divide the top-k routing probabilities by their sum (Qwen3-MoE `norm_topk_prob`; equal to
+    # Mixtral's / Granite's softmax over the top-k logits).
+    moe_renormalize: bool = False
     # --- tokens / provenance ---
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # The HF family this config was read from / is written as: llama, qwen2, mistral, mamba2, bamba.
+    # The HF family this config was read from / is written as: llama, qwen2, qwen3, qwen3_moe,
+    # mistral, mamba2, bamba.
     model_type: str = "llama"
 
     # ---- derived views -------------------------------------------------------------------
@@ -143,24 +159,40 @@ class ModelConfig:
                 raise ValueError("mamba_n_groups: must divide mamba_num_heads")
             if self.mamba_state_size <= 0 or self.mamba_conv_kernel < 2:
                 raise ValueError("mamba_state_size/mamba_conv_kernel: must be >0 and >=2")
+        self._validate_moe()
         return self
+
+    def _validate_moe(self) -> None:
+        ids = self.moe_layer_ids
+        if not ids:
+            return
+        if len(set(ids)) != len(ids) or not all(0 <= i < self.num_layers for i in ids):
+            raise ValueError(f"moe_layer_ids: {ids} must be distinct layer ids < {self.num_layers}")
+        if self.moe_num_experts <= 0 or self.moe_intermediate_size <= 0:
+            raise ValueError("moe_num_experts/moe_intermediate_size: must be positive")
+        if not 0 < self.moe_top_k <= self.moe_num_experts:
+            raise ValueError(f"moe_top_k: {self.moe_top_k} must be in [1, moe_num_experts]")
 
     def num_parameters(self) -> int:
         """Parameter count implied by the shapes (tied embeddings counted once)."""
         h = self.hidden_size
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        for t in self.layer_types:
+        for i, t in enumerate(self.layer_types):
             total += h  # norm1
             if t == ATTENTION:
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 total += h * (q + 2 * kv) + q * h
                 total += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+                total += 2 * self.head_dim * self.qk_norm
             else:
                 nh, di, cd = self.mamba_num_heads, self.mamba_intermediate_size, self.mamba_conv_dim
                 total += h * (di + cd + nh) + (di + cd + nh) * self.mamba_proj_bias
                 total += cd * self.mamba_conv_kernel + cd * self.mamba_conv_bias
                 total += 3 * nh + di + di * h + h * self.mamba_proj_bias
-            if self.intermediate_size:
+            if i in self.moe_layer_ids:
+                e = self.moe_num_experts
+                total += h + e * h + 3 * e * h * self.moe_intermediate_size
+            elif self.intermediate_size:
                 total += h + 3 * h * self.intermediate_size
                 total += (2 * self.intermediate_size + h) * self.mlp_bias
         return total

@@ -13,7 +13,9 @@ from typing import Any
 
 from compute_service.model.config import ATTENTION, MAMBA, ModelConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mamba2", "bamba")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mamba2", "bamba")
+# Families with a mixture-of-experts MLP: their expert counts are read, not refused.
+_MOE_MODEL_TYPES = ("qwen3_moe",)
 
 
 class UnsupportedConfigError(ValueError):
@@ -117,7 +119,7 @@ def _attention_fields(d: dict[str, Any], default_partial: float) -> dict[str, An
 
 def _common(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     for key in ("quantization_config", "num_experts", "num_local_experts"):
-        if d.get(key):
+        if d.get(key) and (key == "quantization_config" or model_type not in _MOE_MODEL_TYPES):
             raise UnsupportedConfigError(key, "is not supported")
     _check_act(d)
     return {
@@ -136,7 +138,7 @@ def _transformer(d: dict[str, Any], model_type: str) -> ModelConfig:
     windows = [0] * n
     if model_type == "mistral":
         windows = [int(_get(d, "sliding_window", 0))] * n
-    elif model_type == "qwen2" and d.get("use_sliding_window") and d.get("sliding_window"):
+    elif model_type.startswith("qwen") and d.get("use_sliding_window") and d.get("sliding_window"):
         layer_types = d.get("layer_types") or [
             "sliding_attention" if i >= int(_get(d, "max_window_layers", n)) else "full_attention"
             for i in range(n)
@@ -154,6 +156,44 @@ def _transformer(d: dict[str, Any], model_type: str) -> ModelConfig:
         sliding_windows=tuple(windows),
         **_attention_fields(d, 1.0),
     ).validate()
+
+
+def _qwen3(d: dict[str, Any], model_type: str) -> ModelConfig:
+    """qwen3 (and the attention half of qwen3_moe): llama plus q/k RMSNorm per head, one
+    `attention_bias` for q/k/v/o, head_dim defaulting to 128 (not hidden / heads)."""
+    if model_type == "qwen3_moe" and d.get("use_sliding_window"):
+        # transformers' Qwen3-MoE windows every layer, Qwen3 only those past max_window_layers;
+        # no checkpoint uses it and no test shows our reading of it: refused, not guessed.
+        raise UnsupportedConfigError("use_sliding_window", "is not supported for qwen3_moe")
+    cfg = _transformer({"head_dim": 128, **d}, model_type)
+    bias = bool(_get(d, "attention_bias", False))
+    moe = _qwen3_moe(d, cfg.num_layers) if model_type == "qwen3_moe" else {}
+    return cfg.replace(qk_norm=True, qkv_bias=bias, o_bias=bias, **moe).validate()
+
+
+def _qwen3_moe(d: dict[str, Any], n: int) -> dict[str, Any]:
+    """The MoE fields of a qwen3_moe config: layer i is sparse iff i is not in `mlp_only_layers`
+    and (i + 1) % `decoder_sparse_step` == 0 (transformers' Qwen3MoeDecoderLayer rule)."""
+    experts = int(_get(d, "num_experts", _get(d, "num_local_experts", 0)))
+    step = int(_get(d, "decoder_sparse_step", 1))
+    if step <= 0:
+        raise UnsupportedConfigError("decoder_sparse_step", f"{step} must be positive")
+    dense = {int(i) for i in _get(d, "mlp_only_layers", [])}
+    if any(not 0 <= i < n for i in dense):
+        raise UnsupportedConfigError("mlp_only_layers", f"indices must be in [0, {n})")
+    ids = tuple(i for i in range(n) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not ids:
+        return {}
+    top_k = int(_require(d, "num_experts_per_tok"))
+    if not 0 < top_k <= experts:
+        raise UnsupportedConfigError("num_experts_per_tok", f"{top_k} must be in [1, {experts}]")
+    return {
+        "moe_layer_ids": ids,
+        "moe_num_experts": experts,
+        "moe_top_k": top_k,
+        "moe_intermediate_size": int(_require(d, "moe_intermediate_size")),
+        "moe_renormalize": bool(_get(d, "norm_topk_prob", False)),
+    }
 
 
 def _mamba2(d: dict[str, Any]) -> ModelConfig:
@@ -222,6 +262,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     model_type = d.get("model_type")
     if model_type in ("llama", "qwen2", "mistral"):
         return _transformer(d, model_type)
+    if model_type in ("qwen3", "qwen3_moe"):
+        return _qwen3(d, model_type)
     if model_type == "mamba2":
         return _mamba2(d)
     if model_type == "bamba":

@@ -11,6 +11,8 @@ from compute_service.model.hf_config import SUPPORTED_MODEL_TYPES, UnsupportedCo
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "bamba": "BambaForCausalLM",
@@ -53,11 +55,52 @@ def _attention_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """MoE layers as `mlp_only_layers` (the others) with decoder_sparse_step 1."""
+    experts = cfg.moe_num_experts if cfg.moe_layer_ids else 0
+    return {
+        "attention_bias": cfg.qkv_bias,
+        "num_experts": experts,
+        "num_experts_per_tok": cfg.moe_top_k if experts else 1,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.moe_renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(cfg.num_layers) if i not in cfg.moe_layer_ids],
+        "use_sliding_window": False,
+    }
+
+
+_TRANSFORMER_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+
+
+def _transformer_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    mt = cfg.model_type
+    out = _attention_to_hf(cfg)
+    windows = sorted({w for w in cfg.sliding_windows if w})
+    if mt == "llama":
+        out |= {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+    elif mt == "qwen3_moe":
+        out |= _qwen3_moe_to_hf(cfg)
+    elif mt == "mistral":
+        out["sliding_window"] = windows[0] if windows else None
+    else:
+        if mt == "qwen3":
+            out["attention_bias"] = cfg.qkv_bias
+        sliding = [w > 0 for w in cfg.sliding_windows]
+        out |= {
+            "use_sliding_window": bool(windows),
+            "sliding_window": windows[0] if windows else None,
+            "max_window_layers": sliding.index(True) if windows else cfg.num_layers,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        }
+    return out
+
+
 def _check_writable(cfg: ModelConfig) -> None:
     mt = cfg.model_type
     kinds = set(cfg.layer_types)
     windows = {w for w in cfg.sliding_windows if w}
-    if mt in ("llama", "qwen2", "mistral"):
+    if mt in _TRANSFORMER_TYPES:
         if kinds != {ATTENTION}:
             raise _unrepresentable("layer_types", mt, "needs attention layers only")
         if cfg.intermediate_size <= 0:
@@ -78,6 +121,12 @@ def _check_writable(cfg: ModelConfig) -> None:
         raise _unrepresentable(
             "qkv_bias/o_bias/sliding_windows", mt, "qkv bias only, one window value"
         )
+    if (mt in ("qwen3", "qwen3_moe")) != cfg.qk_norm or (mt != "qwen3_moe" and cfg.moe_layer_ids):
+        raise _unrepresentable("qk_norm/moe_layer_ids", mt, "qk_norm is Qwen3's, MoE qwen3_moe's")
+    if mt in ("qwen3", "qwen3_moe") and (cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias):
+        raise _unrepresentable("qkv_bias/o_bias/mlp_bias", mt, "one attention_bias, no MLP bias")
+    if (mt == "qwen3_moe" and windows) or (mt == "qwen3" and len(windows) > 1):
+        raise _unrepresentable("sliding_windows", mt, "qwen3: one window value; qwen3_moe: none")
     if mt == "mamba2":
         if kinds != {MAMBA} or cfg.intermediate_size:
             raise _unrepresentable("layer_types", mt, "needs Mamba2 layers only and no MLP")
@@ -128,21 +177,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": eos,
         "pad_token_id": cfg.pad_token_id,
     }
-    if mt in ("llama", "qwen2", "mistral"):
-        out |= _attention_to_hf(cfg)
-        windows = sorted({w for w in cfg.sliding_windows if w})
-        if mt == "llama":
-            out |= {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
-        elif mt == "mistral":
-            out["sliding_window"] = windows[0] if windows else None
-        else:
-            sliding = [w > 0 for w in cfg.sliding_windows]
-            out |= {
-                "use_sliding_window": bool(windows),
-                "sliding_window": windows[0] if windows else None,
-                "max_window_layers": sliding.index(True) if windows else cfg.num_layers,
-                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-            }
+    if mt in _TRANSFORMER_TYPES:
+        out |= _transformer_to_hf(cfg)
     elif mt == "mamba2":
         out |= {
             "num_heads": cfg.mamba_num_heads,

@@ -16,13 +16,15 @@ from compute_service.model.batch import (
 from compute_service.model.config import ATTENTION, ModelConfig
 from compute_service.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from compute_service.model.mamba import BoundarySelection, Mamba2Mixer, select_boundaries
+from compute_service.model.moe import SparseMoE
 
 # Parameters kept in fp32 whatever the model dtype (see CausalLM.cast).
 FP32_PARAMS = ("A_log", "D", "dt_bias")
 
 
 class DecoderLayer(nn.Module):
-    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when intermediate_size > 0)."""
+    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when intermediate_size > 0
+    or the layer is in moe_layer_ids, where `mlp` is the sparse MoE block)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -33,12 +35,13 @@ class DecoderLayer(nn.Module):
             self.attn = PagedAttention(cfg, cfg.sliding_windows[layer_id])
         else:
             self.mamba = Mamba2Mixer(cfg)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.intermediate_size else None
-        self.mlp = (
-            SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-            if cfg.intermediate_size
-            else None
-        )
+        self.mlp: SwiGLU | SparseMoE | None = None
+        if layer_id in cfg.moe_layer_ids:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_num_experts,
+                                 cfg.moe_top_k, cfg.moe_renormalize)
+        elif cfg.intermediate_size:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.mlp is not None else None
 
 
 class CausalLM(nn.Module):
@@ -46,10 +49,12 @@ class CausalLM(nn.Module):
 
     Parameter names (the `state_dict` keys, see `checkpoint.py` for the HF mapping):
     `embed.weight`, `layers.{i}.norm1.weight`, `layers.{i}.attn.{q,k,v,o}_proj.{weight,bias}`,
+    `layers.{i}.attn.{q,k}_norm.weight` (qk_norm),
     `layers.{i}.mamba.{in_proj,out_proj}.{weight,bias}`, `layers.{i}.mamba.{conv_weight,
     conv_bias,dt_bias,A_log,D}`, `layers.{i}.mamba.norm.weight`, `layers.{i}.norm2.weight`,
-    `layers.{i}.mlp.{gate,up,down}_proj.{weight,bias}`, `final_norm.weight`, `lm_head.weight`
-    (absent when tied).
+    `layers.{i}.mlp.{gate,up,down}_proj.{weight,bias}` (dense) or `layers.{i}.mlp.gate.weight`,
+    `layers.{i}.mlp.experts.{gate_up_proj,down_proj}` (MoE, see `moe.py`), `final_norm.weight`,
+    `lm_head.weight` (absent when tied).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:

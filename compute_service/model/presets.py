@@ -4,6 +4,8 @@
     tiny-sliding       mistral, as tiny-transformer, sliding window 32  ~0.9M params (tests)
     tiny-mamba2        mamba2, 6 Mamba2 layers, hidden 128              ~0.8M params (tests)
     tiny-hybrid        bamba, mamba/attn/mamba/attn, hidden 128         ~0.8M params (tests)
+    tiny-moe           qwen3_moe, 4 layers (MoE 8 experts top-2 but
+                       layer 2 dense), head_dim 48, q/k norms, hid 128  ~1.1M params (tests)
     small-transformer  llama, 8 layers, hidden 512                      ~26M params (CPU benchmarks)
     small-hybrid       bamba, 8 layers (attention at 2 and 5), hid 512  ~31M params (CPU benchmarks)
 
@@ -113,11 +115,20 @@ def _tiny_mamba2() -> ModelConfig:
     )
 
 
+def _tiny_moe() -> ModelConfig:
+    cfg = _transformer(128, 4, 4, 2, 256, 320, 0, "qwen3_moe")
+    return cfg.replace(
+        head_dim=48, rotary_dim=48, qk_norm=True, moe_layer_ids=(0, 1, 3), moe_num_experts=8,
+        moe_top_k=2, moe_intermediate_size=64, moe_renormalize=True,
+    )
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-transformer": lambda: _transformer(128, 4, 4, 2, 384, 320, 0, "llama"),
     "tiny-sliding": lambda: _transformer(128, 4, 4, 2, 384, 320, 32, "mistral"),
     "tiny-mamba2": _tiny_mamba2,
     "tiny-hybrid": lambda: _hybrid(128, 4, (1, 3), 4, 2, 256, 320, 8, 32),
+    "tiny-moe": _tiny_moe,
     "small-transformer": lambda: _transformer(512, 8, 8, 4, 1536, 512, 0, "llama"),
     "small-hybrid": lambda: _hybrid(512, 8, (2, 5), 8, 4, 1536, 512, 16, 64),
 }
@@ -151,7 +162,7 @@ def _init_param(
     if leaf in ("bias", "conv_bias"):
         return 0.02 * torch.randn(shape, generator=gen)
     # Linear [out, in]: variance-preserving.
-    return torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+    return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])  # stacked experts: [E, out, in]
 
 
 def init_random_(model: CausalLM, seed: int) -> CausalLM:

@@ -11,6 +11,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.tokenizer import from_directory, from_files
 from tests.compute_service.checkpoints import (BPE_TOKENIZER, preset_model, serving,
                                                write_checkpoint)
+from tests.compute_service.hf_families import HF_FAMILIES, hf_family_checkpoint, hf_greedy
 from tests.compute_service.server_harness import fails, greedy
 from tests.compute_service.paged_driver import PagedDriver
 
@@ -40,6 +41,21 @@ def test_checkpoint_without_tokenizer_serves_token_ids_and_refuses_text(tmp_path
         assert message.startswith("prompt.text:") and "send token_ids" in message
         with pytest.raises(Exception, match="FAILED_PRECONDITION.*no tokenizer"):
             client.get_tokenizer()
+
+
+@pytest.mark.parametrize("name", HF_FAMILIES)
+def test_a_transformers_checkpoint_is_served_over_grpc_as_transformers_generates(name):
+    """Loaded as `--model DIR` loads it; four concurrent requests, three sharing a 3-page prefix
+    (one of them twice), answer over gRPC with transformers' greedy tokens."""
+    prompts = [PROMPTS[0] + PROMPTS[i] for i in (1, 2, 1)] + [PROMPTS[3]]
+    with serving(hf_family_checkpoint(name)) as (_, client):
+        info = client.model_info()
+        assert info.architecture == name.removeprefix("hf-").replace("-", "_")
+        streams = [client.generate(p, greedy(NEW)) for p in prompts]
+        outs = [s.result() for s in streams]
+    for p, out in zip(prompts, outs, strict=True):
+        assert list(out.token_ids) == hf_greedy(name, tuple(p), NEW)
+    assert max(out.stats.cached_tokens_device for out in outs) > 0
 
 
 def _stops(seq: list[int], eos: set[int]) -> int | None:

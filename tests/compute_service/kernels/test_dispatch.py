@@ -42,6 +42,10 @@ _ARGS = {
         torch.ones(1), int32([0, -1]),
     ),
     "linear_group": (torch.randn(2, 5), [torch.randn(3, 5)], [None]),
+    "fused_moe": (
+        torch.randn(2, 8), torch.randn(3, 8, 8), torch.randn(3, 8, 4),
+        torch.tensor([[0, 2], [1, 0]]), torch.rand(2, 2),
+    ),
 }
 
 

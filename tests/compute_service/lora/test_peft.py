@@ -36,6 +36,17 @@ CASES: dict[str, dict[str, Any]] = {
         "rank_pattern": {"q_proj": 4},
         "alpha_pattern": {"layers.1.self_attn.v_proj": 3},
     },
+    "qwen3-tied-bias-sliding": {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"],
+    },
+    # Attention only: PEFT's LoRA of MoE experts is refused here (test below).
+    "qwen3_moe": {
+        "r": 4,
+        "lora_alpha": 4,
+        "target_modules": ["q_proj", "v_proj", "o_proj"],
+    },
     "bamba": {
         "r": 6,
         "lora_alpha": 8,
@@ -111,3 +122,18 @@ def test_random_adapter_loads_in_peft(preset: str, tmp_path: Path) -> None:
     lora = registry.lora_batch([slot], [len(ids)])
     got = driver.forward([driver.new_sequence()], [ids], all_logits=True, lora=lora).logits
     torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.filterwarnings("ignore:The following:RuntimeWarning")
+def test_a_peft_adapter_on_moe_experts_is_refused_by_name(tmp_path: Path) -> None:
+    """PEFT puts LoRA on the stacked experts when asked for gate/up/down on a Qwen3-MoE; the
+    experts take no LoRA here, so loading names the field instead of serving a partial adapter."""
+    from compute_service.lora import AdapterConfigError
+
+    hf = build_hf_model("qwen3_moe", tmp_path / "base", seed=5)
+    config = peft.LoraConfig(init_lora_weights=False, r=4,
+                             target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    peft.get_peft_model(hf, config).save_pretrained(tmp_path / "adapter")
+    registry = AdapterRegistry(load_model(tmp_path / "base"), max_loaded=1, max_rank=4)
+    with pytest.raises(AdapterConfigError, match="target_parameters.*MoE experts"):
+        registry.load("experts", tmp_path / "adapter")

@@ -86,6 +86,55 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 7,
         },
     ),
+    # Qwen3: head_dim 24 != 64 / 4, q/k norms, tied embeddings, one attention_bias for q/k/v/o,
+    # the second layer windowed.
+    "qwen3-tied-bias-sliding": (
+        "Qwen3Config",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "head_dim": 24,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": 6,
+            "max_window_layers": 1,
+        },
+    ),
+    # Qwen3-MoE: 4 experts top-2 renormalised on layers 0 and 2, layer 1 dense (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # Without renormalisation, the MoE on every second layer only (decoder_sparse_step 2).
+    "qwen3_moe-sparse-step": (
+        "Qwen3MoeConfig",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+        },
+    ),
     "mamba2": ("Mamba2Config", {**_MAMBA2, "hidden_size": 64, "num_hidden_layers": 2}),
     "bamba": (
         "BambaConfig",
@@ -108,6 +157,10 @@ def _perturb_(model: torch.nn.Module, seed: int) -> None:
             leaf = name.rsplit(".", 1)[-1]
             if p.ndim == 1 and leaf in ("weight", "bias", "D"):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif leaf in ("gate_up_proj", "down_proj") or name.endswith("mlp.gate.weight"):
+                # transformers initialises the router to zeros (every expert tied) and the
+                # experts at initializer_range: give them the spread of the other projections.
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
 
 
 def build_hf_model(case: str, path: Path, seed: int = 0, **save_kwargs: Any) -> torch.nn.Module:

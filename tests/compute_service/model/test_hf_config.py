@@ -38,6 +38,47 @@ MAMBA2: dict[str, Any] = {
     "expand": 2,
 }
 
+QWEN3: dict[str, Any] = {**LLAMA, "model_type": "qwen3"}
+QWEN3_MOE: dict[str, Any] = {
+    **QWEN3,
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+
+
+def test_qwen3_head_dim_defaults_to_128_and_one_bias_flag() -> None:
+    cfg = config_from_hf(QWEN3)
+    assert cfg.head_dim == cfg.rotary_dim == 128 and cfg.qk_norm
+    assert not (cfg.qkv_bias or cfg.o_bias) and cfg.moe_layer_ids == ()
+    cfg = config_from_hf({**QWEN3, "head_dim": 24, "attention_bias": True})
+    assert cfg.head_dim == 24 and cfg.qkv_bias and cfg.o_bias
+
+
+@pytest.mark.parametrize(
+    ("fields", "moe_layers"),
+    [
+        ({}, (0, 1, 2)),
+        ({"mlp_only_layers": [1]}, (0, 2)),
+        ({"decoder_sparse_step": 2}, (1,)),
+        ({"decoder_sparse_step": 2, "mlp_only_layers": [1]}, ()),
+        ({"num_experts": 0}, ()),
+    ],
+)
+def test_qwen3_moe_layers_follow_transformers_rule(fields: dict, moe_layers: tuple) -> None:
+    """Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    cfg = config_from_hf({**QWEN3_MOE, **fields})
+    assert cfg.moe_layer_ids == moe_layers and cfg.qk_norm
+    if moe_layers:
+        assert (cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_intermediate_size) == (8, 2, 32)
+        assert not cfg.moe_renormalize
+    # transformers v5 writes num_local_experts and norm_topk_prob; read both.
+    v5 = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    cfg = config_from_hf({**v5, "num_local_experts": 4, "norm_topk_prob": True})
+    assert cfg.moe_num_experts == 4 and cfg.moe_renormalize
+
 
 def test_transformers_v4_layout_with_linear_rope_scaling() -> None:
     cfg = config_from_hf(
@@ -116,6 +157,14 @@ def test_mamba2_accepts_a_bare_infinity_limit() -> None:
         ({**LLAMA, "quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({k: v for k, v in LLAMA.items() if k != "intermediate_size"}, "intermediate_size"),
         ({**MAMBA2, "time_step_limit": [0.0, 0.1]}, "time_step_limit"),
+        ({**LLAMA, "num_local_experts": 8}, "num_local_experts"),  # a MoE llama (Mixtral-like)
+        ({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+        ({**QWEN3_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ({**QWEN3_MOE, "mlp_only_layers": [3]}, "mlp_only_layers"),
+        ({**QWEN3_MOE, "num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({**QWEN3_MOE, "moe_intermediate_size": None}, "moe_intermediate_size"),
+        ({**QWEN3_MOE, "hidden_act": "gelu"}, "hidden_act"),
+        ({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
         ({**MAMBA2, "norm_before_gate": True}, "norm_before_gate"),
         (
             {
@@ -136,7 +185,9 @@ def test_unsupported_field_is_named(config: dict[str, Any], field: str) -> None:
     assert err.value.field == field and str(err.value).startswith(field)
 
 
-@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"])
+@pytest.mark.parametrize(
+    "name", ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid", "tiny-moe"]
+)
 def test_config_round_trips_through_hf_dict(name: str) -> None:
     cfg = preset_config(name)
     assert config_from_hf(config_to_hf(cfg)) == cfg

@@ -23,7 +23,7 @@ from compute_service.model import (
 from compute_service.model.tokenizer import ByteTokenizer
 from tests.compute_service.paged_driver import PagedDriver
 
-TINY = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid"]
+TINY = ["tiny-transformer", "tiny-sliding", "tiny-mamba2", "tiny-hybrid", "tiny-moe"]
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:

@@ -11,10 +11,14 @@ import torch
 
 from compute_service.tiers import FORMAT_VERSION, PageLayout, decode, encode
 from prefixcache_client.hash import prompt_hashes
+from tests.compute_service.hf_families import HF_FAMILIES
 from tests.compute_service.tiers.helpers import (PAGE, PROMPT, ProbeAll, generate, l3_client,
                                                  model, prompt_of, reference)
 
 FAMILIES = ["tiny-transformer", "tiny-hybrid"]
+# L3 round trip of the transformers-checked families: the first test only (the others exercise
+# the tier, not the model).
+WITH_HF = [*FAMILIES, *HF_FAMILIES]
 
 
 def layout(name: str) -> PageLayout:
@@ -29,7 +33,7 @@ def key(l3, name: str, page_hash: bytes) -> str:
     return l3.key(name, page_hash)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", WITH_HF)
 def test_worker_b_loads_what_worker_a_wrote_through(redis_server, workers, name):
     l3 = l3_client(redis_server.url)
     a = workers(name, l3, l3_write_policy="write-through")
