@@ -25,9 +25,11 @@ from prefixcache.v1 import common_pb2
 from prefixcache_client.errors import CacheError
 from service_shell import (ServiceShell, ShellPorts, TlsConfig, kv, server_options,
                            tls_mode)
+from service_shell import tracing
 from service_shell.auth import CACHE_POLICY, ServiceIdentities, interceptors
 
 log = logging.getLogger("cache_service.server")
+_TRACER = tracing.tracer("prefixcache.cache")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -184,8 +186,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return self._unary("ListPools", self._core.list_pools, request, context)
 
     def Step(self, request, context):
-        with self._access.pool_call("Step", request, context):
-            return self._unary("Step", self._core.step, request, context)
+        parent = tracing.joined(context.invocation_metadata())  # traced requests' Steps only
+        span = tracing.start(_TRACER, "cache_service.Step", parent, tracing.SpanKind.SERVER,
+                             **{"prefixcache.pool_id": request.pool_id}) if parent else None
+        try:
+            with self._access.pool_call("Step", request, context):
+                return self._unary("Step", self._core.step, request, context)
+        finally:
+            tracing.end(span)
 
     def EvictNamespace(self, request, context):
         with self._access.pool_call("EvictNamespace", request, context):

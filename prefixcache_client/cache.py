@@ -18,7 +18,7 @@ import grpc
 from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import cache_service_pb2_grpc as pb_grpc
-from service_shell import TlsConfig, channel_options, open_channel
+from service_shell import TlsConfig, channel_options, open_channel, tracing
 from service_shell.retry import SUBSCRIBE_RETRY, TRANSPORT_RETRY, RetryPolicy
 from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY, with_service_token
 
@@ -303,7 +303,9 @@ class CacheClient:
 
     def _unary(self, method: str, stub_method, req, timeout_s: float | None):
         try:
+            # The trace context current on this thread (the engine's cache.Step span), when
+            # tracing is on: the cache service's span joins it.
             return stub_method(req, timeout=self.timeout_s if timeout_s is None else timeout_s,
-                               metadata=self._metadata)
+                               metadata=tracing.inject(self._metadata))
         except grpc.RpcError as err:
             raise _error(method, err) from None

@@ -11,8 +11,9 @@ the hot paths pay nothing (prefixcache_bench.stack.tracing_overhead measures the
 The spans: gateway (`gateway.http` per HTTP request, `gateway.Generate` per gRPC call) ->
 `worker.Generate` -> `cache.Step` (one per engine step with a cache call, the worker's side of
 the RPC; parent: the first traced request of the step, links to the others) and `l3.load` (L3
-pages loaded for admitted requests). The cache service takes the flags like every server but
-makes no spans of its own yet: its Step is the worker's `cache.Step` span.
+pages loaded for admitted requests) -> `cache_service.Step`, the cache service's side of that
+call, made only for a call that carries a trace context (`joined`): an untraced Step makes no
+span, so idle workers' Steps are no traces.
 """
 from __future__ import annotations
 
@@ -87,14 +88,14 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def inject(metadata: Sequence[tuple[str, str]] = (),
-           ctx: Context | None = None) -> tuple[tuple[str, str], ...]:
-    """`metadata` plus the trace context of `ctx` (default: the current one) when on."""
+def inject(metadata: Sequence[tuple[str, str]] | None = (), ctx: Context | None = None):
+    """`metadata` plus the trace context of `ctx` (default: the current one) when on; when off,
+    `metadata` itself (None stays None), so the untraced call is the call it always was."""
     if not _enabled:
-        return tuple(metadata)
+        return metadata
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=ctx)
-    return tuple(metadata) + tuple(carrier.items())
+    return tuple(metadata or ()) + tuple(carrier.items())
 
 
 def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | None:
@@ -103,6 +104,16 @@ def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | Non
         return None
     carrier = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
     return propagate.extract(carrier)
+
+
+def joined(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """The caller's trace context only when it sent one (else None: no span at all). For calls
+    that are many and uninteresting alone (the cache service's Steps): a span only as part of a
+    traced request, never a root trace per call."""
+    ctx = extract(metadata)
+    if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
+        return None
+    return ctx
 
 
 def start(tracer_: trace.Tracer, name: str, parent: Context | None,

@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import Future
 
 from prefixcache.v1 import cache_service_pb2 as pb
+from service_shell import tracing
 
 
 class CacheCaller:
@@ -21,29 +22,35 @@ class CacheCaller:
         """`cache`: anything with `step(StepRequest) -> StepResponse` (read at each call, so a
         test may wrap it)."""
         self.cache = cache
-        self._queue: queue.SimpleQueue[tuple[pb.StepRequest, Future] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[pb.StepRequest, Future, object] | None] = \
+            queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, req: pb.StepRequest) -> Future:
+    def submit(self, req: pb.StepRequest, trace=None) -> Future:
+        """`trace`: the step's span context, current on the caller thread during the call (a
+        remote cache's client sends it as traceparent: service_shell.tracing)."""
         future: Future = Future()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cache-caller",
                                                 daemon=True)
                 self._thread.start()
-            self._queue.put((req, future))
+            self._queue.put((req, future, trace))
         return future
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            req, future = item
+            req, future, trace = item
             if not future.set_running_or_notify_cancel():
                 continue
+            token = tracing.attach(trace)
             try:
                 future.set_result(self.cache.step(req))
             except BaseException as exc:  # handed to the engine thread, which decides
                 future.set_exception(exc)
+            finally:
+                tracing.detach(token)
 
     def close(self, wait: bool = True, timeout_s: float = 10.0) -> None:
         """Stops the thread once the calls already submitted are done (waiting for that unless

@@ -79,6 +79,7 @@ from compute_service.engine.step_traces import end_l3_span, l3_span, step_span
 from compute_service.tiers import PageData
 from compute_service.tiers.mover import TierMover
 from prefixcache.v1 import cache_service_pb2 as pb, common_pb2
+from service_shell import tracing
 
 log = logging.getLogger("compute_service.engine")
 
@@ -249,9 +250,10 @@ class StepPlanner:
                 r.checkpoints[index] = self.runner.snapshot_state(r.slot)
             plan.overlapped = True
             self.stats.cache_calls_overlapped += 1
-            plan.future = self.caller.submit(req)
+            plan.future = self.caller.submit(req, tracing.context_of(plan.span))
             return
         started = time.perf_counter()
+        token = tracing.attach(tracing.context_of(plan.span))  # a remote cache sends it on
         try:
             plan.resp = self.cache.step(req)
         except Exception:
@@ -259,6 +261,7 @@ class StepPlanner:
             raise
         finally:
             self.stats.cache_wait_s += time.perf_counter() - started
+            tracing.detach(token)
             _end(plan)
 
     def _publish_ahead(self, plan: StepPlan) -> None:

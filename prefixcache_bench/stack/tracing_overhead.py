@@ -85,10 +85,14 @@ def run(args: argparse.Namespace) -> dict:
     otlp_grpc.add_TraceServiceServicer_to_server(sink, receiver)
     otlp_port = receiver.add_insecure_port("127.0.0.1:0")
     receiver.start()
-    provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
-        endpoint=f"http://127.0.0.1:{otlp_port}", insecure=True)))
-    trace.set_tracer_provider(provider)
+    # A process has one tracer provider: this one, or the one already set (a test's).
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+        trace.set_tracer_provider(provider)
+    processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{otlp_port}",
+                                                    insecure=True))
+    provider.add_span_processor(processor)
 
     cache = CacheServer(CacheCore(), CacheConfig(host="127.0.0.1", port=0, grace_s=0)).start()
     cache_address = f"127.0.0.1:{cache.port}"
@@ -119,14 +123,14 @@ def run(args: argparse.Namespace) -> dict:
             log(f"  round {r + 1}/{args.rounds}: off {rates['off'][-1]:.0f} tok/s, "
                 f"on {rates['on'][-1]:.0f} tok/s")
         tracing.enable(False)
-        provider.force_flush()
+        processor.force_flush()
     finally:
         tracing.enable(False)
         channel.close()
         gw.drain()
         worker.drain()
         cache.drain()
-        provider.shutdown()
+        processor.shutdown()
         receiver.stop(0)
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     paired = [b / a for a, b in zip(rates["off"], rates["on"])]

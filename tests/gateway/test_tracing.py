@@ -88,6 +88,10 @@ def test_one_trace_from_the_gateway_to_the_cache_step_and_the_l3_load(spans, red
     assert traced.attributes["prefixcache.cached_tokens_remote"] == 32
     steps = [s for s in by_name["cache.Step"] if s.parent.span_id == traced.context.span_id]
     assert steps and all(s.attributes["rpc.method"] == "Step" for s in steps)
+    # The cache service's side of those calls, each under the worker's span of it.
+    step_ids = {s.context.span_id for s in by_name["cache.Step"]}
+    served = [s for s in by_name["cache_service.Step"] if s.parent.span_id in step_ids]
+    assert served and {s.attributes["prefixcache.pool_id"] for s in served} == {"t-two"}
     [load] = by_name["l3.load"]
     assert load.parent.span_id == traced.context.span_id
     assert load.attributes["prefixcache.pages_loaded"] == 8
