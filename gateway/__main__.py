@@ -161,6 +161,10 @@ def _add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
                   "pod serves it): callers are identities of role dataplane in "
                   "--service-identities-file, forwarding the tenant the Endpoint Picker named; "
                   "no tenants file, no anonymous caller", "off")
+    flag("--model-server-metrics-url", "MODEL_SERVER_METRICS_URL", "", "with --model-server: "
+         "its worker's metrics endpoint (e.g. http://localhost:9092/metrics), served after the "
+         "gateway's own on GET /metrics of the HTTP port (vLLM's metric names, where an "
+         "InferencePool's scrapers look); empty = the gateway's only")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,6 +249,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         epp_callers=args.epp_callers,
         epp_model_servers=(_model_server_endpoint(args.epp_model_server_port)
                            if args.epp_model_server_port else None),
+        upstream_metrics_url=args.model_server_metrics_url if args.model_server else "",
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,

@@ -78,6 +78,9 @@ class GatewayConfig:
     # beside the workers, the InferencePool's targetPort): the Endpoint Picker then routes
     # OpenAI HTTP requests there. None = it routes gRPC Generate only.
     epp_model_servers: Callable[[str], str] | None = None
+    # A model server's worker's own metrics (its vLLM names): served after the gateway's on
+    # GET /metrics of the HTTP port, where an InferencePool's scrapers look. "" = none.
+    upstream_metrics_url: str = ""
     tls: TlsConfig | None = None
     max_message_mb: int = 64
     # Each Generate stream holds a server thread for its whole life.
@@ -189,6 +192,7 @@ class GatewayServer(ShellPorts):
                          max_body_bytes=cfg.max_message_mb << 20,
                          tenant_limits=cfg.http_tenant_limits, registry=self.metrics.registry,
                          access_log=cfg.http_access_log)
+        app.state.upstream_metrics = cfg.upstream_metrics_url  # GET /metrics (service.py)
         return HttpServer(app, cfg.host, cfg.http_port, tls=cfg.tls,
                           graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0,
                           limits=cfg.http_limits, registry=self.metrics.registry).start()

@@ -238,3 +238,42 @@ def test_a_worker_dying_mid_stream_ends_its_streams_with_an_error_and_no_later_r
         for _ in range(5):
             out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
             assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
+
+
+def test_a_model_servers_metrics_carry_its_workers_vllm_names():
+    """GET /metrics on a model server's port is what an InferencePool's scrapers read of a
+    vLLM pod: the model server's own metrics, then its worker's (a stand-in exposition here;
+    test_vllm_metrics.py checks that a real worker exports the Inference Extension's names)."""
+    import http.server
+
+    worker_text = (b'# TYPE vllm:num_requests_waiting gauge\n'
+                   b'vllm:num_requests_waiting{engine="0",model_name="fake-model"} 3.0\n')
+
+    class Worker(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(worker_text)))
+            self.end_headers()
+            self.wfile.write(worker_text)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with running_server() as cache:
+        w = FakeWorker("w1")
+        register_pool(cache.core, "w1")
+        address = WorkerAddress(w.address, f"127.0.0.1:{cache.port}")
+        try:
+            with running_gateway(lambda: [address], tenants=DataplaneTenants(EPP_CALLERS),
+                                 http_port=0, upstream_metrics_url=(
+                                     f"http://127.0.0.1:{server.server_port}/metrics")) as ms:
+                text = httpx.get(f"http://127.0.0.1:{ms.http_port}/metrics").text
+                assert 'vllm:num_requests_waiting{engine="0",model_name="fake-model"} 3.0' in text
+                assert "prefixcache_gateway_" in text  # its own first
+                server.shutdown()  # the worker's endpoint gone: its own still served
+                text = httpx.get(f"http://127.0.0.1:{ms.http_port}/metrics").text
+                assert "prefixcache_gateway_" in text and "unavailable" in text
+        finally:
+            w.stop()
