@@ -10,6 +10,7 @@ import logging
 import re
 import socket
 import sys
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ from compute_service.model import (ByteTokenizer, CausalLM, SamplingDefaults, To
                                    read_sampling_defaults)
 from compute_service.model.gguf_checkpoint import gguf_tokenizer_files, load_gguf_model
 from compute_service.model.source import resolve_model
+from compute_service.model.warmup import warm_up
 from compute_service.server import ComputeServer, ServerConfig
 from compute_service.sizing import KvSizing, size_from_args
 from pagestore.client import L3Client, L3Config
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, model_id, defaults = load(args)
         if model.device.type == "cpu":  # builds the C kernels now, not on the first request
             log.info(kv("cpu_kernels", **cpu_status()))
+            started = time.perf_counter()  # packs every projection before readiness (warmup.py)
+            log.info(kv("warm_up", groups=warm_up(model),
+                        seconds=round(time.perf_counter() - started, 2)))
         l3 = l3_client(args)
         if args.prefix_cache:
             cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3,

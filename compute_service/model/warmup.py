@@ -1,0 +1,57 @@
+"""A CPU worker's warm-up, run before it reports ready: every projection packed for the C GEMM
+(compute_service/kernels/linear_cpu.py) now rather than on the first request, which made that
+request ~10x slower than the next, and each packed copy replacing its weight rather than doubling
+the model in memory.
+
+The projections are called exactly as the forward calls them (the same groups, in the same order:
+q/k/v and gate/up stacked, the others alone, the logits on the output weight), because the
+packed stack is cached per group. A tied embedding is packed for the logits but keeps its own
+storage: the embedding lookup reads it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compute_service.kernels.linear_cpu import release_after_packing
+from compute_service.model.lora_batch import project, project_group
+from compute_service.model.model import CausalLM
+
+__all__ = ["warm_up"]
+
+_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
+           ("in_proj",), ("out_proj",))
+
+
+def _groups(model: CausalLM):
+    for module in model.modules():
+        for names in _GROUPS:
+            linears = [getattr(module, n, None) for n in names]
+            if all(isinstance(lin, nn.Linear) for lin in linears):
+                yield linears, names
+
+
+def warm_up(model: CausalLM, release: bool = True) -> int:
+    """Packs every projection of a CPU model (no-op elsewhere); with `release`, the packed copies
+    replace the weights (the model then serves but cannot be saved or cast). Returns the number
+    of projection groups packed."""
+    if model.device.type != "cpu":
+        return 0
+    groups = list(_groups(model))
+    embed = model.embed.weight
+    if release:
+        for linears, _ in groups:
+            for lin in linears:
+                if lin.weight is not embed:
+                    release_after_packing(lin.weight)
+        if model.lm_head is not None and model.lm_head.weight is not embed:
+            release_after_packing(model.lm_head.weight)
+    with torch.no_grad():
+        for linears, names in groups:
+            x = torch.zeros(1, linears[0].in_features, dtype=model.dtype)
+            if len(linears) == 1:
+                project(linears[0], x, None, names[0])
+            else:
+                project_group(linears, x, None, names)
+        model.logits(torch.zeros(1, model.config.hidden_size, dtype=model.dtype))
+    return len(groups) + 1
