@@ -131,9 +131,9 @@ def test_greedy_tokens_equal_transformers_over_grpc_and_http(served, hf_model, h
     finally:
         client.close()
     chat = CHATS[0]
-    ids = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    want = hf_tokenizer.decode(hf_greedy(hf_model, list(ids), n))
+    rendered = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    want = hf_tokenizer.decode(hf_greedy(hf_model, ids, n), skip_special_tokens=True)
     body = {"model": "smollm2", "messages": chat, "max_tokens": n, "ignore_eos": True,
             "temperature": 0}
     req = urllib.request.Request(f"{http}/v1/chat/completions", data=json.dumps(body).encode(),
