@@ -44,7 +44,7 @@ def engine(model, tok) -> Engine:
 
 
 def run(eng: Engine, prompts: list[list[int]], new: int) -> tuple[list, float]:
-    """Submits all prompts at once; (their last outputs, CPU seconds from the last first token
+    """Submits all prompts at once; (each one's messages, CPU seconds from the last first token
     to the end: the decode phase)."""
     outs: list[list] = [[] for _ in prompts]
     first: list[float] = []
@@ -58,7 +58,7 @@ def run(eng: Engine, prompts: list[list[int]], new: int) -> tuple[list, float]:
     for p, out in zip(prompts, outs, strict=True):
         eng.submit(p, SamplingParams(max_tokens=new, ignore_eos=True), sink(out))
     eng.run_until_idle()
-    return [o[-1] for o in outs], time.process_time() - max(first)
+    return outs, time.process_time() - max(first)
 
 
 def ours_decode(model, tok, prompts: list[list[int]]) -> float:
@@ -81,8 +81,9 @@ def hf_decode(hf, prompts: list[list[int]]) -> float:
 
 
 def ttft(eng: Engine, prompt: list[int], new: int = 8):
+    """The request's last message (with its stats) and its whole text."""
     outs, _ = run(eng, [prompt], new)
-    return outs[0]
+    return outs[0][-1], "".join(m.text for m in outs[0])
 
 
 def chat_turns(model, tok) -> dict:
@@ -90,10 +91,10 @@ def chat_turns(model, tok) -> dict:
     chat = [{"role": "system", "content": "You are the support assistant of a small bookshop. "
              "Answer briefly and politely, and quote prices in euros."},
             {"role": "user", "content": "Do you have the new poetry anthology?"}]
-    first = ttft(eng, tok.chat_ids(chat), 24)
-    chat += [{"role": "assistant", "content": first.text if hasattr(first, "text") else ""},
+    first, answer = ttft(eng, tok.chat_ids(chat), 24)
+    chat += [{"role": "assistant", "content": answer},
              {"role": "user", "content": "And how long does shipping take?"}]
-    second = ttft(eng, tok.chat_ids(chat))
+    second, _ = ttft(eng, tok.chat_ids(chat))
     return {"turn1_ttft_ms": first.stats.ttft_s * 1e3, "turn2_ttft_ms": second.stats.ttft_s * 1e3,
             "turn2_cached_tokens": second.stats.cached_tokens_device,
             "turn2_prompt_tokens": second.stats.prompt_tokens}
@@ -104,13 +105,14 @@ def first_vs_second(path, tok, warm: bool) -> dict:
     if warm:
         warm_up(model)
     eng = engine(model, tok)
-    a = ttft(eng, tok.text_prompt_ids("The first request of a worker after it started."))
-    b = ttft(eng, tok.text_prompt_ids("Another request of the same length, sharing nothing."))
+    a, _ = ttft(eng, tok.text_prompt_ids("The first request of a worker after it started."))
+    b, _ = ttft(eng, tok.text_prompt_ids("Another request of the same length, sharing nothing."))
     return {"first_ms": a.stats.ttft_s * 1e3, "second_ms": b.stats.ttft_s * 1e3}
 
 
-def worker_rss(path) -> dict:
-    """RSS of a worker process after its first request, and the bound from its own sizing."""
+def worker_rss(path, weights: int) -> dict:
+    """RSS of a worker process after its first request, and the bound from its own sizing
+    (`weights`: the fp32 weights' bytes)."""
     from prefixcache.v1 import compute_service_pb2 as pb
     from prefixcache_client.compute import ComputeClient
     proc = subprocess.Popen([sys.executable, "-m", "compute_service", "--model", str(path),
@@ -130,7 +132,6 @@ def worker_rss(path) -> dict:
     sizing = next(line for line in err.splitlines() if "kv_sizing" in line)
     pages = int(re.search(r"device_pages=(\d+)", sizing)[1])
     page_bytes = int(re.search(r"kv_bytes_per_page=(\d+)", sizing)[1])
-    weights = sum(p.numel() * 4 for p in load_gguf_model(path).parameters())
     kv = pages * page_bytes
     bound = 1.3 * (weights + kv) + (400 << 20)
     return {"rss_mib": rss / 2**20, "weights_mib": weights / 2**20, "kv_pool_mib": kv / 2**20,
@@ -171,7 +172,7 @@ def main() -> int:
         rows.append([f"TTFT ms first / second request ({'warm-up' if warm else 'no warm-up'})",
                      f"{fs['first_ms']:.0f}", f"{fs['second_ms']:.0f}",
                      f"{fs['first_ms'] / fs['second_ms']:.2f}x"])
-    mem = worker_rss(path)
+    mem = worker_rss(path, sum(p.numel() * 4 for p in model.parameters()))
     results["worker_rss"] = mem
     rows.append(["worker RSS MiB after 1st request / bound", f"{mem['rss_mib']:.0f}",
                  f"{mem['bound_mib']:.0f}", f"{mem['rss_mib'] / mem['bound_mib']:.2f}x"])
