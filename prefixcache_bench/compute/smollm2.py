@@ -114,7 +114,7 @@ def worker_rss(path, weights: int) -> dict:
     """RSS of a worker process after its first request, and the bound from its own sizing
     (`weights`: the fp32 weights' bytes)."""
     from prefixcache.v1 import compute_service_pb2 as pb
-    from prefixcache_client.compute import ComputeClient
+    from prefixcache_client.compute import ComputeClient, ComputeClientError
     proc = subprocess.Popen([sys.executable, "-m", "compute_service", "--model", str(path),
                              "--host", "127.0.0.1", "--port", "0", "--threads", "1",
                              "--cache-service", "embedded", "--log-level", "INFO"],
@@ -122,8 +122,15 @@ def worker_rss(path, weights: int) -> dict:
     try:
         port = proc.stdout.readline().rsplit(":", 1)[1].strip()
         client = ComputeClient(f"127.0.0.1:{port}", timeout_s=600, generate_timeout_s=600)
-        client.wait_until_ready(600) if hasattr(client, "wait_until_ready") else None
-        client.generate("Hello, who are you?", pb.SamplingParams(max_tokens=8)).result()
+        deadline = time.monotonic() + 900
+        while True:  # UNAVAILABLE until the model is loaded and warmed up
+            try:
+                client.generate("Hello, who are you?", pb.SamplingParams(max_tokens=8)).result()
+                break
+            except ComputeClientError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
         client.close()
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", open(f"/proc/{proc.pid}/status").read())[1]) << 10
     finally:
