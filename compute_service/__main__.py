@@ -21,7 +21,8 @@ from compute_service.kernels import cpu_native, cpu_status
 from compute_service.model import (ByteTokenizer, CausalLM, SamplingDefaults, Tokenizer,
                                    build_preset, load_model, load_tokenizer,
                                    read_sampling_defaults)
-from compute_service.model.gguf_checkpoint import gguf_tokenizer_files, load_gguf_model
+from compute_service.model.gguf_checkpoint import (forget_files, gguf_tokenizer_files,
+                                                   load_gguf_model)
 from compute_service.model.source import resolve_model
 from compute_service.model.warmup import warm_up
 from compute_service.server import ComputeServer, ServerConfig
@@ -73,6 +74,7 @@ def load(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, str, SamplingDe
         model = load_gguf_model(source.path, dtype, args.device)
         files = gguf_tokenizer_files(source.path)
         tokenizer = from_files(files) if files else load_tokenizer(source.path.parent, model.config)
+        forget_files()
         return model, tokenizer, args.model_id or source.name, SamplingDefaults()
     path = source.path
     model = load_model(path, dtype, args.device).eval()

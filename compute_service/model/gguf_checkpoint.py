@@ -31,7 +31,7 @@ from compute_service.model.config import ModelConfig
 from compute_service.model.hf_config import UnsupportedConfigError, config_from_hf
 from compute_service.model.model import CausalLM
 
-__all__ = ["find_gguf", "gguf_hf_config", "gguf_tokenizer_files", "load_gguf_model",
+__all__ = ["find_gguf", "forget_files", "gguf_hf_config", "gguf_tokenizer_files", "load_gguf_model",
            "read_gguf_config"]
 
 # GGUF tensor name (after blk.N.) -> HF module name, for the llama family.
@@ -80,6 +80,13 @@ def _meta(path: Path) -> dict[str, Any]:
     """The file's metadata, key -> value (cached with the reader, for the same reason)."""
     return {name: field.contents() for name, field in _reader(path).fields.items()
             if not name.startswith("GGUF.")}
+
+
+def forget_files() -> None:
+    """Drops the parsed files (their memory maps and metadata) once the model and tokenizer are
+    built, so that a worker does not keep them resident."""
+    _meta.cache_clear()
+    _reader.cache_clear()
 
 
 def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> dict[str, Any]:

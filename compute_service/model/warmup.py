@@ -10,6 +10,8 @@ storage: the embedding lookup reads it.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -54,4 +56,14 @@ def warm_up(model: CausalLM, release: bool = True) -> int:
             else:
                 project_group(linears, x, None, names)
         model.logits(torch.zeros(1, model.config.hidden_size, dtype=model.dtype))
+    _return_freed_memory()
     return len(groups) + 1
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the heap the loading and packing temporaries freed (the dequantized tensors,
+    the stacked weights) and counts it in RSS; malloc_trim hands it back to the OS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do

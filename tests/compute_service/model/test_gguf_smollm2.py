@@ -83,14 +83,15 @@ def test_tokenizer_and_chat_template_equal_transformers(gguf_path, hf_tokenizer)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens, each step a full forward (use_cache=False). Why not its cached
-    generate: on the chat below (transformers 5.24, this GGUF file) cached generate continues
-    "1." with "Stay" where transformers' own full forward over the same ids ranks "Eat" first by
-    0.27 logits (14.54 vs 14.27), as we do; the cause inside transformers was not pinned down."""
+    """transformers' greedy tokens: n times the argmax of its full forward over the sequence so
+    far. Not its `generate`: on the chat below (transformers 5.24, this GGUF file) `generate`
+    continues "1." with "Stay" where its own forward over the same ids ranks "Eat" first by 0.27
+    logits (14.54 vs 14.27), as we do; why inside transformers was not pinned down."""
+    out = list(ids)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=2, eos_token_id=None, use_cache=False)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
 
 
 @pytest.fixture(scope="module")
