@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from compute_service.kernels import cpu_gemm, cpu_native
 from compute_service.kernels.tensor_version import tensor_version
 
-__all__ = ["backend", "is_released", "linear_group", "release_after_packing"]
+__all__ = ["backend", "is_released", "linear_group", "packed_rows", "release_after_packing"]
 
 # oneDNN's packing is tuned for this many rows (a decode step of a few sequences); any works.
 ONEDNN_PACK_ROWS_HINT = 8
@@ -72,6 +72,13 @@ def release_after_packing(weight: torch.Tensor) -> None:
 
 def is_released(weight: torch.Tensor) -> bool:
     return getattr(weight, "_released", False)
+
+
+def packed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids] read from `weight`'s native packed copy ([N/32, K, 32]: row n is
+    packed[n // 32, :, n % 32]), for a tied embedding released after packing for the logits."""
+    packed = weight._cpu_packed[1][0]
+    return packed[ids // cpu_gemm.BLOCK, :, ids % cpu_gemm.BLOCK]
 
 
 def _release(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], key):

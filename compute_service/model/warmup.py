@@ -5,8 +5,9 @@ the model in memory.
 
 The projections are called exactly as the forward calls them (the same groups, in the same order:
 q/k/v and gate/up stacked, the others alone, the logits on the output weight), because the
-packed stack is cached per group. A tied embedding is packed for the logits but keeps its own
-storage: the embedding lookup reads it.
+packed stack is cached per group. A tied embedding is packed for the logits; with the native
+GEMM its lookup then reads rows of the packed copy (`linear_cpu.packed_rows`) and its storage is
+released too; with oneDNN (an opaque layout) it keeps its storage.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import ctypes
 import torch
 from torch import nn
 
-from compute_service.kernels.linear_cpu import release_after_packing
+from compute_service.kernels.linear_cpu import backend, release_after_packing
 from compute_service.model.lora_batch import project, project_group
 from compute_service.model.model import CausalLM
 
@@ -48,6 +49,9 @@ def warm_up(model: CausalLM, release: bool = True) -> int:
                     release_after_packing(lin.weight)
         if model.lm_head is not None and model.lm_head.weight is not embed:
             release_after_packing(model.lm_head.weight)
+        elif model.lm_head is None and backend() == "native":
+            # Tied: the lookup reads rows of the native packed copy (packed_rows) instead.
+            release_after_packing(embed)
     with torch.no_grad():
         for linears, names in groups:
             x = torch.zeros(1, linears[0].in_features, dtype=model.dtype)

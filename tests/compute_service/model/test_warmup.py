@@ -60,9 +60,25 @@ def test_warm_up_packs_in_place_and_keeps_the_results(preset):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.logits(x), original.logits(x), rtol=1e-5, atol=1e-5)
-    # The embedding is read by the lookup: never released, even tied.
-    assert not linear_cpu.is_released(model.embed.weight)
-    torch.testing.assert_close(model.embed.weight, original.embed.weight)
+    # A tied embedding is released into its native packed copy, whose rows the lookup reads;
+    # otherwise the lookup reads the embedding itself, never released.
+    tied_native = model.lm_head is None and linear_cpu.backend() == "native"
+    assert linear_cpu.is_released(model.embed.weight) == tied_native
+    ids = torch.tensor([0, 1, 31, 32, 33, model.config.vocab_size - 1])
+    assert torch.equal(model.embed_tokens(ids), original.embed.weight[ids])
+
+
+@pytest.mark.skipif(linear_cpu.backend() != "native", reason="the native packed layout")
+def test_a_tied_embedding_is_read_from_its_packed_copy():
+    model = build_preset("tiny-transformer", seed=4)
+    model.lm_head = None  # tie it (the logits then use the embedding)
+    original = copy.deepcopy(model)
+    warm_up(model)
+    assert linear_cpu.is_released(model.embed.weight)
+    ids = torch.arange(model.config.vocab_size)
+    assert torch.equal(model.embed_tokens(ids), original.embed.weight)
+    x = torch.randn(2, model.config.hidden_size)
+    torch.testing.assert_close(model.logits(x), original.logits(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_released_weight_is_refused_where_it_would_be_read():
