@@ -10,7 +10,7 @@ import logging
 import re
 import socket
 import sys
-from pathlib import Path
+import time
 
 import torch
 
@@ -18,17 +18,22 @@ from cache_service.embedded import CacheCore, configure_hashing
 from compute_service.engine import Engine, EngineConfig
 from compute_service.flags import _DTYPES, EMBEDDED, parse_args
 from compute_service.kernels import cpu_native, cpu_status
-from compute_service.model import (PRESETS, ByteTokenizer, CausalLM, SamplingDefaults, Tokenizer,
+from compute_service.model import (ByteTokenizer, CausalLM, SamplingDefaults, Tokenizer,
                                    build_preset, load_model, load_tokenizer,
                                    read_sampling_defaults)
+from compute_service.model.gguf_checkpoint import (forget_files, gguf_tokenizer_files,
+                                                   load_gguf_model)
+from compute_service.model.source import resolve_model
+from compute_service.model.warmup import warm_up
 from compute_service.server import ComputeServer, ServerConfig
 from compute_service.sizing import KvSizing, size_from_args
 from pagestore.client import L3Client, L3Config
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_client.cache import CacheClient, CacheClientError
 from prefixcache_client.errors import CacheError, ErrorCode
-from service_shell import tracing
-from service_shell import ServiceShell, ShutdownSignal, TlsConfig, configure_logging, kv
+from prefixcache_client.tokenizer import from_files
+from service_shell import (ServiceShell, ShutdownSignal, TlsConfig, configure_logging, kv,
+                           tracing)
 
 log = logging.getLogger("compute_service")
 
@@ -60,20 +65,24 @@ def default_pool_id(port: int) -> str:
 def load(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer, str, SamplingDefaults]:
     """The model, its tokenizer, its model id and its sampling defaults."""
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-    if args.model in PRESETS:
+    source = resolve_model(args.model)
+    if source.kind == "preset":
         model = build_preset(args.model, args.seed, dtype, args.device)
         # The seed is part of the id: two seeds are two models and must not share cache.
         return (model, ByteTokenizer(), args.model_id or f"{args.model}-seed{args.seed}",
                 SamplingDefaults())
-    path = Path(args.model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)}) "
-                                "nor a directory with config.json")
+    if source.kind == "gguf":
+        model = load_gguf_model(source.path, dtype, args.device)
+        files = gguf_tokenizer_files(source.path)
+        tokenizer = from_files(files) if files else load_tokenizer(source.path.parent, model.config)
+        forget_files()
+        return model, tokenizer, args.model_id or source.name, SamplingDefaults()
+    path = source.path
     model = load_model(path, dtype, args.device).eval()
     # Read before anything starts: a bad tokenizer or generation_config fails the start.
     tokenizer = load_tokenizer(path, model.config)
     defaults = read_sampling_defaults(path, model.config.vocab_size)
-    return model, tokenizer, args.model_id or path.resolve().name, defaults
+    return model, tokenizer, args.model_id or source.name, defaults
 
 
 def open_cache(spec: str, wait_s: float, tls: TlsConfig | None,
@@ -132,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, model_id, defaults = load(args)
         if model.device.type == "cpu":  # builds the C kernels now, not on the first request
             log.info(kv("cpu_kernels", **cpu_status()))
+            started = time.perf_counter()  # packs every projection before readiness (warmup.py)
+            log.info(kv("warm_up", groups=warm_up(model),
+                        seconds=round(time.perf_counter() - started, 2)))
         l3 = l3_client(args)
         if args.prefix_cache:
             cache = open_cache(args.cache_service, args.cache_wait_s, args.tls, l3,

@@ -100,7 +100,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     flag("--model", "MODEL", None, f"a preset ({', '.join(PRESETS)}, byte-level tokenizer) or "
          "a directory with config.json + *.safetensors (+ tokenizer.json; without one the "
          "worker serves token-id prompts only; + generation_config.json: EOS and the sampling "
-         "defaults of requests that leave them unset)")
+         "defaults of requests that leave them unset), a GGUF file (or a directory holding "
+         "one; llama architecture, byte-level BPE tokenizer, dequantized into --dtype), or a "
+         "Hugging Face hub id org/name[@revision] (from the local HF cache, else downloaded)")
     flag("--model-id", "MODEL_ID", None, "model id in cache namespaces; default: "
          "PRESET-seedSEED, or the checkpoint directory's name")
     flag("--hash-spec", "HASH_SPEC", NS_DOMAIN.decode(), "page-hash spec the deployment "

@@ -33,8 +33,10 @@ of `max_context` tokens needs (a request that long could never run), or no check
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,6 +110,10 @@ class SizingRequest:
     default_device_pages: int = 1024
     default_host_pages: int = 0
     default_checkpoint_slots: int = 64
+    # Without --device-pages or a budget, the device pool is at most this many bytes (set from
+    # the memory available: `default_kv_bytes`), and at most `default_device_pages`, but always
+    # holds one --max-context request. None: `default_device_pages` as it is.
+    default_kv_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +178,31 @@ def check_flags(req: SizingRequest, device: str) -> None:
             raise SizingError(f"--{name.replace('_', '-')}: {value} must be >= 0")
 
 
+# The default device pool of a CPU worker given neither --device-pages nor a budget: at most this
+# many bytes, or a quarter of the memory available at start if less (a 1,024-page pool of a
+# 135M-parameter model is 720 MiB, more than its weights).
+DEFAULT_CPU_KV_BYTES = 256 << 20
+
+
+def default_kv_bytes(device: torch.device) -> int | None:
+    """The default pool budget (see DEFAULT_CPU_KV_BYTES) on a CPU; None on other devices."""
+    if device.type != "cpu":
+        return None
+    return min(DEFAULT_CPU_KV_BYTES, available_host_bytes() // 4)
+
+
+def available_host_bytes() -> int:
+    """MemAvailable (Linux), else the free pages the OS reports."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def free_device_bytes(device: torch.device) -> int:
     """Free memory of a CUDA device now (after the weights were loaded), as the driver sees it:
     memory torch's allocator caches but does not use counts as used, so empty the cache first."""
@@ -194,6 +225,8 @@ def size_pools(req: SizingRequest, mc: ModelConfig, dtype: torch.dtype,
     host_pages, host_budget = _host(req, page_bytes, attention)
     if req.kv_memory_fraction is None and req.kv_memory_bytes is None:
         pages = req.device_pages if req.device_pages is not None else req.default_device_pages
+        if req.device_pages is None and req.default_kv_bytes is not None and attention:
+            pages = min(pages, max(needed_pages, req.default_kv_bytes // page_bytes))
         slots = req.checkpoint_slots if req.checkpoint_slots is not None else \
             req.default_checkpoint_slots
         return KvSizing(pages, host_pages, slots if ckpt_used else 0, running_slots, page_bytes,
@@ -253,7 +286,9 @@ def add_sizing_flags(flag: Callable[..., None], engine: object) -> None:
     EngineConfig with the default counts. The counts default to None ("not given") so that a
     budget next to one is a conflict, not silently ignored."""
     flag("--device-pages", "DEVICE_PAGES", None, f"KV pages on the device; default "
-         f"{engine.device_pages} unless --kv-memory-fraction/--kv-memory-bytes", type=int)
+         f"{engine.device_pages} unless --kv-memory-fraction/--kv-memory-bytes (on a CPU at "
+         f"most {DEFAULT_CPU_KV_BYTES >> 20} MiB of them, or a quarter of the memory available, "
+         "but at least one --max-context request)", type=int)
     flag("--host-pages", "HOST_PAGES", None, f"KV pages in host memory (L2); default "
          f"{engine.host_pages} unless --host-memory-bytes", type=int)
     flag("--checkpoint-slots", "CHECKPOINT_SLOTS", None, "Mamba checkpoint slots (hybrid and "
@@ -285,7 +320,9 @@ def size_from_args(args: argparse.Namespace, model: torch.nn.Module) -> KvSizing
     free then); logged as `kv_sizing`. SizingError names the flag."""
     max_context = args.max_context or model.config.max_position_embeddings
     free = free_device_bytes(model.device) if args.kv_memory_fraction is not None else None
-    sizing = size_pools(sizing_request(args, max_context), model.config, model.dtype, free)
+    req = dataclasses.replace(sizing_request(args, max_context),
+                              default_kv_bytes=default_kv_bytes(model.device))
+    sizing = size_pools(req, model.config, model.dtype, free)
     log.info(kv("kv_sizing", device=model.device, dtype=str(model.dtype).removeprefix("torch."),
                 free_device_bytes=free, max_context=max_context, **sizing.log_fields()))
     return sizing

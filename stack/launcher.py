@@ -36,14 +36,44 @@ class Stack:
     """The processes of one local run; `stop()` ends them in reverse start order."""
     run_dir: pathlib.Path
     services: list[Service] = field(default_factory=list)
+    # Signal handling (install_stop_signals): SIGINT/SIGTERM raise KeyboardInterrupt, except while
+    # a child is being spawned and recorded (deferred to the end of it) or once stopping began.
+    _critical: bool = False
+    _deferred: bool = False
+    _stopping: bool = False
+
+    def install_stop_signals(self) -> None:
+        """SIGINT and SIGTERM stop the launcher (KeyboardInterrupt), never between a child's
+        spawn and its record in `services`, so that `stop()` always knows every child."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stopping:
+            return  # already stopping every child: a second Ctrl-C must not cut that short
+        if self._critical:
+            self._deferred = True
+            return
+        raise KeyboardInterrupt
+
+    def _spawn(self, svc: Service) -> None:
+        self._critical = True
+        try:
+            svc.proc = subprocess.Popen(svc.argv, stdout=svc.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # Ctrl-C reaches us, not them
+            if svc not in self.services:
+                self.services.append(svc)
+        finally:
+            self._critical = False
+        if self._deferred:
+            self._deferred = False
+            raise KeyboardInterrupt
 
     def start(self, name: str, argv: list[str], address: str, ready_timeout_s: float = 120.0,
               grpc_health: bool = True) -> Service:
         svc = Service(name, argv, self.run_dir / f"{name}.log", address)
         svc.log = open(svc.log_path, "w")
-        svc.proc = subprocess.Popen(argv, stdout=svc.log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # Ctrl-C reaches us, not them
-        self.services.append(svc)
+        self._spawn(svc)
         wait_ready(svc, ready_timeout_s, grpc_health)
         return svc
 
@@ -51,10 +81,9 @@ class Stack:
         """Starts a service that exited (killed by a fault drill) again with the same command
         and address, appending to its log, and waits until it is ready."""
         svc = self.get(name)
-        if svc.proc.poll() is None:
+        if svc.proc is not None and svc.proc.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {svc.proc.pid})")
-        svc.proc = subprocess.Popen(svc.argv, stdout=svc.log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        self._spawn(svc)
         wait_ready(svc, ready_timeout_s, grpc_health)
         return svc
 
@@ -66,7 +95,7 @@ class Stack:
 
     def stop_one(self, name: str, grace_s: float = 20.0) -> int | None:
         svc = self.get(name)
-        if svc.proc.poll() is None:
+        if svc.proc is not None and svc.proc.poll() is None:
             svc.proc.send_signal(signal.SIGTERM)
             try:
                 svc.proc.wait(timeout=grace_s)
@@ -76,6 +105,8 @@ class Stack:
         return svc.proc.returncode
 
     def stop(self, grace_s: float = 20.0) -> list[tuple[str, int | None]]:
+        """Stops every child (idempotent); signals are ignored meanwhile."""
+        self._stopping = True
         codes = []
         for svc in reversed(self.services):
             codes.append((svc.name, self.stop_one(svc.name, grace_s)))

@@ -41,13 +41,18 @@ class Row:
     ttft_ms: float
     worker: str
     why: str
+    answer: str = ""
 
 
 class Client:
     """Authenticated calls to the gateway (one bearer token per tenant), over gRPC at `address`
     and over HTTP at `http` (a base URL)."""
 
-    def __init__(self, address: str, http: str, tokens: dict[str, str]):
+    def __init__(self, address: str, http: str, tokens: dict[str, str], max_tokens: int = 24,
+                 stop_at_eos: bool = False):
+        # A random-weight model's answers run to max_tokens (ignore_eos), so that every run
+        # has the same lengths; a trained model's stop at its end-of-turn token.
+        self.max_tokens, self.ignore_eos = max_tokens, not stop_at_eos
         self.http = http
         self.channel = grpc.insecure_channel(address)
         self.compute = cgrpc.ComputeServiceStub(self.channel)
@@ -59,11 +64,12 @@ class Client:
     def _meta(self, tenant: str):
         return (("authorization", f"Bearer {self.tokens[tenant]}"),)
 
-    def ask(self, name: str, tenant: str, text: str, max_tokens: int = 24, adapter: str = "",
+    def ask(self, name: str, tenant: str, text: str, adapter: str = "",
             together: threading.Barrier | None = None) -> str:
         """Previews the route, then runs the request (after `together` releases it, if given)."""
         req = cpb.GenerateRequest(request_id=name, text=text, adapter=adapter,
-                                  sampling=cpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                                  sampling=cpb.SamplingParams(max_tokens=self.max_tokens,
+                                                              ignore_eos=self.ignore_eos))
         preview = self.gateway.RoutePreview(gpb.RoutePreviewRequest(request=req),
                                             metadata=self._meta(tenant), timeout=10)
         if together is not None:
@@ -77,14 +83,16 @@ class Client:
             self.rows.append(Row(
                 name, tenant, stats.prompt_tokens, stats.cached_tokens_device,
                 stats.cached_tokens_host, stats.cached_tokens_remote, stats.shared_tokens_in_flight,
-                stats.computed_prompt_tokens, stats.ttft_s * 1000, stats.worker, preview.reason))
+                stats.computed_prompt_tokens, stats.ttft_s * 1000, stats.worker, preview.reason,
+                "".join(answer)))
         return "".join(answer)
 
-    def chat(self, name: str, tenant: str, messages: list[dict], max_tokens: int = 24) -> str:
+    def chat(self, name: str, tenant: str, messages: list[dict]) -> str:
         """One streamed chat completion through the HTTP API; TTFT is the first content chunk's
         arrival as this client sees it."""
-        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        body = {"model": MODEL, "messages": messages, "max_tokens": self.max_tokens,
+                "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": self.ignore_eos}
         req = urllib.request.Request(
             f"{self.http}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
             headers={"Authorization": f"Bearer {self.tokens[tenant]}",
@@ -109,7 +117,7 @@ class Client:
                 ext["cached_tokens_host"], ext["cached_tokens_remote"],
                 ext["shared_tokens_in_flight"], ext["computed_prompt_tokens"],
                 ((first or time.perf_counter()) - started) * 1000, ext["worker"],
-                f"HTTP: {ext['route_reason']}"))
+                f"HTTP: {ext['route_reason']}", "".join(answer)))
         return "".join(answer)
 
     def close(self) -> None:
@@ -179,4 +187,14 @@ def summary(rows: list[Row]) -> str:
                   f"L3 {sum(r.remote for r in rows)})",
               f"prefill saved    {prompt - computed} of {prompt} prompt tokens were not computed "
               f"({sum(r.in_flight for r in rows)} of them shared with a sibling still in flight)"]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "answers (shortened)"] + answers(rows))
+
+
+def answers(rows: list[Row], width: int = 88) -> list[str]:
+    """One line per request: its answer on one line, cut to `width` characters."""
+    out = []
+    for r in rows:
+        text = " ".join(r.answer.split())
+        text = text if len(text) <= width else text[:width - 1] + "…"
+        out.append(f"  {r.name:<14}{text!r}")
+    return out

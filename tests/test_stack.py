@@ -3,6 +3,7 @@ and the benchmark of the HTTP front against gRPC, which starts the same services
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,8 +18,9 @@ def rows(out: str) -> dict[str, list[str]]:
 
 def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The default model: SmolLM2-135M-Instruct, trained (3 min on a busy 2-core machine).
     res = subprocess.run([sys.executable, "-m", "stack"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all services stopped cleanly" in res.stdout
     r = rows(res.stdout)
@@ -39,6 +41,10 @@ def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
     assert int(r["http-chat"][computed]) > 0 and r["http-chat"][10] == "HTTP:"
     assert int(r["http-chat-2"][device]) > 0
     assert "hit ratio" in res.stdout
+    # The trained model answers the HTTP chat in words, not random tokens.
+    answers = res.stdout.split("answers (shortened)", 1)[1]
+    chat = next(line for line in answers.splitlines() if line.strip().startswith("http-chat "))
+    assert len(re.findall(r"\b(the|a|I|you|to|and|is|of|for|in)\b", chat)) >= 2, chat
 
 
 def test_the_http_benchmark_measures_both_fronts(tmp_path):

@@ -20,8 +20,12 @@ as one stacked matrix, so a decode step makes one larger GEMM instead of several
 
 The packed copy is made on first use and kept on the (first) weight tensor as the attribute
 `_cpu_packed`, with the backend, data pointers and version counters it was made from, so that a
-weight replaced or changed in place is re-packed. It costs one more copy of every projection
-weight in host memory: the price of the speed on a CPU worker.
+weight replaced or changed in place is re-packed. A weight marked `release_after_packing` (a
+serving worker marks every projection but a tied embedding: `model/warmup.py`) then gives up its
+own storage: it keeps its shape over a single zero (stride 0), so the packed copy replaces it
+rather than doubling it; such a weight can no longer be read, and a path that would read it
+(F.linear's fallback, or packing it again in another group) raises instead of computing with
+zeros.
 
 Only fp32 takes this path; other dtypes use F.linear.
 
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 from compute_service.kernels import cpu_gemm, cpu_native
 from compute_service.kernels.tensor_version import tensor_version
 
-__all__ = ["backend", "linear_group"]
+__all__ = ["backend", "is_released", "linear_group", "packed_rows", "release_after_packing"]
 
 # oneDNN's packing is tuned for this many rows (a decode step of a few sequences); any works.
 ONEDNN_PACK_ROWS_HINT = 8
@@ -61,6 +65,34 @@ def _pack(name: str, stacked: torch.Tensor, bias: torch.Tensor | None):
     return torch.ops.mkldnn._reorder_linear_weight(stacked, ONEDNN_PACK_ROWS_HINT), bias
 
 
+def release_after_packing(weight: torch.Tensor) -> None:
+    """Mark `weight` to give up its storage once packed (see the module docstring)."""
+    weight._release_after_packing = True
+
+
+def is_released(weight: torch.Tensor) -> bool:
+    return getattr(weight, "_released", False)
+
+
+def packed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids] read from `weight`'s native packed copy ([N/32, K, 32]: row n is
+    packed[n // 32, :, n % 32]), for a tied embedding released after packing for the logits."""
+    packed = weight._cpu_packed[1][0]
+    return packed[ids // cpu_gemm.BLOCK, :, ids % cpu_gemm.BLOCK]
+
+
+def _release(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], key):
+    """Each marked weight's storage replaced by one zero (same shape, stride 0); returns the
+    cache key of the tensors as they now are (so the packed stack stays current)."""
+    if not all(getattr(w, "_release_after_packing", False) for w in weights):
+        return key
+    for w in weights:
+        w.data = torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+        w._released = True
+    tensors = [*weights, *(b for b in biases if b is not None)]
+    return (key[0], *((t.data_ptr(), tensor_version(t)) for t in tensors))
+
+
 def _packed(
     name: str, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,6 +102,9 @@ def _packed(
     key = (name, *((t.data_ptr(), tensor_version(t)) for t in tensors))
     cached = getattr(weights[0], "_cpu_packed", None)
     if cached is None or cached[0] != key:
+        if any(is_released(w) for w in weights):  # packing zeros would compute garbage
+            raise RuntimeError("linear_group: weights released after packing were called in "
+                               "another group or changed; call them as the warm-up did")
         stacked = weights[0] if len(weights) == 1 else torch.cat(list(weights))
         bias = None
         if any(b is not None for b in biases):
@@ -77,7 +112,9 @@ def _packed(
                 b.detach() if b is not None else w.new_zeros(w.shape[0])
                 for w, b in zip(weights, biases, strict=True)
             ])
-        cached = (key, _pack(name, stacked.detach(), bias))
+        packed = _pack(name, stacked.detach(), bias)
+        del stacked
+        cached = (_release(weights, biases, key), packed)
         weights[0]._cpu_packed = cached
     return cached[1]
 
@@ -90,6 +127,9 @@ def linear_group(
     (the packed stack is cached for them)."""
     name = backend()
     if name == "torch" or x.dim() != 2 or any(t.dtype != torch.float32 for t in (x, *weights)):
+        if any(is_released(w) for w in weights):
+            raise RuntimeError("linear_group: a weight released after packing cannot take the "
+                               f"F.linear path (x {tuple(x.shape)} {x.dtype})")
         return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     packed, bias = _packed(name, weights, biases)
     if name == "native":

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from compute_service import kernels
+from compute_service.kernels import linear_cpu
 from compute_service.model.attention import PagedAttention
 from compute_service.model.batch import (
     ForwardBatch,
@@ -128,7 +129,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"lora: {len(batch.lora.layers)} layers for {cfg.num_layers} layers")
 
         stream_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
-        h = self.embed(input_ids).to(stream_dtype)
+        h = self.embed_tokens(input_ids).to(stream_dtype)
         cos_sin = self.rotary(positions, self.dtype) if self.rotary is not None else None
         seq_lens = batch.seq_lens() if batch.mode is ForwardMode.DECODE else None
         boundaries: BoundarySelection | None = None
@@ -165,6 +166,13 @@ class CausalLM(nn.Module):
                 boundaries.seq_index, boundaries.positions, ssm_out, conv_out
             )
         return ForwardOutput(logits=logits, mamba_boundaries=mamba_boundaries)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `input_ids`; from the packed copy when a CPU warm-up released
+        a tied embedding into it (compute_service/model/warmup.py)."""
+        if linear_cpu.is_released(self.embed.weight):
+            return linear_cpu.packed_rows(self.embed.weight, input_ids)
+        return self.embed(input_ids)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab]."""
