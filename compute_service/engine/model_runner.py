@@ -28,6 +28,7 @@ import torch
 from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.request import Request
+from compute_service.engine.grammar import GrammarEngine
 from compute_service.engine.sampling import sample
 from compute_service.lora import AdapterRegistry
 from compute_service.model import (CausalLM, ForwardBatch, ForwardMode, allocate_kv_caches,
@@ -43,8 +44,10 @@ TwinFinder = Callable[[list[tuple[int, Request]]], list[tuple[int, Request]]]
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: EngineConfig, adapters: AdapterRegistry | None,
-                 stats: EngineStats, eos: tuple[int, ...], checkpoint_slots: int):
+                 stats: EngineStats, eos: tuple[int, ...], checkpoint_slots: int,
+                 grammar: GrammarEngine | None = None):
         mc = model.config
+        self.grammar = grammar  # structured output's masks (engine.grammar)
         self.model, self.cfg, self.adapters, self.stats, self.eos = model, cfg, adapters, stats, eos
         self.mamba = bool(mc.mamba_layer_ids)
         # Mamba checkpoints are kept only to be published: not without a prefix cache.
@@ -94,8 +97,12 @@ class ModelRunner:
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[rows]
         banned = [self._banned(r) for r in reqs]
-        tokens = sample(logits.float(), [r.sampling for r in reqs], [r.generator for r in reqs],
-                        banned)
+        logits = logits.float()
+        if self.grammar is not None:
+            self.grammar.mask(logits, reqs)  # in place; only constrained rows
+        tokens = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs], banned)
+        if self.grammar is not None:
+            self.grammar.advance(reqs, tokens)
         return list(zip(reqs, tokens, strict=True))
 
     def _host_inputs(self, batch: list[tuple[Request, int]]):

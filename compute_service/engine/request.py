@@ -93,6 +93,9 @@ class Request:
     # "the running slot" (a decode step ended on that page).
     checkpoints: dict[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=dict)
     generator: torch.Generator | None = None
+    # Its structured-output constraint's xgrammar matcher (compute_service/engine/grammar.py),
+    # made on its first masked step; None without a constraint.
+    matcher: object | None = None
     text: TextStream = field(default_factory=TextStream)  # what of the output has streamed
     first_token_at: float | None = None
     stats: RequestStats | None = None

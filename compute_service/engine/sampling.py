@@ -1,9 +1,23 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+Structured output (`Constraint`) masks the logits before `sample` (compute_service/engine/
+grammar.py; ModelRunner.run applies it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+# The kinds of structured output (the proto's StructuredOutput oneof).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A structured-output constraint: `spec` is the JSON schema's text, the regex, the grammar,
+    the choices as a JSON list, or "" for json_object. Hashable: the grammar cache's key."""
+    kind: str
+    spec: str = ""
 
 
 @dataclass(slots=True)
@@ -16,6 +30,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raises ValueError naming the field (the gRPC layer maps it to INVALID_ARGUMENT)."""

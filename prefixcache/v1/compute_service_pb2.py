@@ -24,47 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$prefixcache/v1/compute_service.proto\x12\x0eprefixcache.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe6\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12/\n\rresume_output\x18\x06 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsB\x08\n\x06prompt\"\xe5\x02\n\rGenerateStats\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_device\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_remote\x18\x06 \x01(\r\x12\x1f\n\x17shared_tokens_in_flight\x18\x07 \x01(\r\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x33\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x1c.prefixcache.v1.FinishReason\x12\x13\n\x0bpreemptions\x18\r \x01(\r\"a\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.prefixcache.v1.GenerateStats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa4\x04\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x1c\n\x14num_attention_layers\x18\x06 \x01(\r\x12\x18\n\x10num_mamba_layers\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\n \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x0b \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12\x39\n\x11sampling_defaults\x18\x0e \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x14\n\x0c\x64\x65vice_pages\x18\x0f \x01(\r\x12\x12\n\nhost_pages\x18\x10 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x11 \x01(\r\x12\x19\n\x11kv_bytes_per_page\x18\x12 \x01(\x04\x12\x1c\n\x14mamba_bytes_per_slot\x18\x13 \x01(\x04\x12\x17\n\x0fkv_device_bytes\x18\x14 \x01(\x04\x42\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"Y\n\x14GetTokenizerResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12,\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1d.prefixcache.v1.TokenizerFile\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\";\n\x13LoadAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"F\n\x15UnloadAdapterResponse\x12\x15\n\rremoved_pages\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x65rred_pages\x18\x02 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x04\n\x0e\x43omputeService\x12O\n\x08Generate\x12\x1f.prefixcache.v1.GenerateRequest\x1a .prefixcache.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.prefixcache.v1.AbortRequest\x1a\x1d.prefixcache.v1.AbortResponse\x12Y\n\x0cGetModelInfo\x12#.prefixcache.v1.GetModelInfoRequest\x1a$.prefixcache.v1.GetModelInfoResponse\x12Y\n\x0cGetTokenizer\x12#.prefixcache.v1.GetTokenizerRequest\x1a$.prefixcache.v1.GetTokenizerResponse\x12V\n\x0bLoadAdapter\x12\".prefixcache.v1.LoadAdapterRequest\x1a#.prefixcache.v1.LoadAdapterResponse\x12\\\n\rUnloadAdapter\x12$.prefixcache.v1.UnloadAdapterRequest\x1a%.prefixcache.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$prefixcache/v1/compute_service.proto\x12\x0eprefixcache.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa3\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12;\n\x11structured_output\x18\x14 \x01(\x0b\x32 .prefixcache.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\x97\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.prefixcache.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12/\n\rresume_output\x18\x06 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsB\x08\n\x06prompt\"\xe5\x02\n\rGenerateStats\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_device\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_remote\x18\x06 \x01(\r\x12\x1f\n\x17shared_tokens_in_flight\x18\x07 \x01(\r\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x33\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x1c.prefixcache.v1.FinishReason\x12\x13\n\x0bpreemptions\x18\r \x01(\r\"a\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.prefixcache.v1.GenerateStats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa4\x04\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x1c\n\x14num_attention_layers\x18\x06 \x01(\r\x12\x18\n\x10num_mamba_layers\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\n \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x0b \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12\x39\n\x11sampling_defaults\x18\x0e \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x14\n\x0c\x64\x65vice_pages\x18\x0f \x01(\r\x12\x12\n\nhost_pages\x18\x10 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x11 \x01(\r\x12\x19\n\x11kv_bytes_per_page\x18\x12 \x01(\x04\x12\x1c\n\x14mamba_bytes_per_slot\x18\x13 \x01(\x04\x12\x17\n\x0fkv_device_bytes\x18\x14 \x01(\x04\x42\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"Y\n\x14GetTokenizerResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12,\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1d.prefixcache.v1.TokenizerFile\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\";\n\x13LoadAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"F\n\x15UnloadAdapterResponse\x12\x15\n\rremoved_pages\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x65rred_pages\x18\x02 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x04\n\x0e\x43omputeService\x12O\n\x08Generate\x12\x1f.prefixcache.v1.GenerateRequest\x1a .prefixcache.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.prefixcache.v1.AbortRequest\x1a\x1d.prefixcache.v1.AbortResponse\x12Y\n\x0cGetModelInfo\x12#.prefixcache.v1.GetModelInfoRequest\x1a$.prefixcache.v1.GetModelInfoResponse\x12Y\n\x0cGetTokenizer\x12#.prefixcache.v1.GetTokenizerRequest\x1a$.prefixcache.v1.GetTokenizerResponse\x12V\n\x0bLoadAdapter\x12\".prefixcache.v1.LoadAdapterRequest\x1a#.prefixcache.v1.LoadAdapterResponse\x12\\\n\rUnloadAdapter\x12$.prefixcache.v1.UnloadAdapterRequest\x1a%.prefixcache.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixcache.v1.compute_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2029
-  _globals['_FINISHREASON']._serialized_end=2149
+  _globals['_FINISHREASON']._serialized_start=2271
+  _globals['_FINISHREASON']._serialized_end=2391
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_SAMPLINGPARAMS']._serialized_start=82
-  _globals['_SAMPLINGPARAMS']._serialized_end=312
-  _globals['_GENERATEREQUEST']._serialized_start=315
-  _globals['_GENERATEREQUEST']._serialized_end=541
-  _globals['_GENERATESTATS']._serialized_start=544
-  _globals['_GENERATESTATS']._serialized_end=901
-  _globals['_GENERATERESPONSE']._serialized_start=903
-  _globals['_GENERATERESPONSE']._serialized_end=1000
-  _globals['_ABORTREQUEST']._serialized_start=1002
-  _globals['_ABORTREQUEST']._serialized_end=1036
-  _globals['_ABORTRESPONSE']._serialized_start=1038
-  _globals['_ABORTRESPONSE']._serialized_end=1070
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1072
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1093
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1096
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1644
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1646
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1667
-  _globals['_TOKENIZERFILE']._serialized_start=1669
-  _globals['_TOKENIZERFILE']._serialized_end=1715
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1717
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1806
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1808
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1856
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1858
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1917
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1919
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1955
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1957
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2027
-  _globals['_COMPUTESERVICE']._serialized_start=2152
-  _globals['_COMPUTESERVICE']._serialized_end=2683
+  _globals['_SAMPLINGPARAMS']._serialized_end=373
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=376
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=527
+  _globals['_CHOICES']._serialized_start=529
+  _globals['_CHOICES']._serialized_end=554
+  _globals['_GENERATEREQUEST']._serialized_start=557
+  _globals['_GENERATEREQUEST']._serialized_end=783
+  _globals['_GENERATESTATS']._serialized_start=786
+  _globals['_GENERATESTATS']._serialized_end=1143
+  _globals['_GENERATERESPONSE']._serialized_start=1145
+  _globals['_GENERATERESPONSE']._serialized_end=1242
+  _globals['_ABORTREQUEST']._serialized_start=1244
+  _globals['_ABORTREQUEST']._serialized_end=1278
+  _globals['_ABORTRESPONSE']._serialized_start=1280
+  _globals['_ABORTRESPONSE']._serialized_end=1312
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1314
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1335
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1338
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1886
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1888
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1909
+  _globals['_TOKENIZERFILE']._serialized_start=1911
+  _globals['_TOKENIZERFILE']._serialized_end=1957
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1959
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2048
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2050
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2098
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2100
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2159
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2161
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2197
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2199
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2269
+  _globals['_COMPUTESERVICE']._serialized_start=2394
+  _globals['_COMPUTESERVICE']._serialized_end=2925
 # @@protoc_insertion_point(module_scope)
