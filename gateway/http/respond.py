@@ -8,16 +8,19 @@ import time
 from typing import Any
 
 import anyio
+import grpc
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from gateway.core.proxy import GenerateProxy
+from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.tenants import Tenant
-from gateway.http import schemas
+from gateway.http import schemas, tools
 from gateway.http.errors import ApiError, bad_request
 from gateway.http.generation import ClientGone, Generation, Job
 from gateway.http.streaming import sse_events
+from gateway.http.structured import Structured, http_field
+from gateway.http.tools import ToolPlan
 from prefixcache.v1 import compute_service_pb2 as pb
 
 
@@ -25,9 +28,12 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                    prompts: list[pb.GenerateRequest], max_tokens: int | None,
                    request: Request, who: Tenant, rid: str, chat: bool,
                    proxy: GenerateProxy, limiter: anyio.CapacityLimiter,
-                   fingerprint: str | None = None) -> Response:
+                   fingerprint: str | None = None, constraint: Structured | None = None,
+                   tool_plan: ToolPlan | None = None) -> Response:
     """The response to `body`, whose prompts are `prompts` (each a GenerateRequest with its
-    prompt and adapter set); `rid` names the response and, with the choice's index, each call."""
+    prompt and adapter set); `rid` names the response and, with the choice's index, each call.
+    `constraint`: the output's structured-output constraint (every choice's); `tool_plan`: how
+    the choices' text becomes tool calls (gateway/http/tools.py)."""
     jobs = []
     for p, prompt in enumerate(prompts):
         for i in range(body.n):
@@ -36,6 +42,8 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
             index = p * body.n + i
             req.request_id = f"{rid}-{index}"
             req.sampling.CopyFrom(sampling(body, max_tokens, i))
+            if constraint is not None:
+                req.sampling.structured_output.CopyFrom(constraint.message)
             jobs.append(Job(index, p, req, fingerprint))
     if len(jobs) > schemas.MAX_N:  # each choice is a worker call
         raise bad_request("n", f"prompts x n is {len(jobs)} choices; at most "
@@ -46,9 +54,15 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
         await generation.open(disconnected(request), peek=body.stream)
         if body.stream:
             events = sse_events(generation, chat, rid, int(time.time()), model,
-                                body.include_usage(), lambda: usage(generation))
+                                body.include_usage(), lambda: usage(generation), tool_plan)
             return EventSourceResponse(events, sep="\n", ping=15)
         await generation.collect(disconnected(request))
+    except ProxyError as exc:  # a constraint the worker's compiler refused: the request's field
+        generation.close()
+        named = http_field(exc.message, constraint)
+        if named is None or exc.code != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        raise bad_request(*named) from None
     except ClientGone:
         generation.close()
         return Response(status_code=499)
@@ -56,11 +70,25 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
         generation.close()
         raise
     generation.close()
-    make = schemas.chat_choice if chat else schemas.completion_choice
-    choices = [make(s.index, "".join(s.text), s.finish) for s in generation.samples]
+    if chat:
+        choices = [chat_choice(s.index, "".join(s.text), s.finish, tool_plan)
+                   for s in generation.samples]
+    else:
+        choices = [schemas.completion_choice(s.index, "".join(s.text), s.finish)
+                   for s in generation.samples]
     kind = "chat.completion" if chat else "text_completion"
     return JSONResponse(schemas.envelope(kind, rid, int(time.time()), model, choices,
                                          usage=usage(generation)))
+
+
+def chat_choice(index: int, text: str, finish: str | None,
+                tool_plan: ToolPlan | None) -> dict[str, Any]:
+    """A whole chat choice; its text parsed into tool calls when the request's tool plan calls
+    tools (gateway/http/tools.py)."""
+    if tool_plan is None or not tool_plan.calls_tools:
+        return schemas.chat_choice(index, text, finish)
+    content, calls = tools.parse(tool_plan, text)
+    return schemas.chat_choice(index, content, finish, [c.as_dict() for c in calls])
 
 
 def refuse_unsupported(problems: list[tuple[str, str]]) -> None:

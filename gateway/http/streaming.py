@@ -35,6 +35,8 @@ from typing import Any
 from gateway.core.proxy import ProxyError
 from gateway.http import schemas
 from gateway.http.errors import ApiError, from_proxy
+from gateway.http.tool_stream import ToolStream
+from gateway.http.tools import ToolPlan
 from service_shell import kv
 
 log = logging.getLogger("gateway.http")
@@ -103,15 +105,30 @@ def _compiled(stops: tuple[str, ...]) -> tuple[re.Pattern[str] | None, tuple[str
                                                                                      stops))
 
 
+def _tool_chunks(stream: ToolStream, sample, delta: str,
+                 finished: bool) -> list[dict[str, Any]]:
+    """The choices (one per chunk) a tool-calling choice's next text makes."""
+    deltas = stream.feed(delta) if delta else []
+    finish = None
+    if finished:
+        more, finish = stream.finish(sample.finish)
+        deltas += more
+    if not deltas:
+        return [schemas.chat_delta(sample.index, {}, finish)] if finished else []
+    return [schemas.chat_delta(sample.index, d, finish if k == len(deltas) - 1 else None)
+            for k, d in enumerate(deltas)]
+
+
 def _data(payload: dict[str, Any]) -> dict[str, str]:
     return {"data": json.dumps(payload, ensure_ascii=False, separators=(",", ":"))}
 
 
 async def sse_events(generation, chat: bool, rid: str, created: int, model: str,
-                     include_usage: bool,
-                     usage: Callable[[], dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+                     include_usage: bool, usage: Callable[[], dict[str, Any]],
+                     tool_plan: ToolPlan | None = None) -> AsyncIterator[dict[str, str]]:
     """The SSE events of one streamed request (`generation` already opened; closed here, so a
-    client that leaves cancels its worker calls)."""
+    client that leaves cancels its worker calls). With a `tool_plan` that calls tools, each
+    choice's text goes through a ToolStream (gateway/http/tool_stream.py)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
@@ -123,8 +140,14 @@ async def sse_events(generation, chat: bool, rid: str, created: int, model: str,
             for sample in generation.samples:
                 yield chunk([schemas.chat_delta(sample.index,
                                                 {"role": "assistant", "content": ""}, None)])
+        calls = ({s.index: ToolStream(tool_plan) for s in generation.samples}
+                 if chat and tool_plan is not None and tool_plan.calls_tools else None)
         async for sample, delta, finished in generation.events():
             if not delta and not finished:
+                continue
+            if calls is not None:
+                for choice in _tool_chunks(calls[sample.index], sample, delta, finished):
+                    yield chunk([choice])
                 continue
             finish = sample.finish if finished else None
             if chat:

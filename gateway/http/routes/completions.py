@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.core.proxy import GenerateProxy
 from gateway.core.request_checks import check_request, check_text_size
 from gateway.core.tenants import Tenant
-from gateway.http import deps, respond, schemas
+from gateway.http import deps, respond, schemas, structured
 from gateway.http.errors import bad_request
 from gateway.http.models import ModelCatalog
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -25,6 +25,7 @@ async def completions(body: schemas.CompletionRequest, request: Request,
                       catalog: ModelCatalog = Depends(deps.catalog),
                       limiter: anyio.CapacityLimiter = Depends(deps.limiter)) -> Response:
     respond.refuse_unsupported(body.unsupported())
+    constraint = structured.from_request(body.response_format, body.structured_outputs)
     adapter, _ = await catalog.resolve(body.model)
     prompts = body.prompts()
     if not prompts:
@@ -45,4 +46,5 @@ async def completions(body: schemas.CompletionRequest, request: Request,
         requests.append(req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     return await respond.generate(body, requests, body.max_tokens, request, who, rid,
-                                  chat=False, proxy=proxy, limiter=limiter)
+                                  chat=False, proxy=proxy, limiter=limiter,
+                                  constraint=constraint)
