@@ -17,6 +17,14 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "requir
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "noop"}}]
 HERMES_TEMPLATE = "{% for m in messages %}...<tool_call>...{% endfor %}"
+# HuggingFaceTB/SmolLM2-135M-Instruct's chat template (tokenizer_config.json, Apache-2.0), the
+# demo model's: ChatML that ignores `tools`.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def param_of(call) -> str:
@@ -30,7 +38,10 @@ def test_plans_and_their_refusals():
     assert tools.plan(None, None, None, None) is None
     p = tools.plan(TOOLS, None, None, HERMES_TEMPLATE)
     assert p.mode == "auto" and p.parser == "hermes" and p.calls_tools
-    assert not tools.plan(TOOLS, "auto", None, "chatml only").calls_tools  # no parser: content
+    # SmolLM2's template knows no tools: no parser, `auto` answers with content (vLLM's
+    # behaviour without a tool parser); required and named still call through the grammar.
+    assert not tools.plan(TOOLS, "auto", None, SMOLLM2_TEMPLATE).calls_tools
+    assert tools.plan(TOOLS, "required", None, SMOLLM2_TEMPLATE).calls_tools
     assert not tools.plan(TOOLS, "none", None, HERMES_TEMPLATE).calls_tools
     assert tools.plan(TOOLS, {"type": "function", "function": {"name": "noop"}}, None,
                       None).name == "noop"
