@@ -15,8 +15,9 @@ tokens keep the output inside the language, so filling one request's mask costs 
   where they left off; a preempted request keeps its output and its matcher (preemption
   recomputes the KV, not the tokens). `advance` feeds it each sampled token. n > 1 choices and
   twins are separate requests with matchers of their own.
-- `mask` fills one bitmask row per constrained request of the batch and applies them in one call
-  on the logits' device; unconstrained rows are not touched.
+- `mask` fills one bitmask row per constrained request of the batch (one xgrammar call over
+  them all, on up to FILL_THREADS threads) and applies them in one call on the logits' device;
+  unconstrained rows are not touched.
 - The grammar's stop tokens are the engine's EOS ids: once the constraint is complete only EOS
   may follow, and the request ends there (Scheduler.emit). `min_tokens` and `ignore_eos` would
   forbid that EOS, leaving no token to sample: they are refused with a constraint.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +39,9 @@ from compute_service.engine.sampling import CONSTRAINT_KINDS, Constraint, Sampli
 log = logging.getLogger("compute_service.engine.grammar")
 
 CACHE_SIZE = 256  # compiled grammars kept (a few hundred KB each for a 150k vocabulary)
+# Threads filling a step's masks: the fill runs between the forward and the sampler, when the
+# engine thread's torch work is idle.
+FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
 _FIELD = "sampling.structured_output"
 
 
@@ -77,6 +82,7 @@ class GrammarEngine:
         self._compiler = None  # made on first use (building the vocabulary's tables takes time)
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made with the first mask
         self.compiled = 0  # grammars compiled (tests: once per distinct constraint)
 
     def check(self, sampling: SamplingParams) -> None:
@@ -143,8 +149,11 @@ class GrammarEngine:
         xgr = _xgr()
         if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
             self._bitmask = xgr.allocate_token_bitmask(max(len(reqs), 8), self.vocab_size)
-        for i in rows:
-            self._matcher(reqs[i]).fill_next_token_bitmask(self._bitmask, i)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        # One call fills every constrained row (xgrammar's threads, not a Python loop).
+        self._batch.batch_fill_next_token_bitmask([self._matcher(reqs[i]) for i in rows],
+                                                  self._bitmask, indices=rows)
         bitmask = self._bitmask[:len(reqs)].to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                         indices=rows)

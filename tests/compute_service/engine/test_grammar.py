@@ -67,14 +67,14 @@ def test_masks_are_xgrammars_own_matchers_step_for_step(which):
     req = Request("r", [1], SamplingParams(temperature=1.0, constraint=schema()), lambda o: None)
     gen = torch.Generator().manual_seed(3)
     for _ in range(200):
-        logits = torch.zeros(2, 320)  # row 1 is unconstrained: left alone
+        logits = torch.zeros(2, 320)  # row 0 is unconstrained: left alone
         other = Request("o", [1], SamplingParams(), lambda o: None)
-        engine.mask(logits, [req, other])
+        engine.mask(logits, [other, req])
         ref.fill_next_token_bitmask(ref_mask, 0)
         want = torch.zeros(1, 320)
         xgr.apply_token_bitmask_inplace(want, ref_mask)
-        assert torch.equal(logits[0], want[0]) and torch.equal(logits[1], torch.zeros(320))
-        allowed = torch.nonzero(logits[0] == 0).flatten()
+        assert torch.equal(logits[1], want[0]) and torch.equal(logits[0], torch.zeros(320))
+        allowed = torch.nonzero(logits[1] == 0).flatten()
         assert len(allowed) > 0
         pick = int(allowed[torch.randint(len(allowed), (1,), generator=gen)])
         req.output.append(pick)
