@@ -199,7 +199,7 @@ class Engine(CacheAwayMixin):
             if bad is not None:
                 raise ValueError(f"{field}: {bad} is outside the vocabulary [0, {self.vocab_size})")
         sampling.validate(self.vocab_size)
-        self.grammar.check(sampling)  # compiles (cached) here, not on the engine thread
+        compiled = self.grammar.check(sampling)  # compiled here, not on the engine thread
         if len(resume_output) >= sampling.max_tokens:
             raise ValueError(f"resume_output: {len(resume_output)} tokens already reach "
                              f"max_tokens {sampling.max_tokens}")
@@ -216,6 +216,8 @@ class Engine(CacheAwayMixin):
         for i in range(len(resume_output)):  # the text stream where the other worker left it
             req.output.append(resume_output[i])
             req.text.next(self.tokenizer, req.output)
+        if compiled is not None:
+            req.matcher = self.grammar.matcher(compiled, req.output)
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
         req.stats = RequestStats(req.id, self.cfg.pool_id, len(prompt))

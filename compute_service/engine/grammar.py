@@ -5,13 +5,13 @@ The engine is xgrammar (vLLM's default backend; docs/structured_output.md says w
 llguidance): its compiled grammars precompute, for every parser state, which of the vocabulary's
 tokens keep the output inside the language, so filling one request's mask costs microseconds.
 
-- `compile` runs in the caller's thread at submission (Engine.submit), so an invalid schema,
+- `check` compiles in the caller's thread at submission (Engine.submit), so an invalid schema,
   regex or grammar is refused there (ValueError naming `sampling.structured_output.<kind>`, the
-  worker's INVALID_ARGUMENT, the gateway's 400) and the engine thread never compiles. Compiled
-  grammars are kept by constraint (an LRU of `CACHE_SIZE`): a schema sent by every request is
-  compiled once.
-- A request's matcher (`Request.matcher`) is made on its first masked step and advanced over its
-  output so far, so a request resumed with tokens another worker streamed (resume_output) starts
+  worker's INVALID_ARGUMENT, the gateway's 400), and the engine thread never compiles nor
+  waits on the compile lock (a large schema takes long to compile). Compiled grammars are kept
+  by constraint (an LRU of `CACHE_SIZE`): a schema sent by every request is compiled once.
+- A request's matcher (`Request.matcher`) is made at submission too, advanced over the output it
+  already has, so a request resumed with tokens another worker streamed (resume_output) starts
   where they left off; a preempted request keeps its output and its matcher (preemption
   recomputes the KV, not the tokens). `advance` feeds it each sampled token. n > 1 choices and
   twins are separate requests with matchers of their own.
@@ -85,18 +85,26 @@ class GrammarEngine:
         self._batch = None  # xgrammar's BatchGrammarMatcher, made with the first mask
         self.compiled = 0  # grammars compiled (tests: once per distinct constraint)
 
-    def check(self, sampling: SamplingParams) -> None:
-        """Raises ValueError naming the field when the constraint cannot be served."""
+    def check(self, sampling: SamplingParams):
+        """The constraint's compiled grammar (None without one); ValueError naming the field
+        when it cannot be served."""
         c = sampling.constraint
         if c is None:
-            return
+            return None
         if sampling.min_tokens:
             raise ValueError("sampling.min_tokens: cannot be combined with structured_output "
                              "(the constraint decides where the output ends)")
         if sampling.ignore_eos:
             raise ValueError("sampling.ignore_eos: cannot be combined with structured_output "
                              "(the output ends at EOS once the constraint is complete)")
-        self.compile(c)
+        return self.compile(c)
+
+    def matcher(self, compiled, output: Sequence[int]):
+        """A matcher of `compiled` advanced over `output` (a resumed request's tokens)."""
+        m = _xgr().GrammarMatcher(compiled)
+        for tok in output:
+            m.accept_token(tok)
+        return m
 
     def compile(self, c: Constraint):
         """The compiled grammar of `c`, from the cache or compiled now (see the module doc)."""
@@ -166,11 +174,8 @@ class GrammarEngine:
                 log.warning("event=grammar_rejected_token request=%s token=%d", r.id, tok)
 
     def _matcher(self, r: Any):
-        if r.matcher is None:
-            m = _xgr().GrammarMatcher(self.compile(r.sampling.constraint))
-            for tok in r.output:  # resumed requests: what was generated before
-                m.accept_token(tok)
-            r.matcher = m
+        if r.matcher is None:  # a request made without Engine.submit (tests, benchmarks)
+            r.matcher = self.matcher(self.compile(r.sampling.constraint), r.output)
         return r.matcher
 
 

@@ -94,7 +94,7 @@ class Request:
     checkpoints: dict[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=dict)
     generator: torch.Generator | None = None
     # Its structured-output constraint's xgrammar matcher (compute_service/engine/grammar.py),
-    # made on its first masked step; None without a constraint.
+    # made at submission; None without a constraint.
     matcher: object | None = None
     text: TextStream = field(default_factory=TextStream)  # what of the output has streamed
     first_token_at: float | None = None
