@@ -43,6 +43,10 @@ TOOLS = [
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MODEL = "tiny-hybrid-tools"  # the checkpoint directory's name
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# `required` lets the schema's array of calls grow without bound: random weights at temperature
+# 1 may keep appending valid calls until max_tokens (finish "length"), by the luck of the draws.
+# parallel_tool_calls false bounds it to one call (maxItems 1), so every choice completes.
+ONE_CALL = {"parallel_tool_calls": False}
 
 
 def tools_checkpoint(root: Path) -> str:
@@ -122,7 +126,8 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param):
                                                  "function": {"name": "get_weather"}}])
 def test_required_and_named_tool_choice_give_valid_calls(client, choice):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
-                                       temperature=1.0, seed=7, max_tokens=120, n=3)
+                                       temperature=1.0, seed=7, max_tokens=120, n=3,
+                                       **ONE_CALL)
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and c.message.content is None
         assert c.message.tool_calls
@@ -138,7 +143,7 @@ def test_required_and_named_tool_choice_give_valid_calls(client, choice):
 def test_streamed_tool_calls_arrive_as_openai_streams_them(client, choice):
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                             tool_choice=choice, temperature=1.0, seed=8,
-                                            max_tokens=120, stream=True)
+                                            max_tokens=120, stream=True, **ONE_CALL)
     calls: dict[int, dict] = {}
     fragments = 0
     finish = None
