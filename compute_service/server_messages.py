@@ -5,12 +5,13 @@ ValueError (INVALID_ARGUMENT, as `Engine.submit`'s own) or `Rejected` with its s
 codes are listed in compute_service.server's docstring)."""
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
 
 from compute_service.engine import Engine, FinishReason, Output, RequestStats, SamplingParams
-from compute_service.engine.sampling import MAX_LOGIT_BIAS
+from compute_service.engine.sampling import MAX_LOGIT_BIAS, Constraint
 from compute_service.model import SamplingDefaults, Tokenizer
 from compute_service.sizing import kv_bytes_per_page, mamba_bytes_per_slot
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -162,6 +163,7 @@ def sampling_of(s: pb.SamplingParams, vocab_size: int,
         min_p=s.min_p, logit_bias=logit_bias_of(s, vocab_size),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         bad_words=tuple(tuple(w.ids) for w in s.bad_words),
+        constraint=constraint_of(s),
     ).validate(vocab_size)
 
 
@@ -182,6 +184,31 @@ def logit_bias_of(s: pb.SamplingParams, vocab_size: int) -> dict[int, float]:
                                 else "repeated"))
         out[e.token_id] = e.bias
     return out
+
+
+def constraint_of(s: pb.SamplingParams) -> Constraint | None:
+    """The structured-output constraint of the request (compiled by Engine.submit); choices as
+    a JSON list."""
+    if not s.HasField("structured_output"):
+        return None
+    so = s.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("sampling.structured_output: set, but with no kind (json_schema, "
+                         "json_object, regex, choice or grammar)")
+    if kind == "json_object":
+        if not so.json_object:
+            raise ValueError("sampling.structured_output.json_object: must be true when set")
+        return Constraint("json_object")
+    if kind == "choice":
+        if not so.choice.values or any(not v for v in so.choice.values):
+            raise ValueError("sampling.structured_output.choice: needs at least one choice, "
+                             "none of them empty")
+        return Constraint("choice", json.dumps(list(so.choice.values)))
+    spec = getattr(so, kind)
+    if not spec:
+        raise ValueError(f"sampling.structured_output.{kind}: must not be empty")
+    return Constraint(kind, spec)
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, limit: int) -> None:

@@ -85,10 +85,12 @@ class Tokenizer(Protocol):
     def text_prompt_ids(self, text: str) -> list[int]: ...
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str: ...
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str: ...
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]],
-                 add_generation_prompt: bool = True) -> list[int]: ...
+                 add_generation_prompt: bool = True,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]: ...
 
 
 def fingerprint_of(files: Mapping[str, bytes], bos_rule: int | None) -> str:
@@ -145,22 +147,25 @@ class _ChatMixin:
     _compiled: Any = None
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The chat as the checkpoint's template writes it (transformers'
-        `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`)."""
+        `apply_chat_template(messages, tools=..., tokenize=False, add_generation_prompt=...)`)."""
         if self.chat_template is None:
             raise NoChatTemplate("this tokenizer has no chat template (tokenizer_config.json "
                                  "chat_template or chat_template.jinja); send a plain prompt")
         if self._compiled is None:
             self._compiled = compile_template(self.chat_template)
         return render(self._compiled, messages, add_generation_prompt=add_generation_prompt,
-                      variables=self.special_tokens)
+                      variables=self.special_tokens, tools=tools)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]],
-                 add_generation_prompt: bool = True) -> list[int]:
-        """transformers' `apply_chat_template(messages, tokenize=True)`: the rendered text
-        encoded without post-processor and without a BOS of ours."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))  # type: ignore
+                 add_generation_prompt: bool = True,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """transformers' `apply_chat_template(messages, tools=..., tokenize=True)`: the rendered
+        text encoded without post-processor and without a BOS of ours."""
+        return self.encode(self.render_chat(messages, add_generation_prompt,  # type: ignore
+                                            tools))
 
     def text_prompt_ids(self, text: str) -> list[int]:
         """The ids of a text prompt: `encode` with the BOS rule."""

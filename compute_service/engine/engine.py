@@ -48,6 +48,7 @@ from prefixcache_client.errors import CacheError, ErrorCode
 from prefixcache_client.limits import quote_untrusted
 from compute_service.engine.cache_away import CacheAwayMixin
 from compute_service.engine.config import EngineConfig, EngineStats
+from compute_service.engine.grammar import GrammarEngine
 from compute_service.engine.local_pages import LocalPages
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.request import FinishReason, Output, Request, RequestStats, Status
@@ -105,7 +106,9 @@ class Engine(CacheAwayMixin):
         self.adapters = (AdapterRegistry(model, max_loaded=cfg.max_loaded_adapters,
                                          max_rank=cfg.max_lora_rank)
                          if cfg.max_loaded_adapters else None)
-        self.runner = ModelRunner(model, cfg, self.adapters, self.stats, self.eos, self.ckpt_slots)
+        self.grammar = GrammarEngine(tokenizer, self.vocab_size, self.eos)
+        self.runner = ModelRunner(model, cfg, self.adapters, self.stats, self.eos, self.ckpt_slots,
+                                  self.grammar)
         self.host_kv = allocate_host_pool(self.kv, cfg.host_pages, pin=model.device.type == "cuda")
         layout = PageLayout.of_model(mc, cfg.page_size, model.dtype)
         self.l3 = (RemoteTier(cfg.l3, cfg.model_id, layout, RemoteTierConfig(
@@ -197,6 +200,7 @@ class Engine(CacheAwayMixin):
             if bad is not None:
                 raise ValueError(f"{field}: {bad} is outside the vocabulary [0, {self.vocab_size})")
         sampling.validate(self.vocab_size)
+        compiled = self.grammar.check(sampling)  # compiled here, not on the engine thread
         if len(resume_output) >= sampling.max_tokens:
             raise ValueError(f"resume_output: {len(resume_output)} tokens already reach "
                              f"max_tokens {sampling.max_tokens}")
@@ -213,6 +217,8 @@ class Engine(CacheAwayMixin):
         for i in range(len(resume_output)):  # the text stream where the other worker left it
             req.output.append(resume_output[i])
             req.text.next(self.tokenizer, req.output)
+        if compiled is not None:
+            req.matcher = self.grammar.matcher(compiled, req.output)
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.model.device).manual_seed(sampling.seed)
         req.stats = RequestStats(req.id, self.cfg.pool_id, len(prompt))

@@ -28,6 +28,7 @@ import torch
 from compute_service.engine.config import EngineConfig, EngineStats
 from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.request import Request
+from compute_service.engine.grammar import GrammarEngine
 from compute_service.engine.logits_ops import TokenLogprobs, bad_word_bans
 from compute_service.engine.sampling import sample_batch
 from compute_service.lora import AdapterRegistry
@@ -44,8 +45,10 @@ TwinFinder = Callable[[list[tuple[int, Request]]], list[tuple[int, Request]]]
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: EngineConfig, adapters: AdapterRegistry | None,
-                 stats: EngineStats, eos: tuple[int, ...], checkpoint_slots: int):
+                 stats: EngineStats, eos: tuple[int, ...], checkpoint_slots: int,
+                 grammar: GrammarEngine | None = None):
         mc = model.config
+        self.grammar = grammar  # structured output's masks (engine.grammar)
         self.model, self.cfg, self.adapters, self.stats, self.eos = model, cfg, adapters, stats, eos
         self.mamba = bool(mc.mamba_layer_ids)
         # Mamba checkpoints are kept only to be published: not without a prefix cache.
@@ -100,7 +103,12 @@ class ModelRunner:
         # Token histories only where penalties read them, kept on the request between steps.
         history = ([r.token_history() if r.sampling.penalized else None for r in reqs]
                    if any(p.penalized for p in params) else None)
-        got = sample_batch(logits.float(), params, [r.generator for r in reqs], banned, history)
+        constrained = self.grammar is not None and any(r.sampling.constraint for r in reqs)
+        mask = (lambda rows: self.grammar.mask(rows, reqs)) if constrained else None
+        got = sample_batch(logits.float(), params, [r.generator for r in reqs], banned, history,
+                           mask=mask)
+        if self.grammar is not None:
+            self.grammar.advance(reqs, got.tokens)
         return list(zip(reqs, got.tokens, got.logprobs, strict=True))
 
     def _host_inputs(self, batch: list[tuple[Request, int]]):

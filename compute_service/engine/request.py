@@ -105,6 +105,9 @@ class Request:
     # "the running slot" (a decode step ended on that page).
     checkpoints: dict[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=dict)
     generator: torch.Generator | None = None
+    # Its structured-output constraint's xgrammar matcher (compute_service/engine/grammar.py),
+    # made at submission; None without a constraint.
+    matcher: object | None = None
     text: TextStream = field(default_factory=TextStream)  # what of the output has streamed
     scheduled_at: float | None = None  # time.monotonic() it first left `waiting` to run
     first_token_at: float | None = None

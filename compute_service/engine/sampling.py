@@ -1,9 +1,11 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, per-request
 seeds, after the batched logits processing of logits_ops.py (bans, logit_bias, penalties), and
-the logprobs a request asked for."""
+the logprobs a request asked for. Structured output (`Constraint`) masks the logits after the raw
+logprobs are read and before the draw (compute_service/engine/grammar.py; ModelRunner.run passes
+the mask to `sample_batch`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,18 @@ MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default
 MAX_LOGIT_BIAS = 1024  # logit_bias entries at most
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 MAX_BAD_WORDS, MAX_BAD_WORD_IDS = 128, 1024  # vLLM's VLLM_MAX_NUM_BAD_WORDS, _TOTAL_TOKENS
+
+
+# The kinds of structured output (the proto's StructuredOutput oneof).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A structured-output constraint: `spec` is the JSON schema's text, the regex, the grammar,
+    the choices as a JSON list, or "" for json_object. Hashable: the grammar cache's key."""
+    kind: str
+    spec: str = ""
 
 
 @dataclass(slots=True)
@@ -37,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     # vLLM's bad_words, tokenized (logits_ops.bad_word_bans).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    constraint: Constraint | None = None
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raises ValueError naming the field (the gRPC layer maps it to INVALID_ARGUMENT)."""
@@ -121,17 +136,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None], banned: Sequence[Sequence[int]],
-                 history: Sequence[TokenHistory | tuple[Sequence[int], Sequence[int]]] | None = None
-                 ) -> Sampled:
+                 history: Sequence[TokenHistory | tuple[Sequence[int], Sequence[int]]] | None = None,
+                 mask: Callable[[torch.Tensor], None] | None = None) -> Sampled:
     """The tokens of the rows of `logits` [K, V], and the logprobs rows asked for. `history[i]`
-    is row i's TokenHistory, or its (prompt, output) ids; read only by rows with penalties."""
+    is row i's TokenHistory, or its (prompt, output) ids; read only by rows with penalties.
+    `mask` (structured output: GrammarEngine.mask) changes the logits it is given in place; it
+    runs on a clone, after the raw logprobs are read and after bans, bias and penalties, before
+    the draw, so the logprobs stay the model's own."""
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     # raw_logprobs (logits_ops.py): taken before anything below changes the logits.
     # (`logits` itself, not a copy, when every row asked: what follows changes a clone.)
     raw = (logits if len(lp_rows) == len(params) else logits[lp_rows]) if lp_rows else None
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     pen = [i for i, p in enumerate(params) if p.penalized]
-    if any(banned) or biased or pen:
+    if any(banned) or biased or pen or mask is not None:
         logits = logits.clone()  # never change the model's output (a CUDA graph's buffer)
         apply_bans(logits, banned)
         apply_logit_bias(logits, [params[i].logit_bias if params[i].logit_bias else {}
@@ -142,6 +160,8 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                             [params[i].repetition_penalty for i in pen],
                             [params[i].frequency_penalty for i in pen],
                             [params[i].presence_penalty for i in pen])
+        if mask is not None:
+            mask(logits)
     tokens = _draw(logits, params, generators)
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     if raw is not None:

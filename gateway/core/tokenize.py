@@ -91,11 +91,12 @@ class GatewayTokenizer:
         return self._require("prompt.text").text_prompt_ids(text)
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]],
-                        add_generation_prompt: bool = True) -> list[int]:
+                        add_generation_prompt: bool = True,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """A chat's prompt ids: the workers' chat template rendered in the sandbox and encoded
         as transformers' apply_chat_template(tokenize=True) does. TokenizerUnavailable, or
         NoChatTemplate / ChatTemplateError (ValueErrors naming the problem)."""
-        return self._require("messages").chat_ids(messages, add_generation_prompt)
+        return self._require("messages").chat_ids(messages, add_generation_prompt, tools)
 
     chat_ids = chat_prompt_ids
 

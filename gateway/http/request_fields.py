@@ -16,8 +16,9 @@ and fails on one that is neither.
   cannot hide a mistake. `KNOWN_IGNORED` names the few fields accepted without effect on
   purpose.
 
-STRUCTURED_OUTPUT is the one place where structured output and tool calling fields are refused
-(they are implemented on the `openai-struct` branch, which moves each from here to the schema).
+Structured output and tools (response_format, structured_outputs, tools, tool_choice,
+parallel_tool_calls) are declared fields of the schema (gateway/http/structured.py, tools.py).
+STRUCTURED_OUTPUT keeps only vLLM's old guided_* spelling of them, refused by name.
 """
 from __future__ import annotations
 
@@ -28,18 +29,12 @@ from prefixcache_client.limits import QUOTE_LIMIT, quote_untrusted
 # Neutral values: a field set to one of these is accepted (it asks for vLLM's default).
 _OFF: tuple[Any, ...] = (None,)
 
-# Structured output and tools: refused until the grammar engine serves them (see the docstring).
+# Structured output's old spellings, refused by name (see the docstring).
 STRUCTURED_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported: "
-                        "structured output (json_object, json_schema) is not implemented yet"),
-    "structured_outputs": (_OFF, "structured output is not implemented yet"),
-    "tools": ((None, []), "tool calling is not implemented yet"),
-    "tool_choice": ((None, "none"), "tool calling is not implemented yet"),
-    "parallel_tool_calls": ((None, True), "tool calling is not implemented yet"),
     # vLLM < 0.12 spelled structured output as guided_*: named, so the old spelling is not
     # mistaken for a typo.
-    **{f"guided_{k}": (_OFF, "vLLM's old spelling of structured output; structured output "
-                              "is not implemented yet")
+    **{f"guided_{k}": (_OFF, "vLLM's old spelling of structured output: use "
+                              "structured_outputs or response_format")
        for k in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
 }
 

@@ -12,11 +12,12 @@ import time
 from typing import Any
 
 import anyio
+import grpc
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from gateway.core.proxy import GenerateProxy
+from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.tenants import Tenant
 from gateway.http import schemas
 from gateway.http.errors import ApiError, bad_request
@@ -25,6 +26,8 @@ from gateway.http.choices import Choices
 from gateway.http.generation import ClientGone, Generation, Job
 from gateway.http.logprobs import token_namer
 from gateway.http.streaming import sse_events
+from gateway.http.structured import Structured, http_field
+from gateway.http.tools import ToolPlan
 from prefixcache.v1 import compute_service_pb2 as pb
 
 
@@ -32,10 +35,14 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                    prompts: list[pb.GenerateRequest], max_tokens: int | None,
                    request: Request, who: Tenant, rid: str, chat: bool,
                    proxy: GenerateProxy, limiter: anyio.CapacityLimiter,
-                   fingerprint: str | None = None, echo: list[str] | None = None) -> Response:
+                   fingerprint: str | None = None, echo: list[str] | None = None,
+                   constraint: Structured | None = None,
+                   tool_plan: ToolPlan | None = None) -> Response:
     """The response to `body`, whose prompts are `prompts` (each a GenerateRequest with its
     prompt and adapter set); `rid` names the response and, with the choice's index, each call.
-    `echo`: each prompt's text, put before its choices' text (completions' `echo`)."""
+    `echo`: each prompt's text, put before its choices' text (completions' `echo`).
+    `constraint`: the output's structured-output constraint (every choice's); `tool_plan`: how
+    the choices' text becomes tool calls (gateway/http/tools.py)."""
     who = who.with_cache_salt(body.cache_salt)
     temperature = default_temperature(proxy)
     words = bad_word_ids(body.bad_words, proxy.tokenizer) if body.bad_words else []
@@ -49,6 +56,8 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
             req.sampling.CopyFrom(sampling(body, max_tokens, i, temperature))
             for ids in words:
                 req.sampling.bad_words.add(ids=ids)
+            if constraint is not None:
+                req.sampling.structured_output.CopyFrom(constraint.message)
             jobs.append(Job(index, p, req, fingerprint))
     if len(jobs) > schemas.MAX_N:  # each choice is a worker call
         raise bad_request("n", f"prompts x n is {len(jobs)} choices; at most "
@@ -57,7 +66,8 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                             trace=getattr(request.state, "trace", None))
     request.state.usage = generation.usage  # the access-log line's tokens (request_log.py)
     model = body.model or proxy.fleet.model_id or ""
-    shape = Choices(chat, body.logprobs_wanted(), token_namer(proxy.tokenizer.current()), echo)
+    shape = Choices(chat, body.logprobs_wanted(), token_namer(proxy.tokenizer.current()), echo,
+                    tool_plan)
     salted = body.cache_salt is not None
     try:
         await generation.open(disconnected(request), peek=body.stream)
@@ -66,6 +76,12 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                                 body.include_usage(), lambda: usage(generation, salted))
             return EventSourceResponse(events, sep="\n", ping=15)
         await generation.collect(disconnected(request))
+    except ProxyError as exc:  # a constraint the worker's compiler refused: the request's field
+        generation.close()
+        named = http_field(exc.message, constraint)
+        if named is None or exc.code != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        raise bad_request(*named) from None
     except ClientGone:
         generation.close()
         return Response(status_code=499)

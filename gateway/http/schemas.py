@@ -135,6 +135,9 @@ class CompletionRequest(_Sampling):
     # A string, token ids, or a batch of either.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, lt=_U32)
+    # Structured output (gateway/http/structured.py checks them).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     echo: bool = False
     # The top logprobs per token (0: the sampled token's only); None: no logprobs.
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -166,10 +169,14 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or text parts (joined); None only for an assistant turn without text.
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # A tool's answer names the call it answers; an assistant turn may carry its calls
+    # (gateway/http/tools.py hands both to the chat template).
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -184,6 +191,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, lt=_U32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Tools and structured output: gateway/http/tools.py and structured.py check them.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # vLLM's: render the template with the generation prompt (the assistant turn's header).
     add_generation_prompt: bool = True
 
@@ -194,8 +207,16 @@ class ChatCompletionRequest(_Sampling):
     def chat(self) -> list[dict[str, str]]:
         """The messages as the chat template reads them ("developer" is OpenAI's newer name
         for "system", which templates know)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": m.text()}
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            out.append(msg)
+        return out
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = _unsupported_sampling(self)
@@ -238,9 +259,16 @@ def completion_choice(index: int, text: str, finish: str | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_choice(index: int, text: str, finish: str | None,
-                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str | None, finish: str | None,
+                logprobs: list[dict[str, Any]] | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """With `tool_calls`: OpenAI's assistant message that calls tools (content None unless
+    the model wrote text before its calls), finish_reason "tool_calls"."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        finish = "tool_calls" if finish == "stop" else finish
+    return {"index": index, "message": message,
             "logprobs": None if logprobs is None else {"content": logprobs},
             "finish_reason": finish}
 

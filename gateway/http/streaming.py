@@ -128,8 +128,7 @@ async def sse_events(generation, shape: Choices, rid: str, created: int, model: 
             if opening is not None:
                 yield chunk([opening])
         async for sample, delta, finished in generation.events():
-            choice = shape.chunk(sample, delta, sample.finish if finished else None)
-            if choice is not None:
+            for choice in shape.chunks(sample, delta, finished):
                 yield chunk([choice])
         if include_usage:
             yield _data(schemas.envelope(kind, rid, created, model, [], usage=usage()))

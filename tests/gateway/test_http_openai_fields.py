@@ -195,7 +195,7 @@ def test_echo_default_temperature_and_fields_refused_by_name(chat, client):
                                   extra_body={"ignore_eos": True})
     assert len({c.text for c in r.choices}) > 1
     for extra, param in (({"max_token": 5}, "max_token"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
-                         ({"structured_outputs": {"json": {}}}, "structured_outputs")):
+                         ({"guided_json": {}}, "guided_json")):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=model, prompt=prompt, max_tokens=2,
                                       extra_body=extra)

@@ -58,12 +58,18 @@ def test_every_vllm_field_is_implemented_or_refused_by_name(kind, name):
     assert "only its default is accepted" in problems[0][1]
 
 
-def test_unknown_fields_are_refused_by_name_and_structured_output_is_one_list():
+def test_unknown_fields_are_refused_by_name_and_structured_output_is_implemented():
     problems = _refusals("chat", {**BASE["chat"], "temprature": 0.5})
     assert problems[0][0] == "temprature" and "unknown field" in problems[0][1]
-    # One place for the structured-output and tool fields (the other branch flips them).
-    assert {"response_format", "tools", "tool_choice", "structured_outputs"} <= set(
-        request_fields.STRUCTURED_OUTPUT)
+    # Structured output and tools are implemented (gateway/http/structured.py, tools.py):
+    # declared fields of the schema, none of them refused; only guided_* stays refused by name.
+    implemented = {"response_format", "structured_outputs", "tools", "tool_choice",
+                   "parallel_tool_calls"}
+    assert implemented <= set(ChatCompletionRequest.model_fields)
+    assert {"response_format", "structured_outputs"} <= set(CompletionRequest.model_fields)
+    assert not implemented & (set(request_fields.STRUCTURED_OUTPUT) | set(request_fields.REFUSED))
+    assert all(n.startswith("guided_") for n in request_fields.STRUCTURED_OUTPUT)
+    assert request_fields.status("guided_json") == "refused"
     assert not set(request_fields.STRUCTURED_OUTPUT) & set(request_fields.REFUSED)
     assert _refusals("chat", {**BASE["chat"], "response_format": {"type": "text"},
                               "tool_choice": "none", "tools": []}) == []

@@ -3,6 +3,8 @@ gateway's tokenizer (the one the workers use), so the gateway routes on exactly 
 worker computes; `n` choices (gateway/http/respond.py)."""
 from __future__ import annotations
 
+import json
+
 import anyio
 import grpc
 from anyio import to_thread
@@ -11,7 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.request_checks import check_text_size
 from gateway.core.tenants import Tenant
-from gateway.http import deps, respond, schemas
+from gateway.http import deps, respond, schemas, structured, tools
 from gateway.http.errors import bad_request, from_proxy
 from gateway.http.models import ModelCatalog
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -27,6 +29,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
                            catalog: ModelCatalog = Depends(deps.catalog),
                            limiter: anyio.CapacityLimiter = Depends(deps.limiter)) -> Response:
     respond.refuse_unsupported(body.unsupported())
+    tool_plan, constraint = tool_constraint(body, proxy)
     adapter, models = await catalog.resolve(body.model)
     # The messages' text bounded by the context before the template renders it.
     check_text_size("".join(m.text() for m in body.messages), proxy.fleet, "messages")
@@ -41,7 +44,27 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     req.token_ids.ids.extend(ids)
     rid = f"chatcmpl-{request.state.request_id}"  # X-Request-Id (request_log.py)
     return await respond.generate(body, [req], max_tokens, request, who, rid, chat=True,
-                                  proxy=proxy, limiter=limiter, fingerprint=fingerprint)
+                                  proxy=proxy, limiter=limiter, fingerprint=fingerprint,
+                                  constraint=constraint, tool_plan=tool_plan)
+
+
+def tool_constraint(body: schemas.ChatCompletionRequest, proxy: GenerateProxy
+                    ) -> tuple[tools.ToolPlan | None, structured.Structured | None]:
+    """The request's tool handling and its output constraint: `required` or a named tool
+    choice is one (a JSON schema, gateway/http/tools.py), and then no other may be asked."""
+    current = proxy.tokenizer.current()
+    template = current.chat_template if current is not None else None
+    plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+    constraint = structured.from_request(body.response_format, body.structured_outputs)
+    schema = tools.constraint_schema(plan, body.parallel_tool_calls) if plan else None
+    if schema is None:
+        return plan, constraint
+    if constraint is not None:
+        raise bad_request("tool_choice", f"{plan.mode} tool choice constrains the output "
+                          f"itself; it cannot be combined with {constraint.field.split('.')[0]}")
+    # A schema the compiler refuses comes from the tools' parameters: the 400 names `tools`.
+    return plan, structured.Structured(pb.StructuredOutput(json_schema=json.dumps(schema)),
+                                       "tools")
 
 
 def chat_ids(proxy: GenerateProxy,
@@ -52,7 +75,8 @@ def chat_ids(proxy: GenerateProxy,
     or the template fails on these messages; 503 while the gateway knows no tokenizer yet."""
     tokenizer = proxy.tokenizer
     try:
-        ids = tokenizer.chat_prompt_ids(body.chat(), body.add_generation_prompt)
+        ids = tokenizer.chat_prompt_ids(tools.template_messages(body.chat()),
+                                        body.add_generation_prompt, body.tools)
     except NoChatTemplate:
         raise bad_request("messages", "this model has no chat template; send the prompt as "
                                       "text or token ids to /v1/completions") from None

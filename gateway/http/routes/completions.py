@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.core.proxy import GenerateProxy
 from gateway.core.request_checks import check_request, check_text_size
 from gateway.core.tenants import Tenant
-from gateway.http import deps, respond, schemas
+from gateway.http import deps, respond, schemas, structured
 from gateway.http.errors import bad_request
 from gateway.http.models import ModelCatalog
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -24,6 +24,7 @@ async def completions(body: schemas.CompletionRequest, request: Request,
                       catalog: ModelCatalog = Depends(deps.catalog),
                       limiter: anyio.CapacityLimiter = Depends(deps.limiter)) -> Response:
     respond.refuse_unsupported(body.unsupported())
+    constraint = structured.from_request(body.response_format, body.structured_outputs)
     adapter, _ = await catalog.resolve(body.model)
     prompts = body.prompts()
     if not prompts:
@@ -45,7 +46,8 @@ async def completions(body: schemas.CompletionRequest, request: Request,
     rid = f"cmpl-{request.state.request_id}"  # X-Request-Id (request_log.py)
     echo = echo_texts(prompts, proxy) if body.echo else None
     return await respond.generate(body, requests, body.max_tokens, request, who, rid,
-                                  chat=False, proxy=proxy, limiter=limiter, echo=echo)
+                                  chat=False, proxy=proxy, limiter=limiter, echo=echo,
+                                  constraint=constraint)
 
 
 def echo_texts(prompts: list[str | list[int]], proxy: GenerateProxy) -> list[str]:

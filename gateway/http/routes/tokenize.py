@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.tenants import Tenant
-from gateway.http import deps, respond
+from gateway.http import deps, respond, schemas, tools
 from gateway.http.errors import bad_request, from_proxy
 from gateway.http.models import ModelCatalog
 from gateway.http.request_fields import refusals
@@ -35,6 +35,8 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None  # vLLM's default per form: text True, chat False
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
+    # Handed to the chat template as the chat completion's are (gateway/http/tools.py).
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> TokenizeRequest:
@@ -56,9 +58,9 @@ def _ids(proxy: GenerateProxy, body: TokenizeRequest) -> list[int]:
             if body.add_special_tokens:
                 raise bad_request("add_special_tokens", "a chat's special tokens are its "
                                   "template's; only false is accepted")
-            chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-            return list(tok.chat_prompt_ids(chat, body.add_generation_prompt))
+            # The chat as /v1/chat/completions renders it: tool calls, tool results, tools.
+            chat = tools.template_messages(schemas.ChatCompletionRequest.chat(body))
+            return list(tok.chat_prompt_ids(chat, body.add_generation_prompt, body.tools))
         if body.add_special_tokens is not False or tok.current() is None:
             # The workers' BOS rule; TokenizerUnavailable when the gateway knows no tokenizer.
             return list(tok.text_ids(body.prompt))
