@@ -24,7 +24,7 @@ class PagedAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.window = window
-        self.scale = d**-0.5
+        self.scale = cfg.attention_scale or d**-0.5
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
@@ -33,7 +33,7 @@ class PagedAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         batch: ForwardBatch,
         cache: tuple[torch.Tensor, torch.Tensor],
         seq_lens: torch.Tensor | None,
@@ -45,14 +45,14 @@ class PagedAttention(nn.Module):
         computed once per call, not per layer. `lora` adds the per-token adapter updates of
         q/k/v/o (before RoPE, as PEFT does)."""
         t = x.shape[0]
-        cos, sin = cos_sin
         q, k, v = project_group(
             (self.q_proj, self.k_proj, self.v_proj), x, lora, ("q_proj", "k_proj", "v_proj")
         )
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos_sin is not None:  # None: no positional encoding (NoPE)
+            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         k_cache, v_cache = cache
         kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.mode is ForwardMode.DECODE:

@@ -5,7 +5,11 @@ A model is a stack of `num_layers` decoder layers. Each layer is
     h = h + mixer(norm1(h))          mixer = attention or Mamba2, per `layer_types[i]`
     h = h + mlp(norm2(h))            only when `intermediate_size > 0` (pure Mamba2 has no MLP)
 
-followed by a final RMSNorm and the LM head. Attention is GQA with RoPE (optionally partial,
+or, in families whose blocks hold a single mixer each (NemotronH), an "mlp" layer
+`h = h + mlp(norm1(h))`; when any layer is an "mlp" layer, attention/Mamba layers carry no MLP.
+Every residual add is scaled by `residual_multiplier` and the embedding by
+`embedding_multiplier` (Granite's muP multipliers; 1.0 elsewhere). The stack is
+followed by a final RMSNorm and the LM head (logits divided by `logits_scaling`). Attention is GQA with RoPE (optionally partial,
 i.e. only the first `rotary_dim` channels of each head rotate) and an optional per-layer sliding
 window. Mamba2 is the SSD mixer of the Mamba2 paper (in_proj -> causal depthwise conv1d -> SSD
 scan with dt/A/D -> gated group RMSNorm -> out_proj).
@@ -24,9 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-LayerType = Literal["attention", "mamba"]
+LayerType = Literal["attention", "mamba", "mlp"]
 ATTENTION: LayerType = "attention"
 MAMBA: LayerType = "mamba"
+MLP: LayerType = "mlp"
+# Feed-forward kinds: "swiglu" down(silu(gate(x)) * up(x)); "relu2" down(relu(up(x))^2)
+# (NemotronH); "fused_swiglu" the SwiGLU with gate and up in one `input_linear` (Granite).
+MLP_KINDS = ("swiglu", "relu2", "fused_swiglu")
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,16 +59,26 @@ class ModelConfig:
     # Feed-forward (SwiGLU). 0 means "no MLP sub-layer" (Mamba2 blocks).
     intermediate_size: int = 0
     mlp_bias: bool = False
+    mlp_kind: str = "swiglu"
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     # Keep the residual stream in fp32 whatever the weight dtype (HF Mamba2 `residual_in_fp32`).
     residual_in_fp32: bool = False
+    # muP multipliers (Granite): embeddings times embedding_multiplier, every residual branch
+    # times residual_multiplier, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # --- attention layers ---
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
     qkv_bias: bool = False
     o_bias: bool = False
+    # Softmax scale of q.k; 0.0 means head_dim ** -0.5 (Granite sets attention_multiplier).
+    attention_scale: float = 0.0
+    # False: attention without positional encoding (NemotronH, Granite "nope").
+    use_rope: bool = True
     rope_theta: float = 10000.0
     # Number of leading channels per head that RoPE rotates (NeoX "rotate half" layout within
     # them); the remaining head_dim - rotary_dim channels pass through unchanged.
@@ -80,11 +98,14 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_chunk_size: int = 256
     mamba_norm_eps: float = 1e-6
+    # Floor of the discretisation step softplus(dt + dt_bias) (NemotronH clamps it at
+    # time_step_min); 0.0 = no floor.
+    mamba_dt_min: float = 0.0
     # --- tokens / provenance ---
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # The HF family this config was read from / is written as: llama, qwen2, mistral, mamba2, bamba.
+    # The HF family this config was read from / is written as (hf_config.SUPPORTED_MODEL_TYPES).
     model_type: str = "llama"
 
     # ---- derived views -------------------------------------------------------------------
@@ -105,6 +126,11 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
 
     @property
+    def mixer_mlp(self) -> bool:
+        """Whether attention/Mamba layers carry an MLP sub-layer (no separate "mlp" layers)."""
+        return self.intermediate_size > 0 and MLP not in self.layer_types
+
+    @property
     def mamba_conv_dim(self) -> int:
         """Channels that go through the conv1d: x, B and C concatenated."""
         return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_state_size
@@ -118,8 +144,12 @@ class ModelConfig:
         if n == 0:
             raise ValueError("layer_types: a model needs at least one layer")
         for t in self.layer_types:
-            if t not in (ATTENTION, MAMBA):
+            if t not in (ATTENTION, MAMBA, MLP):
                 raise ValueError(f"layer_types: unknown layer type {t!r}")
+        if MLP in self.layer_types and self.intermediate_size <= 0:
+            raise ValueError("intermediate_size: an mlp layer needs intermediate_size > 0")
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(f"mlp_kind: {self.mlp_kind!r} is not one of {MLP_KINDS}")
         if len(self.sliding_windows) != n:
             raise ValueError(f"sliding_windows: has {len(self.sliding_windows)} entries, want {n}")
         for i, (t, w) in enumerate(zip(self.layer_types, self.sliding_windows)):
@@ -132,7 +162,7 @@ class ModelConfig:
                 raise ValueError("num_heads/num_kv_heads/head_dim: must be positive")
             if self.num_heads % self.num_kv_heads:
                 raise ValueError("num_kv_heads: must divide num_heads")
-            if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            if self.use_rope and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
                 raise ValueError(f"rotary_dim: {self.rotary_dim} must be even and in (0, head_dim]")
         if self.mamba_layer_ids:
             if self.mamba_num_heads * self.mamba_head_dim != self.mamba_intermediate_size:
@@ -149,9 +179,14 @@ class ModelConfig:
         """Parameter count implied by the shapes (tied embeddings counted once)."""
         h = self.hidden_size
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        inter = self.intermediate_size
+        mlp = (2 + (self.mlp_kind != "relu2")) * h * inter
+        mlp += ((1 + (self.mlp_kind != "relu2")) * inter + h) * self.mlp_bias
         for t in self.layer_types:
             total += h  # norm1
-            if t == ATTENTION:
+            if t == MLP:
+                total += mlp
+            elif t == ATTENTION:
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 total += h * (q + 2 * kv) + q * h
                 total += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
@@ -160,7 +195,6 @@ class ModelConfig:
                 total += h * (di + cd + nh) + (di + cd + nh) * self.mamba_proj_bias
                 total += cd * self.mamba_conv_kernel + cd * self.mamba_conv_bias
                 total += 3 * nh + di + di * h + h * self.mamba_proj_bias
-            if self.intermediate_size:
-                total += h + 3 * h * self.intermediate_size
-                total += (2 * self.intermediate_size + h) * self.mlp_bias
+            if t != MLP and self.mixer_mlp:
+                total += h + mlp
         return total

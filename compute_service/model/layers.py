@@ -1,4 +1,4 @@
-"""Stateless building blocks: RMSNorm, gated group RMSNorm, SwiGLU MLP and rotary embedding.
+"""Stateless building blocks: RMSNorm, gated group RMSNorm, the MLPs and rotary embedding.
 
 Numerics follow the Hugging Face implementations of the supported families: norms compute in
 fp32 and cast back to the input dtype *before* multiplying by the weight.
@@ -74,6 +74,39 @@ class SwiGLU(nn.Module):
         )
         h = F.silu(gate) * up
         return project(self.down_proj, h, lora, "down_proj")
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up(x))^2): NemotronH's MLP (no gate)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        h = torch.square(F.relu(project(self.up_proj, x, lora, "up_proj")))
+        return project(self.down_proj, h, lora, "down_proj")
+
+
+class FusedSwiGLU(nn.Module):
+    """output_linear(silu(gate) * up) with (gate | up) = input_linear(x): Granite's shared MLP,
+    kept fused as its checkpoints store it. Not a LoRA target (its PEFT names differ)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.output_linear = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(F.silu(gate) * up)
+
+
+def build_mlp(cfg: ModelConfig) -> nn.Module:
+    """The feed-forward of `cfg.mlp_kind`."""
+    kind = {"swiglu": SwiGLU, "relu2": ReluSquaredMLP, "fused_swiglu": FusedSwiGLU}
+    return kind[cfg.mlp_kind](cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -61,6 +61,9 @@ class Mamba2Mixer(nn.Module):
         self.head_dim, self.n_groups = cfg.mamba_head_dim, cfg.mamba_n_groups
         self.state_size = cfg.mamba_state_size
         self.chunk_size = cfg.mamba_chunk_size
+        # softplus(dt + dt_bias) >= dt_min  <=>  dt >= softplus^-1(dt_min) - dt_bias (monotone),
+        # so the floor is applied to the raw dt and the kernels stay unchanged.
+        self.dt_floor = math.log(math.expm1(cfg.mamba_dt_min)) if cfg.mamba_dt_min > 0 else None
         self.in_proj = nn.Linear(h, di + self.conv_dim + nh, bias=cfg.mamba_proj_bias)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, cfg.mamba_conv_kernel))
         self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if cfg.mamba_conv_bias else None
@@ -90,6 +93,8 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = project(self.in_proj, hidden, lora, "in_proj").split(
             [self.intermediate, self.conv_dim, self.num_heads], dim=-1
         )
+        if self.dt_floor is not None:
+            dt = torch.maximum(dt.float(), self.dt_floor - self.dt_bias.float()).to(dt.dtype)
         xbc, dt = xbc.contiguous(), dt.contiguous()
         A = -torch.exp(self.A_log.float())
         boundary_states = None

@@ -13,8 +13,8 @@ from compute_service.model.batch import (
     ForwardOutput,
     MambaBoundaryStates,
 )
-from compute_service.model.config import ATTENTION, ModelConfig
-from compute_service.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from compute_service.model.config import ATTENTION, MAMBA, MLP, ModelConfig
+from compute_service.model.layers import RMSNorm, RotaryEmbedding, build_mlp
 from compute_service.model.mamba import BoundarySelection, Mamba2Mixer, select_boundaries
 
 # Parameters kept in fp32 whatever the model dtype (see CausalLM.cast).
@@ -22,23 +22,21 @@ FP32_PARAMS = ("A_log", "D", "dt_bias")
 
 
 class DecoderLayer(nn.Module):
-    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when intermediate_size > 0)."""
+    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when `cfg.mixer_mlp`).
+    An "mlp" layer (NemotronH) is h += mlp(norm1(h)): attn, mamba and norm2 are None."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
+        kind = cfg.layer_types[layer_id]
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn: PagedAttention | None = None
         self.mamba: Mamba2Mixer | None = None
-        if cfg.layer_types[layer_id] == ATTENTION:
+        if kind == ATTENTION:
             self.attn = PagedAttention(cfg, cfg.sliding_windows[layer_id])
-        else:
+        elif kind == MAMBA:
             self.mamba = Mamba2Mixer(cfg)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.intermediate_size else None
-        self.mlp = (
-            SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-            if cfg.intermediate_size
-            else None
-        )
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.mixer_mlp else None
+        self.mlp = build_mlp(cfg) if cfg.mixer_mlp or kind == MLP else None
 
 
 class CausalLM(nn.Module):
@@ -64,7 +62,7 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self.rotary = RotaryEmbedding(cfg) if cfg.attention_layer_ids else None
+        self.rotary = RotaryEmbedding(cfg) if cfg.attention_layer_ids and cfg.use_rope else None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
@@ -124,6 +122,8 @@ class CausalLM(nn.Module):
 
         stream_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
         h = self.embed(input_ids).to(stream_dtype)
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
         cos_sin = self.rotary(positions, self.dtype) if self.rotary is not None else None
         seq_lens = batch.seq_lens() if batch.mode is ForwardMode.DECODE else None
         boundaries: BoundarySelection | None = None
@@ -139,7 +139,9 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             lora = batch.lora.layers[i] if batch.lora is not None else None
             x = layer.norm1(h.to(self.dtype))
-            if layer.attn is not None:
+            if layer.attn is None and layer.mamba is None:  # an "mlp" layer
+                x = layer.mlp(x, lora)
+            elif layer.attn is not None:
                 x = layer.attn(x, cos_sin, batch, batch.kv_caches[attn_i], seq_lens, lora)
                 attn_i += 1
             else:
@@ -148,9 +150,9 @@ class CausalLM(nn.Module):
                 if states is not None:
                     ssm_out.append(states[0])
                     conv_out.append(states[1])
-            h = h + x
-            if layer.mlp is not None:
-                h = h + layer.mlp(layer.norm2(h.to(self.dtype)), lora)
+            h = self._residual(h, x)
+            if layer.norm2 is not None:
+                h = self._residual(h, layer.mlp(layer.norm2(h.to(self.dtype)), lora))
 
         selected = h[batch.selected_indices()]
         logits = self.logits(self.final_norm(selected))
@@ -161,7 +163,14 @@ class CausalLM(nn.Module):
             )
         return ForwardOutput(logits=logits, mamba_boundaries=mamba_boundaries)
 
+    def _residual(self, h: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        m = self.config.residual_multiplier
+        return h + (branch if m == 1.0 else branch * m)
+
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab]."""
+        """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab] (divided by
+        `logits_scaling`, Granite's muP output multiplier)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return kernels.linear(normed.to(weight.dtype), weight).float()
+        logits = kernels.linear(normed.to(weight.dtype), weight).float()
+        s = self.config.logits_scaling
+        return logits if s == 1.0 else logits / s
