@@ -17,6 +17,7 @@ from cache_service.core import CacheCore
 from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.model import ByteTokenizer
 from tests.compute_service.engine.references import FAMILIES, NEW, PAGE, model, reference
+from tests.compute_service.hf_families import HF_FAMILIES
 
 
 def engine(name: str, **cfg) -> Engine:
@@ -141,11 +142,11 @@ def test_prompt_shorter_than_the_conv_window(name):
         assert run(eng, {"short": prompt})["short"][0] == reference(name, tuple(prompt))
 
 
-def test_remote_mode_gives_the_same_output_over_grpc():
+@pytest.mark.parametrize("name", ["tiny-hybrid", *HF_FAMILIES])
+def test_remote_mode_gives_the_same_output_over_grpc(name):
     from tests.cache_service.grpc_harness import running_server
     from prefixcache_client.cache import CacheClient
     with running_server() as server, CacheClient(f"127.0.0.1:{server.port}") as client:
-        name = "tiny-hybrid"
         eng = Engine(model(name), ByteTokenizer(), client, EngineConfig(
             page_size=PAGE, device_pages=128, token_budget=24, model_id=name))
         got = run(eng, {"a": BASE, "b": BASE})

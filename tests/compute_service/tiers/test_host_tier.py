@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from compute_service.tiers import PageLayout
+from tests.compute_service.hf_families import HF_FAMILIES
 from tests.compute_service.tiers.helpers import PROMPT, generate, prompt_of, reference
 
 
-@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-hybrid", *HF_FAMILIES])
 def test_demoted_pages_are_loaded_back_from_the_host(workers, name):
     # 10 device pages hold one 37-token request; the second request demotes the first's pages.
     eng = workers(name, device_pages=10, host_pages=16)
