@@ -29,6 +29,9 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        # Falcon-H1's muP multipliers of the input, the keys (before RoPE) and the output.
+        self.in_multiplier, self.out_multiplier = cfg.attention_in_multiplier, cfg.attention_out_multiplier
+        self.key_multiplier = cfg.key_multiplier
 
     def forward(
         self,
@@ -45,11 +48,15 @@ class PagedAttention(nn.Module):
         computed once per call, not per layer. `lora` adds the per-token adapter updates of
         q/k/v/o (before RoPE, as PEFT does)."""
         t = x.shape[0]
+        if self.in_multiplier != 1.0:
+            x = x * self.in_multiplier
         q, k, v = project_group(
             (self.q_proj, self.k_proj, self.v_proj), x, lora, ("q_proj", "k_proj", "v_proj")
         )
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if cos_sin is not None:  # None: no positional encoding (NoPE)
             q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
@@ -70,4 +77,5 @@ class PagedAttention(nn.Module):
                 self.scale,
                 window=self.window,
             )
-        return project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), lora, "o_proj")
+        out = project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), lora, "o_proj")
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier

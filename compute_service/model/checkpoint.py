@@ -12,6 +12,8 @@ Tensor names are mapped per family between HF's modules and ours (see `CausalLM`
     nemotron_h           model.embeddings | model.layers.i.{norm, mixer} | model.norm_f | lm_head
                          (NVIDIA's own files say backbone. for model.); `mixer` is the layer's
                          attention, Mamba2 or MLP, by the config's layer kinds
+    falcon_h1            model.embed_tokens | model.layers.i.{input_layernorm, self_attn, mamba,
+                         pre_ff_layernorm, feed_forward} | model.final_layernorm | lm_head
     granitemoehybrid     model.embed_tokens | model.layers.i.{input_layernorm, self_attn | mamba,
                          post_attention_layernorm, shared_mlp} | model.norm | lm_head
 
@@ -93,6 +95,17 @@ _NAME_MAPS = {
         (("embeddings.weight", "embed.weight"), ("norm_f.weight", "final_norm.weight")),
         (("norm.", "norm1."), ("mixer.", _BY_KIND)),
         aliases=("backbone.",),
+    ),
+    "falcon_h1": _NameMap(
+        "model.",
+        (("embed_tokens.weight", "embed.weight"), ("final_layernorm.weight", "final_norm.weight")),
+        (
+            ("input_layernorm.", "norm1."),
+            ("self_attn.", "attn."),
+            ("mamba.", "mamba."),
+            ("pre_ff_layernorm.", "norm2."),
+            ("feed_forward.", "mlp."),
+        ),
     ),
     "granitemoehybrid": _NameMap(
         "model.",

@@ -28,10 +28,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-LayerType = Literal["attention", "mamba", "mlp"]
+LayerType = Literal["attention", "mamba", "mlp", "parallel"]
 ATTENTION: LayerType = "attention"
 MAMBA: LayerType = "mamba"
 MLP: LayerType = "mlp"
+# Attention and Mamba2 side by side on the same normed input, outputs summed (Falcon-H1):
+# the layer has both a KV cache and Mamba state slots.
+PARALLEL: LayerType = "parallel"
+# Mamba2 output gating: "gate_norm" norm(y * silu(z)) (Mamba2, Bamba, NemotronH, Granite);
+# "norm_gate" norm(y) * silu(z); "gate" y * silu(z) with no norm (Falcon-H1 options).
+MAMBA_NORMS = ("gate_norm", "norm_gate", "gate")
 # Feed-forward kinds: "swiglu" down(silu(gate(x)) * up(x)); "relu2" down(relu(up(x))^2)
 # (NemotronH); "fused_swiglu" the SwiGLU with gate and up in one `input_linear` (Granite).
 MLP_KINDS = ("swiglu", "relu2", "fused_swiglu")
@@ -101,6 +107,20 @@ class ModelConfig:
     # Floor of the discretisation step softplus(dt + dt_bias) (NemotronH clamps it at
     # time_step_min); 0.0 = no floor.
     mamba_dt_min: float = 0.0
+    mamba_norm: str = "gate_norm"
+    # --- Falcon-H1 muP multipliers (1.0 / () elsewhere) ---
+    # Mamba input times mamba_in_multiplier; in_proj output's z | x | B | C | dt sections times
+    # the five mamba_proj_multipliers; Mamba output times mamba_out_multiplier.
+    mamba_in_multiplier: float = 1.0
+    mamba_proj_multipliers: tuple[float, ...] = ()
+    mamba_out_multiplier: float = 1.0
+    # Attention input / output and its keys (before RoPE) times these.
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    # SwiGLU: up * silu(gate * mlp_gate_multiplier), down output times mlp_down_multiplier.
+    mlp_gate_multiplier: float = 1.0
+    mlp_down_multiplier: float = 1.0
     # --- tokens / provenance ---
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -117,13 +137,13 @@ class ModelConfig:
     def attention_layer_ids(self) -> tuple[int, ...]:
         """Model layer indices of the attention layers, in order. The k-th entry's KV cache is
         `ForwardBatch.kv_caches[k]`."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (ATTENTION, PARALLEL))
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
         """Model layer indices of the Mamba2 layers, in order. The k-th entry's state pool is
         `ForwardBatch.mamba_states[k]`."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (MAMBA, PARALLEL))
 
     @property
     def mixer_mlp(self) -> bool:
@@ -144,16 +164,20 @@ class ModelConfig:
         if n == 0:
             raise ValueError("layer_types: a model needs at least one layer")
         for t in self.layer_types:
-            if t not in (ATTENTION, MAMBA, MLP):
+            if t not in (ATTENTION, MAMBA, MLP, PARALLEL):
                 raise ValueError(f"layer_types: unknown layer type {t!r}")
         if MLP in self.layer_types and self.intermediate_size <= 0:
             raise ValueError("intermediate_size: an mlp layer needs intermediate_size > 0")
+        if self.mamba_norm not in MAMBA_NORMS:
+            raise ValueError(f"mamba_norm: {self.mamba_norm!r} is not one of {MAMBA_NORMS}")
+        if len(self.mamba_proj_multipliers) not in (0, 5):
+            raise ValueError("mamba_proj_multipliers: want 5 (z, x, B, C, dt) or none")
         if self.mlp_kind not in MLP_KINDS:
             raise ValueError(f"mlp_kind: {self.mlp_kind!r} is not one of {MLP_KINDS}")
         if len(self.sliding_windows) != n:
             raise ValueError(f"sliding_windows: has {len(self.sliding_windows)} entries, want {n}")
         for i, (t, w) in enumerate(zip(self.layer_types, self.sliding_windows)):
-            if w < 0 or (w > 0 and t != ATTENTION):
+            if w < 0 or (w > 0 and t not in (ATTENTION, PARALLEL)):
                 raise ValueError(f"sliding_windows[{i}]: {w} is invalid for a {t} layer")
         if self.vocab_size <= 0 or self.hidden_size <= 0:
             raise ValueError("vocab_size/hidden_size: must be positive")
@@ -186,15 +210,16 @@ class ModelConfig:
             total += h  # norm1
             if t == MLP:
                 total += mlp
-            elif t == ATTENTION:
+            if t in (ATTENTION, PARALLEL):
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 total += h * (q + 2 * kv) + q * h
                 total += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
-            else:
+            if t in (MAMBA, PARALLEL):
                 nh, di, cd = self.mamba_num_heads, self.mamba_intermediate_size, self.mamba_conv_dim
                 total += h * (di + cd + nh) + (di + cd + nh) * self.mamba_proj_bias
                 total += cd * self.mamba_conv_kernel + cd * self.mamba_conv_bias
-                total += 3 * nh + di + di * h + h * self.mamba_proj_bias
+                total += 3 * nh + di * (self.mamba_norm != "gate") + di * h
+                total += h * self.mamba_proj_bias
             if t != MLP and self.mixer_mlp:
                 total += h + mlp
         return total

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compute_service.model.config import ATTENTION, MAMBA, MLP, ModelConfig
+from compute_service.model.config import ATTENTION, MAMBA, MLP, PARALLEL, ModelConfig
 from compute_service.model.hf_config import SUPPORTED_MODEL_TYPES, UnsupportedConfigError
 
 _ARCHITECTURES = {
@@ -16,17 +16,27 @@ _ARCHITECTURES = {
     "bamba": "BambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
 _PATTERN = {MAMBA: "M", ATTENTION: "*", MLP: "-"}
 # Options only some families have: (field, its neutral value, the families that may set it).
 _FAMILY_OPTIONS = (
     ("mlp_kind", "swiglu", {"nemotron_h": "relu2", "granitemoehybrid": "fused_swiglu"}),
-    ("embedding_multiplier", 1.0, {"granitemoehybrid": None}),
+    ("embedding_multiplier", 1.0, {"granitemoehybrid": None, "falcon_h1": None}),
     ("residual_multiplier", 1.0, {"granitemoehybrid": None}),
-    ("logits_scaling", 1.0, {"granitemoehybrid": None}),
+    ("logits_scaling", 1.0, {"granitemoehybrid": None, "falcon_h1": None}),
     ("attention_scale", 0.0, {"granitemoehybrid": None}),
     ("use_rope", True, {"granitemoehybrid": None, "nemotron_h": False}),
     ("mamba_dt_min", 0.0, {"nemotron_h": None}),
+    ("mamba_norm", "gate_norm", {"falcon_h1": None}),
+    ("mamba_in_multiplier", 1.0, {"falcon_h1": None}),
+    ("mamba_proj_multipliers", (), {"falcon_h1": None}),
+    ("mamba_out_multiplier", 1.0, {"falcon_h1": None}),
+    ("attention_in_multiplier", 1.0, {"falcon_h1": None}),
+    ("attention_out_multiplier", 1.0, {"falcon_h1": None}),
+    ("key_multiplier", 1.0, {"falcon_h1": None}),
+    ("mlp_gate_multiplier", 1.0, {"falcon_h1": None}),
+    ("mlp_down_multiplier", 1.0, {"falcon_h1": None}),
 )
 
 
@@ -80,6 +90,10 @@ def _check_family_options(cfg: ModelConfig) -> None:
             raise _unrepresentable(field, mt, f"needs {neutral!r}")
     if MLP in cfg.layer_types and mt != "nemotron_h":
         raise _unrepresentable("layer_types", mt, "no separate mlp layers")
+    if (PARALLEL in cfg.layer_types) != (mt == "falcon_h1") or (
+        mt == "falcon_h1" and set(cfg.layer_types) != {PARALLEL}
+    ):
+        raise _unrepresentable("layer_types", mt, "parallel layers are falcon_h1's, all of them")
 
 
 def _check_hybrid_writable(cfg: ModelConfig) -> None:
@@ -88,6 +102,13 @@ def _check_hybrid_writable(cfg: ModelConfig) -> None:
         raise _unrepresentable("sliding_windows/mamba_norm_eps", mt, "no window, one eps")
     if mt == "nemotron_h" and (cfg.qkv_bias or cfg.o_bias or cfg.residual_in_fp32):
         raise _unrepresentable("qkv_bias/o_bias/residual_in_fp32", mt, "all False")
+    if mt == "falcon_h1" and (
+        cfg.qkv_bias != cfg.o_bias
+        or not cfg.intermediate_size
+        or cfg.rotary_dim != cfg.head_dim
+        or cfg.head_dim * cfg.num_heads != cfg.hidden_size
+    ):
+        raise _unrepresentable("qkv_bias/rotary_dim/head_dim", mt, "one bias, full rotary, hidden/heads")
     if mt == "granitemoehybrid":
         if cfg.qkv_bias != cfg.o_bias or MLP in cfg.layer_types or not cfg.intermediate_size:
             raise _unrepresentable("qkv_bias/intermediate_size", mt, "one bias, MLP everywhere")
@@ -102,7 +123,7 @@ def _check_writable(cfg: ModelConfig) -> None:
     kinds = set(cfg.layer_types)
     windows = {w for w in cfg.sliding_windows if w}
     _check_family_options(cfg)
-    if mt in ("nemotron_h", "granitemoehybrid"):
+    if mt in ("nemotron_h", "granitemoehybrid", "falcon_h1"):
         _check_hybrid_writable(cfg)
     if mt in ("llama", "qwen2", "mistral"):
         if kinds != {ATTENTION}:
@@ -194,6 +215,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out |= _nemotron_h_to_hf(cfg)
     elif mt == "granitemoehybrid":
         out |= _granitemoehybrid_to_hf(cfg)
+    elif mt == "falcon_h1":
+        out |= _falcon_h1_to_hf(cfg)
     elif mt == "mamba2":
         out |= {
             "num_heads": cfg.mamba_num_heads,
@@ -299,3 +322,33 @@ def _bamba_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "mamba_proj_bias": cfg.mamba_proj_bias,
     }
     return out
+
+
+def _falcon_h1_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    out = _attention_to_hf(cfg)
+    out.pop("head_dim", None)  # its decoder layer derives it from hidden_size / heads
+    return out | {
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "mamba_d_ssm": cfg.mamba_intermediate_size,
+        "mamba_n_heads": cfg.mamba_num_heads,
+        "mamba_d_head": cfg.mamba_head_dim,
+        "mamba_n_groups": cfg.mamba_n_groups,
+        "mamba_d_state": cfg.mamba_state_size,
+        "mamba_d_conv": cfg.mamba_conv_kernel,
+        "mamba_chunk_size": cfg.mamba_chunk_size,
+        "mamba_conv_bias": cfg.mamba_conv_bias,
+        "mamba_proj_bias": cfg.mamba_proj_bias,
+        "projectors_bias": cfg.mamba_proj_bias,
+        "mamba_rms_norm": cfg.mamba_norm != "gate",
+        "mamba_norm_before_gate": cfg.mamba_norm == "norm_gate",
+        "embedding_multiplier": cfg.embedding_multiplier,
+        "lm_head_multiplier": 1.0 / cfg.logits_scaling,
+        "mlp_multipliers": [cfg.mlp_gate_multiplier, cfg.mlp_down_multiplier],
+        "key_multiplier": cfg.key_multiplier,
+        "attention_in_multiplier": cfg.attention_in_multiplier,
+        "attention_out_multiplier": cfg.attention_out_multiplier,
+        "ssm_multipliers": list(cfg.mamba_proj_multipliers or (1.0,) * 5),
+        "ssm_in_multiplier": cfg.mamba_in_multiplier,
+        "ssm_out_multiplier": cfg.mamba_out_multiplier,
+    }

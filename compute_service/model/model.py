@@ -13,7 +13,7 @@ from compute_service.model.batch import (
     ForwardOutput,
     MambaBoundaryStates,
 )
-from compute_service.model.config import ATTENTION, MAMBA, MLP, ModelConfig
+from compute_service.model.config import ATTENTION, MAMBA, MLP, PARALLEL, ModelConfig
 from compute_service.model.layers import RMSNorm, RotaryEmbedding, build_mlp
 from compute_service.model.mamba import BoundarySelection, Mamba2Mixer, select_boundaries
 
@@ -23,7 +23,8 @@ FP32_PARAMS = ("A_log", "D", "dt_bias")
 
 class DecoderLayer(nn.Module):
     """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when `cfg.mixer_mlp`).
-    An "mlp" layer (NemotronH) is h += mlp(norm1(h)): attn, mamba and norm2 are None."""
+    An "mlp" layer (NemotronH) is h += mlp(norm1(h)): attn, mamba and norm2 are None. A
+    "parallel" layer (Falcon-H1) has both mixers: h += mamba(norm1(h)) + attn(norm1(h))."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -31,9 +32,9 @@ class DecoderLayer(nn.Module):
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn: PagedAttention | None = None
         self.mamba: Mamba2Mixer | None = None
-        if kind == ATTENTION:
+        if kind in (ATTENTION, PARALLEL):
             self.attn = PagedAttention(cfg, cfg.sliding_windows[layer_id])
-        elif kind == MAMBA:
+        if kind in (MAMBA, PARALLEL):
             self.mamba = Mamba2Mixer(cfg)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.mixer_mlp else None
         self.mlp = build_mlp(cfg) if cfg.mixer_mlp or kind == MLP else None
@@ -140,16 +141,20 @@ class CausalLM(nn.Module):
             lora = batch.lora.layers[i] if batch.lora is not None else None
             x = layer.norm1(h.to(self.dtype))
             if layer.attn is None and layer.mamba is None:  # an "mlp" layer
-                x = layer.mlp(x, lora)
-            elif layer.attn is not None:
-                x = layer.attn(x, cos_sin, batch, batch.kv_caches[attn_i], seq_lens, lora)
-                attn_i += 1
-            else:
-                x, states = layer.mamba(x, batch, batch.mamba_states[mamba_i], boundaries, lora)
+                h = self._residual(h, layer.mlp(x, lora))
+                continue
+            branch = None
+            if layer.mamba is not None:
+                branch, states = layer.mamba(x, batch, batch.mamba_states[mamba_i], boundaries, lora)
                 mamba_i += 1
                 if states is not None:
                     ssm_out.append(states[0])
                     conv_out.append(states[1])
+            if layer.attn is not None:  # beside the Mamba2 mixer in a "parallel" layer
+                a = layer.attn(x, cos_sin, batch, batch.kv_caches[attn_i], seq_lens, lora)
+                attn_i += 1
+                branch = a if branch is None else branch + a
+            x = branch
             h = self._residual(h, x)
             if layer.norm2 is not None:
                 h = self._residual(h, layer.mlp(layer.norm2(h.to(self.dtype)), lora))

@@ -1,5 +1,5 @@
 """Engine and tier tests over checkpoints that transformers itself built (the hybrid families
-with no preset: nemotron_h, granitemoehybrid), with transformers' own greedy output as the
+with no preset: nemotron_h, granitemoehybrid, falcon_h1), with transformers' own greedy output as the
 reference, so that every cache path those tests cover is a parity test against transformers.
 
 A family is named "hf:<case>" with <case> a key of `hf_reference.HF_CASES`; its weights are the
@@ -17,7 +17,7 @@ import torch
 from compute_service.model import CausalLM, load_model
 from tests.compute_service.model.hf_reference import build_hf_model, hf_logits
 
-HF_FAMILIES = ["hf:nemotron_h", "hf:granitemoehybrid-rope"]
+HF_FAMILIES = ["hf:nemotron_h", "hf:granitemoehybrid-rope", "hf:falcon_h1"]
 PREFIX = "hf:"
 
 

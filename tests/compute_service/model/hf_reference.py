@@ -158,6 +158,48 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_proj_bias": True,
         },
     ),
+    # Falcon-H1: parallel attention + Mamba2 in every layer, every muP multiplier away from 1,
+    # the ungated-norm default (y * silu(z)) ...
+    "falcon_h1": (
+        "FalconH1Config",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "mamba_d_ssm": 96,
+            "mamba_n_heads": 6,
+            "mamba_d_head": 16,
+            "embedding_multiplier": 1.7,
+            "lm_head_multiplier": 0.4,
+            "mlp_multipliers": [0.8, 1.3],
+            "key_multiplier": 0.7,
+            "attention_in_multiplier": 1.2,
+            "attention_out_multiplier": 0.9,
+            "ssm_multipliers": [0.5, 1.5, 0.9, 1.1, 0.6],
+            "ssm_in_multiplier": 1.4,
+            "ssm_out_multiplier": 0.75,
+            "mlp_bias": True,
+            "attention_bias": True,
+        },
+    ),
+    # ... and its gated group norm, normalising before the gate.
+    "falcon_h1-rmsnorm": (
+        "FalconH1Config",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "mamba_rms_norm": True,
+            "mamba_norm_before_gate": True,
+            "ssm_multipliers": [1.2, 0.8, 1.0, 0.9, 1.1],
+            "key_multiplier": 1.3,
+            "lm_head_multiplier": 2.0,
+        },
+    ),
 }
 
 

@@ -64,7 +64,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     torch.testing.assert_close(got, hf_logits(hf, ids), **TOL)
 
 
-@pytest.mark.parametrize("case", [c for c in HF_CASES if c.startswith(("nemotron", "granite"))])
+@pytest.mark.parametrize("case", [c for c in HF_CASES if c.startswith(("nemotron", "granite", "falcon"))])
 def test_saved_hybrid_family_loads_back_in_transformers(case: str, tmp_path: Path) -> None:
     """save_model writes config.json and names that transformers reads into the same model."""
     transformers = pytest.importorskip("transformers")
