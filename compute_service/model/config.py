@@ -2,7 +2,8 @@
 
 A model is a stack of `num_layers` decoder layers. Each layer is
 
-    h = h + mixer(norm1(h))          mixer = attention or Mamba2, per `layer_types[i]`
+    h = h + mixer(norm1(h))          mixer = attention, Mamba2, or both summed ("parallel",
+                                     Falcon-H1), per `layer_types[i]`
     h = h + mlp(norm2(h))            only when `intermediate_size > 0` (pure Mamba2 has no MLP)
 
 or, in families whose blocks hold a single mixer each (NemotronH), an "mlp" layer

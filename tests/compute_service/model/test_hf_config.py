@@ -129,6 +129,32 @@ def test_mamba2_accepts_a_bare_infinity_limit() -> None:
         cfg.residual_in_fp32 and cfg.intermediate_size == 0 and cfg.mamba_intermediate_size == 128
     )
 
+FALCON_H1: dict[str, Any] = {
+    "model_type": "falcon_h1",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "ssm_multipliers": [1.0, 2.0, 3.0, 4.0, 5.0],
+    "lm_head_multiplier": 0.5,
+}
+
+
+def test_falcon_h1_parallel_layers_and_multipliers() -> None:
+    cfg = config_from_hf(FALCON_H1)
+    assert cfg.attention_layer_ids == cfg.mamba_layer_ids == (0, 1)
+    assert (cfg.mamba_proj_multipliers, cfg.logits_scaling, cfg.mamba_norm) == (
+        (1.0, 2.0, 3.0, 4.0, 5.0), 2.0, "gate")
+    assert config_from_hf({**FALCON_H1, "mamba_rms_norm": True}).mamba_norm == "norm_gate"
+    assert config_from_hf(
+        {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False}
+    ).mamba_norm == "gate_norm"
+    assert config_from_hf({**FALCON_H1, "mamba_d_ssm": 96}).mamba_intermediate_size == 96
+
 
 def test_nemotron_h_blocks_and_granite_multipliers() -> None:
     nh = config_from_hf(NEMOTRON_H)
@@ -161,6 +187,12 @@ def test_nemotron_h_blocks_and_granite_multipliers() -> None:
         ({**GRANITE_H, "time_step_limit": [0.0, 0.1]}, "time_step_limit"),
         ({**GRANITE_H, "layer_types": ["mamba"]}, "layer_types"),
         ({**GRANITE_H, "hidden_act": "gelu"}, "hidden_act"),
+        ({**FALCON_H1, "projectors_bias": True}, "projectors_bias"),
+        ({**FALCON_H1, "ssm_multipliers": [1.0, 2.0]}, "ssm_multipliers"),
+        ({**FALCON_H1, "mlp_multipliers": [1.0]}, "mlp_multipliers"),
+        ({**FALCON_H1, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({**FALCON_H1, "time_step_limit": [0.0, 1.0]}, "time_step_limit"),
+        ({**FALCON_H1, "num_experts": 4}, "num_experts"),
     ],
 )
 def test_hybrid_family_refusals_name_the_field(config: dict[str, Any], field: str) -> None:
@@ -169,7 +201,7 @@ def test_hybrid_family_refusals_name_the_field(config: dict[str, Any], field: st
     assert err.value.field == field and str(err.value).startswith(field)
 
 
-@pytest.mark.parametrize("config", [NEMOTRON_H, GRANITE_H])
+@pytest.mark.parametrize("config", [NEMOTRON_H, GRANITE_H, FALCON_H1])
 def test_hybrid_family_configs_round_trip(config: dict[str, Any]) -> None:
     cfg = config_from_hf(config)
     assert config_from_hf(config_to_hf(cfg)) == cfg
