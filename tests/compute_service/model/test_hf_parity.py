@@ -75,3 +75,20 @@ def test_saved_hybrid_family_loads_back_in_transformers(case: str, tmp_path: Pat
     ).eval()
     ids = _ids(12, seed=6)
     torch.testing.assert_close(hf_logits(again, ids), hf_logits(hf, ids), **TOL)
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_every_vector_parameter_is_away_from_its_initial_value(case: str, tmp_path: Path) -> None:
+    """Each norm weight, bias, A_log, D and dt_bias differs from what transformers initialises
+    it to, so a loader that dropped one (leaving the init value) fails the parity tests."""
+    transformers = pytest.importorskip("transformers")
+    perturbed = dict(build_hf_model(case, tmp_path).named_parameters())
+    cls_name, kwargs = HF_CASES[case]
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, cls_name)(vocab_size=VOCAB, **kwargs), attn_implementation="eager"
+    )
+    vectors = [(n, p) for n, p in fresh.named_parameters() if p.ndim == 1]
+    assert vectors
+    for name, p in vectors:
+        assert not torch.equal(p, perturbed[name]), name
