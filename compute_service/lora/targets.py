@@ -31,7 +31,9 @@ def target_linears(model: CausalLM) -> dict[Target, nn.Linear]:
     for i, layer in enumerate(model.layers):
         for name, path in LORA_TARGETS.items():
             owner, _, attr = path.partition(".")
-            # An MoE layer's `mlp` has no gate/up/down nn.Linear: its experts take no LoRA.
+            # getattr with a default: not every MLP kind has every projection (relu2 has no
+            # gate_proj, Granite's fused MLP none of these names); an MoE layer's `mlp` has no
+            # gate/up/down nn.Linear: its experts take no LoRA.
             linear = getattr(getattr(layer, owner), attr, None)
             if isinstance(linear, nn.Linear):
                 out[(i, name)] = linear
@@ -50,7 +52,7 @@ def target_of_hf_module(module: str, config: ModelConfig) -> Target:
     """The target of HF module path `module` (e.g. model.layers.3.self_attn.q_proj), or
     AdapterConfigError("target_modules") when it is no LoRA-capable projection of this model."""
     try:
-        ours = hf_to_ours(f"{module}.weight", config.model_type)
+        ours = hf_to_ours(f"{module}.weight", config.model_type, config.layer_types)
     except ValueError:
         ours = None
     match = _OURS.match(ours or "")

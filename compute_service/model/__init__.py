@@ -10,7 +10,7 @@ from compute_service.model.batch import (
     allocate_mamba_states,
 )
 from compute_service.model.checkpoint import load_model, read_config, save_model
-from compute_service.model.config import ATTENTION, MAMBA, ModelConfig, RopeScaling
+from compute_service.model.config import ATTENTION, MAMBA, MLP, ModelConfig, RopeScaling
 from compute_service.model.hf_config import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedConfigError,
@@ -28,6 +28,7 @@ __all__ = [
     "ATTENTION",
     "LORA_TARGETS",
     "MAMBA",
+    "MLP",
     "PRESETS",
     "SUPPORTED_MODEL_TYPES",
     "ByteTokenizer",

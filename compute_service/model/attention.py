@@ -24,7 +24,7 @@ class PagedAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.window = window
-        self.scale = d**-0.5
+        self.scale = cfg.attention_scale or d**-0.5
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
@@ -32,11 +32,14 @@ class PagedAttention(nn.Module):
         # Qwen3: each query and key head is RMS-normalised over head_dim before RoPE.
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Falcon-H1's muP multipliers of the input, the keys (before RoPE) and the output.
+        self.in_multiplier, self.out_multiplier = cfg.attention_in_multiplier, cfg.attention_out_multiplier
+        self.key_multiplier = cfg.key_multiplier
 
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         batch: ForwardBatch,
         cache: tuple[torch.Tensor, torch.Tensor],
         seq_lens: torch.Tensor | None,
@@ -48,16 +51,20 @@ class PagedAttention(nn.Module):
         computed once per call, not per layer. `lora` adds the per-token adapter updates of
         q/k/v/o (before the q/k norms and RoPE, as PEFT does)."""
         t = x.shape[0]
-        cos, sin = cos_sin
+        if self.in_multiplier != 1.0:
+            x = x * self.in_multiplier
         q, k, v = project_group(
             (self.q_proj, self.k_proj, self.v_proj), x, lora, ("q_proj", "k_proj", "v_proj")
         )
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos_sin is not None:  # None: no positional encoding (NoPE)
+            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         k_cache, v_cache = cache
         kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.mode is ForwardMode.DECODE:
@@ -75,4 +82,5 @@ class PagedAttention(nn.Module):
                 self.scale,
                 window=self.window,
             )
-        return project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), lora, "o_proj")
+        out = project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), lora, "o_proj")
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier

@@ -9,6 +9,13 @@ Tensor names are mapped per family between HF's modules and ours (see `CausalLM`
                          pre_ff_layernorm, feed_forward} | model.final_layernorm | lm_head
     mamba2               backbone.embeddings (or .embedding) | backbone.layers.i.{norm, mixer} |
                          backbone.norm_f | lm_head
+    nemotron_h           model.embeddings | model.layers.i.{norm, mixer} | model.norm_f | lm_head
+                         (NVIDIA's own files say backbone. for model.); `mixer` is the layer's
+                         attention, Mamba2 or MLP, by the config's layer kinds
+    falcon_h1            model.embed_tokens | model.layers.i.{input_layernorm, self_attn, mamba,
+                         pre_ff_layernorm, feed_forward} | model.final_layernorm | lm_head
+    granitemoehybrid     model.embed_tokens | model.layers.i.{input_layernorm, self_attn | mamba,
+                         post_attention_layernorm, shared_mlp} | model.norm | lm_head
 
     qwen3/qwen3_moe      as llama, plus self_attn.{q,k}_norm; MoE layers' mlp.gate (router) and
                          mlp.experts (see below)
@@ -48,6 +55,13 @@ class _NameMap:
     prefix: str
     top: tuple[tuple[str, str], ...]  # (hf name without prefix, our name)
     layer: tuple[tuple[str, str], ...]  # (hf sub-module prefix, our sub-module prefix)
+    # Other spellings of `prefix` accepted when reading.
+    aliases: tuple[str, ...] = ()
+
+
+# Our prefix standing for "the module of this layer's kind" (NemotronH's single `mixer`).
+_BY_KIND = "<kind>."
+_KIND_MODULE = {"attention": "attn.", "mamba": "mamba.", "mlp": "mlp."}
 
 
 _TRANSFORMER = _NameMap(
@@ -86,6 +100,34 @@ _NAME_MAPS = {
         ),
         (("norm.", "norm1."), ("mixer.", "mamba.")),
     ),
+    "nemotron_h": _NameMap(
+        "model.",
+        (("embeddings.weight", "embed.weight"), ("norm_f.weight", "final_norm.weight")),
+        (("norm.", "norm1."), ("mixer.", _BY_KIND)),
+        aliases=("backbone.",),
+    ),
+    "falcon_h1": _NameMap(
+        "model.",
+        (("embed_tokens.weight", "embed.weight"), ("final_layernorm.weight", "final_norm.weight")),
+        (
+            ("input_layernorm.", "norm1."),
+            ("self_attn.", "attn."),
+            ("mamba.", "mamba."),
+            ("pre_ff_layernorm.", "norm2."),
+            ("feed_forward.", "mlp."),
+        ),
+    ),
+    "granitemoehybrid": _NameMap(
+        "model.",
+        (("embed_tokens.weight", "embed.weight"), ("norm.weight", "final_norm.weight")),
+        (
+            ("input_layernorm.", "norm1."),
+            ("self_attn.", "attn."),
+            ("mamba.", "mamba."),
+            ("post_attention_layernorm.", "norm2."),
+            ("shared_mlp.", "mlp."),
+        ),
+    ),
 }
 _MIXER_RENAMES = (
     ("mamba.conv1d.weight", "mamba.conv_weight"),
@@ -93,14 +135,27 @@ _MIXER_RENAMES = (
 )
 
 
-def hf_to_ours(name: str, model_type: str) -> str | None:
-    """Our parameter name for HF tensor `name`, None for tensors that are skipped."""
+def _kind_module(layer: str, layer_types: tuple[str, ...], name: str) -> str:
+    i = int(layer)
+    if i >= len(layer_types):
+        raise ValueError(f"tensor {name!r}: layer {i} is not in this config")
+    return _KIND_MODULE[layer_types[i]]
+
+
+def hf_to_ours(name: str, model_type: str, layer_types: tuple[str, ...] = ()) -> str | None:
+    """Our parameter name for HF tensor `name`, None for tensors that are skipped.
+    `layer_types` (the config's) is needed by families whose module names do not say the layer
+    kind (nemotron_h)."""
     if name == "lm_head.weight":
         return name
     if name.endswith(_IGNORED_SUFFIXES):
         return None
     m = _NAME_MAPS[model_type]
-    rest = name.removeprefix(m.prefix)
+    rest = name
+    for prefix in (m.prefix, *m.aliases):
+        if name.startswith(prefix):
+            rest = name.removeprefix(prefix)
+            break
     for hf, ours in m.top:
         if rest == hf:
             return ours
@@ -109,6 +164,8 @@ def hf_to_ours(name: str, model_type: str) -> str | None:
         sub = match.group(2)
         for hf, ours in m.layer:
             if sub.startswith(hf):
+                if ours == _BY_KIND:
+                    ours = _kind_module(match.group(1), layer_types, name)
                 sub = ours + sub[len(hf) :]
                 for old, new in _MIXER_RENAMES:
                     sub = sub.replace(old, new)
@@ -131,8 +188,9 @@ def ours_to_hf(name: str, model_type: str) -> str:
     for old, new in _MIXER_RENAMES:
         sub = sub.replace(new, old)
     for hf, ours in m.layer:
-        if sub.startswith(ours):
-            return f"{m.prefix}layers.{match.group(1)}.{hf}{sub[len(ours):]}"
+        for candidate in _KIND_MODULE.values() if ours == _BY_KIND else (ours,):
+            if sub.startswith(candidate):
+                return f"{m.prefix}layers.{match.group(1)}.{hf}{sub[len(candidate):]}"
     raise ValueError(f"parameter {name!r}: no HF name")
 
 
@@ -188,7 +246,7 @@ def load_model(
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                name = hf_to_ours(hf_name, cfg.model_type)
+                name = hf_to_ours(hf_name, cfg.model_type, cfg.layer_types)
                 if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 expert = _expert_slice(name, params)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from compute_service import kernels
@@ -61,14 +62,27 @@ class Mamba2Mixer(nn.Module):
         self.head_dim, self.n_groups = cfg.mamba_head_dim, cfg.mamba_n_groups
         self.state_size = cfg.mamba_state_size
         self.chunk_size = cfg.mamba_chunk_size
+        # softplus(dt + dt_bias) >= dt_min  <=>  dt >= softplus^-1(dt_min) - dt_bias (monotone),
+        # so the floor is applied to the raw dt and the kernels stay unchanged.
+        self.dt_floor = math.log(math.expm1(cfg.mamba_dt_min)) if cfg.mamba_dt_min > 0 else None
         self.in_proj = nn.Linear(h, di + self.conv_dim + nh, bias=cfg.mamba_proj_bias)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, cfg.mamba_conv_kernel))
         self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if cfg.mamba_conv_bias else None
         self.dt_bias = nn.Parameter(torch.zeros(nh))
         self.A_log = nn.Parameter(torch.zeros(nh))
         self.D = nn.Parameter(torch.ones(nh))
-        self.norm = GatedGroupRMSNorm(di, cfg.mamba_n_groups, cfg.mamba_norm_eps)
+        # None: Falcon-H1 without mamba_rms_norm, y * silu(z) only.
+        self.norm = (
+            None
+            if cfg.mamba_norm == "gate"
+            else GatedGroupRMSNorm(
+                di, cfg.mamba_n_groups, cfg.mamba_norm_eps, cfg.mamba_norm == "norm_gate"
+            )
+        )
         self.out_proj = nn.Linear(di, h, bias=cfg.mamba_proj_bias)
+        # Falcon-H1's muP multipliers (None / 1.0: none).
+        self.in_multiplier, self.out_multiplier = cfg.mamba_in_multiplier, cfg.mamba_out_multiplier
+        self.proj_multipliers = cfg.mamba_proj_multipliers or None
 
     def forward(
         self,
@@ -87,9 +101,13 @@ class Mamba2Mixer(nn.Module):
         """
         t = hidden.shape[0]
         ssm_state, conv_state = state
-        z, xbc, dt = project(self.in_proj, hidden, lora, "in_proj").split(
+        if self.in_multiplier != 1.0:
+            hidden = hidden * self.in_multiplier
+        z, xbc, dt = self._scale_projection(project(self.in_proj, hidden, lora, "in_proj")).split(
             [self.intermediate, self.conv_dim, self.num_heads], dim=-1
         )
+        if self.dt_floor is not None:
+            dt = torch.maximum(dt.float(), self.dt_floor - self.dt_bias.float()).to(dt.dtype)
         xbc, dt = xbc.contiguous(), dt.contiguous()
         A = -torch.exp(self.A_log.float())
         boundary_states = None
@@ -138,8 +156,25 @@ class Mamba2Mixer(nn.Module):
                     chunk_states[boundaries.chunk_ids].to(ssm_state.dtype),
                     self._boundary_conv(xbc, conv_before, batch, boundaries).to(conv_state.dtype),
                 )
-        y = self.norm(y.reshape(t, self.intermediate), z)
-        return project(self.out_proj, y, lora, "out_proj"), boundary_states
+        y = y.reshape(t, self.intermediate)
+        y = y * F.silu(z) if self.norm is None else self.norm(y, z)
+        out = project(self.out_proj, y, lora, "out_proj")
+        if self.out_multiplier != 1.0:
+            out = out * self.out_multiplier
+        return out, boundary_states
+
+    def _scale_projection(self, zxbcdt: torch.Tensor) -> torch.Tensor:
+        """Falcon-H1's mup vector: the z, x, B, C and dt sections of in_proj's output each times
+        its own multiplier (no-op elsewhere)."""
+        if self.proj_multipliers is None:
+            return zxbcdt
+        gn = self.n_groups * self.state_size
+        sizes = [self.intermediate, self.intermediate, gn, gn, self.num_heads]
+        vector = torch.repeat_interleave(
+            torch.tensor(self.proj_multipliers, dtype=torch.float32),
+            torch.tensor(sizes),
+        )
+        return zxbcdt * vector.to(device=zxbcdt.device, dtype=zxbcdt.dtype)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, conv_dim] -> x [T, H, P], B [T, G, N], C [T, G, N] (contiguous, as kernels want)."""

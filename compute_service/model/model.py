@@ -14,8 +14,8 @@ from compute_service.model.batch import (
     ForwardOutput,
     MambaBoundaryStates,
 )
-from compute_service.model.config import ATTENTION, ModelConfig
-from compute_service.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from compute_service.model.config import ATTENTION, MAMBA, MLP, PARALLEL, ModelConfig
+from compute_service.model.layers import RMSNorm, RotaryEmbedding, build_mlp
 from compute_service.model.mamba import BoundarySelection, Mamba2Mixer, select_boundaries
 from compute_service.model.moe import SparseMoE
 
@@ -24,25 +24,29 @@ FP32_PARAMS = ("A_log", "D", "dt_bias")
 
 
 class DecoderLayer(nn.Module):
-    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when intermediate_size > 0
-    or the layer is in moe_layer_ids, where `mlp` is the sparse MoE block)."""
+    """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when `cfg.mixer_mlp` or
+    the layer is in moe_layer_ids, where `mlp` is the sparse MoE block).
+    An "mlp" layer (NemotronH) is h += mlp(norm1(h)): attn, mamba and norm2 are None. A
+    "parallel" layer (Falcon-H1) has both mixers: h += mamba(norm1(h)) + attn(norm1(h))."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
+        kind = cfg.layer_types[layer_id]
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn: PagedAttention | None = None
         self.mamba: Mamba2Mixer | None = None
-        if cfg.layer_types[layer_id] == ATTENTION:
+        if kind in (ATTENTION, PARALLEL):
             self.attn = PagedAttention(cfg, cfg.sliding_windows[layer_id])
-        else:
+        if kind in (MAMBA, PARALLEL):
             self.mamba = Mamba2Mixer(cfg)
-        self.mlp: SwiGLU | SparseMoE | None = None
+        self.mlp: nn.Module | None = None
         if layer_id in cfg.moe_layer_ids:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_num_experts,
                                  cfg.moe_top_k, cfg.moe_renormalize)
-        elif cfg.intermediate_size:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.mlp is not None else None
+        elif cfg.mixer_mlp or kind == MLP:
+            self.mlp = build_mlp(cfg)
+        has_norm2 = self.mlp is not None and kind != MLP
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if has_norm2 else None
 
 
 class CausalLM(nn.Module):
@@ -70,7 +74,7 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self.rotary = RotaryEmbedding(cfg) if cfg.attention_layer_ids else None
+        self.rotary = RotaryEmbedding(cfg) if cfg.attention_layer_ids and cfg.use_rope else None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
@@ -130,6 +134,8 @@ class CausalLM(nn.Module):
 
         stream_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
         h = self.embed_tokens(input_ids).to(stream_dtype)
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
         cos_sin = self.rotary(positions, self.dtype) if self.rotary is not None else None
         seq_lens = batch.seq_lens() if batch.mode is ForwardMode.DECODE else None
         boundaries: BoundarySelection | None = None
@@ -145,18 +151,24 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             lora = batch.lora.layers[i] if batch.lora is not None else None
             x = layer.norm1(h.to(self.dtype))
-            if layer.attn is not None:
-                x = layer.attn(x, cos_sin, batch, batch.kv_caches[attn_i], seq_lens, lora)
-                attn_i += 1
-            else:
-                x, states = layer.mamba(x, batch, batch.mamba_states[mamba_i], boundaries, lora)
+            if layer.attn is None and layer.mamba is None:  # an "mlp" layer
+                h = self._residual(h, layer.mlp(x, lora))
+                continue
+            branch = None
+            if layer.mamba is not None:
+                branch, states = layer.mamba(x, batch, batch.mamba_states[mamba_i], boundaries, lora)
                 mamba_i += 1
                 if states is not None:
                     ssm_out.append(states[0])
                     conv_out.append(states[1])
-            h = h + x
-            if layer.mlp is not None:
-                h = h + layer.mlp(layer.norm2(h.to(self.dtype)), lora)
+            if layer.attn is not None:  # beside the Mamba2 mixer in a "parallel" layer
+                a = layer.attn(x, cos_sin, batch, batch.kv_caches[attn_i], seq_lens, lora)
+                attn_i += 1
+                branch = a if branch is None else branch + a
+            x = branch
+            h = self._residual(h, x)
+            if layer.norm2 is not None:
+                h = self._residual(h, layer.mlp(layer.norm2(h.to(self.dtype)), lora))
 
         selected = h[batch.selected_indices()]
         logits = self.logits(self.final_norm(selected))
@@ -174,7 +186,14 @@ class CausalLM(nn.Module):
             return linear_cpu.packed_rows(self.embed.weight, input_ids)
         return self.embed(input_ids)
 
+    def _residual(self, h: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        m = self.config.residual_multiplier
+        return h + (branch if m == 1.0 else branch * m)
+
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab]."""
+        """Final-normed hidden [K, hidden] -> fp32 logits [K, vocab] (divided by
+        `logits_scaling`, Granite's muP output multiplier)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return kernels.linear(normed.to(weight.dtype), weight).float()
+        logits = kernels.linear(normed.to(weight.dtype), weight).float()
+        s = self.config.logits_scaling
+        return logits if s == 1.0 else logits / s

@@ -11,7 +11,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_client.tokenizer import from_directory, from_files
 from tests.compute_service.checkpoints import (BPE_TOKENIZER, preset_model, serving,
                                                write_checkpoint)
-from tests.compute_service.hf_families import HF_FAMILIES, hf_family_checkpoint, hf_greedy
+from tests.compute_service.hf_families import HF_FAMILIES, hf_checkpoint, hf_greedy, hf_model
 from tests.compute_service.server_harness import fails, greedy
 from tests.compute_service.paged_driver import PagedDriver
 
@@ -48,9 +48,9 @@ def test_a_transformers_checkpoint_is_served_over_grpc_as_transformers_generates
     """Loaded as `--model DIR` loads it; four concurrent requests, three sharing a 3-page prefix
     (one of them twice), answer over gRPC with transformers' greedy tokens."""
     prompts = [PROMPTS[0] + PROMPTS[i] for i in (1, 2, 1)] + [PROMPTS[3]]
-    with serving(hf_family_checkpoint(name)) as (_, client):
+    with serving(hf_checkpoint(name)) as (_, client):
         info = client.model_info()
-        assert info.architecture == name.removeprefix("hf-").replace("-", "_")
+        assert info.architecture == hf_model(name).config.model_type
         streams = [client.generate(p, greedy(NEW)) for p in prompts]
         outs = [s.result() for s in streams]
     for p, out in zip(prompts, outs, strict=True):

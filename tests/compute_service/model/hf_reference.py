@@ -1,8 +1,9 @@
 """Tiny random-weight Hugging Face models of every supported family, written in HF format.
 
 Each model is built by transformers itself from a tiny config with a fixed seed, then its norm
-weights, biases and Mamba D are perturbed (HF initialises them to constants, which would hide a
-mix-up between them) and saved with save_pretrained.
+weights, biases and Mamba A_log, D and dt_bias are perturbed (HF initialises them to constants,
+which would hide a mix-up between them or a loader that drops one) and saved with
+save_pretrained.
 """
 
 from __future__ import annotations
@@ -147,6 +148,107 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "attn_layer_indices": [1],
         },
     ),
+    # NemotronH: single-mixer blocks (Mamba2, NoPE attention, relu^2 MLP), Mamba and MLP
+    # biases on; time_step_min high enough that the dt floor bites on some tokens.
+    "nemotron_h": (
+        "NemotronHConfig",
+        {
+            **_ATTN,
+            "hidden_size": 64,
+            "head_dim": 16,
+            "intermediate_size": 96,
+            "hybrid_override_pattern": "M*-M",
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "conv_kernel": 4,
+            "chunk_size": 8,
+            "use_bias": True,
+            "mlp_bias": True,
+            "time_step_min": 0.3,
+            "layer_norm_epsilon": 1e-5,
+        },
+    ),
+    # Granite 4.0-H dense, with muP multipliers away from 1, RoPE and tied embeddings.
+    "granitemoehybrid-rope": (
+        "GraniteMoeHybridConfig",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "num_hidden_layers": 3,
+            "layer_types": ["mamba", "attention", "mamba"],
+            "num_local_experts": 0,
+            "shared_intermediate_size": 96,
+            "position_embedding_type": "rope",
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.6,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.5,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # ... and NoPE, as Granite-4.0-H ships.
+    "granitemoehybrid-nope": (
+        "GraniteMoeHybridConfig",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "layer_types": ["attention", "mamba"],
+            "num_local_experts": 0,
+            "shared_intermediate_size": 96,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.8,
+            "logits_scaling": 1.5,
+            "mamba_proj_bias": True,
+        },
+    ),
+    # Falcon-H1: parallel attention + Mamba2 in every layer, every muP multiplier away from 1,
+    # the ungated-norm default (y * silu(z)) ...
+    "falcon_h1": (
+        "FalconH1Config",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "mamba_d_ssm": 96,
+            "mamba_n_heads": 6,
+            "mamba_d_head": 16,
+            "embedding_multiplier": 1.7,
+            "lm_head_multiplier": 0.4,
+            "mlp_multipliers": [0.8, 1.3],
+            "key_multiplier": 0.7,
+            "attention_in_multiplier": 1.2,
+            "attention_out_multiplier": 0.9,
+            "ssm_multipliers": [0.5, 1.5, 0.9, 1.1, 0.6],
+            "ssm_in_multiplier": 1.4,
+            "ssm_out_multiplier": 0.75,
+            "mlp_bias": True,
+            "attention_bias": True,
+        },
+    ),
+    # ... and its gated group norm, normalising before the gate.
+    "falcon_h1-rmsnorm": (
+        "FalconH1Config",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "mamba_rms_norm": True,
+            "mamba_norm_before_gate": True,
+            "ssm_multipliers": [1.2, 0.8, 1.0, 0.9, 1.1],
+            "key_multiplier": 1.3,
+            "lm_head_multiplier": 2.0,
+        },
+    ),
 }
 
 
@@ -155,7 +257,7 @@ def _perturb_(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if p.ndim == 1 and leaf in ("weight", "bias", "D"):
+            if p.ndim == 1 and leaf in ("weight", "bias", "D", "A_log", "dt_bias"):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif leaf in ("gate_up_proj", "down_proj") or name.endswith("mlp.gate.weight"):
                 # transformers initialises the router to zeros (every expert tied) and the

@@ -10,6 +10,7 @@ import pytest
 from compute_service.model import (
     ATTENTION,
     MAMBA,
+    MLP,
     UnsupportedConfigError,
     config_from_hf,
     config_to_hf,
@@ -36,6 +37,32 @@ MAMBA2: dict[str, Any] = {
     "state_size": 16,
     "n_groups": 2,
     "expand": 2,
+}
+NEMOTRON_H: dict[str, Any] = {
+    "model_type": "nemotron_h",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "hybrid_override_pattern": "M-M*-",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_groups": 2,
+}
+GRANITE_H: dict[str, Any] = {
+    "model_type": "granitemoehybrid",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "layer_types": ["mamba", "attention", "mamba"],
+    "num_attention_heads": 4,
+    "num_local_experts": 0,
+    "shared_intermediate_size": 96,
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
 }
 
 QWEN3: dict[str, Any] = {**LLAMA, "model_type": "qwen3"}
@@ -142,6 +169,83 @@ def test_mamba2_accepts_a_bare_infinity_limit() -> None:
     assert (
         cfg.residual_in_fp32 and cfg.intermediate_size == 0 and cfg.mamba_intermediate_size == 128
     )
+
+FALCON_H1: dict[str, Any] = {
+    "model_type": "falcon_h1",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "ssm_multipliers": [1.0, 2.0, 3.0, 4.0, 5.0],
+    "lm_head_multiplier": 0.5,
+}
+
+
+def test_falcon_h1_parallel_layers_and_multipliers() -> None:
+    cfg = config_from_hf(FALCON_H1)
+    assert cfg.attention_layer_ids == cfg.mamba_layer_ids == (0, 1)
+    assert (cfg.mamba_proj_multipliers, cfg.logits_scaling, cfg.mamba_norm) == (
+        (1.0, 2.0, 3.0, 4.0, 5.0), 2.0, "gate")
+    assert config_from_hf({**FALCON_H1, "mamba_rms_norm": True}).mamba_norm == "norm_gate"
+    assert config_from_hf(
+        {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False}
+    ).mamba_norm == "gate_norm"
+    assert config_from_hf({**FALCON_H1, "mamba_d_ssm": 96}).mamba_intermediate_size == 96
+
+
+def test_nemotron_h_blocks_and_granite_multipliers() -> None:
+    nh = config_from_hf(NEMOTRON_H)
+    assert nh.layer_types == (MAMBA, MLP, MAMBA, ATTENTION, MLP)
+    assert (nh.mlp_kind, nh.use_rope, nh.mixer_mlp, nh.mamba_dt_min) == ("relu2", False, False, 1e-3)
+    v5 = {**NEMOTRON_H, "layers_block_type": ["linear_attention", "full_attention"]}
+    assert config_from_hf(v5).layer_types == (MAMBA, ATTENTION)
+    assert config_from_hf({**v5, "layers_block_type": ["linear_attention"]}).intermediate_size == 0
+    g = config_from_hf({**GRANITE_H, "embedding_multiplier": 12.0, "attention_multiplier": 0.1})
+    assert (g.embedding_multiplier, g.attention_scale, g.use_rope, g.mixer_mlp) == (
+        12.0, 0.1, False, True)
+    assert config_from_hf({**GRANITE_H, "position_embedding_type": "rope"}).use_rope
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({**NEMOTRON_H, "hybrid_override_pattern": "M*E"}, "hybrid_override_pattern"),
+        ({**NEMOTRON_H, "layers_block_type": ["moe"]}, "layers_block_type"),
+        ({**NEMOTRON_H, "mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+        ({**NEMOTRON_H, "mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+        ({**NEMOTRON_H, "num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+        ({k: v for k, v in GRANITE_H.items() if k != "num_local_experts"}, "num_local_experts"),
+        ({**GRANITE_H, "num_local_experts": 4}, "num_local_experts"),
+        ({**GRANITE_H, "position_embedding_type": "alibi"}, "position_embedding_type"),
+        (
+            {**GRANITE_H, "position_embedding_type": "rope", "partial_rotary_factor": 0.5},
+            "partial_rotary_factor",
+        ),
+        ({**GRANITE_H, "time_step_limit": [0.0, 0.1]}, "time_step_limit"),
+        ({**GRANITE_H, "layer_types": ["mamba"]}, "layer_types"),
+        ({**GRANITE_H, "hidden_act": "gelu"}, "hidden_act"),
+        ({**FALCON_H1, "projectors_bias": True}, "projectors_bias"),
+        ({**FALCON_H1, "ssm_multipliers": [1.0, 2.0]}, "ssm_multipliers"),
+        ({**FALCON_H1, "mlp_multipliers": [1.0]}, "mlp_multipliers"),
+        ({**FALCON_H1, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({**FALCON_H1, "time_step_limit": [0.0, 1.0]}, "time_step_limit"),
+        ({**FALCON_H1, "num_experts": 4}, "num_experts"),
+    ],
+)
+def test_hybrid_family_refusals_name_the_field(config: dict[str, Any], field: str) -> None:
+    with pytest.raises(UnsupportedConfigError) as err:
+        config_from_hf(config)
+    assert err.value.field == field and str(err.value).startswith(field)
+
+
+@pytest.mark.parametrize("config", [NEMOTRON_H, GRANITE_H, FALCON_H1])
+def test_hybrid_family_configs_round_trip(config: dict[str, Any]) -> None:
+    cfg = config_from_hf(config)
+    assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
 @pytest.mark.parametrize(

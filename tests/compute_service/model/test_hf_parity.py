@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute_service.model import ForwardMode, load_model
+from compute_service.model import ForwardMode, load_model, save_model
 from tests.compute_service.model.hf_reference import HF_CASES, VOCAB, build_hf_model, hf_logits
 from tests.compute_service.paged_driver import PagedDriver
 
@@ -62,3 +62,33 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     driver = PagedDriver(load_model(tmp_path), page_size=4)
     got = driver.forward([driver.new_sequence()], [ids], all_logits=True).logits
     torch.testing.assert_close(got, hf_logits(hf, ids), **TOL)
+
+
+@pytest.mark.parametrize("case", [c for c in HF_CASES if c.startswith(("nemotron", "granite", "falcon"))])
+def test_saved_hybrid_family_loads_back_in_transformers(case: str, tmp_path: Path) -> None:
+    """save_model writes config.json and names that transformers reads into the same model."""
+    transformers = pytest.importorskip("transformers")
+    hf = build_hf_model(case, tmp_path / "hf")
+    save_model(load_model(tmp_path / "hf"), tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", attn_implementation="eager"
+    ).eval()
+    ids = _ids(12, seed=6)
+    torch.testing.assert_close(hf_logits(again, ids), hf_logits(hf, ids), **TOL)
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_every_vector_parameter_is_away_from_its_initial_value(case: str, tmp_path: Path) -> None:
+    """Each norm weight, bias, A_log, D and dt_bias differs from what transformers initialises
+    it to, so a loader that dropped one (leaving the init value) fails the parity tests."""
+    transformers = pytest.importorskip("transformers")
+    perturbed = dict(build_hf_model(case, tmp_path).named_parameters())
+    cls_name, kwargs = HF_CASES[case]
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, cls_name)(vocab_size=VOCAB, **kwargs), attn_implementation="eager"
+    )
+    vectors = [(n, p) for n, p in fresh.named_parameters() if p.ndim == 1]
+    assert vectors
+    for name, p in vectors:
+        assert not torch.equal(p, perturbed[name]), name

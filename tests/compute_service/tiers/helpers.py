@@ -9,7 +9,7 @@ from cache_service.core import CacheCore
 from compute_service.engine import Engine, EngineConfig, SamplingParams
 from compute_service.model import ByteTokenizer, build_preset
 from pagestore.client import L3Client, L3Config
-from tests.compute_service.hf_families import HF_FAMILIES, hf_family_model, hf_greedy
+from tests.compute_service.hf_families import hf_greedy, hf_model, is_hf
 from tests.compute_service.paged_driver import PagedDriver
 
 PAGE = 4
@@ -27,14 +27,14 @@ PROMPT = prompt_of(1, 33)  # 8 whole pages can be reused, the 33rd token is alwa
 
 @functools.cache
 def model(name: str):
-    return hf_family_model(name) if name in HF_FAMILIES else build_preset(name, seed=3)
+    return hf_model(name) if is_hf(name) else build_preset(name, seed=3)
 
 
 @functools.cache
 def reference(name: str, prompt: tuple[int, ...]) -> list[int]:
     """Greedy tokens from PagedDriver: the independent cold computation (transformers' own for
-    the hf-* families)."""
-    if name in HF_FAMILIES:
+    the "hf:" families)."""
+    if is_hf(name):
         return hf_greedy(name, prompt, NEW)
     return PagedDriver(model(name), num_pages=64, page_size=PAGE, num_slots=2).generate_greedy(
         list(prompt), NEW)
