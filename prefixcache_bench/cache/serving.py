@@ -46,7 +46,8 @@ def cache_server(mode: str, kv_events: bool = False) -> Iterator[ServerHandle]:
         core = CacheCore()
         publisher = None
         if kv_events:
-            publisher = ZmqEventPublisher(core, ZmqEventsConfig(endpoint, endpoint))
+            # The map encoding: the consumer (parts_zmq.py) reads events by name.
+            publisher = ZmqEventPublisher(core, ZmqEventsConfig(endpoint, endpoint, encoding="map"))
         server = CacheServer(core, ServerConfig(host="127.0.0.1", port=0, grace_s=0.0),
                              publisher)
         server.start()
