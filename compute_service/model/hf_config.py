@@ -14,6 +14,7 @@ from compute_service.model.config import ATTENTION, MAMBA, ModelConfig
 from compute_service.model.hf_config_fields import (
     UnsupportedConfigError,
     _attention_fields,
+    _mamba_fields,
     _check_time_step_limit,
     _common,
     _get,
@@ -124,8 +125,7 @@ def _bamba(d: dict[str, Any]) -> ModelConfig:
     attn = set(_get(d, "attn_layer_indices", []))
     if any(not 0 <= i < n for i in attn):
         raise UnsupportedConfigError("attn_layer_indices", f"indices must be in [0, {n})")
-    expand, heads = int(_get(d, "mamba_expand", 2)), int(_require(d, "mamba_n_heads"))
-    d_head = d.get("mamba_d_head", "auto")
+    expand = int(_get(d, "mamba_expand", 2))
     eps = float(_get(d, "rms_norm_eps", 1e-5))
     bias = bool(_get(d, "attention_bias", False))
     return ModelConfig(
@@ -139,16 +139,7 @@ def _bamba(d: dict[str, Any]) -> ModelConfig:
         sliding_windows=(0,) * n,
         # Bamba hard-codes partial_rotary_factor = 0.5 in its config class.
         **_attention_fields(d, 0.5),
-        mamba_num_heads=heads,
-        mamba_head_dim=expand * hidden // heads if d_head in (None, "auto") else int(d_head),
-        mamba_state_size=int(_get(d, "mamba_d_state", 256)),
-        mamba_n_groups=int(_get(d, "mamba_n_groups", 1)),
-        mamba_conv_kernel=int(_get(d, "mamba_d_conv", 4)),
-        mamba_intermediate_size=expand * hidden,
-        mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True)),
-        mamba_proj_bias=bool(_get(d, "mamba_proj_bias", False)),
-        mamba_chunk_size=int(_get(d, "mamba_chunk_size", 256)),
-        mamba_norm_eps=eps,
+        **_mamba_fields(d, expand * hidden, eps),
     ).validate()
 
 

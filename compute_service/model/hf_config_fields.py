@@ -126,3 +126,21 @@ def _common(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         "eos_token_ids": _eos_ids(d),
         "pad_token_id": d.get("pad_token_id"),
     }
+
+
+def _mamba_fields(d: dict[str, Any], inter: int, eps: float) -> dict[str, Any]:
+    """The Mamba2 mixer's fields as the Bamba-derived configs name them (`mamba_n_heads`,
+    `mamba_d_head`, ...: bamba, granitemoehybrid, falcon_h1); `inter` is its inner width."""
+    heads, d_head = int(_require(d, "mamba_n_heads")), d.get("mamba_d_head", "auto")
+    return dict(
+        mamba_num_heads=heads,
+        mamba_head_dim=inter // heads if d_head in (None, "auto") else int(d_head),
+        mamba_state_size=int(_get(d, "mamba_d_state", 256)),
+        mamba_n_groups=int(_get(d, "mamba_n_groups", 1)),
+        mamba_conv_kernel=int(_get(d, "mamba_d_conv", 4)),
+        mamba_intermediate_size=inter,
+        mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True)),
+        mamba_proj_bias=bool(_get(d, "mamba_proj_bias", False)),
+        mamba_chunk_size=int(_get(d, "mamba_chunk_size", 256)),
+        mamba_norm_eps=eps,
+    )

@@ -10,6 +10,7 @@ from compute_service.model.config import ATTENTION, MAMBA, MLP, PARALLEL, ModelC
 from compute_service.model.hf_config_fields import (
     UnsupportedConfigError,
     _attention_fields,
+    _mamba_fields,
     _check_act,
     _check_time_step_limit,
     _common,
@@ -116,7 +117,6 @@ def granitemoehybrid(d: dict[str, Any]) -> ModelConfig:
         # Its rotary embedding rotates the whole head whatever this says.
         raise UnsupportedConfigError("partial_rotary_factor", "only 1.0 is supported")
     hidden, expand = int(_require(d, "hidden_size")), int(_get(d, "mamba_expand", 2))
-    heads, d_head = int(_require(d, "mamba_n_heads")), d.get("mamba_d_head", "auto")
     eps = float(_get(d, "rms_norm_eps", 1e-6))
     bias = bool(_get(d, "attention_bias", False))
     attn = _attention_fields(d, 1.0) if ATTENTION in kinds else {}
@@ -137,16 +137,7 @@ def granitemoehybrid(d: dict[str, Any]) -> ModelConfig:
         o_bias=bias,
         sliding_windows=(0,) * n,
         **attn,
-        mamba_num_heads=heads,
-        mamba_head_dim=expand * hidden // heads if d_head in (None, "auto") else int(d_head),
-        mamba_state_size=int(_get(d, "mamba_d_state", 256)),
-        mamba_n_groups=int(_get(d, "mamba_n_groups", 1)),
-        mamba_conv_kernel=int(_get(d, "mamba_d_conv", 4)),
-        mamba_intermediate_size=expand * hidden,
-        mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True)),
-        mamba_proj_bias=bool(_get(d, "mamba_proj_bias", False)),
-        mamba_chunk_size=int(_get(d, "mamba_chunk_size", 256)),
-        mamba_norm_eps=eps,
+        **_mamba_fields(d, expand * hidden, eps),
     ).validate()
 
 
@@ -169,7 +160,6 @@ def falcon_h1(d: dict[str, Any]) -> ModelConfig:
     hidden, n = int(_require(d, "hidden_size")), int(_require(d, "num_hidden_layers"))
     d_ssm = d.get("mamba_d_ssm")
     inter = int(_get(d, "mamba_expand", 2)) * hidden if d_ssm is None else int(d_ssm)
-    heads, d_head = int(_require(d, "mamba_n_heads")), d.get("mamba_d_head", "auto")
     eps = float(_get(d, "rms_norm_eps", 1e-5))
     bias = bool(_get(d, "attention_bias", False))
     gate_m, down_m = _multipliers(d, "mlp_multipliers", 2)
@@ -194,16 +184,7 @@ def falcon_h1(d: dict[str, Any]) -> ModelConfig:
         key_multiplier=float(_get(d, "key_multiplier", 1.0)),
         mlp_gate_multiplier=gate_m,
         mlp_down_multiplier=down_m,
-        mamba_num_heads=heads,
-        mamba_head_dim=inter // heads if d_head in (None, "auto") else int(d_head),
-        mamba_state_size=int(_get(d, "mamba_d_state", 256)),
-        mamba_n_groups=int(_get(d, "mamba_n_groups", 1)),
-        mamba_conv_kernel=int(_get(d, "mamba_d_conv", 4)),
-        mamba_intermediate_size=inter,
-        mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True)),
-        mamba_proj_bias=bool(_get(d, "mamba_proj_bias", False)),
-        mamba_chunk_size=int(_get(d, "mamba_chunk_size", 256)),
-        mamba_norm_eps=eps,
+        **_mamba_fields(d, inter, eps),
         mamba_norm=norm,
         mamba_in_multiplier=float(_get(d, "ssm_in_multiplier", 1.0)),
         mamba_proj_multipliers=_multipliers(d, "ssm_multipliers", 5),

@@ -319,12 +319,20 @@ def _granitemoehybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "residual_multiplier": cfg.residual_multiplier,
         "logits_scaling": cfg.logits_scaling,
         "attention_multiplier": cfg.attention_scale or (cfg.head_dim**-0.5 if cfg.head_dim else 1.0),
+        **_mamba_to_hf(cfg),
+        "mamba_expand": cfg.mamba_intermediate_size // cfg.hidden_size,
+    }
+
+
+def _mamba_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The Mamba2 mixer as the Bamba-derived configs name it (the inverse of
+    hf_config_fields._mamba_fields, but for its inner width: `mamba_expand` or `mamba_d_ssm`)."""
+    return {
         "mamba_n_heads": cfg.mamba_num_heads,
         "mamba_d_head": cfg.mamba_head_dim,
         "mamba_n_groups": cfg.mamba_n_groups,
         "mamba_d_state": cfg.mamba_state_size,
         "mamba_d_conv": cfg.mamba_conv_kernel,
-        "mamba_expand": cfg.mamba_intermediate_size // cfg.hidden_size,
         "mamba_chunk_size": cfg.mamba_chunk_size,
         "mamba_conv_bias": cfg.mamba_conv_bias,
         "mamba_proj_bias": cfg.mamba_proj_bias,
@@ -347,15 +355,8 @@ def _bamba_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": cfg.qkv_bias,
         "mlp_bias": cfg.mlp_bias,
         "attn_layer_indices": list(cfg.attention_layer_ids),
-        "mamba_n_heads": cfg.mamba_num_heads,
-        "mamba_d_head": cfg.mamba_head_dim,
-        "mamba_n_groups": cfg.mamba_n_groups,
-        "mamba_d_state": cfg.mamba_state_size,
-        "mamba_d_conv": cfg.mamba_conv_kernel,
+        **_mamba_to_hf(cfg),
         "mamba_expand": cfg.mamba_intermediate_size // cfg.hidden_size,
-        "mamba_chunk_size": cfg.mamba_chunk_size,
-        "mamba_conv_bias": cfg.mamba_conv_bias,
-        "mamba_proj_bias": cfg.mamba_proj_bias,
     }
     return out
 
@@ -367,14 +368,7 @@ def _falcon_h1_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": cfg.qkv_bias,
         "mlp_bias": cfg.mlp_bias,
         "mamba_d_ssm": cfg.mamba_intermediate_size,
-        "mamba_n_heads": cfg.mamba_num_heads,
-        "mamba_d_head": cfg.mamba_head_dim,
-        "mamba_n_groups": cfg.mamba_n_groups,
-        "mamba_d_state": cfg.mamba_state_size,
-        "mamba_d_conv": cfg.mamba_conv_kernel,
-        "mamba_chunk_size": cfg.mamba_chunk_size,
-        "mamba_conv_bias": cfg.mamba_conv_bias,
-        "mamba_proj_bias": cfg.mamba_proj_bias,
+        **_mamba_to_hf(cfg),
         "projectors_bias": cfg.mamba_proj_bias,
         "mamba_rms_norm": cfg.mamba_norm != "gate",
         "mamba_norm_before_gate": cfg.mamba_norm == "norm_gate",
