@@ -82,6 +82,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
     def text_prompt_ids(self, text: str) -> list[int]: ...
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
@@ -217,6 +219,30 @@ class ByteTokenizer(_ChatMixin):
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: one byte of the text, or a special token's string."""
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return self.SPECIAL_TOKENS.get(token_id, f"<|{token_id}|>").encode()
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """The printable character byte-level BPE writes for each byte (GPT-2's bytes_to_unicode),
+    inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _gpt2_byte_alphabet()
+
 
 def _token_string(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
@@ -267,6 +293,9 @@ class JsonTokenizer(_ChatMixin):
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.chat_template = self._template(config)
         self.fingerprint = fingerprint_of(self.files, bos if self.adds_bos else None)
+        spec = json.loads(files[TOKENIZER_JSON])
+        self._byte_level = '"ByteLevel"' in json.dumps(spec.get("decoder"))
+        self._added_ids = {t["id"] for t in spec.get("added_tokens") or ()}
 
     def _token_id(self, token: str | None) -> int | None:
         return self._tok.token_to_id(token) if token is not None else None
@@ -293,6 +322,22 @@ class JsonTokenizer(_ChatMixin):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, a part of a character included: a byte-level BPE piece
+        mapped back through GPT-2's byte alphabet, a SentencePiece byte-fallback `<0xNN>`;
+        any other token (an added token, a piece of another decoder) its decoded UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
 
 def has_tokenizer(files: Mapping[str, bytes]) -> bool:

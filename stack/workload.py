@@ -69,6 +69,7 @@ class Client:
         """Previews the route, then runs the request (after `together` releases it, if given)."""
         req = cpb.GenerateRequest(request_id=name, text=text, adapter=adapter,
                                   sampling=cpb.SamplingParams(max_tokens=self.max_tokens,
+                                                              temperature=0,  # reproducible
                                                               ignore_eos=self.ignore_eos))
         preview = self.gateway.RoutePreview(gpb.RoutePreviewRequest(request=req),
                                             metadata=self._meta(tenant), timeout=10)
@@ -91,7 +92,7 @@ class Client:
         """One streamed chat completion through the HTTP API; TTFT is the first content chunk's
         arrival as this client sees it."""
         body = {"model": MODEL, "messages": messages, "max_tokens": self.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True},
+                "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
                 "ignore_eos": self.ignore_eos}
         req = urllib.request.Request(
             f"{self.http}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",

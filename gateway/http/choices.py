@@ -5,7 +5,7 @@ logprobs it asked for (logprobs.py), in OpenAI's chat or completions shape. A ch
 each choice through a ToolStream (tool_stream.py)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ class Choices:
     chat: bool
     # Top logprobs per token (0: the sampled token's only); None: no logprobs.
     logprobs: int | None = None
-    name: Callable[[int], str] = field(default=lambda t: f"token_id:{t}")
+    name: lp.TokenNames = field(default_factory=lambda: lp.TokenNames(None))
     # The text of each prompt of the batch, echoed before its choices' text (completions).
     echo: Sequence[str] | None = None
     # How a chat's text becomes tool calls; None (or one that calls none): plain content.

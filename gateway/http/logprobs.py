@@ -7,7 +7,9 @@
   vLLM's shape (`top_logprobs` is null with logprobs 0).
 
 A token's string is the tokenizer's decoding of that one id, as vLLM's is; without a tokenizer
-it is vLLM's `token_id:N` form.
+it is vLLM's `token_id:N` form. Its `bytes` are the token's own bytes (OpenAI's meaning: a
+character split over two tokens is whole again when their bytes are joined), where vLLM sends the
+UTF-8 of the string with U+FFFD in place of the partial character.
 """
 from __future__ import annotations
 
@@ -20,11 +22,22 @@ from prefixcache.v1 import compute_service_pb2 as pb
 Entry = tuple[int, pb.TokenLogprobs]  # (token id, its logprobs)
 
 
-def token_namer(tokenizer) -> Callable[[int], str]:
-    """id -> the token's string (`tokenizer`: a prefixcache_client Tokenizer, or None)."""
-    if tokenizer is None:
-        return lambda t: f"token_id:{t}"
-    return lambda t: tokenizer.decode([t], skip_special_tokens=False)
+class TokenNames:
+    """id -> the token's string (call) and its bytes (`raw`); `tokenizer`: a prefixcache_client
+    Tokenizer, or None."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, t: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{t}"
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def raw(self, t: int) -> bytes:
+        if self.tokenizer is None:
+            return self(t).encode()
+        return self.tokenizer.token_bytes(t)
 
 
 def _finite(x: float) -> float:
@@ -32,10 +45,9 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def chat_content(entries: Sequence[Entry], name: Callable[[int], str]) -> list[dict[str, Any]]:
+def chat_content(entries: Sequence[Entry], name: TokenNames) -> list[dict[str, Any]]:
     def item(t: int, lp: float) -> dict[str, Any]:
-        s = name(t)
-        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
+        return {"token": name(t), "logprob": _finite(lp), "bytes": list(name.raw(t))}
 
     return [{**item(t, e.logprob), "top_logprobs": [item(i, v) for i, v in
                                                      zip(e.top_ids, e.top_logprobs)]}

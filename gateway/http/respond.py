@@ -24,7 +24,7 @@ from gateway.http.errors import ApiError, bad_request
 from gateway.http.bad_words import bad_word_ids
 from gateway.http.choices import Choices
 from gateway.http.generation import ClientGone, Generation, Job
-from gateway.http.logprobs import token_namer
+from gateway.http.logprobs import TokenNames
 from gateway.http.streaming import sse_events
 from gateway.http.structured import Structured, http_field
 from gateway.http.tools import ToolPlan
@@ -66,7 +66,7 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                             trace=getattr(request.state, "trace", None))
     request.state.usage = generation.usage  # the access-log line's tokens (request_log.py)
     model = body.model or proxy.fleet.model_id or ""
-    shape = Choices(chat, body.logprobs_wanted(), token_namer(proxy.tokenizer.current()), echo,
+    shape = Choices(chat, body.logprobs_wanted(), TokenNames(proxy.tokenizer.current()), echo,
                     tool_plan)
     salted = body.cache_salt is not None
     try:

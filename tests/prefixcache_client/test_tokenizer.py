@@ -249,3 +249,33 @@ def test_json_tokenizer_reads_its_special_ids_like_transformers():
     assert tok.bos_token_id == hf.bos_token_id and tok.eos_token_ids == (hf.eos_token_id,)
     assert tok.special_tokens == hf.special_tokens_map
     assert tok.vocab_size == len(hf)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_text_even_across_a_split_character(text):
+    """OpenAI's logprob `bytes`: a character split over tokens is whole when their bytes join."""
+    for ours in (from_directory(BPE), ByteTokenizer()):
+        ids = ours.encode(text)
+        assert b"".join(ours.token_bytes(t) for t in ids) == text.encode()
+    assert ByteTokenizer().token_bytes(ByteTokenizer.BOS) == b"<|bos|>"
+
+
+def test_token_bytes_of_a_split_character_are_its_raw_bytes():
+    byte_level = from_directory(BPE)
+    ids = byte_level.encode("🙂")
+    assert len(ids) > 1 and b"".join(map(byte_level.token_bytes, ids)) == "🙂".encode()
+    assert all(byte_level.decode([t]) == "\ufffd" for t in ids)  # the string alone cannot say it
+
+
+def test_token_bytes_read_sentencepiece_byte_fallback():
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"▁": 256, "a": 257, "▁a": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    ours = from_files({"tokenizer.json": tok.to_str().encode()})
+    ids = ours.encode(" aé")
+    assert ids[0] == 258 and len(ids) == 3  # "▁a", then é's two bytes
+    assert b"".join(map(ours.token_bytes, ids)) == " aé".encode()
