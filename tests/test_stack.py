@@ -93,3 +93,16 @@ def test_the_fault_drill_costs_no_request_and_no_wrong_output(tmp_path):
     # ... and where its lost reuse lies: in each prompt's history or in its new part.
     assert set(phases["baseline"]["computed_history_new"]) == {"all"}
     assert set(phases["redis-flushall"]["computed_history_new"]["turn2"]) == {"history", "new"}
+
+
+def test_the_openai_dropin_check_passes_on_the_trained_model(tmp_path):
+    """The official openai client against the stack's services serving SmolLM2: json_schema 20/20
+    at temperature 1, required and named tool calls, logprobs, penalties and cache_salt."""
+    out = tmp_path / "dropin.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "prefixcache_bench.stack.openai_dropin", "--json",
+                          str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    results = json.loads(out.read_text())
+    assert results["all_ok"] and results["json_schema"]["valid"] == 20
