@@ -18,24 +18,21 @@ times the mask alone (fill + apply) for one step's batch, the cost the two rates
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import glob
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from cache_service.core import CacheCore
-from compute_service.engine import Engine, EngineConfig, SamplingParams
+from compute_service.engine import SamplingParams
 from compute_service.engine.grammar import GrammarEngine
 from compute_service.engine.request import Request
 from compute_service.engine.sampling import Constraint
 from compute_service.model.model import CausalLM
-from compute_service.model.presets import init_random_, preset_config
-from prefixcache_bench.harness import Goal, choose_threads, machine_info, percentile, report
+from prefixcache_bench.compute.decode_modes import (arguments, build, decode_tok_s, in_rotation,
+                                                    median_ms, rates_and_ratios, set_threads)
+from prefixcache_bench.harness import Goal, machine_info, report
 from prefixcache_client.tokenizer import from_files
 
 SCHEMA = {"type": "object", "properties": {
@@ -66,30 +63,16 @@ def train_tokenizer(vocab: int):
                        "tokenizer_config.json": json.dumps(config).encode()})
 
 
-def build(preset: str, vocab: int) -> CausalLM:
-    cfg = dataclasses.replace(preset_config(preset), vocab_size=vocab).validate()
-    return init_random_(CausalLM.empty(cfg, torch.float32, "cpu"), seed=0).eval()
-
-
-def decode_tok_s(model: CausalLM, tokenizer, constrained: bool, batch: int, tokens: int,
-                 rep: int) -> float:
-    eng = Engine(model, tokenizer, CacheCore(), EngineConfig(
-        page_size=16, device_pages=1024, token_budget=2048, max_running=batch, model_id="m"))
-    outs: list[list] = [[] for _ in range(batch)]
+def mode_tok_s(model: CausalLM, tokenizer, constrained: bool, batch: int, tokens: int,
+               rep: int) -> float:
+    """Requests of `tokens` outputs at temperature 1, with the schema or plain (ignore_eos)."""
     extra = (dict(constraint=Constraint("json_schema", json.dumps(SCHEMA))) if constrained
              else dict(ignore_eos=True))
-    for i, out in enumerate(outs):
-        prompt = [(13 * j + 7 * i + rep) % 250 + 3 for j in range(64)]  # distinct prompts
-        eng.submit(prompt, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i + rep,
-                                          **extra), out.append)
-    while not all(out for out in outs):  # prefill first (not measured)
-        eng.step()
-    first = time.perf_counter()
-    eng.run_until_idle()
-    elapsed = time.perf_counter() - first
+    rate, outs = decode_tok_s(model, tokenizer, lambda i: SamplingParams(
+        max_tokens=tokens, temperature=1.0, seed=i + rep, **extra), batch, rep, first_id=3)
     counts = [len([t for o in out for t in o.token_ids]) for out in outs]
     assert counts == [tokens] * batch, counts  # no request ended early: equal batches
-    return sum(c - 1 for c in counts) / elapsed
+    return rate
 
 
 def mask_ms(tokenizer, vocab: int, batch: int, iters: int = 100) -> float:
@@ -104,44 +87,19 @@ def mask_ms(tokenizer, vocab: int, batch: int, iters: int = 100) -> float:
         r.output = list(prefix)
         reqs.append(r)
     logits = torch.randn(batch, vocab)
-    for _ in range(5):
-        grammar.mask(logits.clone(), reqs)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            grammar.mask(logits, reqs)
-        times.append((time.perf_counter() - t) / iters * 1e3)
-    return percentile(times, 0.5)
+    return median_ms(lambda: grammar.mask(logits, reqs), iters, warmup=5)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="small-transformer")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    threads, why = choose_threads(args.threads, torch.get_num_threads())
-    torch.set_num_threads(threads)
+    args = arguments(__doc__).parse_args(argv)
+    threads, why = set_threads(args.threads)
     tokenizer = train_tokenizer(args.vocab)
     model = build(args.preset, args.vocab)
     for constrained in (False, True):  # warm-up (and the schema's compilation)
-        decode_tok_s(model, tokenizer, constrained, 2, 8, 0)
-    runs: dict[str, list[float]] = {"plain": [], "json_schema": []}
-    for rep in range(args.reps):
-        order = [False, True] if rep % 2 == 0 else [True, False]  # neither always first
-        for constrained in order:
-            runs["json_schema" if constrained else "plain"].append(
-                decode_tok_s(model, tokenizer, constrained, args.batch, args.tokens, rep))
-    med = {m: percentile(v, 0.5) for m, v in runs.items()}
-    results: dict = {f"{m}_decode_tok_s": round(v, 1) for m, v in med.items()}
-    results["json_schema_ratio"] = round(percentile(
-        [x / y for x, y in zip(runs["json_schema"], runs["plain"], strict=True)], 0.5), 4)
-    results["json_schema_ratio_of_medians"] = round(med["json_schema"] / med["plain"], 4)
+        mode_tok_s(model, tokenizer, constrained, 2, 8, 0)
+    runs = in_rotation(["plain", "json_schema"], args.reps, lambda mode, rep: mode_tok_s(
+        model, tokenizer, mode == "json_schema", args.batch, args.tokens, rep))
+    results: dict = rates_and_ratios(runs)
     results["mask_ms_per_step"] = round(mask_ms(tokenizer, args.vocab, args.batch), 3)
     results.update(preset=args.preset, vocab=args.vocab, batch=args.batch,
                    output_tokens=args.tokens, reps=args.reps, threads=threads,
