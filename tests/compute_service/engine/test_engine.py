@@ -2,37 +2,15 @@
 the token budget and the cache protocol it speaks."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from cache_service.core import CacheCore
-from compute_service.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from compute_service.engine import FinishReason, SamplingParams
 from compute_service.engine.detokenize import TextStream
 from compute_service.engine.sampling import sample
-from compute_service.model import ByteTokenizer, build_preset
+from compute_service.model import ByteTokenizer
 from prefixcache.v1 import cache_service_pb2 as pb
-
-PROMPT = list(range(40, 80))
-
-
-@functools.cache
-def tiny():
-    return build_preset("tiny-transformer", seed=5)
-
-
-def make(**cfg) -> Engine:
-    settings = dict(page_size=4, device_pages=128, token_budget=16, model_id="tiny")
-    settings.update(cfg)
-    return Engine(tiny(), ByteTokenizer(), CacheCore(), EngineConfig(**settings))
-
-
-def generate(eng: Engine, prompt=PROMPT, **sampling):
-    outs = []
-    eng.submit(prompt, SamplingParams(**sampling), outs.append)
-    eng.run_until_idle()
-    return [t for o in outs for t in o.token_ids], outs
+from tests.compute_service.engine.tiny_engine import PROMPT, generate, make
 
 
 def test_greedy_is_deterministic_and_seeded_sampling_is_reproducible():

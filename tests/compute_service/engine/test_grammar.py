@@ -4,7 +4,6 @@ their JSON schema, regex or choice through chunked prefill, preemption, twins an
 a constraint is compiled once; bad constraints are refused naming the field."""
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
@@ -14,13 +13,13 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from cache_service.core import CacheCore
-from compute_service.engine import Engine, EngineConfig, SamplingParams
+from compute_service.engine import SamplingParams
 from compute_service.engine.grammar import GrammarEngine, tokenizer_info
 from compute_service.engine.request import Request
 from compute_service.engine.sampling import Constraint
-from compute_service.model import ByteTokenizer, build_preset
+from compute_service.model import ByteTokenizer
 from prefixcache_client.tokenizer import from_directory
+from tests.compute_service.engine.tiny_engine import PROMPT, make
 
 BPE = Path(__file__).resolve().parents[2] / "data" / "bpe_tokenizer"
 # Not "maxLength" on a string: xgrammar 0.2.8 lets such a string hold raw control characters,
@@ -30,18 +29,6 @@ SCHEMA = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
     "required": ["name", "age"], "additionalProperties": False}
-PROMPT = list(range(40, 80))
-
-
-@functools.cache
-def tiny():
-    return build_preset("tiny-transformer", seed=5)
-
-
-def make(**cfg) -> Engine:
-    settings = dict(page_size=4, device_pages=128, token_budget=16, model_id="tiny")
-    settings.update(cfg)
-    return Engine(tiny(), ByteTokenizer(), CacheCore(), EngineConfig(**settings))
 
 
 def text_of(outs) -> str:

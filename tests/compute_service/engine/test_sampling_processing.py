@@ -10,7 +10,7 @@ import torch
 from compute_service.engine import SamplingParams
 from compute_service.engine.logits_ops import bad_word_bans
 from compute_service.engine.sampling import sample_batch
-from tests.compute_service.engine.test_engine import PROMPT, generate, make
+from tests.compute_service.engine.tiny_engine import PROMPT, generate, make
 
 V = 12
 
