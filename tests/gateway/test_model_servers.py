@@ -1,12 +1,15 @@
 """Workers as InferencePool model servers, behind a real Envoy: each fake worker has a model
-server beside it (`--model-server`: the gateway's OpenAI HTTP API over that worker alone,
-gateway/core/dataplane_tenants.py), and the gateway's Endpoint Picker routes OpenAI HTTP to them
+server beside it (`--model-server`: the gateway's OpenAI HTTP API over that worker,
+gateway/core/dataplane_tenants.py, with the other workers as resume targets,
+gateway/core/resume_peers.py), and the gateway's Endpoint Picker routes OpenAI HTTP to them
 by prefix (gateway/epp/openai_body.py), as the Inference Extension's reference deployment routes
 to vLLM pods. The official `openai` client calls Envoy."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -14,6 +17,7 @@ import pytest
 
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import WorkerAddress
+from gateway.core.resume_peers import ModelServerWorkers
 from gateway.core.tenants import AuthError
 from prefixcache_client.tokenizer import from_directory
 from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, request_scope
@@ -53,11 +57,54 @@ def test_a_model_server_takes_only_the_data_planes_tenant():
             tenants.authenticate(bad)
 
 
+class Relay:
+    """A TCP relay standing for a pod's network: `cut()` resets every connection through it and
+    refuses new ones, as when the pod (model server and engine together) is gone."""
+
+    def __init__(self, upstream: int):
+        self._upstream, self._sockets, self._lock = upstream, [], threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+                up = socket.create_connection(("127.0.0.1", self._upstream))
+            except OSError:
+                return
+            with self._lock:
+                self._sockets += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self._listener.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):  # a pump already closed it
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            sock.close()
+
+
 @contextlib.contextmanager
 def model_server_pool():
-    """A cache service, two fake workers with a chat tokenizer, a model server beside each,
-    a gateway whose Endpoint Picker routes to the model servers, and Envoy in front."""
+    """A cache service, two fake workers with a chat tokenizer, a model server beside each
+    (knowing the other worker as a resume target, and reached through a `Relay`), a gateway
+    whose Endpoint Picker routes to the model servers, and Envoy in front."""
     servers: dict[str, str] = {}
+    relays: dict[str, Relay] = {}
     with running_server() as cache, contextlib.ExitStack() as stack:
         workers = {name: FakeWorker(name) for name in ("w1", "w2")}
         stopped: set[str] = set()
@@ -70,17 +117,21 @@ def model_server_pool():
         model_servers = {}
         for address, w in zip(addresses, workers.values()):
             ms = stack.enter_context(running_gateway(
-                lambda a=address: [a], tenants=DataplaneTenants(EPP_CALLERS), http_port=0))
+                ModelServerWorkers(address, lambda: addresses),
+                tenants=DataplaneTenants(EPP_CALLERS), http_port=0, home_worker=w.address))
             model_servers[w.name] = ms
-            servers[w.address] = f"127.0.0.1:{ms.http_port}"
+            relays[w.name] = relay = Relay(ms.http_port)
+            stack.callback(relay.cut)
+            servers[w.address] = f"127.0.0.1:{relay.port}"
         gw = stack.enter_context(running_gateway(lambda: addresses, epp_port=0,
                                                  epp_model_servers=lambda a: servers[a]))
         caller = Caller(gw.address)
         stack.callback(caller.close)
         wait_until(lambda: len(list_workers(caller)) == 2 and gw.router.ready()
-                   and all(m.router.ready() for m in model_servers.values()))
+                   and all(m.router.ready() and len(m.router.names()) == 2
+                           for m in model_servers.values()))
         envoy = stack.enter_context(running_envoy(gw.epp.port, service_token=DATAPLANE_TOKEN))
-        yield gw, cache, workers, caller, model_servers, envoy, stopped
+        yield gw, cache, workers, caller, model_servers, envoy, stopped, relays
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +146,7 @@ def client(envoy: str, key: str = "tok-a") -> openai.OpenAI:
 
 
 def test_openai_client_through_envoy_reaches_the_worker_holding_the_prefix(pool):
-    gw, cache, workers, caller, _, envoy, _ = pool
+    gw, cache, workers, caller, _, envoy, _, _ = pool
     tokenizer = from_directory(BPE_TOKENIZER)
     for name, text in (("w1", "the first long shared system prompt " * 4),
                        ("w2", "another quite different preamble text " * 4)):
@@ -151,7 +202,7 @@ def test_a_model_server_refuses_everyone_but_the_data_plane(pool):
 def test_a_drained_worker_fails_no_request():
     """One worker leaves as Kubernetes takes a pod away (readiness off, then it stops); the
     requests sent all along through Envoy all succeed."""
-    with model_server_pool() as (gw, _, workers, _, model_servers, envoy, stopped):
+    with model_server_pool() as (gw, _, workers, _, model_servers, envoy, stopped, _):
         failures, done, stop = [], [], threading.Event()
 
         def send():
@@ -199,6 +250,21 @@ def test_the_flags(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_args([*server, *extra])
         assert why in capsys.readouterr().err, why
+    assert config.home_worker is None  # no peers: its one worker, as before
+    peers = ["--resume-peers", "10.0.0.7:50052,10.0.0.8:50052@10.0.0.8:7000"]
+    config = config_from_args(parse_args([*server, ids, *peers]))
+    assert config.home_worker == "localhost:50052"
+    assert config.workers() == [WorkerAddress("localhost:50052", "localhost:50051"),
+                                WorkerAddress("10.0.0.7:50052", "10.0.0.7:50051"),
+                                WorkerAddress("10.0.0.8:50052", "10.0.0.8:7000")]
+    dns = config_from_args(parse_args([*server, ids, "--resume-peers-dns",
+                                       "compute-headless:50052"]))
+    assert dns.workers.own.compute == dns.home_worker == "localhost:50052"
+    for argv, why in (([*server, ids, *peers, "--resume-peers-dns", "c:1"], "at most one"),
+                      (["--workers", "a:1", "--allow-anonymous", *peers], "a model server's")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert why in capsys.readouterr().err, why
     picker = config_from_args(parse_args(["--workers", "10.0.0.7:50052", "--allow-anonymous",
                                           ids, "--epp-port", "9002",
                                           "--epp-model-server-port", "8000"]))
@@ -206,38 +272,149 @@ def test_the_flags(tmp_path, capsys):
     assert picker.epp_model_servers("[fd00::7]:50052") == "[fd00::7]:8000"
 
 
-def test_a_worker_dying_mid_stream_ends_its_streams_with_an_error_and_no_later_request_fails():
-    """A worker killed outright (no drain): the streams it was running end with an error the
-    client sees (a model server has only its own worker, and a started response is not
-    re-routed: as with a vLLM pod), and once the picker has seen it down every request
-    succeeds on the other."""
-    with model_server_pool() as (gw, cache, workers, caller, _, envoy, stopped):
-        w2 = workers["w2"]
-        w2.tokens, w2.delay_s = 50, 0.05  # long streams, so they are cut mid-way
+def complete_stream(envoy: str, prompt: str, max_tokens: int, **extra) -> tuple[str, int]:
+    """One greedy streamed completion through Envoy: its text and completion token count."""
+    text, usage = "", None
+    for chunk in client(envoy).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra}):
+        text += "".join(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert usage is not None
+    return text, usage.completion_tokens
+
+
+def streams_cut_on(workers: dict, name: str, kill, envoy: str, prompt: str, n: int = 6
+                   ) -> tuple[list, list[str]]:
+    """`n` concurrent streams through Envoy; once `name`'s worker runs some of them mid-way,
+    `kill()`. Their (text, tokens) and the errors their clients saw."""
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(complete_stream(envoy, prompt, workers[name].tokens))
+        except Exception as exc:  # openai's errors, or httpx's on a cut connection
+            errors.append(repr(exc))
+
+    before = len(workers[name].seen)
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(workers[name].seen) > before, what=f"a stream on {name}")
+    time.sleep(0.3)  # about 10 of its tokens streamed
+    kill()
+    for t in threads:
+        t.join(30)
+    return results, errors
+
+
+def test_a_workers_engine_dying_mid_stream_fails_no_request():
+    """A worker's engine killed outright (OOM, a CUDA error: the model server beside it lives
+    on): every stream it ran goes on on the other worker from the tokens streamed so far, with
+    the tenant's salt; through Envoy, 0 requests fail, every stream has all its tokens and the
+    text of an uninterrupted run; and every later request succeeds."""
+    with model_server_pool() as (gw, cache, workers, caller, model_servers, envoy, stopped, _):
+        for w in workers.values():
+            w.tokens, w.delay_s = 40, 0.03
         text = "a prompt cached on the second worker only " * 3
         cached_on((gw, cache, workers, caller), "w2",
                   from_directory(BPE_TOKENIZER).text_prompt_ids(text))
-        errors = []
+        reference = complete_stream(envoy, text, 40)  # uninterrupted, on w2
+        assert reference == ("".join(chr(65 + i) for i in range(40)), 40)
 
-        def stream():
-            try:
-                for _ in client(envoy).completions.create(model=MODEL, prompt=text,
-                                                          max_tokens=50, stream=True):
-                    pass
-            except openai.OpenAIError as exc:
-                errors.append(exc)
+        def kill():
+            workers["w2"].stop()
+            stopped.add("w2")
 
-        t = threading.Thread(target=stream)
-        t.start()
-        wait_until(lambda: len(w2.seen) == 1)
-        w2.stop()
-        stopped.add("w2")
-        t.join(30)
-        assert len(errors) == 1  # the client is told, not left with a silently short answer
+        results, errors = streams_cut_on(workers, "w2", kill, envoy, text)
+        assert errors == []
+        assert results == [reference] * 6
+        resumed = [s for s in workers["w1"].seen if s.request.resume_output.ids]
+        assert resumed, "no stream was cut mid-way"
+        assert all(s.salts == ["salt-a"] and s.service_tokens == [] for s in resumed)
+        assert all(0 < len(s.request.resume_output.ids) < 40 for s in resumed)
+        registry = model_servers["w2"].metrics.registry
+        assert registry.get_sample_value("prefixcache_gateway_resumes_total",
+                                         {"worker": "w2"}) == len(resumed)
+        # A request reaching w2's model server once its engine is known down goes to the peer
+        # (the picker itself no longer sends any there).
+        wait_until(lambda: not model_servers["w2"].router.get("w2").up)
+        r = httpx.post(f"http://127.0.0.1:{model_servers['w2'].http_port}/v1/completions",
+                       json={"model": MODEL, "prompt": text, "max_tokens": 40},
+                       headers=dict(dataplane_headers()), timeout=20)
+        assert r.status_code == 200 and r.json()["usage"]["prefixcache"]["worker"] == "w1"
         wait_until(lambda: not gw.router.get("w2").up, what="the picker sees w2 down")
         for _ in range(5):
             out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
             assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
+
+
+def test_a_seeded_stream_is_not_resumed_and_says_why():
+    """A request with a seed is not resumed on another worker (its draws there would not be
+    the seed's): its stream fails, and the error names the seed."""
+    with model_server_pool() as (gw, cache, workers, caller, _, envoy, stopped, _):
+        w2 = workers["w2"]
+        w2.tokens, w2.delay_s = 40, 0.03
+        text = "a seeded prompt cached on the second worker " * 3
+        cached_on((gw, cache, workers, caller), "w2",
+                  from_directory(BPE_TOKENIZER).text_prompt_ids(text))
+        errors = []
+
+        def run():
+            try:
+                complete_stream(envoy, text, 40, seed=7)
+            except openai.OpenAIError as exc:
+                errors.append(str(exc))
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_until(lambda: len(w2.seen) == 1)
+        time.sleep(0.3)
+        w2.stop()
+        stopped.add("w2")
+        t.join(30)
+        assert len(errors) == 1 and "seed" in errors[0], errors
+        assert not any(s.request.resume_output.ids for s in workers["w1"].seen)
+
+
+def test_a_whole_pod_dying_cuts_the_streams_envoy_had_started():
+    """What still fails: the pod itself gone (model server and engine together, its node lost).
+    Envoy had sent the response headers of the streams it ran, and neither Envoy nor the
+    picker can retry a started response, so their clients see an error; once the picker sees
+    the worker down every request succeeds on the other."""
+    with model_server_pool() as (gw, cache, workers, caller, _, envoy, stopped, relays):
+        w2 = workers["w2"]
+        for w in workers.values():
+            w.tokens, w.delay_s = 40, 0.03
+        text = "a prompt cached on the second worker only " * 3
+        cached_on((gw, cache, workers, caller), "w2",
+                  from_directory(BPE_TOKENIZER).text_prompt_ids(text))
+
+        def kill():
+            relays["w2"].cut()
+            w2.stop()
+            stopped.add("w2")
+
+        results, errors = streams_cut_on(workers, "w2", kill, envoy, text)
+        assert errors, "a stream through the dead pod should have failed"
+        assert len(results) + len(errors) == 6
+        wait_until(lambda: not gw.router.get("w2").up, what="the picker sees w2 down")
+        for _ in range(5):
+            out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
+            assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
+
+
+def test_a_model_server_skips_its_own_pod_among_its_peers():
+    """The headless Service names this pod too, at its pod IP: that record is its own worker,
+    already known at localhost, and is not a peer (its name would clash with itself)."""
+    own = WorkerAddress("localhost:50052", "localhost:50051")
+    answer = [WorkerAddress(f"{ip}:50052", f"{ip}:50051")
+              for ip in ("10.0.0.5", "10.0.0.6", "[fd00::5]")]
+    workers = ModelServerWorkers(own, lambda: answer, hosts=frozenset({"10.0.0.5", "fd00::5"}))
+    assert workers() == [own, answer[1]]
+    # Another port on this host is another worker (several on one machine, as in the tests).
+    other = WorkerAddress("localhost:50062", "localhost:50061")
+    assert ModelServerWorkers(own, lambda: [own, other], hosts=frozenset())() == [own, other]
 
 
 def test_a_model_servers_metrics_carry_its_workers_vllm_names():
