@@ -98,13 +98,36 @@ class Relay:
             sock.close()
 
 
-@contextlib.contextmanager
-def model_server_pool():
-    """A cache service, two fake workers with a chat tokenizer, a model server beside each
-    (knowing the other worker as a resume target, and reached through a `Relay`), a gateway
-    whose Endpoint Picker routes to the model servers, and Envoy in front."""
+def serve_through_envoy(stack: contextlib.ExitStack, addresses: dict[str, WorkerAddress]):
+    """A model server beside each worker (knowing the others as resume targets, reached
+    through a `Relay`), a gateway whose Endpoint Picker routes to the model servers, and Envoy
+    in front: (gateway, its caller, model servers by worker name, Envoy, relays by name)."""
     servers: dict[str, str] = {}
     relays: dict[str, Relay] = {}
+    model_servers = {}
+    pool = list(addresses.values())
+    for name, address in addresses.items():
+        ms = stack.enter_context(running_gateway(
+            ModelServerWorkers(address, lambda: pool), tenants=DataplaneTenants(EPP_CALLERS),
+            http_port=0, home_worker=address.compute))
+        model_servers[name] = ms
+        relays[name] = relay = Relay(ms.http_port)
+        stack.callback(relay.cut)
+        servers[address.compute] = f"127.0.0.1:{relay.port}"
+    gw = stack.enter_context(running_gateway(lambda: pool, epp_port=0,
+                                             epp_model_servers=lambda a: servers[a]))
+    caller = Caller(gw.address)
+    stack.callback(caller.close)
+    wait_until(lambda: len(list_workers(caller)) == len(pool) and gw.router.ready()
+               and all(m.router.ready() and len(m.router.names()) == len(pool)
+                       for m in model_servers.values()), timeout_s=30)
+    envoy = stack.enter_context(running_envoy(gw.epp.port, service_token=DATAPLANE_TOKEN))
+    return gw, caller, model_servers, envoy, relays
+
+
+@contextlib.contextmanager
+def model_server_pool():
+    """A cache service, two fake workers with a chat tokenizer, and `serve_through_envoy`."""
     with running_server() as cache, contextlib.ExitStack() as stack:
         workers = {name: FakeWorker(name) for name in ("w1", "w2")}
         stopped: set[str] = set()
@@ -113,24 +136,8 @@ def model_server_pool():
             w.tokenizer = from_directory(BPE_TOKENIZER)
             register_pool(cache.core, w.name)
         cache_addr = f"127.0.0.1:{cache.port}"
-        addresses = [WorkerAddress(w.address, cache_addr) for w in workers.values()]
-        model_servers = {}
-        for address, w in zip(addresses, workers.values()):
-            ms = stack.enter_context(running_gateway(
-                ModelServerWorkers(address, lambda: addresses),
-                tenants=DataplaneTenants(EPP_CALLERS), http_port=0, home_worker=w.address))
-            model_servers[w.name] = ms
-            relays[w.name] = relay = Relay(ms.http_port)
-            stack.callback(relay.cut)
-            servers[w.address] = f"127.0.0.1:{relay.port}"
-        gw = stack.enter_context(running_gateway(lambda: addresses, epp_port=0,
-                                                 epp_model_servers=lambda a: servers[a]))
-        caller = Caller(gw.address)
-        stack.callback(caller.close)
-        wait_until(lambda: len(list_workers(caller)) == 2 and gw.router.ready()
-                   and all(m.router.ready() and len(m.router.names()) == 2
-                           for m in model_servers.values()))
-        envoy = stack.enter_context(running_envoy(gw.epp.port, service_token=DATAPLANE_TOKEN))
+        gw, caller, model_servers, envoy, relays = serve_through_envoy(
+            stack, {w.name: WorkerAddress(w.address, cache_addr) for w in workers.values()})
         yield gw, cache, workers, caller, model_servers, envoy, stopped, relays
 
 
@@ -272,40 +279,57 @@ def test_the_flags(tmp_path, capsys):
     assert picker.epp_model_servers("[fd00::7]:50052") == "[fd00::7]:8000"
 
 
-def complete_stream(envoy: str, prompt: str, max_tokens: int, **extra) -> tuple[str, int]:
-    """One greedy streamed completion through Envoy: its text and completion token count."""
+def complete_stream(envoy: str, prompt: str, max_tokens: int, on_chunk=lambda: None,
+                    model: str = MODEL, **extra) -> tuple[str, int, str]:
+    """One greedy streamed completion through Envoy: its text, completion token count and the
+    worker that finished it; `on_chunk()` after each chunk."""
     text, usage = "", None
     for chunk in client(envoy).completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra}):
         text += "".join(c.text for c in chunk.choices)
         usage = chunk.usage or usage
+        on_chunk()
     assert usage is not None
-    return text, usage.completion_tokens
+    return text, usage.completion_tokens, usage.model_extra["prefixcache"]["worker"]
 
 
-def streams_cut_on(workers: dict, name: str, kill, envoy: str, prompt: str, n: int = 6
-                   ) -> tuple[list, list[str]]:
-    """`n` concurrent streams through Envoy; once `name`'s worker runs some of them mid-way,
-    `kill()`. Their (text, tokens) and the errors their clients saw."""
-    results, errors = [], []
+def streams_cut(envoy: str, prompt: str, max_tokens: int, midway, kill, n: int = 6,
+                model: str = MODEL) -> tuple[list[tuple[str, int]], list[str]]:
+    """`n` concurrent streams through Envoy; `kill()` once `midway(chunks)` (chunks: how many
+    each stream got so far). Their (text, tokens) and the errors their clients saw."""
+    results, errors, chunks = [], [], [0] * n
 
-    def run():
+    def run(i: int):
+        def count():
+            chunks[i] += 1
         try:
-            results.append(complete_stream(envoy, prompt, workers[name].tokens))
+            results.append(complete_stream(envoy, prompt, max_tokens, count, model)[:2])
         except Exception as exc:  # openai's errors, or httpx's on a cut connection
             errors.append(repr(exc))
 
-    before = len(workers[name].seen)
-    threads = [threading.Thread(target=run) for _ in range(n)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(workers[name].seen) > before, what=f"a stream on {name}")
-    time.sleep(0.3)  # about 10 of its tokens streamed
+    wait_until(lambda: midway(chunks), timeout_s=30, what="streams mid-way")
     kill()
     for t in threads:
-        t.join(30)
+        t.join(60)
     return results, errors
+
+
+def streams_cut_on(workers: dict, name: str, kill, envoy: str, prompt: str, n: int = 6):
+    """`streams_cut` over fake workers: `kill()` once `name`'s worker has streamed about 10
+    tokens of one of them."""
+    before = len(workers[name].seen)
+
+    def midway(_chunks) -> bool:
+        if len(workers[name].seen) == before:
+            return False
+        time.sleep(0.3)  # about 10 of its tokens streamed
+        return True
+
+    return streams_cut(envoy, prompt, workers[name].tokens, midway, kill, n)
 
 
 def test_a_workers_engine_dying_mid_stream_fails_no_request():
@@ -319,15 +343,16 @@ def test_a_workers_engine_dying_mid_stream_fails_no_request():
         text = "a prompt cached on the second worker only " * 3
         cached_on((gw, cache, workers, caller), "w2",
                   from_directory(BPE_TOKENIZER).text_prompt_ids(text))
-        reference = complete_stream(envoy, text, 40)  # uninterrupted, on w2
-        assert reference == ("".join(chr(65 + i) for i in range(40)), 40)
+        *reference, worker = complete_stream(envoy, text, 40)  # uninterrupted
+        assert worker == "w2" and reference == ["".join(chr(65 + i) for i in range(40)), 40]
+        reference = tuple(reference)
 
         def kill():
             workers["w2"].stop()
             stopped.add("w2")
 
         results, errors = streams_cut_on(workers, "w2", kill, envoy, text)
-        assert errors == []
+        assert errors == []  # 0 requests failed
         assert results == [reference] * 6
         resumed = [s for s in workers["w1"].seen if s.request.resume_output.ids]
         assert resumed, "no stream was cut mid-way"
@@ -347,6 +372,33 @@ def test_a_workers_engine_dying_mid_stream_fails_no_request():
         for _ in range(5):
             out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
             assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
+
+
+def test_real_engines_a_killed_one_s_streams_give_the_uninterrupted_greedy_answer(live_stacks):
+    """Real tiny-hybrid workers behind their model servers, the picker and Envoy; one worker
+    SIGKILLed (an engine crash: its model server lives on) while it streams greedy answers:
+    each stream goes on on the other worker from the tokens streamed so far, and every client
+    gets all its tokens, token for token the answer one worker gives alone."""
+    live = live_stacks.get()
+    cache_addr = f"127.0.0.1:{live.cache.port}"
+    n, text = 160, "the model servers' peers take over a stream " * 3
+    with contextlib.ExitStack() as stack:
+        gw, _, model_servers, envoy, _ = serve_through_envoy(
+            stack, {name: WorkerAddress(live.worker_address(name), cache_addr)
+                    for name in live.workers})
+        model = gw.fleet.model_id
+        *reference, victim = complete_stream(envoy, text, n, model=model)
+        reference = tuple(reference)
+        assert reference[1] == n
+        results, errors = streams_cut(envoy, text, n, lambda chunks: min(chunks) >= 2,
+                                      lambda: live.kill(victim), n=4, model=model)
+        assert errors == []
+        assert results == [reference] * 4
+        assert model_servers[victim].metrics.registry.get_sample_value(
+            "prefixcache_gateway_resumes_total", {"worker": victim}) >= 1
+        wait_until(lambda: not gw.router.get(victim).up, timeout_s=30,
+                   what="the picker sees the killed worker down")
+        assert complete_stream(envoy, text, n, model=model)[:2] == reference
 
 
 def test_a_seeded_stream_is_not_resumed_and_says_why():
