@@ -170,8 +170,13 @@ class VllmMetrics:
 
     def request_finished(self, s: RequestStats, model_name: str) -> None:
         labels = (model_name, ENGINE_INDEX)
-        local = s.cached_tokens_device
-        external = s.cached_tokens_host + s.cached_tokens_remote
+        # A resumed request (GenerateRequest.resume_output) may find cached pages over the
+        # output it was given, past its prompt: vLLM's counters count prompt tokens, hits never
+        # above queries (unclamped, the counter's negative increment failed the engine's step).
+        local = min(s.cached_tokens_device, s.prompt_tokens)
+        host = min(s.cached_tokens_host, s.prompt_tokens - local)
+        remote = min(s.cached_tokens_remote, s.prompt_tokens - local - host)
+        external = host + remote
         self.prefix_queries.labels(*labels).inc(s.prompt_tokens)
         self.prefix_hits.labels(*labels).inc(local)
         # What the device missed was asked of the host and L3 tiers (vLLM: of the connector).
@@ -179,8 +184,7 @@ class VllmMetrics:
         self.external_hits.labels(*labels).inc(external)
         self.prompt_tokens.labels(*labels).inc(s.prompt_tokens)
         self.prompt_cached.labels(*labels).inc(local + external)
-        for source, n in (("device", local), ("host", s.cached_tokens_host),
-                          ("external_unspecified", s.cached_tokens_remote)):
+        for source, n in (("device", local), ("host", host), ("external_unspecified", remote)):
             self.prompt_cached_by_source.labels(*labels, source).inc(n)
         self.generation_tokens.labels(*labels).inc(s.output_tokens)
         self.preemptions.labels(*labels).inc(s.preemptions)

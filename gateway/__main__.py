@@ -19,7 +19,8 @@ data plane's identity (role dataplane in --service-identities-file) may call it;
 With --model-server it is such a model server: beside one worker (--workers localhost:50052),
 the OpenAI HTTP API of that worker alone, called only by the data plane, for the tenant the
 Endpoint Picker named (gateway/core/dataplane_tenants.py): an InferencePool of these looks to
-the Inference Extension like a pool of vLLM pods.
+the Inference Extension like a pool of vLLM pods. With --resume-peers or --resume-peers-dns it
+also knows the pool's other workers: a stream its own worker fails mid-way goes on there.
 
 Every flag falls back to an environment variable (PREFIXCACHE_*), then to a default. The first
 line on stdout is `listening on HOST:PORT`. Readiness turns SERVING once a worker is known and
@@ -36,6 +37,7 @@ from gateway.assembly import GatewayConfig, GatewayServer
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import DnsWorkers, parse_static, static_workers
 from gateway.core.policies import POLICY_NAMES
+from gateway.core.resume_peers import ModelServerWorkers
 from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO
 from gateway.core.workers import WorkerSettings
@@ -161,6 +163,13 @@ def _add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
                   "pod serves it): callers are identities of role dataplane in "
                   "--service-identities-file, forwarding the tenant the Endpoint Picker named; "
                   "no tenants file, no anonymous caller", "off")
+    flag("--resume-peers", "RESUME_PEERS", None, "with --model-server: the pool's other "
+         "workers (COMPUTE_ADDR[@CACHE_ADDR],...), where a stream goes on when this model "
+         "server's own worker fails mid-way (its engine crashed) or is down when a request "
+         "arrives; new requests still go to its own worker only")
+    flag("--resume-peers-dns", "RESUME_PEERS_DNS", None, "with --model-server: as "
+         "--resume-peers, from the A/AAAA records of a headless Service (HOST:PORT), "
+         "re-resolved every --resolve-interval-s; this pod's own record is skipped")
     flag("--model-server-metrics-url", "MODEL_SERVER_METRICS_URL", "", "with --model-server: "
          "its worker's metrics endpoint (e.g. http://localhost:9092/metrics), served after the "
          "gateway's own on GET /metrics of the HTTP port (vLLM's metric names, where an "
@@ -188,6 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model_server = bool(args.model_server)
     if args.model_server:
         _check_model_server(p, args)
+    elif args.resume_peers is not None or args.resume_peers_dns is not None:
+        p.error("--resume-peers / --resume-peers-dns are a model server's (--model-server); a "
+                "gateway resumes on any of its --workers")
     elif args.tenants_file is None and not args.allow_anonymous:
         p.error("--tenants-file or --allow-anonymous is required: without either every call "
                 "would be UNAUTHENTICATED")
@@ -211,7 +223,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _worker_source(args: argparse.Namespace):
     """The workers' addresses, as the flags say; ValueError naming the flag."""
     if args.workers is not None:
-        return static_workers(parse_static(args.workers, args.cache_port))
+        workers = parse_static(args.workers, args.cache_port)
+        if args.model_server and args.resume_peers is not None:
+            return ModelServerWorkers(workers[0], static_workers(
+                parse_static(args.resume_peers, args.cache_port)))
+        if args.model_server and args.resume_peers_dns is not None:
+            return ModelServerWorkers(workers[0], DnsWorkers(args.resume_peers_dns,
+                                                             args.cache_port))
+        return static_workers(workers)
     if args.workers_dns is not None:
         return DnsWorkers(args.workers_dns, args.cache_port)
     # Imported here: only this source reads the Kubernetes API (its watch thread starts now).
@@ -232,6 +251,8 @@ def _check_model_server(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.epp_port:
         p.error("--model-server and --epp-port: the picker runs in the gateway, not beside a "
                 "worker")
+    if args.resume_peers is not None and args.resume_peers_dns is not None:
+        p.error("give at most one of --resume-peers and --resume-peers-dns")
 
 
 def _model_server_endpoint(port: int):
@@ -250,6 +271,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         epp_model_servers=(_model_server_endpoint(args.epp_model_server_port)
                            if args.epp_model_server_port else None),
         upstream_metrics_url=args.model_server_metrics_url if args.model_server else "",
+        home_worker=args.source.own.compute if isinstance(args.source, ModelServerWorkers)
+        else None,
         tls=args.tls, max_message_mb=args.max_message_mb, max_streams=args.max_streams,
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,

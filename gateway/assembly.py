@@ -78,6 +78,10 @@ class GatewayConfig:
     # beside the workers, the InferencePool's targetPort): the Endpoint Picker then routes
     # OpenAI HTTP requests there. None = it routes gRPC Generate only.
     epp_model_servers: Callable[[str], str] | None = None
+    # A model server's own worker (its compute address; `workers` names its peers too,
+    # gateway/core/resume_peers.py): new requests go there only, readiness follows it alone, and
+    # the peers take a stream its worker fails (gateway/core/proxy.py). None = every worker.
+    home_worker: str | None = None
     # A model server's worker's own metrics (its vLLM names): served after the gateway's on
     # GET /metrics of the HTTP port, where an InferencePool's scrapers look. "" = none.
     upstream_metrics_url: str = ""
@@ -133,7 +137,8 @@ class GatewayServer(ShellPorts):
         self.running = RunningCalls()
         self._draining = threading.Event()
         self.proxy = GenerateProxy(self.router, self.fleet, cfg.tenants, tokenizer, self.metrics,
-                                   self.running, self._draining, cfg.generate_timeout_s)
+                                   self.running, self._draining, cfg.generate_timeout_s,
+                                   cfg.home_worker)
         self._shell = ServiceShell(
             _HEALTH_NAME, host=cfg.host, port=cfg.port, max_workers=cfg.max_workers,
             thread_name_prefix="gateway-rpc", options=server_options(cfg.max_message_mb),
@@ -219,7 +224,7 @@ class GatewayServer(ShellPorts):
                     self.workers.refresh()
                 except Exception:  # a bad answer must not end discovery for good
                     log.exception(kv("discovery_failed"))
-            now_ready = (self.router.ready() and not self._draining.is_set()
+            now_ready = (self.router.ready(self.config.home_worker) and not self._draining.is_set()
                          and (self.http is None or self.http.serving))
             if now_ready != ready and not self._drain_started:
                 ready = self._ready = now_ready

@@ -5,7 +5,10 @@ The routing and proxying core (`GenerateProxy.open` -> `ProxiedStream`) takes a 
 authenticated tenant and needs no grpc.ServicerContext: the gRPC servicers (gateway/grpc_api/)
 and the OpenAI-compatible HTTP app (gateway/http/) are two front ends of the same calls, so
 retries, cancellation, load accounting and the drain behave alike on both. Refusals and failures are
-`ProxyError`s carrying the gRPC status each front end translates."""
+`ProxyError`s carrying the gRPC status each front end translates.
+
+Longer than 400 lines: one stream's routing, retry, resume and outcome accounting, whose
+invariants (ProxiedStream's docstring) hold only together."""
 from __future__ import annotations
 
 import logging
@@ -75,9 +78,12 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
     - After the first message, a worker failing with UNAVAILABLE (it died or went away) hands
       the request to the next best worker with the output tokens streamed so far
       (GenerateRequest.resume_output), which goes on after them: the caller sees one stream.
-      Not for a request with a seed (the other worker's draws would not be the seed's), and at
-      most MAX_RESUMES times. Otherwise the failure raises UNAVAILABLE naming the worker: a
-      truncated stream never passes for a complete one.
+      Not for a request with a seed (the other worker's draws would not be the seed's: it fails
+      with an error that says so), and at most MAX_RESUMES times. Otherwise the failure raises
+      UNAVAILABLE naming the worker: a truncated stream never passes for a complete one.
+    - In a model server (`GenerateProxy.home`: its own worker's address), a new request goes
+      to that worker only while it is up; the other workers it knows (its peers) are where a
+      retry or a resume goes.
     - The last message carries `stats`; after it the iterator ends. A cancelled call ends
       without raising (whoever cancelled knows why).
     - The call leaves `RunningCalls` and the router's load exactly once: when the stream ends,
@@ -139,7 +145,14 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
 
     def _start(self) -> None:
         proxy, route = self._proxy, self._route
-        chosen = proxy._router.route(route, exclude=self._failed)
+        chosen = None
+        if proxy.home is not None and not self._failed and not self._output:
+            # A model server's new request goes to its own worker (the picker chose this pod);
+            # its peers take only what that worker could not (before or after the first token)
+            # and, with it known down already, the request itself.
+            chosen = proxy._router.route(route, exclude=proxy._router.names_elsewhere(proxy.home))
+        if chosen is None:
+            chosen = proxy._router.route(route, exclude=self._failed)
         if chosen is None:
             if not self._output:  # a resume that finds no worker fails as the stream it was
                 proxy._count("", "unavailable")
@@ -228,7 +241,8 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
                     continue
                 except ProxyError:
                     pass  # no worker left to take it: fail as the stream it was
-            raise proxy._failure(worker, exc, self.sent, self._failed)
+            raise proxy._failure(worker, exc, self.sent, self._failed,
+                                 seeded=self._request.sampling.HasField("seed"))
 
     def _resumable(self, exc: ComputeClientError) -> bool:
         """Whether another worker may go on with this stream (see the class docstring)."""
@@ -246,10 +260,13 @@ class GenerateProxy:
 
     def __init__(self, router: Router, fleet: Fleet, tenants: TenantDirectory,
                  tokenizer: PromptTokenizer, metrics: GatewayMetrics, running: RunningCalls,
-                 draining: threading.Event, default_timeout_s: float):
+                 draining: threading.Event, default_timeout_s: float,
+                 home: str | None = None):
         self._router, self._fleet, self._tenants = router, fleet, tenants
         self._tokenizer, self._metrics, self._running = tokenizer, metrics, running
         self._draining, self._default_timeout_s = draining, default_timeout_s
+        # A model server's own worker (compute address): new requests go there; None = any.
+        self.home = home
 
     @property
     def tenants(self) -> TenantDirectory:
@@ -378,7 +395,7 @@ class GenerateProxy:
                        code=exc.status.name, message=exc.message))
 
     def _failure(self, worker: Worker, exc: ComputeClientError, sent: int,
-                 failed: list[str]) -> ProxyError:
+                 failed: list[str], seeded: bool = False) -> ProxyError:
         if sent == 0 and _retryable(exc):  # the retry failed too
             self._count(worker.name, exc.status.name.lower())
             return ProxyError(exc.status, f"worker {worker.name} ({worker.address}) failed "
@@ -396,7 +413,9 @@ class GenerateProxy:
         return ProxyError(grpc.StatusCode.UNAVAILABLE,
                           f"worker {worker.name} ({worker.address}) failed mid-stream after "
                           f"{sent} messages: {exc.status.name}: {exc.message}; the output is "
-                          "incomplete")
+                          "incomplete" + ("; a request with a seed is not resumed on another "
+                                          "worker (its draws would not be the seed's)"
+                                          if seeded else ""))
 
     def _finished(self, worker: Worker, stats: pb.GenerateStats) -> None:
         self._count(worker.name, _OUTCOME.get(stats.finish_reason, "ok"))

@@ -99,11 +99,18 @@ class Router:
             worker.up = up
             return True
 
-    def ready(self) -> bool:
-        """At least one worker may be routed to."""
+    def ready(self, address: str | None = None) -> bool:
+        """At least one worker may be routed to; with `address`, the worker there may (a model
+        server is ready when its own worker is, whatever its peers)."""
         with self.lock:
             now = self._clock()
-            return any(self._eligible(w, now) for w in self._workers.values())
+            return any(self._eligible(w, now) for w in self._workers.values()
+                       if address is None or w.address == address)
+
+    def names_elsewhere(self, address: str) -> list[str]:
+        """The workers not at `address` (a model server's peers)."""
+        with self.lock:
+            return [n for n, w in self._workers.items() if w.address != address]
 
     def max_context_tokens(self) -> int:
         with self.lock:

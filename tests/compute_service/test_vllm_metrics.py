@@ -102,3 +102,25 @@ def test_request_metrics_match_vllm_types_labels_buckets_and_our_counters():
                        f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode"))
     # The phases tile the request up to its last token; e2e also runs to its finish after it.
     assert 0 < phases <= e2e + 1e-9
+
+
+def test_a_resumed_requests_cache_hits_past_its_prompt_count_as_its_prompt():
+    """A resumed request's cached pages may cover the output it was given (resume_output),
+    past its prompt: the counters count prompt tokens (hits never above queries) and never go
+    down (a negative increment once failed the engine's step, in a loop)."""
+    import prometheus_client
+
+    from compute_service.engine.request import RequestStats
+    from compute_service.vllm_metrics import VllmMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = VllmMetrics(registry, lambda: None)
+    metrics.request_finished(RequestStats("r", "w", prompt_tokens=10, cached_tokens_device=12,
+                                          cached_tokens_host=4, output_tokens=3), "m")
+    get = lambda name, **kw: registry.get_sample_value(  # noqa: E731
+        name, {"model_name": "m", "engine": "0", **kw})
+    assert get("vllm:prefix_cache_queries_total") == 10
+    assert get("vllm:prefix_cache_hits_total") == 10
+    assert get("vllm:external_prefix_cache_queries_total") == 0
+    assert get("vllm:external_prefix_cache_hits_total") == 0
+    assert get("vllm:prompt_tokens_cached_by_source_total", source="host") == 0

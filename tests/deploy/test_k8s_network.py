@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.manifests import NAMESPACE, by_kind, pod_labels, workloads
+from tests.deploy.manifests import NAMESPACE, VARIANTS, by_kind, pod_labels, workloads
 from tests.deploy.netpol import Peer, Policies
 
 CLIENT = Peer("client", "10.244.9.1", "clients", {"app": "some-client"})
@@ -62,7 +62,7 @@ def test_needed_flows_are_allowed(net):
         assert policies.allows(pod, KUBE_DNS, 53, "UDP"), pod.name
 
 
-def test_everything_else_is_denied(net):
+def test_everything_else_is_denied(net, variant):
     policies, pods = net
     gateway, compute, redis = pods["gateway"], pods["compute"], pods["redis"]
     denied = [
@@ -77,10 +77,14 @@ def test_everything_else_is_denied(net):
         (compute, INTERNET, 443), (redis, INTERNET, 443), (gateway, INTERNET, 80),
         (gateway, INTERNET, 443), (gateway, INTERNET, 6443),     # no 0.0.0.0/0 egress
         (gateway, OTHER_SYSTEM, 53), (compute, OTHER_SYSTEM, 443),
-        (compute, compute, 50051),  # the engine reaches its own sidecar on localhost, not the pod IP
     ]
     for src, dst, port in denied:
         assert not policies.allows(src, dst, port), f"{src.name} -> {dst.name}:{port} is open"
+    # The engine reaches its own sidecar on localhost, not the pod IP; only a model server
+    # (inference-extension) reaches the other worker pods, to resume a stream there.
+    peers = "inference-extension" in VARIANTS[variant][1]
+    for port in (50052, 50051):
+        assert policies.allows(compute, compute, port) == peers, (variant, port)
 
 
 def test_every_listening_port_is_reachable_by_someone(net, docs):

@@ -1,11 +1,8 @@
-"""Workers as InferencePool model servers, behind a real Envoy: each fake worker has a model
-server beside it (`--model-server`: the gateway's OpenAI HTTP API over that worker alone,
-gateway/core/dataplane_tenants.py), and the gateway's Endpoint Picker routes OpenAI HTTP to them
-by prefix (gateway/epp/openai_body.py), as the Inference Extension's reference deployment routes
-to vLLM pods. The official `openai` client calls Envoy."""
+"""Workers as InferencePool model servers, behind a real Envoy (tests/gateway/model_server_pool.py):
+the data plane's tenancy, prefix routing with the official `openai` client, refusals, a drained
+worker, the flags, the metrics. What a dying worker costs: test_model_server_failures.py."""
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import httpx
@@ -14,26 +11,17 @@ import pytest
 
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import WorkerAddress
+from gateway.core.resume_peers import ModelServerWorkers
 from gateway.core.tenants import AuthError
 from prefixcache_client.tokenizer import from_directory
-from service_shell import REQUEST_SCOPE_METADATA_KEY, SALT_METADATA_KEY, request_scope
+from service_shell import SALT_METADATA_KEY
 from service_shell.auth import DATAPLANE, GATEWAY, Identity, ServiceIdentities, token_digest
-from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.conftest import BPE_TOKENIZER
-from tests.gateway.envoy_proxy import running_envoy
-from tests.gateway.gateway_harness import (DATAPLANE_TOKEN, EPP_CALLERS, MODEL, Caller,
-                                           FakeWorker, register_pool, running_gateway, wait_until)
-from tests.gateway.server_helpers import cached_on, list_workers
-
-SCOPE_A = request_scope("tenant-a")
-
-
-def dataplane_headers(token: str = DATAPLANE_TOKEN, salt: str | None = "salt-a",
-                      scope: str | None = SCOPE_A) -> list[tuple[str, str]]:
-    out = [(SERVICE_TOKEN_METADATA_KEY, token)] if token else []
-    out += [(SALT_METADATA_KEY, salt)] if salt is not None else []
-    return out + ([(REQUEST_SCOPE_METADATA_KEY, scope)] if scope else [])
+from tests.gateway.gateway_harness import (DATAPLANE_TOKEN, EPP_CALLERS, MODEL, FakeWorker,
+                                           register_pool, running_gateway, wait_until)
+from tests.gateway.model_server_pool import SCOPE_A, client, dataplane_headers, model_server_pool
+from tests.gateway.server_helpers import cached_on
 
 
 def test_a_model_server_takes_only_the_data_planes_tenant():
@@ -53,49 +41,15 @@ def test_a_model_server_takes_only_the_data_planes_tenant():
             tenants.authenticate(bad)
 
 
-@contextlib.contextmanager
-def model_server_pool():
-    """A cache service, two fake workers with a chat tokenizer, a model server beside each,
-    a gateway whose Endpoint Picker routes to the model servers, and Envoy in front."""
-    servers: dict[str, str] = {}
-    with running_server() as cache, contextlib.ExitStack() as stack:
-        workers = {name: FakeWorker(name) for name in ("w1", "w2")}
-        stopped: set[str] = set()
-        for w in workers.values():
-            stack.callback(lambda w=w: w.name in stopped or w.stop())
-            w.tokenizer = from_directory(BPE_TOKENIZER)
-            register_pool(cache.core, w.name)
-        cache_addr = f"127.0.0.1:{cache.port}"
-        addresses = [WorkerAddress(w.address, cache_addr) for w in workers.values()]
-        model_servers = {}
-        for address, w in zip(addresses, workers.values()):
-            ms = stack.enter_context(running_gateway(
-                lambda a=address: [a], tenants=DataplaneTenants(EPP_CALLERS), http_port=0))
-            model_servers[w.name] = ms
-            servers[w.address] = f"127.0.0.1:{ms.http_port}"
-        gw = stack.enter_context(running_gateway(lambda: addresses, epp_port=0,
-                                                 epp_model_servers=lambda a: servers[a]))
-        caller = Caller(gw.address)
-        stack.callback(caller.close)
-        wait_until(lambda: len(list_workers(caller)) == 2 and gw.router.ready()
-                   and all(m.router.ready() for m in model_servers.values()))
-        envoy = stack.enter_context(running_envoy(gw.epp.port, service_token=DATAPLANE_TOKEN))
-        yield gw, cache, workers, caller, model_servers, envoy, stopped
-
-
 @pytest.fixture(scope="module")
 def pool():
     with model_server_pool() as p:
         yield p
 
 
-def client(envoy: str, key: str = "tok-a") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{envoy}/v1", api_key=key, max_retries=0,
-                         timeout=20)
-
 
 def test_openai_client_through_envoy_reaches_the_worker_holding_the_prefix(pool):
-    gw, cache, workers, caller, _, envoy, _ = pool
+    gw, cache, workers, caller, _, envoy, _, _ = pool
     tokenizer = from_directory(BPE_TOKENIZER)
     for name, text in (("w1", "the first long shared system prompt " * 4),
                        ("w2", "another quite different preamble text " * 4)):
@@ -151,7 +105,7 @@ def test_a_model_server_refuses_everyone_but_the_data_plane(pool):
 def test_a_drained_worker_fails_no_request():
     """One worker leaves as Kubernetes takes a pod away (readiness off, then it stops); the
     requests sent all along through Envoy all succeed."""
-    with model_server_pool() as (gw, _, workers, _, model_servers, envoy, stopped):
+    with model_server_pool() as (gw, _, workers, _, model_servers, envoy, stopped, _):
         failures, done, stop = [], [], threading.Event()
 
         def send():
@@ -199,6 +153,21 @@ def test_the_flags(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_args([*server, *extra])
         assert why in capsys.readouterr().err, why
+    assert config.home_worker is None  # no peers: its one worker, as before
+    peers = ["--resume-peers", "10.0.0.7:50052,10.0.0.8:50052@10.0.0.8:7000"]
+    config = config_from_args(parse_args([*server, ids, *peers]))
+    assert config.home_worker == "localhost:50052"
+    assert config.workers() == [WorkerAddress("localhost:50052", "localhost:50051"),
+                                WorkerAddress("10.0.0.7:50052", "10.0.0.7:50051"),
+                                WorkerAddress("10.0.0.8:50052", "10.0.0.8:7000")]
+    dns = config_from_args(parse_args([*server, ids, "--resume-peers-dns",
+                                       "compute-headless:50052"]))
+    assert dns.workers.own.compute == dns.home_worker == "localhost:50052"
+    for argv, why in (([*server, ids, *peers, "--resume-peers-dns", "c:1"], "at most one"),
+                      (["--workers", "a:1", "--allow-anonymous", *peers], "a model server's")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert why in capsys.readouterr().err, why
     picker = config_from_args(parse_args(["--workers", "10.0.0.7:50052", "--allow-anonymous",
                                           ids, "--epp-port", "9002",
                                           "--epp-model-server-port", "8000"]))
@@ -206,38 +175,17 @@ def test_the_flags(tmp_path, capsys):
     assert picker.epp_model_servers("[fd00::7]:50052") == "[fd00::7]:8000"
 
 
-def test_a_worker_dying_mid_stream_ends_its_streams_with_an_error_and_no_later_request_fails():
-    """A worker killed outright (no drain): the streams it was running end with an error the
-    client sees (a model server has only its own worker, and a started response is not
-    re-routed: as with a vLLM pod), and once the picker has seen it down every request
-    succeeds on the other."""
-    with model_server_pool() as (gw, cache, workers, caller, _, envoy, stopped):
-        w2 = workers["w2"]
-        w2.tokens, w2.delay_s = 50, 0.05  # long streams, so they are cut mid-way
-        text = "a prompt cached on the second worker only " * 3
-        cached_on((gw, cache, workers, caller), "w2",
-                  from_directory(BPE_TOKENIZER).text_prompt_ids(text))
-        errors = []
-
-        def stream():
-            try:
-                for _ in client(envoy).completions.create(model=MODEL, prompt=text,
-                                                          max_tokens=50, stream=True):
-                    pass
-            except openai.OpenAIError as exc:
-                errors.append(exc)
-
-        t = threading.Thread(target=stream)
-        t.start()
-        wait_until(lambda: len(w2.seen) == 1)
-        w2.stop()
-        stopped.add("w2")
-        t.join(30)
-        assert len(errors) == 1  # the client is told, not left with a silently short answer
-        wait_until(lambda: not gw.router.get("w2").up, what="the picker sees w2 down")
-        for _ in range(5):
-            out = client(envoy).completions.create(model=MODEL, prompt=text, max_tokens=3)
-            assert out.usage.model_extra["prefixcache"]["worker"] == "w1"
+def test_a_model_server_skips_its_own_pod_among_its_peers():
+    """The headless Service names this pod too, at its pod IP: that record is its own worker,
+    already known at localhost, and is not a peer (its name would clash with itself)."""
+    own = WorkerAddress("localhost:50052", "localhost:50051")
+    answer = [WorkerAddress(f"{ip}:50052", f"{ip}:50051")
+              for ip in ("10.0.0.5", "10.0.0.6", "[fd00::5]")]
+    workers = ModelServerWorkers(own, lambda: answer, hosts=frozenset({"10.0.0.5", "fd00::5"}))
+    assert workers() == [own, answer[1]]
+    # Another port on this host is another worker (several on one machine, as in the tests).
+    other = WorkerAddress("localhost:50062", "localhost:50061")
+    assert ModelServerWorkers(own, lambda: [own, other], hosts=frozenset())() == [own, other]
 
 
 def test_a_model_servers_metrics_carry_its_workers_vllm_names():
