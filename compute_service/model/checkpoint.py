@@ -15,7 +15,9 @@ Tensor names are mapped per family between HF's modules and ours (see `CausalLM`
     falcon_h1            model.embed_tokens | model.layers.i.{input_layernorm, self_attn, mamba,
                          pre_ff_layernorm, feed_forward} | model.final_layernorm | lm_head
     granitemoehybrid     model.embed_tokens | model.layers.i.{input_layernorm, self_attn | mamba,
-                         post_attention_layernorm, shared_mlp} | model.norm | lm_head
+                         post_attention_layernorm, shared_mlp, block_sparse_moe} | model.norm |
+                         lm_head; block_sparse_moe.{router.layer, input_linear, output_linear}
+                         are our moe.{gate, experts.gate_up_proj, experts.down_proj} (stacked)
 
     qwen3/qwen3_moe      as llama, plus self_attn.{q,k}_norm; MoE layers' mlp.gate (router) and
                          mlp.experts (see below)
@@ -126,6 +128,13 @@ _NAME_MAPS = {
             ("mamba.", "mamba."),
             ("post_attention_layernorm.", "norm2."),
             ("shared_mlp.", "mlp."),
+            # The MoE block beside the shared MLP: hub names first (what save_model and
+            # transformers' save_pretrained write), then transformers v5's in-memory names.
+            ("block_sparse_moe.router.layer.", "moe.gate."),
+            ("block_sparse_moe.input_linear.weight", "moe.experts.gate_up_proj"),
+            ("block_sparse_moe.output_linear.weight", "moe.experts.down_proj"),
+            ("block_sparse_moe.router.", "moe.gate."),
+            ("block_sparse_moe.experts.", "moe.experts."),
         ),
     ),
 }
@@ -304,10 +313,13 @@ def save_model(model: CausalLM, path: str | Path) -> None:
         t = p.detach()
         if name.endswith("conv_weight"):
             t = t[:, None, :]
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors |= _split_experts(ours_to_hf(name, cfg.model_type), t)
+        hf_name = ours_to_hf(name, cfg.model_type)
+        if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # No stacked name on the hub (Qwen3-MoE): one tensor per expert. Granite's hub
+            # names (block_sparse_moe.input_linear, ...) are stacked and saved as they are.
+            tensors |= _split_experts(hf_name, t)
             continue
-        tensors[ours_to_hf(name, cfg.model_type)] = t.contiguous().cpu()
+        tensors[hf_name] = t.contiguous().cpu()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

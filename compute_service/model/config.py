@@ -8,7 +8,8 @@ A model is a stack of `num_layers` decoder layers. Each layer is
 
 where `mlp` is the family's MLP (`mlp_kind`), or on the layers of `moe_layer_ids` a sparse
 mixture of SwiGLU experts (`moe.py`: `moe_num_experts` experts of width
-`moe_intermediate_size`, `moe_top_k` per token); or, in families whose blocks hold a single
+`moe_intermediate_size`, `moe_top_k` per token), summed with the dense MLP as a shared expert
+when `moe_shared_mlp` (Granite 4.0-H MoE); or, in families whose blocks hold a single
 mixer each (NemotronH), an "mlp" layer `h = h + mlp(norm1(h))`; when any layer is an "mlp"
 layer, attention/Mamba layers carry no MLP.
 Every residual add is scaled by `residual_multiplier` and the embedding by
@@ -24,7 +25,8 @@ Invariants (checked by `validate()`):
 - `mamba_num_heads * mamba_head_dim == mamba_intermediate_size` and
   `mamba_num_heads % mamba_n_groups == 0`;
 - a sliding window is only set on attention layers;
-- MoE layers are distinct layer ids in range, and 0 < `moe_top_k` <= `moe_num_experts`.
+- MoE layers are distinct layer ids in range, and 0 < `moe_top_k` <= `moe_num_experts`;
+  `moe_routing` is one of MOE_ROUTINGS; a shared MLP needs `intermediate_size > 0`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ PARALLEL: LayerType = "parallel"
 # Mamba2 output gating: "gate_norm" norm(y * silu(z)) (Mamba2, Bamba, NemotronH, Granite);
 # "norm_gate" norm(y) * silu(z); "gate" y * silu(z) with no norm (Falcon-H1 options).
 MAMBA_NORMS = ("gate_norm", "norm_gate", "gate")
+# MoE routing weights: "softmax_topk" softmax over all experts then the top k (Qwen3-MoE);
+# "topk_softmax" the top k logits then a softmax over those k (Granite, Mixtral).
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
 # Feed-forward kinds: "swiglu" down(silu(gate(x)) * up(x)); "relu2" down(relu(up(x))^2)
 # (NemotronH); "fused_swiglu" the SwiGLU with gate and up in one `input_linear` (Granite).
 MLP_KINDS = ("swiglu", "relu2", "fused_swiglu")
@@ -134,9 +139,13 @@ class ModelConfig:
     moe_num_experts: int = 0
     moe_top_k: int = 0
     moe_intermediate_size: int = 0
-    # Divide the top-k routing probabilities by their sum (Qwen3-MoE `norm_topk_prob`; equal to
-    # Mixtral's / Granite's softmax over the top-k logits).
+    # "softmax_topk" routing: divide the top-k probabilities by their sum (Qwen3-MoE
+    # `norm_topk_prob`). "topk_softmax" weights sum to 1 already and ignore it.
     moe_renormalize: bool = False
+    moe_routing: str = "softmax_topk"
+    # The MoE layers keep the dense MLP (`mlp_kind`, `intermediate_size`) beside the routed
+    # experts, every token through it, outputs summed (Granite's `shared_mlp`).
+    moe_shared_mlp: bool = False
     # --- tokens / provenance ---
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -226,6 +235,10 @@ class ModelConfig:
             raise ValueError("moe_num_experts/moe_intermediate_size: must be positive")
         if not 0 < self.moe_top_k <= self.moe_num_experts:
             raise ValueError(f"moe_top_k: {self.moe_top_k} must be in [1, moe_num_experts]")
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise ValueError(f"moe_routing: {self.moe_routing!r} is not one of {MOE_ROUTINGS}")
+        if self.moe_shared_mlp and self.intermediate_size <= 0:
+            raise ValueError("intermediate_size: a shared MLP beside the experts needs one > 0")
 
     def num_parameters(self) -> int:
         """Parameter count implied by the shapes (tied embeddings counted once)."""
@@ -252,6 +265,7 @@ class ModelConfig:
             if i in self.moe_layer_ids:
                 e = self.moe_num_experts
                 total += h + e * h + 3 * e * h * self.moe_intermediate_size
+                total += mlp * self.moe_shared_mlp
             elif t != MLP and self.mixer_mlp:
                 total += h + mlp
         return total

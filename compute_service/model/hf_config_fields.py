@@ -17,8 +17,12 @@ class UnsupportedConfigError(ValueError):
         self.field = field
 
 
-# Families with a mixture-of-experts MLP: their expert counts are read, not refused.
-_MOE_MODEL_TYPES = ("qwen3_moe",)
+# Families with a mixture-of-experts MLP -> the expert-count fields their modeling code reads
+# (read, not refused; the other spellings are refused in them too).
+_MOE_FIELDS = {
+    "qwen3_moe": ("num_experts", "num_local_experts"),
+    "granitemoehybrid": ("num_local_experts",),
+}
 
 
 def _get(d: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -114,7 +118,7 @@ def _attention_fields(d: dict[str, Any], default_partial: float) -> dict[str, An
 
 def _common(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     for key in ("quantization_config", "num_experts", "num_local_experts"):
-        if d.get(key) and (key == "quantization_config" or model_type not in _MOE_MODEL_TYPES):
+        if d.get(key) and key not in _MOE_FIELDS.get(model_type, ()):
             raise UnsupportedConfigError(key, "is not supported")
     _check_act(d)
     return {

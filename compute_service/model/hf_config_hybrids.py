@@ -1,5 +1,5 @@
 """config.json -> ModelConfig for the hybrid families whose layers are not all attention +
-SwiGLU or all Mamba2: nemotron_h, granitemoehybrid (dense) and falcon_h1. Each parser follows
+SwiGLU or all Mamba2: nemotron_h, granitemoehybrid (dense and MoE) and falcon_h1. Each parser follows
 that family's transformers modeling file and refuses, by field name, what it cannot run."""
 
 from __future__ import annotations
@@ -99,11 +99,10 @@ def nemotron_h(d: dict[str, Any]) -> ModelConfig:
 
 
 def granitemoehybrid(d: dict[str, Any]) -> ModelConfig:
-    """Granite 4.0-H, dense: Bamba-style Mamba2/attention layers, each followed by the shared
-    SwiGLU MLP, with muP multipliers; transformers' modeling_granitemoehybrid.py."""
-    experts = int(_get(d, "num_local_experts", 8))  # the config class defaults to 8 experts
-    if experts > 0:
-        raise UnsupportedConfigError("num_local_experts", f"{experts}: MoE layers are not supported")
+    """Granite 4.0-H: Bamba-style Mamba2/attention layers, each followed by the fused SwiGLU
+    `shared_mlp` and, with `num_local_experts` > 0 (Tiny, Small), a sparse MoE block beside it
+    (routed by top-k logits then a softmax over those k), with muP multipliers;
+    transformers' modeling_granitemoehybrid.py."""
     _check_time_step_limit(d)
     n = int(_require(d, "num_hidden_layers"))
     field = "layer_types" if d.get("layer_types") else "layers_block_type"
@@ -123,7 +122,7 @@ def granitemoehybrid(d: dict[str, Any]) -> ModelConfig:
     if pos != "rope":
         attn.pop("rope_scaling", None)
     return ModelConfig(
-        **_common({**d, "num_local_experts": 0}, "granitemoehybrid"),
+        **_common(d, "granitemoehybrid"),
         layer_types=kinds,
         intermediate_size=int(_get(d, "shared_intermediate_size", 1024)),
         mlp_kind="fused_swiglu",
@@ -138,7 +137,33 @@ def granitemoehybrid(d: dict[str, Any]) -> ModelConfig:
         sliding_windows=(0,) * n,
         **attn,
         **_mamba_fields(d, expand * hidden, eps),
+        **_granite_moe(d, n),
     ).validate()
+
+
+def _granite_moe(d: dict[str, Any], n: int) -> dict[str, Any]:
+    """The MoE fields of a granitemoehybrid config: with `num_local_experts` > 0 (the config
+    class defaults to 8) every layer has the sparse block, experts of width `intermediate_size`,
+    beside the shared MLP of width `shared_intermediate_size`."""
+    experts = int(_get(d, "num_local_experts", 8))
+    if experts <= 0:
+        return {}
+    top_k = int(_get(d, "num_experts_per_tok", 2))  # the config class's default
+    if not 0 < top_k <= experts:
+        raise UnsupportedConfigError("num_experts_per_tok", f"{top_k} must be in [1, {experts}]")
+    if int(_get(d, "shared_intermediate_size", 1024)) <= 0:
+        # transformers runs a zero-width shared MLP (it adds zeros); no checkpoint has one.
+        raise UnsupportedConfigError("shared_intermediate_size", "MoE layers need a shared MLP")
+    return {
+        "moe_layer_ids": tuple(range(n)),
+        "moe_num_experts": experts,
+        "moe_top_k": top_k,
+        # The config class defaults this to 11008; a config without it is refused, not guessed.
+        "moe_intermediate_size": int(_require(d, "intermediate_size")),
+        "moe_routing": "topk_softmax",
+        "moe_renormalize": True,
+        "moe_shared_mlp": True,
+    }
 
 
 def _multipliers(d: dict[str, Any], key: str, n: int) -> tuple[float, ...]:

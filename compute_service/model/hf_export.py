@@ -39,6 +39,8 @@ _FAMILY_OPTIONS = (
     ("key_multiplier", 1.0, {"falcon_h1": None}),
     ("mlp_gate_multiplier", 1.0, {"falcon_h1": None}),
     ("mlp_down_multiplier", 1.0, {"falcon_h1": None}),
+    ("moe_routing", "softmax_topk", {"granitemoehybrid": None}),
+    ("moe_shared_mlp", False, {"granitemoehybrid": None}),
 )
 
 
@@ -159,6 +161,16 @@ def _check_hybrid_writable(cfg: ModelConfig) -> None:
             cfg.use_rope and cfg.rotary_dim != cfg.head_dim
         ):
             raise _unrepresentable("mamba_intermediate_size/rotary_dim", mt, "integer expand, full rotary")
+        moe = bool(cfg.moe_layer_ids)
+        if moe and (
+            cfg.moe_layer_ids != tuple(range(cfg.num_layers))
+            or cfg.moe_routing != "topk_softmax"
+            or not cfg.moe_renormalize
+        ) or cfg.moe_shared_mlp != moe:
+            raise _unrepresentable(
+                "moe_layer_ids/moe_routing/moe_shared_mlp", mt,
+                "none, or every layer routed by topk_softmax beside the shared MLP",
+            )
 
 
 def _check_writable(cfg: ModelConfig) -> None:
@@ -189,8 +201,11 @@ def _check_writable(cfg: ModelConfig) -> None:
         raise _unrepresentable(
             "qkv_bias/o_bias/sliding_windows", mt, "qkv bias only, one window value"
         )
-    if (mt in ("qwen3", "qwen3_moe")) != cfg.qk_norm or (mt != "qwen3_moe" and cfg.moe_layer_ids):
-        raise _unrepresentable("qk_norm/moe_layer_ids", mt, "qk_norm is Qwen3's, MoE qwen3_moe's")
+    moe_families = ("qwen3_moe", "granitemoehybrid")
+    if (mt in ("qwen3", "qwen3_moe")) != cfg.qk_norm or (mt not in moe_families and cfg.moe_layer_ids):
+        raise _unrepresentable(
+            "qk_norm/moe_layer_ids", mt, "qk_norm is Qwen3's, MoE qwen3_moe's and granitemoehybrid's"
+        )
     if mt in ("qwen3", "qwen3_moe") and (cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias):
         raise _unrepresentable("qkv_bias/o_bias/mlp_bias", mt, "one attention_bias, no MLP bias")
     if (mt == "qwen3_moe" and windows) or (mt == "qwen3" and len(windows) > 1):
@@ -311,8 +326,10 @@ def _granitemoehybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out | {
         "layer_types": ["attention" if t == ATTENTION else "mamba" for t in cfg.layer_types],
         "position_embedding_type": "rope" if cfg.use_rope else "nope",
-        "num_local_experts": 0,
-        "intermediate_size": cfg.intermediate_size,
+        "num_local_experts": cfg.moe_num_experts if cfg.moe_layer_ids else 0,
+        "num_experts_per_tok": cfg.moe_top_k if cfg.moe_layer_ids else 1,
+        # The experts' width; the dense variant reads only shared_intermediate_size.
+        "intermediate_size": cfg.moe_intermediate_size if cfg.moe_layer_ids else cfg.intermediate_size,
         "shared_intermediate_size": cfg.intermediate_size,
         "attention_bias": cfg.qkv_bias,
         "embedding_multiplier": cfg.embedding_multiplier,

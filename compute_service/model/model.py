@@ -25,7 +25,9 @@ FP32_PARAMS = ("A_log", "D", "dt_bias")
 
 class DecoderLayer(nn.Module):
     """h += mixer(norm1(h)); h += mlp(norm2(h)) (the MLP half only when `cfg.mixer_mlp` or
-    the layer is in moe_layer_ids, where `mlp` is the sparse MoE block).
+    the layer is in moe_layer_ids, where `mlp` is the sparse MoE block; with
+    `cfg.moe_shared_mlp` (Granite) `mlp` stays the dense MLP, a shared expert, and the sparse
+    block is `moe` beside it: h += mlp(x) + moe(x), x = norm2(h)).
     An "mlp" layer (NemotronH) is h += mlp(norm1(h)): attn, mamba and norm2 are None. A
     "parallel" layer (Falcon-H1) has both mixers: h += mamba(norm1(h)) + attn(norm1(h))."""
 
@@ -40,9 +42,14 @@ class DecoderLayer(nn.Module):
         if kind in (MAMBA, PARALLEL):
             self.mamba = Mamba2Mixer(cfg)
         self.mlp: nn.Module | None = None
+        self.moe: SparseMoE | None = None
         if layer_id in cfg.moe_layer_ids:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_num_experts,
-                                 cfg.moe_top_k, cfg.moe_renormalize)
+            sparse = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_num_experts,
+                               cfg.moe_top_k, cfg.moe_renormalize, cfg.moe_routing)
+            if cfg.moe_shared_mlp:
+                self.mlp, self.moe = build_mlp(cfg), sparse
+            else:
+                self.mlp = sparse
         elif cfg.mixer_mlp or kind == MLP:
             self.mlp = build_mlp(cfg)
         has_norm2 = self.mlp is not None and kind != MLP
@@ -58,7 +65,8 @@ class CausalLM(nn.Module):
     `layers.{i}.mamba.{in_proj,out_proj}.{weight,bias}`, `layers.{i}.mamba.{conv_weight,
     conv_bias,dt_bias,A_log,D}`, `layers.{i}.mamba.norm.weight`, `layers.{i}.norm2.weight`,
     `layers.{i}.mlp.{gate,up,down}_proj.{weight,bias}` (dense) or `layers.{i}.mlp.gate.weight`,
-    `layers.{i}.mlp.experts.{gate_up_proj,down_proj}` (MoE, see `moe.py`), `final_norm.weight`,
+    `layers.{i}.mlp.experts.{gate_up_proj,down_proj}` (MoE, see `moe.py`; `layers.{i}.moe.`
+    instead where the dense `mlp` is kept as a shared expert), `final_norm.weight`,
     `lm_head.weight` (absent when tied).
     """
 
@@ -168,7 +176,9 @@ class CausalLM(nn.Module):
             x = branch
             h = self._residual(h, x)
             if layer.norm2 is not None:
-                h = self._residual(h, layer.mlp(layer.norm2(h.to(self.dtype)), lora))
+                x = layer.norm2(h.to(self.dtype))
+                y = layer.mlp(x, lora)
+                h = self._residual(h, y if layer.moe is None else layer.moe(x) + y)
 
         selected = h[batch.selected_indices()]
         logits = self.logits(self.final_norm(selected))

@@ -1,7 +1,7 @@
 """Engine, tier and server tests over checkpoints that transformers itself built, with
 transformers' own greedy output as the reference, so that every cache path those tests cover is
 a parity test against transformers: qwen3 and qwen3_moe, and the hybrid families with no preset
-(nemotron_h, granitemoehybrid, falcon_h1).
+(nemotron_h, granitemoehybrid dense and MoE, falcon_h1).
 
 A family is named "hf:<case>" with <case> a key of `model/hf_reference.HF_CASES`; its weights
 are the perturbed random ones `build_hf_model` makes (norm weights, biases, A_log, D, dt_bias all
@@ -23,7 +23,10 @@ import torch
 from compute_service.model import CausalLM, load_model
 
 PREFIX = "hf:"
-_CASES = ["qwen3-tied-bias-sliding", "qwen3_moe", "nemotron_h", "granitemoehybrid-rope", "falcon_h1"]
+_CASES = [
+    "qwen3-tied-bias-sliding", "qwen3_moe", "nemotron_h", "granitemoehybrid-rope",
+    "granitemoehybrid-moe", "falcon_h1",
+]
 HF_FAMILIES = [PREFIX + c for c in _CASES] if importlib.util.find_spec("transformers") else []
 
 

@@ -207,6 +207,29 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_proj_bias": True,
         },
     ),
+    # Granite 4.0-H MoE (Tiny / Small style): every layer's MLP is 6 experts routed top-3
+    # (top-k logits, then a softmax over those k) beside the shared MLP; NoPE as they ship,
+    # muP multipliers away from 1, attention and Mamba projection biases.
+    "granitemoehybrid-moe": (
+        "GraniteMoeHybridConfig",
+        {
+            **_ATTN,
+            **_BAMBA,
+            "hidden_size": 64,
+            "num_hidden_layers": 3,
+            "layer_types": ["mamba", "attention", "mamba"],
+            "num_local_experts": 6,
+            "num_experts_per_tok": 3,
+            "intermediate_size": 32,
+            "shared_intermediate_size": 48,
+            "embedding_multiplier": 2.5,
+            "residual_multiplier": 0.7,
+            "attention_multiplier": 0.3,
+            "logits_scaling": 1.8,
+            "attention_bias": True,
+            "mamba_proj_bias": True,
+        },
+    ),
     # Falcon-H1: parallel attention + Mamba2 in every layer, every muP multiplier away from 1,
     # the ungated-norm default (y * silu(z)) ...
     "falcon_h1": (

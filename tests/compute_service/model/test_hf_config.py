@@ -64,6 +64,12 @@ GRANITE_H: dict[str, Any] = {
     "mamba_n_heads": 8,
     "mamba_d_state": 16,
 }
+GRANITE_H_MOE: dict[str, Any] = {
+    **GRANITE_H,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 3,
+    "intermediate_size": 32,
+}
 
 QWEN3: dict[str, Any] = {**LLAMA, "model_type": "qwen3"}
 QWEN3_MOE: dict[str, Any] = {
@@ -218,8 +224,12 @@ def test_nemotron_h_blocks_and_granite_multipliers() -> None:
         ({**NEMOTRON_H, "mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
         ({**NEMOTRON_H, "mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
         ({**NEMOTRON_H, "num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
-        ({k: v for k, v in GRANITE_H.items() if k != "num_local_experts"}, "num_local_experts"),
-        ({**GRANITE_H, "num_local_experts": 4}, "num_local_experts"),
+        # Without num_local_experts the config class's 8 experts need their width.
+        ({k: v for k, v in GRANITE_H.items() if k != "num_local_experts"}, "intermediate_size"),
+        ({**GRANITE_H_MOE, "num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({**GRANITE_H_MOE, "num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({**GRANITE_H_MOE, "shared_intermediate_size": 0}, "shared_intermediate_size"),
+        ({**GRANITE_H_MOE, "num_experts": 8}, "num_experts"),  # not a field Granite reads
         ({**GRANITE_H, "position_embedding_type": "alibi"}, "position_embedding_type"),
         (
             {**GRANITE_H, "position_embedding_type": "rope", "partial_rotary_factor": 0.5},
@@ -242,7 +252,22 @@ def test_hybrid_family_refusals_name_the_field(config: dict[str, Any], field: st
     assert err.value.field == field and str(err.value).startswith(field)
 
 
-@pytest.mark.parametrize("config", [NEMOTRON_H, GRANITE_H, FALCON_H1])
+def test_granite_moe_routes_every_layer_beside_the_shared_mlp() -> None:
+    """num_local_experts > 0: every layer is sparse, experts of width intermediate_size, top-k
+    logits then softmax, the dense shared MLP (shared_intermediate_size) kept beside them."""
+    g = config_from_hf(GRANITE_H_MOE)
+    assert g.moe_layer_ids == (0, 1, 2) and (g.moe_num_experts, g.moe_top_k) == (8, 3)
+    assert (g.moe_intermediate_size, g.intermediate_size, g.mlp_kind) == (32, 96, "fused_swiglu")
+    assert (g.moe_routing, g.moe_shared_mlp) == ("topk_softmax", True)
+    # The config class's defaults: 8 experts, 2 per token.
+    defaults = {k: v for k, v in GRANITE_H_MOE.items()
+                if k not in ("num_local_experts", "num_experts_per_tok")}
+    assert (config_from_hf(defaults).moe_num_experts, config_from_hf(defaults).moe_top_k) == (8, 2)
+    dense = config_from_hf(GRANITE_H)
+    assert (dense.moe_layer_ids, dense.moe_shared_mlp) == ((), False)
+
+
+@pytest.mark.parametrize("config", [NEMOTRON_H, GRANITE_H, GRANITE_H_MOE, FALCON_H1])
 def test_hybrid_family_configs_round_trip(config: dict[str, Any]) -> None:
     cfg = config_from_hf(config)
     assert config_from_hf(config_to_hf(cfg)) == cfg

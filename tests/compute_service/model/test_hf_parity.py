@@ -92,3 +92,39 @@ def test_every_vector_parameter_is_away_from_its_initial_value(case: str, tmp_pa
     assert vectors
     for name, p in vectors:
         assert not torch.equal(p, perturbed[name]), name
+
+
+def _rewrite(path: Path, rename) -> None:
+    """Rewrites path/model.safetensors with each tensor name passed through `rename` (None drops)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    save_file({rename(k): v for k, v in tensors.items() if rename(k)}, file, metadata={"format": "pt"})
+
+
+def test_granite_moe_reads_transformers_in_memory_expert_names(tmp_path: Path) -> None:
+    """transformers v5 holds Granite's experts as block_sparse_moe.{router.weight,
+    experts.gate_up_proj, experts.down_proj} (its save_pretrained writes the hub's
+    router.layer / input_linear / output_linear): both spellings load into the same model."""
+    hf = build_hf_model("granitemoehybrid-moe", tmp_path)
+    v5 = {"router.layer.weight": "router.weight", "input_linear.weight": "experts.gate_up_proj",
+          "output_linear.weight": "experts.down_proj"}
+
+    def rename(name: str) -> str:
+        for hub, mem in v5.items():
+            name = name.replace(f"block_sparse_moe.{hub}", f"block_sparse_moe.{mem}")
+        return name
+
+    _rewrite(tmp_path, rename)
+    ids = _ids(12, seed=7)
+    driver = PagedDriver(load_model(tmp_path), page_size=4)
+    got = driver.forward([driver.new_sequence()], [ids], all_logits=True).logits
+    torch.testing.assert_close(got, hf_logits(hf, ids), **TOL)
+
+
+def test_granite_moe_without_its_router_is_refused_naming_it(tmp_path: Path) -> None:
+    build_hf_model("granitemoehybrid-moe", tmp_path)
+    _rewrite(tmp_path, lambda n: None if n == "model.layers.1.block_sparse_moe.router.layer.weight" else n)
+    with pytest.raises(ValueError, match=r"layers\.1\.moe\.gate\.weight"):
+        load_model(tmp_path)
