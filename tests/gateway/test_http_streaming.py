@@ -9,6 +9,7 @@ import pytest
 
 from gateway.http.generation import Job, Sample
 from gateway.http.choices import Choices
+from gateway.http.logprobs import TokenNames
 from gateway.http.streaming import StopMatcher, sse_events
 from prefixcache.v1 import compute_service_pb2 as pb
 
@@ -221,7 +222,16 @@ def test_streamed_logprobs_ride_with_their_tokens_in_both_shapes():
     """A message's tokens' logprobs go in the chunk of that message, also when its text is held
     back (a chunk with logprobs and no content); completions count text_offset across chunks,
     after the echoed prompt."""
-    name = {1: "a", 2: "b", 3: "c"}.__getitem__
+    letters = {1: "a", 2: "b", 3: "c"}
+
+    class Letters:  # a tokenizer of three one-letter tokens
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(letters[t] for t in ids)
+
+        def token_bytes(self, t):
+            return letters[t].encode()
+
+    name = TokenNames(Letters())
 
     def run(chat: bool, echo=None):
         gen = _FakeGeneration([])
