@@ -120,13 +120,17 @@ def namespace(tenant_name: str, tenant_salt: str, fingerprint: str) -> str:
 
 def answer_ids(tokenizer: Tokenizer, text: str, ids: Sequence[int]) -> list[int] | None:
     """The ids to remember for an answer the client received as `text`: the generated `ids`
-    without a trailing EOS, when they decode to exactly `text`; else None."""
-    ids = list(ids)
-    while ids and ids[-1] in tokenizer.eos_token_ids:
-        ids.pop()
-    if not ids or tokenizer.decode(ids, skip_special_tokens=False) != text:
-        return None
-    return ids
+    without a trailing EOS (the template writes its own end of turn) when they decode to
+    exactly `text`, else all of them when those do (an EOS the worker sent as text, as a
+    checkpoint whose EOS id is an ordinary token of its vocabulary does); else None."""
+    whole = list(ids)
+    bare = list(whole)
+    while bare and bare[-1] in tokenizer.eos_token_ids:
+        bare.pop()
+    for candidate in (bare, whole):
+        if candidate and tokenizer.decode(candidate, skip_special_tokens=False) == text:
+            return candidate
+    return None
 
 
 def remembered_answers(memory: TurnMemory, space: str,
