@@ -56,7 +56,10 @@ def test_next_turns_reuse_the_whole_history_whole_and_streamed(stack):
     chat.append({"role": "user", "content": "and the mountain?"})
     events = stream(stack.http_url, "/v1/chat/completions", {
         "model": model, "messages": chat, "max_tokens": 64, "temperature": 0,
-        "structured_outputs": ANSWERS, "stream_options": {"include_usage": True}})
+        # Another answer than the first: the memory keeps one id sequence per text.
+        "structured_outputs": {"choice": [a for a in ANSWERS["choice"]
+                                          if not chat[1]["content"].startswith(a)]},
+        "stream_options": {"include_usage": True}})
     second = events[-2]["usage"]
     assert second["prompt_tokens_details"]["cached_tokens"] >= history_pages(usage) > 0
     answer = "".join(c["delta"].get("content") or "" for e in events[:-2]
@@ -65,8 +68,7 @@ def test_next_turns_reuse_the_whole_history_whole_and_streamed(stack):
              {"role": "user", "content": "thanks"}]
     third = post(stack.http_url, "/v1/chat/completions", {
         "model": model, "messages": chat, "max_tokens": 4, "temperature": 0}).json()["usage"]
-    print("DBG", second["prefixcache"], third["prefixcache"], chat)
-    assert third["prompt_tokens_details"]["cached_tokens"] >= history_pages(second), (second["prefixcache"], third["prefixcache"])
+    assert third["prompt_tokens_details"]["cached_tokens"] >= history_pages(second)
 
 
 def test_another_tenant_is_not_given_the_remembered_ids(stack):
