@@ -123,6 +123,13 @@ def main() -> int:
         "greedy_equal_where_prompt_differs": sum(
             r["greedy_equal_to_reencoded"] for r in exact_rows
             if r["prompt_differs_from_reencoded"])}
+    # Headline figures (top level: the results pages show them).
+    for arm, a in results["arms"].items():
+        results[f"{arm}_cached_share"] = round(a["cached_share"], 4)
+        results[f"{arm}_cached_of_cacheable"] = round(a["cached_of_possible"], 4)
+    greedy = results["greedy_check"]
+    results["spliced_prompts_differing"] = greedy["prompt_differs"]
+    results["greedy_answers_differing"] = greedy["turns"] - greedy["greedy_equal"]
     rows = [[arm, f"{a['cached_share']:.3f}", f"{a['possible_share']:.3f}",
              f"{a['cached_of_possible']:.3f}"] for arm, a in results["arms"].items()]
     print(columns_table(["turns 2+ (4 chats x 3)", "prompt share cached",
