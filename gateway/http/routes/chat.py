@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.core.proxy import GenerateProxy, ProxyError
 from gateway.core.request_checks import check_text_size
 from gateway.core.tenants import Tenant
+from gateway.core.tokenize import GatewayTokenizer
 from gateway.http import deps, respond, schemas, structured, tools, turns
 from gateway.http.generation import Generation
 from gateway.http.errors import bad_request, from_proxy
@@ -114,7 +115,7 @@ def chat_ids(proxy: GenerateProxy, body: schemas.ChatCompletionRequest,
     return list(ids), tokenizer.fingerprint
 
 
-def _spliced(tokenizer, messages: list[dict], body: schemas.ChatCompletionRequest,
+def _spliced(tokenizer: GatewayTokenizer, messages: list[dict], body: schemas.ChatCompletionRequest,
              memory: turns.TurnMemory, space: str) -> list[int] | None:
     """The chat's ids with its remembered answers spliced in, or None (none remembered, or the
     template does not write them verbatim)."""
