@@ -142,6 +142,12 @@ def _add_http_flags(p: argparse.ArgumentParser, bounds: HttpLimits) -> None:
          "HTTP API: seconds an idle keep-alive connection stays open", type=float)
     flag("--http-max-connections", "HTTP_MAX_CONNECTIONS", bounds.max_connections,
          "HTTP API: open connections; one more is closed as soon as it is accepted", type=int)
+    flag("--http-turn-memory-tokens", "HTTP_TURN_MEMORY_TOKENS", 0, "HTTP API: token-exact "
+         "chat turns: token ids of chat answers remembered (all tenants together, least "
+         "recently used dropped first) so that an answer sent back in a later chat is the ids "
+         "the model generated, not its text re-encoded; 0 = off", type=int)
+    flag("--http-turn-memory-ttl-s", "HTTP_TURN_MEMORY_TTL_S", 600.0, "HTTP API: seconds a "
+         "remembered chat answer is kept after it was last stored or used", type=float)
     add_bool_flag(p, "--http-access-log", "HTTP_ACCESS_LOG", "one logfmt line per HTTP request "
                   "on logger gateway.access (method, path, status, duration_ms, tenant, "
                   "request_id, prompt/cached/completion tokens)", "on")
@@ -292,7 +298,10 @@ def _http_limits(args: argparse.Namespace) -> dict:
     if not args.http_port:
         return {}
     from gateway.http.limits import TenantLimits
-    return {"http_tenant_limits": TenantLimits(args.http_rate_per_s, args.http_burst,
+    from gateway.http.turns import TurnMemoryConfig
+    return {"http_turn_memory": TurnMemoryConfig(args.http_turn_memory_tokens,
+                                                 args.http_turn_memory_ttl_s),
+            "http_tenant_limits": TenantLimits(args.http_rate_per_s, args.http_burst,
                                                args.http_max_in_flight),
             "http_limits": HttpLimits(args.http_header_timeout_s, args.http_body_timeout_s,
                                       args.http_keep_alive_s, args.http_max_connections)}

@@ -41,6 +41,7 @@ from service_shell.auth import ServiceIdentities
 if TYPE_CHECKING:  # the `gateway` extra: imported where the HTTP API starts
     from gateway.http.limits import TenantLimits
     from gateway.http.bounds import HttpLimits
+    from gateway.http.turns import TurnMemoryConfig
 
 log = logging.getLogger("gateway.server")
 
@@ -69,6 +70,8 @@ class GatewayConfig:
     http_limits: HttpLimits | None = None
     # One logfmt line per HTTP request on logger gateway.access (gateway/http/request_log.py).
     http_access_log: bool = True
+    # Token-exact chat turns (gateway/http/turns.py); None = off.
+    http_turn_memory: TurnMemoryConfig | None = None
     # The Endpoint Picker (gateway/epp/): Envoy's ext_proc protocol; None = off, 0 = any port.
     epp_port: int | None = None
     # Who may call the Endpoint Picker: identities of role `dataplane` (service_shell/auth.py);
@@ -196,7 +199,7 @@ class GatewayServer(ShellPorts):
         app = create_app(self.proxy, self.router, lambda: self._ready, cfg.max_streams,
                          max_body_bytes=cfg.max_message_mb << 20,
                          tenant_limits=cfg.http_tenant_limits, registry=self.metrics.registry,
-                         access_log=cfg.http_access_log)
+                         access_log=cfg.http_access_log, turn_memory=cfg.http_turn_memory)
         app.state.upstream_metrics = cfg.upstream_metrics_url  # GET /metrics (service.py)
         return HttpServer(app, cfg.host, cfg.http_port, tls=cfg.tls,
                           graceful_s=cfg.grace_s + cfg.abort_wait_s + 5.0,

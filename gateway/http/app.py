@@ -43,18 +43,21 @@ from gateway.http.limits import RateLimit, TenantLimiter, TenantLimits, throttle
 from gateway.http.models import ModelCatalog
 from gateway.http.request_log import RequestLog
 from gateway.http.routes import ROUTERS
+from gateway.http.turns import TurnMemory, TurnMemoryConfig
 
 
 def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
                max_streams: int = 512, max_body_bytes: int = 64 << 20,
                tenant_limits: TenantLimits | None = None,
                registry: prometheus_client.CollectorRegistry | None = None,
-               access_log: bool = True) -> FastAPI:
+               access_log: bool = True,
+               turn_memory: TurnMemoryConfig | None = None) -> FastAPI:
     """The app over a gateway's proxy and router; `ready()` answers /health. A request body
     over `max_body_bytes` is refused unread (413, body_limit.py); a tenant past its limits
     (`tenant_limits`, overridden per tenant by the tenants file) is answered 429 before that
     (limits.py), counted in `registry`. Every request gets an X-Request-Id, a span when
-    tracing is on, and with `access_log` one access-log line (request_log.py)."""
+    tracing is on, and with `access_log` one access-log line (request_log.py). `turn_memory`:
+    token-exact chat turns (turns.py), off when None."""
     app = FastAPI(title="prefixcache gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
@@ -68,7 +71,8 @@ def create_app(proxy: GenerateProxy, router: Router, ready: Callable[[], bool],
     limiter = anyio.CapacityLimiter(max_streams + 16)
     app.state.registry = registry  # GET /metrics (routes/service.py)
     app.state.core = HttpCore(proxy, ready, ModelCatalog(router, proxy.fleet, limiter), limiter,
-                              created=int(time.time()))
+                              created=int(time.time()),
+                              turns=TurnMemory(turn_memory or TurnMemoryConfig()))
     for routes in ROUTERS:
         app.include_router(routes)
     return app

@@ -9,7 +9,7 @@ read attributes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Depends, Request
@@ -18,6 +18,7 @@ from gateway.core.proxy import GenerateProxy
 from gateway.core.tenants import AuthError, Tenant
 from gateway.http.errors import ApiError
 from gateway.http.models import ModelCatalog
+from gateway.http.turns import TurnMemory, TurnMemoryConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,8 @@ class HttpCore:
     limiter: anyio.CapacityLimiter
     # The `created` time of the model cards: when the app was built.
     created: int
+    # Chat answers' token ids for token-exact turns (turns.py); off unless configured.
+    turns: TurnMemory = field(default_factory=lambda: TurnMemory(TurnMemoryConfig()))
 
 
 async def core(request: Request) -> HttpCore:
@@ -57,6 +60,10 @@ async def limiter(core: HttpCore = Depends(core)) -> anyio.CapacityLimiter:
 
 async def created(core: HttpCore = Depends(core)) -> int:
     return core.created
+
+
+async def turns(core: HttpCore = Depends(core)) -> TurnMemory:
+    return core.turns
 
 
 async def tenant(request: Request, proxy: GenerateProxy = Depends(proxy)) -> Tenant:

@@ -54,6 +54,9 @@ class Sample:
     stream: ProxiedStream | None = None
     text: list[str] = field(default_factory=list)
     tokens: int = 0  # output tokens up to the cut (the client's completion tokens)
+    # The ids of those tokens (the message that reached a stop string's cut included), for
+    # token-exact turns (turns.py checks they decode to `text`).
+    ids: list[int] = field(default_factory=list)
     finish: str | None = None
     stats: pb.GenerateStats | None = None
     aborting: bool = False
@@ -76,6 +79,7 @@ class Sample:
             self.fresh = []
             return "", False
         self.tokens += len(msg.token_ids)
+        self.ids += msg.token_ids
         self.fresh = list(zip(msg.token_ids, msg.logprobs))
         self.logprobs += self.fresh
         delta = self.stop.feed(msg.text)

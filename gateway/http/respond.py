@@ -9,6 +9,7 @@ generation_config.json (the workers apply it when the field is unset), else 1.0.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -37,12 +38,14 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
                    proxy: GenerateProxy, limiter: anyio.CapacityLimiter,
                    fingerprint: str | None = None, echo: list[str] | None = None,
                    constraint: Structured | None = None,
-                   tool_plan: ToolPlan | None = None) -> Response:
+                   tool_plan: ToolPlan | None = None,
+                   answered: Callable[[Generation], None] | None = None) -> Response:
     """The response to `body`, whose prompts are `prompts` (each a GenerateRequest with its
     prompt and adapter set); `rid` names the response and, with the choice's index, each call.
     `echo`: each prompt's text, put before its choices' text (completions' `echo`).
     `constraint`: the output's structured-output constraint (every choice's); `tool_plan`: how
-    the choices' text becomes tool calls (gateway/http/tools.py)."""
+    the choices' text becomes tool calls (gateway/http/tools.py). `answered`: called with the
+    generation once every choice has ended, streamed or whole (token-exact turns, turns.py)."""
     who = who.with_cache_salt(body.cache_salt)
     temperature = default_temperature(proxy)
     words = bad_word_ids(body.bad_words, proxy.tokenizer) if body.bad_words else []
@@ -74,6 +77,8 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
         if body.stream:
             events = sse_events(generation, shape, rid, int(time.time()), model,
                                 body.include_usage(), lambda: usage(generation, salted))
+            if answered is not None:
+                events = _then(events, lambda: answered(generation))
             return EventSourceResponse(events, sep="\n", ping=15)
         await generation.collect(disconnected(request))
     except ProxyError as exc:  # a constraint the worker's compiler refused: the request's field
@@ -89,10 +94,20 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
         generation.close()
         raise
     generation.close()
+    if answered is not None:
+        answered(generation)
     choices = [shape.whole(s) for s in generation.samples]
     kind = "chat.completion" if chat else "text_completion"
     return JSONResponse(schemas.envelope(kind, rid, int(time.time()), model, choices,
                                          usage=usage(generation, salted)))
+
+
+async def _then(events: AsyncIterator[dict[str, str]],
+                after: Callable[[], None]) -> AsyncIterator[dict[str, str]]:
+    """`events`, then `after()` once they ran to their end (not when the client left)."""
+    async for event in events:
+        yield event
+    after()
 
 
 def refuse_unsupported(problems: list[tuple[str, str]]) -> None:
