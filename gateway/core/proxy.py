@@ -289,8 +289,11 @@ class GenerateProxy:
                               page_size)
         if tokenizer_fingerprint is None:
             tokenizer_fingerprint = prompt_fingerprint(request, self._tokenizer)
+        # Keys are scoped by the namespace salt: tenants (and cache_salts) that share no pages
+        # never share a key's worker.
+        cache_key = (tenant.salt, request.prompt_cache_key) if request.prompt_cache_key else None
         return _PromptRoute(request_id, hashes, len(ids), page_size, ids,
-                            tokenizer_fingerprint=tokenizer_fingerprint)
+                            tokenizer_fingerprint=tokenizer_fingerprint, cache_key=cache_key)
 
     def open(self, request: pb.GenerateRequest, tenant: Tenant, timeout_s: float | None = None,
              *, active: Callable[[], bool] | None = None,
