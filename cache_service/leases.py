@@ -31,6 +31,8 @@ class Lease:
     ttl_s: float
     expires_at: float
     dead_path: list[Node] | None = None
+    # MatchOp.retain_s: its path is protected this long when it ends (cache_service/retention.py).
+    retain_s: float = 0.0
     _views: tuple | None = field(default=None, repr=False)
 
     @property
