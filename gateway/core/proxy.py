@@ -155,7 +155,8 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
             route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,
             salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()),
             resume_output=self._output, scope=call.scope,
-            trace_metadata=tracing.inject((), self._trace))
+            trace_metadata=tracing.inject((), self._trace),
+            prompt_cache_retention=req.prompt_cache_retention)
         tracing.annotate(self._trace, **{"prefixcache.worker": chosen.worker.name,
                                          "prefixcache.route_reason": self.route_reason})
         self._stream, self._fresh = stream, True

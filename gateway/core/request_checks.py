@@ -23,12 +23,11 @@ import grpc
 from gateway.core.proxy import ProxyError
 from gateway.core.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.limits import (name_too_long, quote_untrusted, request_id_too_long,
-                                      stop_token_ids_problem, text_too_long)
+from prefixcache_client.limits import (name_too_long, prompt_cache_retention_problem,
+                                      request_id_too_long, stop_token_ids_problem,
+                                      text_too_long)
 
 MAX_TEMPERATURE = 100.0
-# OpenAI's prompt_cache_retention values ("" = not given, as "in_memory").
-PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")
 
 
 def check_text_size(text: str, fleet: Fleet, field: str = "prompt.text") -> None:
@@ -84,13 +83,6 @@ def check_names(request: pb.GenerateRequest) -> None:
                or prompt_cache_retention_problem(request.prompt_cache_retention))
     if problem is not None:
         raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, problem)
-
-
-def prompt_cache_retention_problem(value: str) -> str | None:
-    if not value or value in PROMPT_CACHE_RETENTIONS:
-        return None
-    return (f"prompt_cache_retention: {quote_untrusted(value)} is not one of "
-            f"{', '.join(repr(v) for v in PROMPT_CACHE_RETENTIONS)}")
 
 
 def check_request_id(request_id: str) -> None:

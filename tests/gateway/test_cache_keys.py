@@ -176,6 +176,11 @@ def test_http_completions_take_the_hints_and_name_a_bad_one(fleet):
         served.add(r.json()["usage"]["prefixcache"]["worker"])
         reasons.append(r.json()["usage"]["prefixcache"]["route_reason"])
     assert len(served) == 1 and reasons[-1].startswith("cache-key:"), reasons
+    # The retention goes on to the worker (its cache service protects the prefix); the key
+    # stays in the gateway.
+    _, workers, _, _ = fleet
+    seen = workers[served.pop()].seen[-1].request
+    assert (seen.prompt_cache_retention, seen.prompt_cache_key) == ("24h", "")
     for bad, param in BAD_HTTP_HINTS:
         r = post(base, "/v1/completions", {**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
