@@ -332,10 +332,17 @@ class Pool:
                     self._free_dead(node)
         elif lease.deepest is not None:
             if lease.retain_s > 0:  # pinned by its protection before its lease lets go
-                self.retention.protect(path_to(lease.deepest), lease.retain_s, self.clock())
+                self._retain(path_to(lease.deepest), lease.retain_s)
             self._unpin(lease.deepest)
         if len(lease.page_table) > lease.published:
             self.free[DEVICE].extend(lease.page_table[lease.published:])
+
+    def _retain(self, path: list[Node], retain_s: float) -> None:
+        """Protects a retained request's path on device and, in a pool with an L3 write
+        policy, writes it to L3 now (kept there for the worker's --l3-ttl-s, 24 h by default)."""
+        if self.retention.protect(path, retain_s, self.clock()) and self.cfg.remote_write_policy:
+            for node in path:
+                self.placement.write_remote(node)
 
     def renew(self, lease: Lease) -> None:
         lease.expires_at = self.clock() + lease.ttl_s
