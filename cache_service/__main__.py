@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
              "ignored and counted; 0: never honoured", type=int)
     add_flag(p, "--retention-max-s", "RETENTION_MAX_S", retention.max_protect_s,
              "longest a retained prefix stays protected from device eviction", type=float)
+    add_flag(p, "--retention-pool-fraction", "RETENTION_POOL_FRACTION",
+             retention.max_pool_fraction, "protected pages of all tenants together, as a "
+             "fraction of a pool's device pages; beyond it the hint is ignored and counted",
+             type=float)
     add_flag(p, "--l3-prefix", "L3_PREFIX", "pc", "key prefix in Redis")
     add_flag(p, "--l3-timeout-ms", "L3_TIMEOUT_MS", 100,
              "per-call Redis timeout; a slower Redis is a miss", type=float)
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         StoreWatch(remote).start()  # a store that lost its data is written again
     core = CacheCore(replay_events=args.replay_events, remote=remote,
                      eviction=args.eviction_policy,
-                     retention=RetentionConfig(args.retention_pages, args.retention_max_s))
+                     retention=RetentionConfig(args.retention_pages, args.retention_max_s,
+                                               args.retention_pool_fraction))
     kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
     server = CacheServer(core, config, kv_events).start()
     kv_lines = [] if kv_events is None else [

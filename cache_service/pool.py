@@ -62,7 +62,8 @@ class Pool:
         self.load = common_pb2.LoadReport()
         self.closed = False
         self.expired: list[str] = []
-        self.retention = Retention(retention or RetentionConfig(), self._pin, self._unpin)
+        self.retention = Retention(retention or RetentionConfig(), cfg.device_pages, self._pin,
+                                   self._unpin)
 
     # ---- namespaces ----------------------------------------------------------------------
 

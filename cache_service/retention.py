@@ -9,9 +9,10 @@ order. When the protection expires the pin goes and the run is offered to the ev
 again, ranked as its last use left it.
 
 Bounded per namespace (a tenant's salt with the adapter; a cache_salt is a namespace of its own):
-at most `pages_per_namespace` pages protected at once, counted as the protected path's pages. A
-retained request whose path would go beyond is served as "in_memory" (not protected) and
-counted in `ignored`. A path that extends a protected one (the next turn of a conversation)
+at most `pages_per_namespace` pages protected at once, counted as the protected path's pages, and
+all namespaces together at most `max_pool_fraction` of the pool's device pages. A retained
+request whose path would go beyond either is served as "in_memory" (not protected) and counted
+in `ignored`. A path that extends a protected one (the next turn of a conversation)
 takes over its protection: the shorter one's pages are given back first, so a conversation is
 charged its longest path, not the sum of its turns.
 
@@ -33,10 +34,16 @@ class RetentionConfig:
     pages_per_namespace: int = 0
     # The longest a run stays protected, whatever the request asked (24 h for "24h").
     max_protect_s: float = 600.0
+    # Protected pages of all namespaces together, as a fraction of the pool's device pages:
+    # without it many tenants within their budgets could leave running requests no pages (the
+    # hints bench, prefixcache_bench/sim/hints.py, found allocations failing at 88%).
+    max_pool_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.pages_per_namespace < 0 or not self.max_protect_s > 0:
-            raise ValueError("retention: pages_per_namespace must be >= 0 and max_protect_s > 0")
+        if (self.pages_per_namespace < 0 or not self.max_protect_s > 0
+                or not 0 <= self.max_pool_fraction <= 1):
+            raise ValueError("retention: pages_per_namespace must be >= 0, max_protect_s > 0 and "
+                             "max_pool_fraction in [0, 1]")
 
 
 @dataclass(slots=True, eq=False)
@@ -49,9 +56,10 @@ class _Protection:
 class Retention:
     """The protected runs of one pool, their per-namespace page budget and their expiry."""
 
-    def __init__(self, config: RetentionConfig, pin: Callable[[Node], None],
+    def __init__(self, config: RetentionConfig, device_pages: int, pin: Callable[[Node], None],
                  unpin: Callable[[Node], None]) -> None:
         self.config = config
+        self._pool_limit = int(config.max_pool_fraction * device_pages)
         self._pin, self._unpin = pin, unpin
         self._by_node: dict[Node, _Protection] = {}
         self._pages: dict[Root, int] = {}  # protected pages per namespace
@@ -73,7 +81,8 @@ class Retention:
         pages = sum(len(n.pages) for n in path if n.pages is not None)
         covered = [self._by_node[n] for n in path if n in self._by_node]
         freed = sum(p.pages for p in covered)
-        if self._pages.get(root, 0) - freed + pages > self.config.pages_per_namespace:
+        if (self._pages.get(root, 0) - freed + pages > self.config.pages_per_namespace
+                or self.protected_pages - freed + pages > self._pool_limit):
             self.ignored += 1
             return False
         until = now + min(retain_s, self.config.max_protect_s)

@@ -22,9 +22,11 @@ class Clock:
         return self.now
 
 
-def _worker(pages_per_namespace: int = 8, max_s: float = 600.0, device: int = 16):
+def _worker(pages_per_namespace: int = 8, max_s: float = 600.0, device: int = 16,
+            pool_fraction: float = 0.5):
     clock = Clock()
-    core = CacheCore(clock=clock, retention=RetentionConfig(pages_per_namespace, max_s))
+    core = CacheCore(clock=clock,
+                     retention=RetentionConfig(pages_per_namespace, max_s, pool_fraction))
     return Worker(core, device=device), clock
 
 
@@ -73,6 +75,18 @@ def test_beyond_the_namespace_budget_the_hint_is_ignored_and_counted():
     assert _run(w, _prompt(2)) == 0
     s = w.stats()
     assert (s.retained_pages, s.retained_requests, s.retention_ignored) == (8, 2, 1)
+
+
+def test_all_namespaces_together_stay_within_the_pool_fraction():
+    w, _ = _worker(pages_per_namespace=8, pool_fraction=0.25)  # 4 of 16 device pages
+    _run(w, _prompt(1), salt="t1", retain_s=DAY)
+    _run(w, _prompt(2), salt="t2", retain_s=DAY)  # within t2's budget, beyond the pool's
+    _pressure(w)
+    assert _run(w, _prompt(1), salt="t1") == 4 * P and _run(w, _prompt(2), salt="t2") == 0
+    s = w.stats()
+    assert (s.retained_pages, s.retained_requests, s.retention_ignored) == (4, 1, 1)
+    with pytest.raises(ValueError):
+        RetentionConfig(max_pool_fraction=1.5)
 
 
 def test_a_next_turn_takes_over_its_prefix_protection_instead_of_adding_to_it():
