@@ -207,8 +207,18 @@ class Router:
         return decision
 
     def _pinned(self, request: RouteRequest, candidates: list[str]) -> str | None:
+        """The key's worker, unless the index shows another holding more of the prompt on
+        device (the key then follows the prefix: a chat whose pages left its worker goes where
+        its system prompt still is)."""
         key = request.cache_key
-        return self.cache_keys.worker_for(key, candidates, self.load) if key else None
+        pinned = self.cache_keys.worker_for(key, candidates, self.load) if key else None
+        if pinned is None:
+            return None
+        matches = self.index.lookup(request.page_hashes)
+        allowed = set(candidates)
+        best = max((m.device_pages for w, m in matches.items() if w in allowed), default=0)
+        mine = matches.get(pinned)
+        return pinned if (mine.device_pages if mine else 0) >= best else None
 
     def first_token(self, request_id: str) -> None:
         with self.lock:

@@ -15,10 +15,11 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import AffinityPolicy, RouteRequest
 from gateway.core.router import Router, Worker
 from gateway.http.schemas import ChatCompletionRequest
+from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
 from tests.gateway.gateway_harness import request, wait_until
-from tests.gateway.helpers import FakeClock
+from tests.gateway.helpers import FakeClock, batch, stored
 from tests.gateway.http_helpers import post
 from tests.gateway.server_helpers import fake_fleet, prompt, rpc_error
 
@@ -86,6 +87,23 @@ def test_an_overloaded_key_worker_sends_the_key_elsewhere_and_the_key_follows():
     again, reason = _route(router, key)
     assert again == moved and reason.startswith("cache-key")
     router.load.on_finish("busy")
+
+
+def test_a_key_follows_its_prefix_when_the_index_shows_it_on_another_worker():
+    router = _router(FakeClock())
+    key = ("tenant-a", "chat")
+    req = _new_prompt(key, pages=6)
+    home = router.route(req).worker.name
+    router.finish(req.request_id)
+    other = next(w for w in WORKERS if w != home)
+    # The chat's first 3 pages are reported on `other` (its pages left `home`, say).
+    router.on_stream_item(other, cpb.SubscribeResponse(batch=batch(other, 0, stored(
+        list(req.page_hashes[:3])))))
+    again = RouteRequest("again", req.page_hashes, req.prompt_tokens, req.page_size, cache_key=key)
+    route = router.route(again)
+    assert route.worker.name == other and not route.decision.reason.startswith("cache-key")
+    router.finish("again")
+    assert router.cache_keys.worker_for(key, WORKERS, router.load) == other
 
 
 def test_a_key_whose_worker_is_not_a_candidate_or_left_is_routed_by_the_policy():
