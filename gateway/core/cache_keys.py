@@ -6,8 +6,9 @@ went to, before the policy scores prefixes: a client that knows its requests sha
 (one conversation, one agent's system prompt) says so before the prefix is in any index, and
 keeps saying so after its pages moved or aged out of the gateway's view. Bounded by load as the
 prefix affinity is: when the key's worker is not a candidate (down, excluded, another tokenizer)
-or its queue is over `max_queue_tokens`, the policy decides as if there were no key and the key
-follows its choice. The map is bounded (LRU over `max_keys`) and each entry expires `ttl_s`
+or its queue is over `max_queue_tokens` (or, the router's check, another candidate holds more of
+the prompt on device), the policy decides as if there were no key and the key follows its
+choice. The map is bounded (LRU over `max_keys`) and each entry expires `ttl_s`
 after its last use, so a key that goes quiet stops pinning a worker.
 
 Kept apart from the policies on purpose: the router consults it before `Policy.choose` and tells
