@@ -78,14 +78,13 @@ def locate(lease: Lease, index: int) -> tuple[Node, int]:
     return node, index - (end - size(node))
 
 
-def pinned_pages(leases) -> dict[int, int]:
-    """Cached pages on the paths of running requests, per medium, each counted once."""
+def pinned_pages(leases, protected=()) -> dict[int, int]:
+    """Cached pages on the paths of running requests and of the `protected` runs (retained
+    prefixes, cache_service/retention.py), per medium, each counted once."""
     seen: set[Node] = set()
     counts = {DEVICE: 0, HOST: 0}
-    for lease in leases:
-        if lease.root.dead:
-            continue
-        node = lease.deepest
+    deepest = [lease.deepest for lease in leases if not lease.root.dead]
+    for node in deepest + [n for n in protected if not n.root.dead]:
         while type(node) is Node and node not in seen:
             seen.add(node)
             counts[node.medium] += size(node)

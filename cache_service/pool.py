@@ -121,8 +121,9 @@ class Pool:
             self.pages.offer(node)
 
     def pinned_pages(self) -> dict[int, int]:
-        """Cached pages held by running requests, per medium (their leases' paths)."""
-        return pinned_pages(self.leases.values())
+        """Cached pages held by running requests (their leases' paths) and by retained
+        prefixes, per medium."""
+        return pinned_pages(self.leases.values(), self.retention.nodes())
 
     # ---- operations (validated by the core) -----------------------------------------------
 
@@ -220,7 +221,8 @@ class Pool:
             free, pinned = len(self.free[DEVICE]), self.pinned_pages()[DEVICE]
             return Allocated(lease.lease_id, False, reason=(
                 f"need {n} device pages: {free} free and none of the {self.cached[DEVICE] - pinned} "
-                f"unpinned cached pages can be evicted; {pinned} are held by running requests"))
+                f"unpinned cached pages can be evicted; {pinned} are held by running requests or "
+                f"retained prefixes"))
         lease.page_table += pages
         return Allocated(lease.lease_id, True, pages)
 

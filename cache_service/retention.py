@@ -68,6 +68,10 @@ class Retention:
         self.protected_requests = 0
         self.ignored = 0  # retained requests beyond their namespace's budget
 
+    def nodes(self) -> list[Node]:
+        """The pinned runs (the deepest of each protected path)."""
+        return list(self._by_node)
+
     @property
     def protected_pages(self) -> int:
         return sum(self._pages.values())

@@ -63,6 +63,7 @@ def test_a_retained_prefix_survives_device_eviction_pressure_and_a_plain_one_doe
     s = w.stats()
     assert (s.retained_pages, s.retained_requests, s.retention_ignored) == (4, 1, 0)
     assert s.media[0].evictions > 0
+    assert s.media[0].pinned_pages == 4  # no request runs: the protection holds them
 
 
 def test_beyond_the_namespace_budget_the_hint_is_ignored_and_counted():
