@@ -22,6 +22,7 @@ from cache_service import chain_hash
 from cache_service.access import CacheLimits
 from cache_service.core import CacheCore
 from cache_service.eviction import POLICIES
+from cache_service.retention import RetentionConfig
 from cache_service.l3_loss import StoreWatch
 from cache_service.server import CacheServer, ServerConfig
 from cache_service.zmq_publisher import ZmqEventPublisher, add_kv_events_flags, kv_events_from_args
@@ -57,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
              "eviction (cache_service/eviction.py): lru, or frequency (last use + 2 x the mean "
              "reuse gap x log2(1 + uses): runs used often outlive runs used once)",
              choices=list(POLICIES))
+    retention = RetentionConfig()
+    add_flag(p, "--retention-pages", "RETENTION_PAGES", retention.pages_per_namespace,
+             "device pages one namespace (tenant) may keep protected at once for requests with "
+             "prompt_cache_retention 24h (cache_service/retention.py); beyond it the hint is "
+             "ignored and counted; 0: never honoured", type=int)
+    add_flag(p, "--retention-max-s", "RETENTION_MAX_S", retention.max_protect_s,
+             "longest a retained prefix stays protected from device eviction", type=float)
+    add_flag(p, "--retention-pool-fraction", "RETENTION_POOL_FRACTION",
+             retention.max_pool_fraction, "protected pages of all tenants together, as a "
+             "fraction of a pool's device pages; beyond it the hint is ignored and counted",
+             type=float)
     add_flag(p, "--l3-prefix", "L3_PREFIX", "pc", "key prefix in Redis")
     add_flag(p, "--l3-timeout-ms", "L3_TIMEOUT_MS", 100,
              "per-call Redis timeout; a slower Redis is a miss", type=float)
@@ -134,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         remote.watch()
         StoreWatch(remote).start()  # a store that lost its data is written again
     core = CacheCore(replay_events=args.replay_events, remote=remote,
-                     eviction=args.eviction_policy)
+                     eviction=args.eviction_policy,
+                     retention=RetentionConfig(args.retention_pages, args.retention_max_s,
+                                               args.retention_pool_fraction))
     kv_events = None if args.kv_events is None else ZmqEventPublisher(core, args.kv_events)
     server = CacheServer(core, config, kv_events).start()
     kv_lines = [] if kv_events is None else [

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 from cache_service import events
 from cache_service.eviction import make_policy
+from cache_service.retention import RetentionConfig
 from cache_service.leases import LeaseDirectory
 from cache_service.pool import MEDIA, REMOTE, Pool, PoolConfig
 from cache_service.step import (Allocate, Checkpoint, LoadReport, Match, Publish, Release,
@@ -42,11 +43,12 @@ STEP_OPERATIONS: tuple[StepOperation, ...] = (
 class CacheCore:
     def __init__(self, *, replay_events: int = 200_000, max_ops_per_step: int = 4096,
                  clock: Callable[[], float] = time.monotonic, remote=None,
-                 eviction: str = "lru"):
+                 eviction: str = "lru", retention: RetentionConfig | None = None):
         """`remote`: an L3 client (pagestore.L3Client) for pools with remote_lookup;
         `eviction`: every pool's eviction policy (cache_service/eviction.py)."""
         make_policy(eviction)  # an unknown name fails here, not at the first RegisterPool
         self.eviction = eviction
+        self.retention = retention  # every pool's (cache_service/retention.py)
         self.remote = remote
         self.replay_events = replay_events
         self.max_ops_per_step = max_ops_per_step
@@ -93,7 +95,7 @@ class CacheCore:
             if old is not None:
                 self._retire(old)
             pool = self._pools[req.pool_id] = Pool(cfg, self.replay_events, self.clock, self.remote,
-                                                      self.eviction)
+                                                      self.eviction, self.retention)
             pool.log.keep_records = bool(self.event_sinks)  # replayed in vLLM's format
             self._flush(pool)
             return pb.RegisterPoolResponse(reset=True, next_seq=pool.log.head_seq + 1)
@@ -328,4 +330,7 @@ def _pool_stats(pool: Pool) -> pb.PoolStats:
         mamba_slots_used=pool.cfg.mamba_slots - len(pool.slots.free),
         mamba_evictions=pool.slots.evictions, active_leases=len(pool.leases),
         lease_expiries=c.lease_expiries, namespaces=len(pool.roots),
-        duplicate_pages=c.duplicate_pages, remote_writes=c.remote_writes)
+        duplicate_pages=c.duplicate_pages, remote_writes=c.remote_writes,
+        retained_pages=pool.retention.protected_pages,
+        retained_requests=pool.retention.protected_requests,
+        retention_ignored=pool.retention.ignored)

@@ -31,6 +31,8 @@ class Lease:
     ttl_s: float
     expires_at: float
     dead_path: list[Node] | None = None
+    # MatchOp.retain_s: its path is protected this long when it ends (cache_service/retention.py).
+    retain_s: float = 0.0
     _views: tuple | None = field(default=None, repr=False)
 
     @property
@@ -76,14 +78,13 @@ def locate(lease: Lease, index: int) -> tuple[Node, int]:
     return node, index - (end - size(node))
 
 
-def pinned_pages(leases) -> dict[int, int]:
-    """Cached pages on the paths of running requests, per medium, each counted once."""
+def pinned_pages(leases, protected=()) -> dict[int, int]:
+    """Cached pages on the paths of running requests and of the `protected` runs (retained
+    prefixes, cache_service/retention.py), per medium, each counted once."""
     seen: set[Node] = set()
     counts = {DEVICE: 0, HOST: 0}
-    for lease in leases:
-        if lease.root.dead:
-            continue
-        node = lease.deepest
+    deepest = [lease.deepest for lease in leases if not lease.root.dead]
+    for node in deepest + [n for n in protected if not n.root.dead]:
         while type(node) is Node and node not in seen:
             seen.add(node)
             counts[node.medium] += size(node)

@@ -23,6 +23,7 @@ from cache_service.l3_refill import Refill
 from cache_service.leases import Lease, locate, path_to, pinned_pages
 from cache_service.placement import REMOTE, Placement
 from cache_service.pool_config import Counters, PoolConfig
+from cache_service.retention import Retention, RetentionConfig
 from cache_service.results import (Allocated, Checkpointed, Matched, NamespaceEvicted,
                                    Published)
 from cache_service.tree import (DEVICE, HOST, NO_SLOT, PAGE_CODE, Node, Root, add_child,
@@ -36,9 +37,10 @@ __all__ = ["MEDIA", "REMOTE", "Allocated", "Checkpointed", "Counters", "Lease", 
 
 class Pool:
     def __init__(self, cfg: PoolConfig, replay_events: int, clock, remote=None,
-                 eviction: str = "lru"):
+                 eviction: str = "lru", retention: RetentionConfig | None = None):
         """`remote` probes L3 (pagestore.L3Client) when cfg.remote_lookup is set; `eviction`
-        names the policy that ranks runs (cache_service/eviction.py)."""
+        names the policy that ranks runs (cache_service/eviction.py); `retention` bounds the
+        protection of retained prefixes (cache_service/retention.py; default: none honoured)."""
         self.cfg = cfg
         self.eviction = make_policy(eviction)
         self.stride = 4 * cfg.page_size
@@ -60,6 +62,8 @@ class Pool:
         self.load = common_pb2.LoadReport()
         self.closed = False
         self.expired: list[str] = []
+        self.retention = Retention(retention or RetentionConfig(), cfg.device_pages, self._pin,
+                                   self._unpin)
 
     # ---- namespaces ----------------------------------------------------------------------
 
@@ -75,6 +79,7 @@ class Pool:
         """Removes every page of the namespace now; pinned ones are freed when their leases end."""
         del self.roots[(root.adapter, root.salt)]
         root.dead = True
+        self.retention.forget_namespace(root)
         # From now on a dead run's `pins` counts every lease whose path holds it (not only the
         # leases it is the deepest run of): each of them frees it on release when it is the last.
         held: collections.Counter = collections.Counter()
@@ -106,20 +111,26 @@ class Pool:
         node.pages = None
         self.slots.release(node)
 
+    @staticmethod
+    def _pin(node: Node) -> None:
+        node.pins += 1
+
     def _unpin(self, node: Node) -> None:
         node.pins -= 1
         if not node.pins:
             self.pages.offer(node)
 
     def pinned_pages(self) -> dict[int, int]:
-        """Cached pages held by running requests, per medium (their leases' paths)."""
-        return pinned_pages(self.leases.values())
+        """Cached pages held by running requests (their leases' paths) and by retained
+        prefixes, per medium."""
+        return pinned_pages(self.leases.values(), self.retention.nodes())
 
     # ---- operations (validated by the core) -----------------------------------------------
 
     def match(self, request_id: str, lease_id: str, adapter: str, salt: str, data: bytes,
               ttl_s: float, is_resume: bool, skip_host_load: bool,
-              omit_page_hashes: bool = False) -> Matched:
+              omit_page_hashes: bool = False, retain_s: float = 0.0) -> Matched:
+        self.retention.expire(self.clock())
         root = self.root(adapter, salt)
         page = self.cfg.page_size
         hybrid = self.cfg.mamba_slots > 0
@@ -156,7 +167,7 @@ class Pool:
         for node in path:
             pages += node.pages
         self.leases[lease_id] = Lease(lease_id, root, data, pages + remote.pages,
-                                      deepest, depth, ttl_s, now + ttl_s)
+                                      deepest, depth, ttl_s, now + ttl_s, retain_s=retain_s)
         return Matched(lease_id, pages,
                        b"" if omit_page_hashes else b"".join([n.hashes for n in path]), host_hits,
                        found - depth, deepest.slot if hybrid and path else NO_SLOT,
@@ -210,7 +221,8 @@ class Pool:
             free, pinned = len(self.free[DEVICE]), self.pinned_pages()[DEVICE]
             return Allocated(lease.lease_id, False, reason=(
                 f"need {n} device pages: {free} free and none of the {self.cached[DEVICE] - pinned} "
-                f"unpinned cached pages can be evicted; {pinned} are held by running requests"))
+                f"unpinned cached pages can be evicted; {pinned} are held by running requests or "
+                f"retained prefixes"))
         lease.page_table += pages
         return Allocated(lease.lease_id, True, pages)
 
@@ -322,15 +334,25 @@ class Pool:
                 if not node.pins:
                     self._free_dead(node)
         elif lease.deepest is not None:
+            if lease.retain_s > 0:  # pinned by its protection before its lease lets go
+                self._retain(path_to(lease.deepest), lease.retain_s)
             self._unpin(lease.deepest)
         if len(lease.page_table) > lease.published:
             self.free[DEVICE].extend(lease.page_table[lease.published:])
+
+    def _retain(self, path: list[Node], retain_s: float) -> None:
+        """Protects a retained request's path on device and, in a pool with an L3 write
+        policy, writes it to L3 now (kept there for the worker's --l3-ttl-s, 24 h by default)."""
+        if self.retention.protect(path, retain_s, self.clock()) and self.cfg.remote_write_policy:
+            for node in path:
+                self.placement.write_remote(node)
 
     def renew(self, lease: Lease) -> None:
         lease.expires_at = self.clock() + lease.ttl_s
 
     def expire(self) -> int:
         now = self.clock()
+        self.retention.expire(now)
         overdue = [lease for lease in self.leases.values() if lease.expires_at < now]
         for lease in overdue:
             self.release(lease)

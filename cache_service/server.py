@@ -113,8 +113,17 @@ class _PoolStatsCollector(Collector):
                                        "Leases that expired without release.", labels=["pool"])
         mamba = GaugeMetricFamily("prefixcache_cache_mamba_slots",
                                   "Mamba checkpoint slots by state.", labels=["pool", "state"])
+        retained = GaugeMetricFamily("prefixcache_cache_retained_pages", "Device pages protected "
+                                     "for prompt_cache_retention requests.", labels=["pool"])
+        retention = CounterMetricFamily("prefixcache_cache_retention_requests", "Requests with "
+                                        "prompt_cache_retention 24h, by outcome (protected, or "
+                                        "ignored: the namespace's budget was full).",
+                                        labels=["pool", "outcome"])
         for pool in stats.pools:
             p = pool.pool_id
+            retained.add_metric([p], pool.retained_pages)
+            retention.add_metric([p, "protected"], pool.retained_requests)
+            retention.add_metric([p, "ignored"], pool.retention_ignored)
             for medium in pool.media:
                 m = _MEDIUM_LABEL.get(medium.medium, "unspecified")
                 for state in ("total", "free", "used", "cached", "evictable", "pinned"):
@@ -130,7 +139,8 @@ class _PoolStatsCollector(Collector):
             expiries.add_metric([p], pool.lease_expiries)
             mamba.add_metric([p, "total"], pool.mamba_slots_total)
             mamba.add_metric([p, "used"], pool.mamba_slots_used)
-        yield from (pages, evictions, queried, hits, prefill, leases, expiries, mamba)
+        yield from (pages, evictions, queried, hits, prefill, leases, expiries, mamba, retained,
+                    retention)
 
 
 class ServerMetrics:

@@ -59,7 +59,8 @@ from compute_service.request_streams import RequestStream, RunningRequests
 from compute_service.model import SamplingDefaults
 from compute_service.server_messages import (Rejected, check_fits, check_names, is_read_error,
                                              model_info, prompt_of, request_id_of, response,
-                                             salt_of, sampling_of, scope_of, scoped_request_id,
+                                             retain_s_of, salt_of, sampling_of, scope_of,
+                                             scoped_request_id,
                                              tokenizer_response)
 from compute_service.server_metrics import ComputeMetrics
 from prefixcache.v1 import compute_service_pb2 as pb
@@ -293,7 +294,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             engine.submit(prompt, sampling, lambda out: self._sink(stream, out),
                           request_id=request_id, adapter=request.adapter, salt=salt,
                           resume_output=request.resume_output.ids,
-                          trace=tracing.context_of(stream.span))
+                          trace=tracing.context_of(stream.span), retain_s=retain_s_of(request))
         except BaseException as exc:
             if stream is not None:
                 tracing.end(stream.span)

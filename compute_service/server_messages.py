@@ -15,7 +15,8 @@ from compute_service.engine.sampling import MAX_LOGIT_BIAS, Constraint
 from compute_service.model import SamplingDefaults, Tokenizer
 from compute_service.sizing import kv_bytes_per_page, mamba_bytes_per_slot
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.limits import (MAX_NAME_BYTES, name_too_long, request_id_too_long,
+from prefixcache_client.limits import (MAX_NAME_BYTES, PROMPT_CACHE_RETENTION_S, name_too_long,
+                                      prompt_cache_retention_problem, request_id_too_long,
                                       stop_token_ids_problem, text_too_long)
 from service_shell import SALT_METADATA_KEY
 from service_shell.metadata import MAX_REQUEST_SCOPE_BYTES, REQUEST_SCOPE_METADATA_KEY
@@ -105,9 +106,17 @@ def check_names(request: pb.GenerateRequest) -> None:
     limits too: an unknown adapter's NOT_FOUND quotes the name, and a 10 MB one went into the
     call's trailing metadata (over gRPC's limit) and the worker's log."""
     problem = (name_too_long(request.adapter, "adapter")
-               or stop_token_ids_problem(len(request.sampling.stop_token_ids)))
+               or stop_token_ids_problem(len(request.sampling.stop_token_ids))
+               or prompt_cache_retention_problem(request.prompt_cache_retention))
     if problem is not None:
         raise ValueError(problem)
+
+
+def retain_s_of(request: pb.GenerateRequest) -> float:
+    """Seconds the request asks its prefix kept on device (MatchOp.retain_s; check_names
+    checked the value): prompt_cache_retention "24h" -> 86400. The worker ignores
+    prompt_cache_key (the gateway routes by it)."""
+    return PROMPT_CACHE_RETENTION_S[request.prompt_cache_retention]
 
 
 def salt_of(metadata) -> str:

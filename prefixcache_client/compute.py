@@ -120,16 +120,19 @@ class ComputeClient:
                  request_id: str = "", adapter: str = "", salt: str | None = None,
                  timeout_s: float | None = None, resume_output: Sequence[int] = (),
                  scope: str | None = None,
-                 trace_metadata: Sequence[tuple[str, str]] = ()) -> GenerateStream:
+                 trace_metadata: Sequence[tuple[str, str]] = (),
+                 prompt_cache_retention: str = "") -> GenerateStream:
         """Starts a completion of `prompt` (token ids, or text the worker tokenizes).
 
         `salt` sets the tenant metadata, which only a trusted caller (the gateway) may send;
         `scope` the request-id scope (the tenant's, service_shell.request_scope) likewise.
         `resume_output`: output tokens already received from a worker that failed mid-stream
         (GenerateRequest.resume_output). `trace_metadata`: the W3C trace context (traceparent)
-        the worker's spans join (service_shell.tracing.inject). Errors are raised when the
-        stream is read."""
-        req = pb.GenerateRequest(request_id=request_id, adapter=adapter, sampling=sampling)
+        the worker's spans join (service_shell.tracing.inject). `prompt_cache_retention`:
+        "24h" asks the worker's cache service to keep the prefix on device (GenerateRequest).
+        Errors are raised when the stream is read."""
+        req = pb.GenerateRequest(request_id=request_id, adapter=adapter, sampling=sampling,
+                                 prompt_cache_retention=prompt_cache_retention)
         req.resume_output.ids.extend(resume_output)
         if isinstance(prompt, str):
             req.text = prompt

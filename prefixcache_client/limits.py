@@ -105,3 +105,16 @@ def stop_token_ids_problem(count: int, field: str = "sampling.stop_token_ids") -
     if count > MAX_STOP_TOKEN_IDS:
         return f"{field}: {count} stop token ids exceed the limit of {MAX_STOP_TOKEN_IDS}"
     return None
+
+
+# OpenAI's prompt_cache_retention: seconds a request asks its prefix kept ("" = not given).
+# "24h" is honoured within the cache service's retention budget (cache_service/retention.py).
+PROMPT_CACHE_RETENTION_S = {"": 0.0, "in_memory": 0.0, "24h": 86400.0}
+
+
+def prompt_cache_retention_problem(value: str) -> str | None:
+    """Why a prompt_cache_retention is refused (gateway and worker alike), or None."""
+    if value in PROMPT_CACHE_RETENTION_S:
+        return None
+    return (f"prompt_cache_retention: {quote_untrusted(value)} is not one of 'in_memory', "
+            "'24h'")

@@ -47,6 +47,7 @@ class Match(StepOperation):
                 raise invalid(f"{where}.token_ids: {n_tokens} tokens exceed the limit of "
                               f"{MAX_PROMPT_TOKENS}")
             check_lease_ttl(f"{where}.lease_ttl_s", op.lease_ttl_s)
+            check_lease_ttl(f"{where}.retain_s", op.retain_s)
             data = tokens_of(ids, packed, f"{where}.token_ids")
             planned.append(PlannedMatch(op, data, op.lease_ttl_s or cfg.lease_ttl_s))
         return planned
@@ -60,7 +61,7 @@ class Match(StepOperation):
             lease_id = directory.open(cfg.pool_id, cfg.epoch)
             m = pool.match(op.request_id, lease_id, op.namespace.adapter, op.namespace.salt,
                            p.tokens, p.ttl_s, op.is_resume, op.skip_host_load,
-                           op.omit_page_hashes)
+                           op.omit_page_hashes, op.retain_s)
             cached = len(m.device_pages)
             resp.matches.add(
                 request_id=op.request_id, lease_id=lease_id, device_pages=m.device_pages,

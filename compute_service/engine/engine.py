@@ -188,11 +188,13 @@ class Engine(CacheAwayMixin):
 
     def submit(self, prompt: list[int], sampling: SamplingParams, sink: Callable[[Output], None],
                request_id: str = "", adapter: str = "", salt: str = "",
-               resume_output: Sequence[int] = (), trace: object | None = None) -> Request:
+               resume_output: Sequence[int] = (), trace: object | None = None,
+               retain_s: float = 0.0) -> Request:
         """Queues a request; raises ValueError naming the bad field. `resume_output`: output
         tokens the caller already has (another worker streamed them, then failed): the request
         goes on after them, as a preempted one does, and streams only what follows. `trace`:
-        the caller's span context, which the engine's spans join (engine/step_traces.py)."""
+        the caller's span context, which the engine's spans join (engine/step_traces.py).
+        `retain_s`: keep its prefix on device this long after it ends (MatchOp.retain_s)."""
         if not prompt:
             raise ValueError("prompt: must not be empty")
         for field, ids in (("prompt.token_ids", prompt), ("resume_output.ids", resume_output)):
@@ -213,7 +215,7 @@ class Engine(CacheAwayMixin):
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {sampling.max_tokens} exceed "
                              f"this worker's context of {limit} tokens")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), sampling, sink,
-                      adapter=adapter, salt=salt, trace=trace)
+                      adapter=adapter, salt=salt, trace=trace, retain_s=retain_s)
         for i in range(len(resume_output)):  # the text stream where the other worker left it
             req.output.append(resume_output[i])
             req.text.next(self.tokenizer, req.output)

@@ -108,6 +108,8 @@ class Request:
     # Its structured-output constraint's xgrammar matcher (compute_service/engine/grammar.py),
     # made at submission; None without a constraint.
     matcher: object | None = None
+    # prompt_cache_retention's seconds (MatchOp.retain_s): the cache service protects its path.
+    retain_s: float = 0.0
     text: TextStream = field(default_factory=TextStream)  # what of the output has streamed
     scheduled_at: float | None = None  # time.monotonic() it first left `waiting` to run
     first_token_at: float | None = None

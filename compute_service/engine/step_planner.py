@@ -193,7 +193,7 @@ class StepPlanner:
         for r in plan.admitted:
             plan.match_tokens.append(r.num_tokens)
             req.matches.add(request_id=r.id, packed_token_ids=r.token_bytes(), is_resume=r.resumed,
-                            omit_page_hashes=True,
+                            omit_page_hashes=True, retain_s=r.retain_s,
                             namespace=common_pb2.Namespace(adapter=r.adapter, salt=r.salt))
         if not self.caching:
             return  # local pages: no lease expires, and no subscriber reads the load

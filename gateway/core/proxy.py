@@ -168,7 +168,8 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
             route.ids, req.sampling, request_id=call.request_id, adapter=req.adapter,
             salt=call.tenant.salt, timeout_s=max(0.001, self._deadline - time.monotonic()),
             resume_output=self._output, scope=call.scope,
-            trace_metadata=tracing.inject((), self._trace))
+            trace_metadata=tracing.inject((), self._trace),
+            prompt_cache_retention=req.prompt_cache_retention)
         tracing.annotate(self._trace, **{"prefixcache.worker": chosen.worker.name,
                                          "prefixcache.route_reason": self.route_reason})
         self._stream, self._fresh = stream, True
@@ -306,8 +307,11 @@ class GenerateProxy:
                               page_size)
         if tokenizer_fingerprint is None:
             tokenizer_fingerprint = prompt_fingerprint(request, self._tokenizer)
+        # Keys are scoped by the namespace salt: tenants (and cache_salts) that share no pages
+        # never share a key's worker.
+        cache_key = (tenant.salt, request.prompt_cache_key) if request.prompt_cache_key else None
         return _PromptRoute(request_id, hashes, len(ids), page_size, ids,
-                            tokenizer_fingerprint=tokenizer_fingerprint)
+                            tokenizer_fingerprint=tokenizer_fingerprint, cache_key=cache_key)
 
     def open(self, request: pb.GenerateRequest, tenant: Tenant, timeout_s: float | None = None,
              *, active: Callable[[], bool] | None = None,

@@ -9,7 +9,7 @@ requests) refuse what a worker's Generate would refuse, with the worker's messag
   top_p [0, 1], the penalties, min_p, logit_bias: the workers' bounds,
   compute_service/engine/sampling.py), and more top logprobs than the workers return;
 - names, ids and counts over prefixcache_client.limits (the adapter, the request id, stop
-  token ids), refused at parse as the worker refuses them: the gateway never routes, hashes,
+  token ids, prompt_cache_key), and a prompt_cache_retention other than "in_memory" or "24h", refused at parse as the worker refuses them: the gateway never routes, hashes,
   logs or forwards a 10 MB adapter name;
 - a token-id prompt with no room in the fleet's context (OUT_OF_RANGE, the worker's code):
   RoutePreview previewed a 1M-token prompt that Generate refuses.
@@ -23,8 +23,9 @@ import grpc
 from gateway.core.proxy import ProxyError
 from gateway.core.workers import Fleet
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.limits import (name_too_long, request_id_too_long,
-                                      stop_token_ids_problem, text_too_long)
+from prefixcache_client.limits import (name_too_long, prompt_cache_retention_problem,
+                                      request_id_too_long, stop_token_ids_problem,
+                                      text_too_long)
 
 MAX_TEMPERATURE = 100.0
 
@@ -77,7 +78,9 @@ def check_names(request: pb.GenerateRequest) -> None:
     naming the field; the value itself is never echoed)."""
     problem = (name_too_long(request.adapter, "adapter")
                or request_id_too_long(request.request_id)
-               or stop_token_ids_problem(len(request.sampling.stop_token_ids)))
+               or stop_token_ids_problem(len(request.sampling.stop_token_ids))
+               or name_too_long(request.prompt_cache_key, "prompt_cache_key")
+               or prompt_cache_retention_problem(request.prompt_cache_retention))
     if problem is not None:
         raise ProxyError(grpc.StatusCode.INVALID_ARGUMENT, problem)
 

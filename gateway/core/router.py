@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
+from gateway.core.cache_keys import CacheKeyAffinity
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
 from gateway.core.policies import LoadTracker, Policy, RouteDecision, RouteRequest
@@ -54,8 +56,10 @@ class Route:
 class Router:
     def __init__(self, policy: Policy, metrics: GatewayMetrics,
                  index_config: IndexConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cache_keys: CacheKeyAffinity | None = None) -> None:
         self.lock = threading.Lock()
+        self.cache_keys = cache_keys or CacheKeyAffinity(clock=clock)
         self.index = KvIndex(index_config, clock)
         self.policy = policy
         self.load = LoadTracker(clock)
@@ -79,6 +83,7 @@ class Router:
             worker = self._workers.pop(name, None)
             self.index.remove_worker(name)
             self.policy.remove_worker(name)
+            self.cache_keys.remove_worker(name)
             self.load.remove_worker(name)
             if worker is not None:
                 worker.removed = True
@@ -182,7 +187,7 @@ class Router:
             if not candidates:
                 return None
             start = time.perf_counter()
-            decision = self.policy.choose(request, candidates, self.index, self.load)
+            decision = self._choose(request, candidates)
             self.metrics.decision_seconds.observe(time.perf_counter() - start)
             self.load.on_route(decision.worker, request.request_id, decision.prefill_tokens)
             worker = self._workers[decision.worker]
@@ -195,6 +200,32 @@ class Router:
                                               chosen.remote_tokens)):
                 self.metrics.matched_tokens.labels(medium).inc(tokens)
         return Route(worker, decision, blind)
+
+    def _choose(self, request: RouteRequest, candidates: list[str]) -> RouteDecision:
+        """The policy's choice, among the key's worker alone when the request's prompt-cache
+        key pins one (gateway/core/cache_keys.py); the key then follows the choice."""
+        pinned = self._pinned(request, candidates)
+        decision = self.policy.choose(request, [pinned] if pinned else candidates, self.index,
+                                      self.load)
+        if request.cache_key:
+            self.cache_keys.record(request.cache_key, decision.worker)
+        if pinned:
+            decision.reason = f"{CACHE_KEY_REASON}: {decision.reason}"
+        return decision
+
+    def _pinned(self, request: RouteRequest, candidates: list[str]) -> str | None:
+        """The key's worker, unless the index shows another holding more of the prompt on
+        device (the key then follows the prefix: a chat whose pages left its worker goes where
+        its system prompt still is)."""
+        key = request.cache_key
+        pinned = self.cache_keys.worker_for(key, candidates, self.load) if key else None
+        if pinned is None:
+            return None
+        matches = self.index.lookup(request.page_hashes)
+        allowed = set(candidates)
+        best = max((m.device_pages for w, m in matches.items() if w in allowed), default=0)
+        mine = matches.get(pinned)
+        return pinned if (mine.device_pages if mine else 0) >= best else None
 
     def first_token(self, request_id: str) -> None:
         with self.lock:
@@ -221,7 +252,11 @@ class Router:
             candidates, blind = self._candidates((), request.tokenizer_fingerprint)
             decision = None
             if candidates:
-                decision = self.policy.preview(request, candidates, self.index, self.load)
+                pinned = self._pinned(request, candidates)
+                decision = self.policy.preview(request, [pinned] if pinned else candidates,
+                                               self.index, self.load)
+                if pinned:
+                    decision.reason = f"{CACHE_KEY_REASON}: {decision.reason}"
             matches = self.index.lookup(request.page_hashes, now)
             scores = {s.worker: s for s in decision.scores} if decision else {}
             rows = []

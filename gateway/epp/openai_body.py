@@ -46,7 +46,8 @@ def prompt_request(path: str, body: bytes, proxy: GenerateProxy,
     try:
         if path == CHAT_PATH:
             chat = schemas.ChatCompletionRequest.model_validate_json(body)
-            request = pb.GenerateRequest(adapter=_adapter(chat.model, proxy, router))
+            request = pb.GenerateRequest(adapter=_adapter(chat.model, proxy, router),
+                                         prompt_cache_key=chat.prompt_cache_key or "")
             request.token_ids.ids.extend(_chat_ids(chat, proxy))
             return request, proxy.tokenizer.fingerprint
         completion = schemas.CompletionRequest.model_validate_json(body)
@@ -54,7 +55,9 @@ def prompt_request(path: str, body: bytes, proxy: GenerateProxy,
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         raise Refusal(400, f"{where}: {first.get('msg', 'invalid')}") from None
-    request = pb.GenerateRequest(adapter=_adapter(completion.model, proxy, router))
+    # The key routes as on the gateway's own API; the retention is the model server's to honour.
+    request = pb.GenerateRequest(adapter=_adapter(completion.model, proxy, router),
+                                 prompt_cache_key=completion.prompt_cache_key or "")
     prompts = completion.prompts()
     if not prompts or not prompts[0]:
         raise Refusal(400, "prompt: must not be empty")

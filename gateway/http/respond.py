@@ -30,6 +30,7 @@ from gateway.http.streaming import sse_events
 from gateway.http.structured import Structured, http_field
 from gateway.http.tools import ToolPlan
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_client.limits import name_too_long
 
 
 async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
@@ -49,6 +50,10 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
     who = who.with_cache_salt(body.cache_salt)
     temperature = default_temperature(proxy)
     words = bad_word_ids(body.bad_words, proxy.tokenizer) if body.bad_words else []
+    if body.prompt_cache_key:  # 256 characters may still be more than 256 UTF-8 bytes
+        problem = name_too_long(body.prompt_cache_key, "prompt_cache_key")
+        if problem is not None:
+            raise bad_request("prompt_cache_key", problem)
     jobs = []
     for p, prompt in enumerate(prompts):
         for i in range(body.n):
@@ -56,6 +61,8 @@ async def generate(body: schemas.CompletionRequest | schemas.ChatCompletionReque
             req.CopyFrom(prompt)
             index = p * body.n + i
             req.request_id = f"{rid}-{index}"
+            req.prompt_cache_key = body.prompt_cache_key or ""
+            req.prompt_cache_retention = body.prompt_cache_retention or ""
             req.sampling.CopyFrom(sampling(body, max_tokens, i, temperature))
             for ids in words:
                 req.sampling.bad_words.add(ids=ids)

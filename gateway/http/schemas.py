@@ -11,6 +11,8 @@ Requests follow OpenAI's and vLLM's rules for what is accepted:
 - vLLM's extra sampling fields are taken where the workers implement them: `ignore_eos`,
   `top_k`, `min_p`, `repetition_penalty`, `bad_words`, `min_tokens`, `stop_token_ids`,
   `cache_salt`.
+- OpenAI's prompt-cache hints `prompt_cache_key` and `prompt_cache_retention` (vLLM takes them
+  only in its Responses API), on both endpoints.
 - Every string of the body is text: JSON's `"\\ud800"` escape decodes to a lone surrogate,
   which no UTF-8 encoder takes (the prompt's encoding failed with a 500). `_Sampling` refuses
   the body before any field is read, naming the first string that has one, wherever it is
@@ -30,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from gateway.http.request_fields import refusals
-from prefixcache_client.limits import (MAX_STOP_TOKEN_IDS, QUOTE_LIMIT,
+from prefixcache_client.limits import (MAX_NAME_BYTES, MAX_STOP_TOKEN_IDS, QUOTE_LIMIT,
                                      quote_untrusted, stop_problem)
 
 # Samples of one prompt per request; each is one worker call.
@@ -110,6 +112,11 @@ class _Sampling(_Body):
     top_k: int | None = Field(None, ge=-1, lt=_U32)
     min_tokens: int = Field(0, ge=0, lt=_U32)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # OpenAI's prompt-cache hints (our extension beyond vLLM's chat and completions fields):
+    # requests of the tenant with the same key are routed together (gateway/core/cache_keys.py);
+    # a key is at most MAX_NAME_BYTES (256) UTF-8 bytes, as other names (request_checks.py).
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_NAME_BYTES)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -26,15 +26,15 @@ from prefixcache.v1 import common_pb2 as prefixcache_dot_v1_dot_common__pb2
 from prefixcache.v1 import events_pb2 as prefixcache_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"prefixcache/v1/cache_service.proto\x12\x0eprefixcache.v1\x1a\x1bprefixcache/v1/common.proto\x1a\x1bprefixcache/v1/events.proto\"\x9e\x02\n\x13RegisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x14\n\x0c\x64\x65vice_pages\x18\x04 \x01(\r\x12\x12\n\nhost_pages\x18\x05 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x06 \x01(\r\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\x12>\n\x13remote_write_policy\x18\t \x01(\x0e\x32!.prefixcache.v1.RemoteWritePolicy\x12\x17\n\x0fremote_min_hits\x18\n \x01(\r\x12\x15\n\rremote_lookup\x18\x0b \x01(\x08\"7\n\x14RegisterPoolResponse\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\"7\n\x15UnregisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x18\n\x16UnregisterPoolResponse\"\x12\n\x10ListPoolsRequest\"\xa0\x01\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x14\n\x0c\x64\x65vice_pages\x18\x04 \x01(\r\x12\x12\n\nhost_pages\x18\x05 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x06 \x01(\r\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x10\n\x08head_seq\x18\x08 \x01(\x03\"<\n\x11ListPoolsResponse\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.prefixcache.v1.PoolInfo\"\xd2\x01\n\x07MatchOp\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\tnamespace\x18\x02 \x01(\x0b\x32\x19.prefixcache.v1.Namespace\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\x11\n\tis_resume\x18\x05 \x01(\x08\x12\x16\n\x0eskip_host_load\x18\x06 \x01(\x08\x12\x18\n\x10packed_token_ids\x18\x07 \x01(\x0c\x12\x18\n\x10omit_page_hashes\x18\x08 \x01(\x08\"\xa2\x02\n\x0bMatchResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x64\x65vice_hit_tokens\x18\x05 \x01(\r\x12\x17\n\x0fhost_hit_tokens\x18\x06 \x01(\r\x12\x13\n\x0bpage_hashes\x18\x07 \x03(\x0c\x12\x12\n\nmamba_slot\x18\x08 \x01(\x05\x12\x16\n\x0eunusable_pages\x18\t \x01(\r\x12\x14\n\x0cremote_pages\x18\n \x03(\r\x12\x1a\n\x12remote_page_hashes\x18\x0b \x03(\x0c\x12\x19\n\x11remote_hit_tokens\x18\x0c \x01(\r\"1\n\nAllocateOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"T\n\x0e\x41llocateResult\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"p\n\tPublishOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x03\x12\x1f\n\x17packed_append_token_ids\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63omputed_pages\x18\x03 \x01(\r\">\n\tPageRemap\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08old_page\x18\x02 \x01(\r\x12\x10\n\x08new_page\x18\x03 \x01(\r\"d\n\rPublishResult\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0einserted_pages\x18\x02 \x01(\r\x12)\n\x06remaps\x18\x03 \x03(\x0b\x32\x19.prefixcache.v1.PageRemap\"D\n\x0c\x43heckpointOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\npage_index\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tach\x18\x03 \x01(\x08\"{\n\x10\x43heckpointResult\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\npage_index\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x17\n\x0f\x61lready_present\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x1d\n\tReleaseOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\xf7\x02\n\x0bStepRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12,\n\tpublishes\x18\x03 \x03(\x0b\x32\x19.prefixcache.v1.PublishOp\x12\x31\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x1c.prefixcache.v1.CheckpointOp\x12+\n\x08releases\x18\x05 \x03(\x0b\x32\x19.prefixcache.v1.ReleaseOp\x12\x17\n\x0frenew_lease_ids\x18\x06 \x03(\t\x12(\n\x07matches\x18\x07 \x03(\x0b\x32\x17.prefixcache.v1.MatchOp\x12/\n\x0b\x61llocations\x18\x08 \x03(\x0b\x32\x1a.prefixcache.v1.AllocateOp\x12(\n\x04load\x18\t \x01(\x0b\x32\x1a.prefixcache.v1.LoadReport\x12\x1c\n\x14\x66\x61iled_remote_writes\x18\n \x01(\x0c\"\x9d\x02\n\x0cStepResponse\x12&\n\x06\x63opies\x18\x01 \x03(\x0b\x32\x16.prefixcache.v1.CopyOp\x12\x30\n\tpublishes\x18\x02 \x03(\x0b\x32\x1d.prefixcache.v1.PublishResult\x12\x35\n\x0b\x63heckpoints\x18\x03 \x03(\x0b\x32 .prefixcache.v1.CheckpointResult\x12,\n\x07matches\x18\x04 \x03(\x0b\x32\x1b.prefixcache.v1.MatchResult\x12\x33\n\x0b\x61llocations\x18\x05 \x03(\x0b\x32\x1e.prefixcache.v1.AllocateResult\x12\x19\n\x11\x65xpired_lease_ids\x18\x06 \x03(\t\"i\n\x15\x45victNamespaceRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12,\n\tnamespace\x18\x02 \x01(\x0b\x32\x19.prefixcache.v1.Namespace\x12\x11\n\tall_salts\x18\x03 \x01(\x08\"G\n\x16\x45victNamespaceResponse\x12\x15\n\rremoved_pages\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x65rred_pages\x18\x02 \x01(\r\"\"\n\x0fGetStatsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\xca\x01\n\x0bMediumStats\x12&\n\x06medium\x18\x01 \x01(\x0e\x32\x16.prefixcache.v1.Medium\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x17\n\x0f\x65victable_pages\x18\x06 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x07 \x01(\r\x12\x11\n\tevictions\x18\x08 \x01(\x04\"\xc0\x03\n\tPoolStats\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0equeried_tokens\x18\x03 \x01(\x04\x12\x19\n\x11hit_tokens_device\x18\x04 \x01(\x04\x12\x17\n\x0fhit_tokens_host\x18\x05 \x01(\x04\x12\x19\n\x11hit_tokens_remote\x18\x06 \x01(\x04\x12\x1e\n\x16skipped_prefill_tokens\x18\x07 \x01(\x04\x12\x1f\n\x17\x63omputed_prefill_tokens\x18\x08 \x01(\x04\x12*\n\x05media\x18\t \x03(\x0b\x32\x1b.prefixcache.v1.MediumStats\x12\x19\n\x11mamba_slots_total\x18\n \x01(\r\x12\x18\n\x10mamba_slots_used\x18\x0b \x01(\r\x12\x17\n\x0fmamba_evictions\x18\x0c \x01(\x04\x12\x15\n\ractive_leases\x18\r \x01(\r\x12\x16\n\x0elease_expiries\x18\x0e \x01(\x04\x12\x12\n\nnamespaces\x18\x0f \x01(\r\x12\x17\n\x0f\x64uplicate_pages\x18\x10 \x01(\x04\x12\x15\n\rremote_writes\x18\x11 \x01(\x04\"<\n\x10GetStatsResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.prefixcache.v1.PoolStats\"c\n\x10SubscribeRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tafter_seq\x18\x03 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\"x\n\x11SubscribeResponse\x12+\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.prefixcache.v1.EventBatchH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.prefixcache.v1.HeartbeatH\x00\x42\x06\n\x04item*\xa0\x01\n\x11RemoteWritePolicy\x12#\n\x1fREMOTE_WRITE_POLICY_UNSPECIFIED\x10\x00\x12%\n!REMOTE_WRITE_POLICY_WRITE_THROUGH\x10\x01\x12\"\n\x1eREMOTE_WRITE_POLICY_WRITE_BACK\x10\x02\x12\x1b\n\x17REMOTE_WRITE_POLICY_HOT\x10\x03\x32\xe3\x04\n\x0c\x43\x61\x63heService\x12Y\n\x0cRegisterPool\x12#.prefixcache.v1.RegisterPoolRequest\x1a$.prefixcache.v1.RegisterPoolResponse\x12_\n\x0eUnregisterPool\x12%.prefixcache.v1.UnregisterPoolRequest\x1a&.prefixcache.v1.UnregisterPoolResponse\x12P\n\tListPools\x12 .prefixcache.v1.ListPoolsRequest\x1a!.prefixcache.v1.ListPoolsResponse\x12\x41\n\x04Step\x12\x1b.prefixcache.v1.StepRequest\x1a\x1c.prefixcache.v1.StepResponse\x12_\n\x0e\x45victNamespace\x12%.prefixcache.v1.EvictNamespaceRequest\x1a&.prefixcache.v1.EvictNamespaceResponse\x12M\n\x08GetStats\x12\x1f.prefixcache.v1.GetStatsRequest\x1a .prefixcache.v1.GetStatsResponse\x12R\n\tSubscribe\x12 .prefixcache.v1.SubscribeRequest\x1a!.prefixcache.v1.SubscribeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"prefixcache/v1/cache_service.proto\x12\x0eprefixcache.v1\x1a\x1bprefixcache/v1/common.proto\x1a\x1bprefixcache/v1/events.proto\"\x9e\x02\n\x13RegisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x14\n\x0c\x64\x65vice_pages\x18\x04 \x01(\r\x12\x12\n\nhost_pages\x18\x05 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x06 \x01(\r\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\x12>\n\x13remote_write_policy\x18\t \x01(\x0e\x32!.prefixcache.v1.RemoteWritePolicy\x12\x17\n\x0fremote_min_hits\x18\n \x01(\r\x12\x15\n\rremote_lookup\x18\x0b \x01(\x08\"7\n\x14RegisterPoolResponse\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\"7\n\x15UnregisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x18\n\x16UnregisterPoolResponse\"\x12\n\x10ListPoolsRequest\"\xa0\x01\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x14\n\x0c\x64\x65vice_pages\x18\x04 \x01(\r\x12\x12\n\nhost_pages\x18\x05 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x06 \x01(\r\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x10\n\x08head_seq\x18\x08 \x01(\x03\"<\n\x11ListPoolsResponse\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.prefixcache.v1.PoolInfo\"\xe4\x01\n\x07MatchOp\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\tnamespace\x18\x02 \x01(\x0b\x32\x19.prefixcache.v1.Namespace\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\x11\n\tis_resume\x18\x05 \x01(\x08\x12\x16\n\x0eskip_host_load\x18\x06 \x01(\x08\x12\x18\n\x10packed_token_ids\x18\x07 \x01(\x0c\x12\x18\n\x10omit_page_hashes\x18\x08 \x01(\x08\x12\x10\n\x08retain_s\x18\t \x01(\x01\"\xa2\x02\n\x0bMatchResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x64\x65vice_hit_tokens\x18\x05 \x01(\r\x12\x17\n\x0fhost_hit_tokens\x18\x06 \x01(\r\x12\x13\n\x0bpage_hashes\x18\x07 \x03(\x0c\x12\x12\n\nmamba_slot\x18\x08 \x01(\x05\x12\x16\n\x0eunusable_pages\x18\t \x01(\r\x12\x14\n\x0cremote_pages\x18\n \x03(\r\x12\x1a\n\x12remote_page_hashes\x18\x0b \x03(\x0c\x12\x19\n\x11remote_hit_tokens\x18\x0c \x01(\r\"1\n\nAllocateOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"T\n\x0e\x41llocateResult\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"p\n\tPublishOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x03\x12\x1f\n\x17packed_append_token_ids\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63omputed_pages\x18\x03 \x01(\r\">\n\tPageRemap\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08old_page\x18\x02 \x01(\r\x12\x10\n\x08new_page\x18\x03 \x01(\r\"d\n\rPublishResult\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0einserted_pages\x18\x02 \x01(\r\x12)\n\x06remaps\x18\x03 \x03(\x0b\x32\x19.prefixcache.v1.PageRemap\"D\n\x0c\x43heckpointOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\npage_index\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tach\x18\x03 \x01(\x08\"{\n\x10\x43heckpointResult\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\npage_index\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x17\n\x0f\x61lready_present\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x1d\n\tReleaseOp\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\xf7\x02\n\x0bStepRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12,\n\tpublishes\x18\x03 \x03(\x0b\x32\x19.prefixcache.v1.PublishOp\x12\x31\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x1c.prefixcache.v1.CheckpointOp\x12+\n\x08releases\x18\x05 \x03(\x0b\x32\x19.prefixcache.v1.ReleaseOp\x12\x17\n\x0frenew_lease_ids\x18\x06 \x03(\t\x12(\n\x07matches\x18\x07 \x03(\x0b\x32\x17.prefixcache.v1.MatchOp\x12/\n\x0b\x61llocations\x18\x08 \x03(\x0b\x32\x1a.prefixcache.v1.AllocateOp\x12(\n\x04load\x18\t \x01(\x0b\x32\x1a.prefixcache.v1.LoadReport\x12\x1c\n\x14\x66\x61iled_remote_writes\x18\n \x01(\x0c\"\x9d\x02\n\x0cStepResponse\x12&\n\x06\x63opies\x18\x01 \x03(\x0b\x32\x16.prefixcache.v1.CopyOp\x12\x30\n\tpublishes\x18\x02 \x03(\x0b\x32\x1d.prefixcache.v1.PublishResult\x12\x35\n\x0b\x63heckpoints\x18\x03 \x03(\x0b\x32 .prefixcache.v1.CheckpointResult\x12,\n\x07matches\x18\x04 \x03(\x0b\x32\x1b.prefixcache.v1.MatchResult\x12\x33\n\x0b\x61llocations\x18\x05 \x03(\x0b\x32\x1e.prefixcache.v1.AllocateResult\x12\x19\n\x11\x65xpired_lease_ids\x18\x06 \x03(\t\"i\n\x15\x45victNamespaceRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12,\n\tnamespace\x18\x02 \x01(\x0b\x32\x19.prefixcache.v1.Namespace\x12\x11\n\tall_salts\x18\x03 \x01(\x08\"G\n\x16\x45victNamespaceResponse\x12\x15\n\rremoved_pages\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x65rred_pages\x18\x02 \x01(\r\"\"\n\x0fGetStatsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\xca\x01\n\x0bMediumStats\x12&\n\x06medium\x18\x01 \x01(\x0e\x32\x16.prefixcache.v1.Medium\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x17\n\x0f\x65victable_pages\x18\x06 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x07 \x01(\r\x12\x11\n\tevictions\x18\x08 \x01(\x04\"\x8e\x04\n\tPoolStats\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0equeried_tokens\x18\x03 \x01(\x04\x12\x19\n\x11hit_tokens_device\x18\x04 \x01(\x04\x12\x17\n\x0fhit_tokens_host\x18\x05 \x01(\x04\x12\x19\n\x11hit_tokens_remote\x18\x06 \x01(\x04\x12\x1e\n\x16skipped_prefill_tokens\x18\x07 \x01(\x04\x12\x1f\n\x17\x63omputed_prefill_tokens\x18\x08 \x01(\x04\x12*\n\x05media\x18\t \x03(\x0b\x32\x1b.prefixcache.v1.MediumStats\x12\x19\n\x11mamba_slots_total\x18\n \x01(\r\x12\x18\n\x10mamba_slots_used\x18\x0b \x01(\r\x12\x17\n\x0fmamba_evictions\x18\x0c \x01(\x04\x12\x15\n\ractive_leases\x18\r \x01(\r\x12\x16\n\x0elease_expiries\x18\x0e \x01(\x04\x12\x12\n\nnamespaces\x18\x0f \x01(\r\x12\x17\n\x0f\x64uplicate_pages\x18\x10 \x01(\x04\x12\x15\n\rremote_writes\x18\x11 \x01(\x04\x12\x16\n\x0eretained_pages\x18\x12 \x01(\x04\x12\x19\n\x11retained_requests\x18\x13 \x01(\x04\x12\x19\n\x11retention_ignored\x18\x14 \x01(\x04\"<\n\x10GetStatsResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.prefixcache.v1.PoolStats\"c\n\x10SubscribeRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tafter_seq\x18\x03 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\"x\n\x11SubscribeResponse\x12+\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.prefixcache.v1.EventBatchH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.prefixcache.v1.HeartbeatH\x00\x42\x06\n\x04item*\xa0\x01\n\x11RemoteWritePolicy\x12#\n\x1fREMOTE_WRITE_POLICY_UNSPECIFIED\x10\x00\x12%\n!REMOTE_WRITE_POLICY_WRITE_THROUGH\x10\x01\x12\"\n\x1eREMOTE_WRITE_POLICY_WRITE_BACK\x10\x02\x12\x1b\n\x17REMOTE_WRITE_POLICY_HOT\x10\x03\x32\xe3\x04\n\x0c\x43\x61\x63heService\x12Y\n\x0cRegisterPool\x12#.prefixcache.v1.RegisterPoolRequest\x1a$.prefixcache.v1.RegisterPoolResponse\x12_\n\x0eUnregisterPool\x12%.prefixcache.v1.UnregisterPoolRequest\x1a&.prefixcache.v1.UnregisterPoolResponse\x12P\n\tListPools\x12 .prefixcache.v1.ListPoolsRequest\x1a!.prefixcache.v1.ListPoolsResponse\x12\x41\n\x04Step\x12\x1b.prefixcache.v1.StepRequest\x1a\x1c.prefixcache.v1.StepResponse\x12_\n\x0e\x45victNamespace\x12%.prefixcache.v1.EvictNamespaceRequest\x1a&.prefixcache.v1.EvictNamespaceResponse\x12M\n\x08GetStats\x12\x1f.prefixcache.v1.GetStatsRequest\x1a .prefixcache.v1.GetStatsResponse\x12R\n\tSubscribe\x12 .prefixcache.v1.SubscribeRequest\x1a!.prefixcache.v1.SubscribeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixcache.v1.cache_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REMOTEWRITEPOLICY']._serialized_start=3759
-  _globals['_REMOTEWRITEPOLICY']._serialized_end=3919
+  _globals['_REMOTEWRITEPOLICY']._serialized_start=3855
+  _globals['_REMOTEWRITEPOLICY']._serialized_end=4015
   _globals['_REGISTERPOOLREQUEST']._serialized_start=113
   _globals['_REGISTERPOOLREQUEST']._serialized_end=399
   _globals['_REGISTERPOOLRESPONSE']._serialized_start=401
@@ -50,45 +50,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTPOOLSRESPONSE']._serialized_start=724
   _globals['_LISTPOOLSRESPONSE']._serialized_end=784
   _globals['_MATCHOP']._serialized_start=787
-  _globals['_MATCHOP']._serialized_end=997
-  _globals['_MATCHRESULT']._serialized_start=1000
-  _globals['_MATCHRESULT']._serialized_end=1290
-  _globals['_ALLOCATEOP']._serialized_start=1292
-  _globals['_ALLOCATEOP']._serialized_end=1341
-  _globals['_ALLOCATERESULT']._serialized_start=1343
-  _globals['_ALLOCATERESULT']._serialized_end=1427
-  _globals['_PUBLISHOP']._serialized_start=1429
-  _globals['_PUBLISHOP']._serialized_end=1541
-  _globals['_PAGEREMAP']._serialized_start=1543
-  _globals['_PAGEREMAP']._serialized_end=1605
-  _globals['_PUBLISHRESULT']._serialized_start=1607
-  _globals['_PUBLISHRESULT']._serialized_end=1707
-  _globals['_CHECKPOINTOP']._serialized_start=1709
-  _globals['_CHECKPOINTOP']._serialized_end=1777
-  _globals['_CHECKPOINTRESULT']._serialized_start=1779
-  _globals['_CHECKPOINTRESULT']._serialized_end=1902
-  _globals['_RELEASEOP']._serialized_start=1904
-  _globals['_RELEASEOP']._serialized_end=1933
-  _globals['_STEPREQUEST']._serialized_start=1936
-  _globals['_STEPREQUEST']._serialized_end=2311
-  _globals['_STEPRESPONSE']._serialized_start=2314
-  _globals['_STEPRESPONSE']._serialized_end=2599
-  _globals['_EVICTNAMESPACEREQUEST']._serialized_start=2601
-  _globals['_EVICTNAMESPACEREQUEST']._serialized_end=2706
-  _globals['_EVICTNAMESPACERESPONSE']._serialized_start=2708
-  _globals['_EVICTNAMESPACERESPONSE']._serialized_end=2779
-  _globals['_GETSTATSREQUEST']._serialized_start=2781
-  _globals['_GETSTATSREQUEST']._serialized_end=2815
-  _globals['_MEDIUMSTATS']._serialized_start=2818
-  _globals['_MEDIUMSTATS']._serialized_end=3020
-  _globals['_POOLSTATS']._serialized_start=3023
-  _globals['_POOLSTATS']._serialized_end=3471
-  _globals['_GETSTATSRESPONSE']._serialized_start=3473
-  _globals['_GETSTATSRESPONSE']._serialized_end=3533
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=3535
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=3634
-  _globals['_SUBSCRIBERESPONSE']._serialized_start=3636
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=3756
-  _globals['_CACHESERVICE']._serialized_start=3922
-  _globals['_CACHESERVICE']._serialized_end=4533
+  _globals['_MATCHOP']._serialized_end=1015
+  _globals['_MATCHRESULT']._serialized_start=1018
+  _globals['_MATCHRESULT']._serialized_end=1308
+  _globals['_ALLOCATEOP']._serialized_start=1310
+  _globals['_ALLOCATEOP']._serialized_end=1359
+  _globals['_ALLOCATERESULT']._serialized_start=1361
+  _globals['_ALLOCATERESULT']._serialized_end=1445
+  _globals['_PUBLISHOP']._serialized_start=1447
+  _globals['_PUBLISHOP']._serialized_end=1559
+  _globals['_PAGEREMAP']._serialized_start=1561
+  _globals['_PAGEREMAP']._serialized_end=1623
+  _globals['_PUBLISHRESULT']._serialized_start=1625
+  _globals['_PUBLISHRESULT']._serialized_end=1725
+  _globals['_CHECKPOINTOP']._serialized_start=1727
+  _globals['_CHECKPOINTOP']._serialized_end=1795
+  _globals['_CHECKPOINTRESULT']._serialized_start=1797
+  _globals['_CHECKPOINTRESULT']._serialized_end=1920
+  _globals['_RELEASEOP']._serialized_start=1922
+  _globals['_RELEASEOP']._serialized_end=1951
+  _globals['_STEPREQUEST']._serialized_start=1954
+  _globals['_STEPREQUEST']._serialized_end=2329
+  _globals['_STEPRESPONSE']._serialized_start=2332
+  _globals['_STEPRESPONSE']._serialized_end=2617
+  _globals['_EVICTNAMESPACEREQUEST']._serialized_start=2619
+  _globals['_EVICTNAMESPACEREQUEST']._serialized_end=2724
+  _globals['_EVICTNAMESPACERESPONSE']._serialized_start=2726
+  _globals['_EVICTNAMESPACERESPONSE']._serialized_end=2797
+  _globals['_GETSTATSREQUEST']._serialized_start=2799
+  _globals['_GETSTATSREQUEST']._serialized_end=2833
+  _globals['_MEDIUMSTATS']._serialized_start=2836
+  _globals['_MEDIUMSTATS']._serialized_end=3038
+  _globals['_POOLSTATS']._serialized_start=3041
+  _globals['_POOLSTATS']._serialized_end=3567
+  _globals['_GETSTATSRESPONSE']._serialized_start=3569
+  _globals['_GETSTATSRESPONSE']._serialized_end=3629
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=3631
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=3730
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=3732
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=3852
+  _globals['_CACHESERVICE']._serialized_start=4018
+  _globals['_CACHESERVICE']._serialized_end=4629
 # @@protoc_insertion_point(module_scope)

@@ -97,7 +97,7 @@ class ListPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class MatchOp(_message.Message):
-    __slots__ = ("request_id", "namespace", "token_ids", "lease_ttl_s", "is_resume", "skip_host_load", "packed_token_ids", "omit_page_hashes")
+    __slots__ = ("request_id", "namespace", "token_ids", "lease_ttl_s", "is_resume", "skip_host_load", "packed_token_ids", "omit_page_hashes", "retain_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class MatchOp(_message.Message):
     SKIP_HOST_LOAD_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OMIT_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     namespace: _common_pb2.Namespace
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -114,7 +115,8 @@ class MatchOp(_message.Message):
     skip_host_load: bool
     packed_token_ids: bytes
     omit_page_hashes: bool
-    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., lease_ttl_s: _Optional[float] = ..., is_resume: _Optional[bool] = ..., skip_host_load: _Optional[bool] = ..., packed_token_ids: _Optional[bytes] = ..., omit_page_hashes: _Optional[bool] = ...) -> None: ...
+    retain_s: float
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., lease_ttl_s: _Optional[float] = ..., is_resume: _Optional[bool] = ..., skip_host_load: _Optional[bool] = ..., packed_token_ids: _Optional[bytes] = ..., omit_page_hashes: _Optional[bool] = ..., retain_s: _Optional[float] = ...) -> None: ...
 
 class MatchResult(_message.Message):
     __slots__ = ("request_id", "lease_id", "device_pages", "cached_tokens", "device_hit_tokens", "host_hit_tokens", "page_hashes", "mamba_slot", "unusable_pages", "remote_pages", "remote_page_hashes", "remote_hit_tokens")
@@ -313,7 +315,7 @@ class MediumStats(_message.Message):
     def __init__(self, medium: _Optional[_Union[_common_pb2.Medium, str]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "queried_tokens", "hit_tokens_device", "hit_tokens_host", "hit_tokens_remote", "skipped_prefill_tokens", "computed_prefill_tokens", "media", "mamba_slots_total", "mamba_slots_used", "mamba_evictions", "active_leases", "lease_expiries", "namespaces", "duplicate_pages", "remote_writes")
+    __slots__ = ("pool_id", "epoch", "queried_tokens", "hit_tokens_device", "hit_tokens_host", "hit_tokens_remote", "skipped_prefill_tokens", "computed_prefill_tokens", "media", "mamba_slots_total", "mamba_slots_used", "mamba_evictions", "active_leases", "lease_expiries", "namespaces", "duplicate_pages", "remote_writes", "retained_pages", "retained_requests", "retention_ignored")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +333,9 @@ class PoolStats(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_PAGES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WRITES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_IGNORED_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     queried_tokens: int
@@ -348,7 +353,10 @@ class PoolStats(_message.Message):
     namespaces: int
     duplicate_pages: int
     remote_writes: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens_device: _Optional[int] = ..., hit_tokens_host: _Optional[int] = ..., hit_tokens_remote: _Optional[int] = ..., skipped_prefill_tokens: _Optional[int] = ..., computed_prefill_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediumStats, _Mapping]]] = ..., mamba_slots_total: _Optional[int] = ..., mamba_slots_used: _Optional[int] = ..., mamba_evictions: _Optional[int] = ..., active_leases: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., namespaces: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., remote_writes: _Optional[int] = ...) -> None: ...
+    retained_pages: int
+    retained_requests: int
+    retention_ignored: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens_device: _Optional[int] = ..., hit_tokens_host: _Optional[int] = ..., hit_tokens_remote: _Optional[int] = ..., skipped_prefill_tokens: _Optional[int] = ..., computed_prefill_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediumStats, _Mapping]]] = ..., mamba_slots_total: _Optional[int] = ..., mamba_slots_used: _Optional[int] = ..., mamba_evictions: _Optional[int] = ..., active_leases: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., namespaces: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., remote_writes: _Optional[int] = ..., retained_pages: _Optional[int] = ..., retained_requests: _Optional[int] = ..., retention_ignored: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools",)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$prefixcache/v1/compute_service.proto\x12\x0eprefixcache.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x9f\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12-\n\nlogit_bias\x18\r \x03(\x0b\x32\x19.prefixcache.v1.LogitBias\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12+\n\tbad_words\x18\x0f \x03(\x0b\x32\x18.prefixcache.v1.TokenIds\x12;\n\x11structured_output\x18\x14 \x01(\x0b\x32 .prefixcache.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x97\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.prefixcache.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12/\n\rresume_output\x18\x06 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsB\x08\n\x06prompt\"\xe5\x02\n\rGenerateStats\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_device\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_remote\x18\x06 \x01(\r\x12\x1f\n\x17shared_tokens_in_flight\x18\x07 \x01(\r\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x33\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x1c.prefixcache.v1.FinishReason\x12\x13\n\x0bpreemptions\x18\r \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.prefixcache.v1.GenerateStats\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.prefixcache.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa4\x04\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x1c\n\x14num_attention_layers\x18\x06 \x01(\r\x12\x18\n\x10num_mamba_layers\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\n \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x0b \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12\x39\n\x11sampling_defaults\x18\x0e \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x14\n\x0c\x64\x65vice_pages\x18\x0f \x01(\r\x12\x12\n\nhost_pages\x18\x10 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x11 \x01(\r\x12\x19\n\x11kv_bytes_per_page\x18\x12 \x01(\x04\x12\x1c\n\x14mamba_bytes_per_slot\x18\x13 \x01(\x04\x12\x17\n\x0fkv_device_bytes\x18\x14 \x01(\x04\x42\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"Y\n\x14GetTokenizerResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12,\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1d.prefixcache.v1.TokenizerFile\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\";\n\x13LoadAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"F\n\x15UnloadAdapterResponse\x12\x15\n\rremoved_pages\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x65rred_pages\x18\x02 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x04\n\x0e\x43omputeService\x12O\n\x08Generate\x12\x1f.prefixcache.v1.GenerateRequest\x1a .prefixcache.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.prefixcache.v1.AbortRequest\x1a\x1d.prefixcache.v1.AbortResponse\x12Y\n\x0cGetModelInfo\x12#.prefixcache.v1.GetModelInfoRequest\x1a$.prefixcache.v1.GetModelInfoResponse\x12Y\n\x0cGetTokenizer\x12#.prefixcache.v1.GetTokenizerRequest\x1a$.prefixcache.v1.GetTokenizerResponse\x12V\n\x0bLoadAdapter\x12\".prefixcache.v1.LoadAdapterRequest\x1a#.prefixcache.v1.LoadAdapterResponse\x12\\\n\rUnloadAdapter\x12$.prefixcache.v1.UnloadAdapterRequest\x1a%.prefixcache.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$prefixcache/v1/compute_service.proto\x12\x0eprefixcache.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x9f\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12-\n\nlogit_bias\x18\r \x03(\x0b\x32\x19.prefixcache.v1.LogitBias\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12+\n\tbad_words\x18\x0f \x03(\x0b\x32\x18.prefixcache.v1.TokenIds\x12;\n\x11structured_output\x18\x14 \x01(\x0b\x32 .prefixcache.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x97\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.prefixcache.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x9c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.prefixcache.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12/\n\rresume_output\x18\x06 \x01(\x0b\x32\x18.prefixcache.v1.TokenIds\x12\x18\n\x10prompt_cache_key\x18\x07 \x01(\t\x12\x1e\n\x16prompt_cache_retention\x18\x08 \x01(\tB\x08\n\x06prompt\"\xe5\x02\n\rGenerateStats\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_device\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_remote\x18\x06 \x01(\r\x12\x1f\n\x17shared_tokens_in_flight\x18\x07 \x01(\r\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x33\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x1c.prefixcache.v1.FinishReason\x12\x13\n\x0bpreemptions\x18\r \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.prefixcache.v1.GenerateStats\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.prefixcache.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa4\x04\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x1c\n\x14num_attention_layers\x18\x06 \x01(\r\x12\x18\n\x10num_mamba_layers\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x03\x12\x0e\n\x06worker\x18\t \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\n \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x0b \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12\x39\n\x11sampling_defaults\x18\x0e \x01(\x0b\x32\x1e.prefixcache.v1.SamplingParams\x12\x14\n\x0c\x64\x65vice_pages\x18\x0f \x01(\r\x12\x12\n\nhost_pages\x18\x10 \x01(\r\x12\x13\n\x0bmamba_slots\x18\x11 \x01(\r\x12\x19\n\x11kv_bytes_per_page\x18\x12 \x01(\x04\x12\x1c\n\x14mamba_bytes_per_slot\x18\x13 \x01(\x04\x12\x17\n\x0fkv_device_bytes\x18\x14 \x01(\x04\x42\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"Y\n\x14GetTokenizerResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12,\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1d.prefixcache.v1.TokenizerFile\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\";\n\x13LoadAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"F\n\x15UnloadAdapterResponse\x12\x15\n\rremoved_pages\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x65rred_pages\x18\x02 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x04\n\x0e\x43omputeService\x12O\n\x08Generate\x12\x1f.prefixcache.v1.GenerateRequest\x1a .prefixcache.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.prefixcache.v1.AbortRequest\x1a\x1d.prefixcache.v1.AbortResponse\x12Y\n\x0cGetModelInfo\x12#.prefixcache.v1.GetModelInfoRequest\x1a$.prefixcache.v1.GetModelInfoResponse\x12Y\n\x0cGetTokenizer\x12#.prefixcache.v1.GetTokenizerRequest\x1a$.prefixcache.v1.GetTokenizerResponse\x12V\n\x0bLoadAdapter\x12\".prefixcache.v1.LoadAdapterRequest\x1a#.prefixcache.v1.LoadAdapterResponse\x12\\\n\rUnloadAdapter\x12$.prefixcache.v1.UnloadAdapterRequest\x1a%.prefixcache.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixcache.v1.compute_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2691
-  _globals['_FINISHREASON']._serialized_end=2811
+  _globals['_FINISHREASON']._serialized_start=2749
+  _globals['_FINISHREASON']._serialized_end=2869
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_SAMPLINGPARAMS']._serialized_start=82
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=899
   _globals['_CHOICES']._serialized_end=924
   _globals['_GENERATEREQUEST']._serialized_start=927
-  _globals['_GENERATEREQUEST']._serialized_end=1153
-  _globals['_GENERATESTATS']._serialized_start=1156
-  _globals['_GENERATESTATS']._serialized_end=1513
-  _globals['_GENERATERESPONSE']._serialized_start=1516
-  _globals['_GENERATERESPONSE']._serialized_end=1662
-  _globals['_ABORTREQUEST']._serialized_start=1664
-  _globals['_ABORTREQUEST']._serialized_end=1698
-  _globals['_ABORTRESPONSE']._serialized_start=1700
-  _globals['_ABORTRESPONSE']._serialized_end=1732
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1734
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1755
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1758
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2306
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2308
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2329
-  _globals['_TOKENIZERFILE']._serialized_start=2331
-  _globals['_TOKENIZERFILE']._serialized_end=2377
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2379
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2468
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2470
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2518
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2520
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2579
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2581
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2617
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2619
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2689
-  _globals['_COMPUTESERVICE']._serialized_start=2814
-  _globals['_COMPUTESERVICE']._serialized_end=3345
+  _globals['_GENERATEREQUEST']._serialized_end=1211
+  _globals['_GENERATESTATS']._serialized_start=1214
+  _globals['_GENERATESTATS']._serialized_end=1571
+  _globals['_GENERATERESPONSE']._serialized_start=1574
+  _globals['_GENERATERESPONSE']._serialized_end=1720
+  _globals['_ABORTREQUEST']._serialized_start=1722
+  _globals['_ABORTREQUEST']._serialized_end=1756
+  _globals['_ABORTRESPONSE']._serialized_start=1758
+  _globals['_ABORTRESPONSE']._serialized_end=1790
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1792
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1813
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1816
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2364
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2366
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2387
+  _globals['_TOKENIZERFILE']._serialized_start=2389
+  _globals['_TOKENIZERFILE']._serialized_end=2435
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2437
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2526
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2528
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2576
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2578
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2637
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2639
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2675
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2677
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2747
+  _globals['_COMPUTESERVICE']._serialized_start=2872
+  _globals['_COMPUTESERVICE']._serialized_end=3403
 # @@protoc_insertion_point(module_scope)

@@ -99,20 +99,24 @@ class Choices(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "adapter", "resume_output")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "adapter", "resume_output", "prompt_cache_key", "prompt_cache_retention")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_RETENTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     adapter: str
     resume_output: TokenIds
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., resume_output: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    prompt_cache_key: str
+    prompt_cache_retention: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., resume_output: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_cache_key: _Optional[str] = ..., prompt_cache_retention: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("request_id", "worker", "prompt_tokens", "cached_tokens_device", "cached_tokens_host", "cached_tokens_remote", "shared_tokens_in_flight", "computed_prompt_tokens", "output_tokens", "ttft_s", "total_s", "finish_reason", "preemptions")

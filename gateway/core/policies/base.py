@@ -21,6 +21,9 @@ class RouteRequest:
     # tokenizer_fingerprint): the gateway's for text and chats it tokenized, "" for token ids
     # (any worker). Keyword-only, so subclasses keep their positional fields.
     tokenizer_fingerprint: str = field(default="", kw_only=True)
+    # (tenant scope, prompt_cache_key) when the request carries OpenAI's prompt_cache_key; the
+    # router sends requests with the same one together (gateway/core/cache_keys.py).
+    cache_key: tuple[str, str] | None = field(default=None, kw_only=True)
 
 
 @dataclass(slots=True)
