@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
              "seconds between readiness NOT_SERVING and refusing calls on SIGTERM", type=float)
     add_redis_flags(p, "L3 page store probed for remote lookups")
     add_flag(p, "--eviction-policy", "EVICTION_POLICY", "lru", "how runs are ranked for "
-             "eviction (cache_service/eviction.py): lru, or frequency (last use + 2 x the mean "
-             "reuse gap x log2(1 + uses): runs used often outlive runs used once)",
+             "eviction (cache_service/eviction.py): lru, frequency (last use + 2 x the mean "
+             "reuse gap x log2(1 + uses): runs used often outlive runs used once), or adaptive "
+             "(set dueling: follows whichever of the two its shadow caches show ahead)",
              choices=list(POLICIES))
     add_flag(p, "--l3-prefix", "L3_PREFIX", "pc", "key prefix in Redis")
     add_flag(p, "--l3-timeout-ms", "L3_TIMEOUT_MS", 100,

@@ -17,8 +17,10 @@ at least as high as any run below it (it was used whenever they were).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 
 from cache_service.tree import HASH, Node
 
@@ -82,13 +84,101 @@ class Frequency:
         node.rank = now + self.weight * _LOG2[min(node.uses, 1024)]
 
 
-POLICIES = {"lru": Lru, "frequency": Frequency}
+class Shadow:
+    """An id-only cache of runs replaying what the live tree sees under one ranking: keys are
+    the hashes of the runs' first pages, sizes their page counts, no pages or tokens. It only
+    answers how many of a run's pages it would still hold (set dueling's score)."""
+
+    def __init__(self, capacity: int, weight: Callable[[], float]):
+        """`weight`: b of the rank last use + b * log2(1 + uses) (0: LRU)."""
+        self.capacity, self.weight = capacity, weight
+        self.size = 0
+        self.entries: dict[bytes, tuple[float, int, int]] = {}  # key -> (rank, pages, uses)
+        self._heap: list[tuple[float, bytes]] = []
+
+    def access(self, key: bytes, pages: int, now: float) -> int:
+        """The run is used now: the pages it held of it (0 on a miss, then it holds them)."""
+        held = self.entries.get(key)
+        hit, uses = (held[1], held[2] + 1) if held else (0, 1)
+        if held:
+            self.size -= held[1]
+        rank = now + self.weight() * _LOG2[min(uses, 1024)]
+        self.entries[key] = (rank, pages, uses)
+        self.size += pages
+        heap = self._heap
+        if len(heap) > 2 * len(self.entries) + 64:  # mostly stale entries: keep it O(entries)
+            heap[:] = [(r, k) for k, (r, _, _) in self.entries.items()]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (rank, key))
+        while self.size > self.capacity and self._heap:
+            old, victim = heapq.heappop(self._heap)
+            entry = self.entries.get(victim)
+            if entry is not None and entry[0] == old:  # else stale: used again since
+                del self.entries[victim]
+                self.size -= entry[1]
+        return min(hit, pages)
 
 
-def make_policy(name: str) -> Lru | Frequency:
-    """ValueError naming the choices for an unknown name."""
+class Adaptive(Frequency):
+    """Set dueling between `lru` and `frequency`: two id-only shadow caches (Shadow) of the
+    pool's size replay the runs each match walks and each publish inserts, and the live tree
+    ranks by the one that held more of them recently (an exponential average over about
+    WINDOW runs; the other takes over only when 5% ahead). Large pools shadow a sample of the
+    runs (those whose first page hash falls in 1/SAMPLE of the hash space) in 1/SAMPLE of the
+    pages, as sampled set dueling does, so the shadows cost a fraction of the tree's own work.
+
+    A switch re-ranks nothing: runs keep the rank their last use gave them until used again
+    (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
+    name = "adaptive"
+    WINDOW = 2_000
+    SAMPLE = 8
+    SAMPLE_FROM = 4_096  # pools smaller than this many pages shadow every run
+
+    def __init__(self, capacity_pages: int = 0) -> None:
+        super().__init__()
+        self.sample = self.SAMPLE if capacity_pages >= self.SAMPLE_FROM else 1
+        capacity = max(1, capacity_pages // self.sample)
+        self.shadows = {"lru": Shadow(capacity, lambda: 0.0),
+                        "frequency": Shadow(capacity, self.frequency_weight)}
+        self.score = {"lru": 0.0, "frequency": 0.0}
+        self.choice = "lru"
+        self._decay = 1.0 - 1.0 / self.WINDOW
+        self._cut = 256 // self.sample  # first hash byte below this: a sampled run
+
+    def frequency_weight(self) -> float:
+        return Frequency.weight.fget(self)
+
+    @property
+    def weight(self) -> float:
+        """The live ranking's b: the frequency policy's while it leads, else 0 (LRU)."""
+        return self.frequency_weight() if self.choice == "frequency" else 0.0
+
+    def use(self, node: Node, now: float) -> None:
+        super().use(node, now)
+        run = node
+        while type(run) is Node:  # a match uses the deepest run, and so every run above it
+            if run.hashes[0] < self._cut:
+                self._duel(run.hashes[:HASH], len(run.hashes) // HASH, now)
+            run = run.parent
+
+    def _duel(self, key: bytes, pages: int, now: float) -> None:
+        score, decay = self.score, self._decay
+        for name, shadow in self.shadows.items():
+            score[name] = score[name] * decay + shadow.access(key, pages, now)
+        other = "frequency" if self.choice == "lru" else "lru"
+        if score[other] > 1.05 * score[self.choice]:
+            self.choice = other
+
+
+POLICIES = {"lru": Lru, "frequency": Frequency, "adaptive": Adaptive}
+
+
+def make_policy(name: str, capacity_pages: int = 0) -> Lru | Frequency:
+    """`capacity_pages`: the pool's pages (device and host: the adaptive policy's shadows are
+    that large). ValueError naming the choices for an unknown name."""
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]
+        return policy(capacity_pages) if policy is Adaptive else policy()
     except KeyError:
         raise ValueError(f"eviction policy: {name!r} is not one of "
                          f"{', '.join(POLICIES)}") from None

@@ -40,7 +40,7 @@ class Pool:
         """`remote` probes L3 (pagestore.L3Client) when cfg.remote_lookup is set; `eviction`
         names the policy that ranks runs (cache_service/eviction.py)."""
         self.cfg = cfg
-        self.eviction = make_policy(eviction)
+        self.eviction = make_policy(eviction, cfg.device_pages + cfg.host_pages)
         self.stride = 4 * cfg.page_size
         self.clock = clock
         self.roots: dict[tuple[str, str], Root] = {}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.eviction import POLICIES, Frequency, make_policy
+from cache_service.eviction import POLICIES, Adaptive, Frequency, Shadow, make_policy
+from cache_service.tree import Node
 from prefixcache.v1 import cache_service_pb2 as pb
 from tests.cache_service.test_core import P, Worker
 
@@ -75,8 +76,8 @@ def test_frequency_remembers_the_uses_of_dropped_pages():
 
 
 def test_the_policy_is_named_and_checked():
-    assert set(POLICIES) == {"lru", "frequency"}
-    with pytest.raises(ValueError, match="not one of lru, frequency"):
+    assert set(POLICIES) == {"lru", "frequency", "adaptive"}
+    with pytest.raises(ValueError, match="not one of lru, frequency, adaptive"):
         make_policy("clock")
     with pytest.raises(ValueError, match="not one of"):
         CacheCore(eviction="fifo")
@@ -87,3 +88,71 @@ def test_the_flag(monkeypatch):
     assert parse_args([]).eviction_policy == "lru"
     monkeypatch.setenv("PREFIXCACHE_EVICTION_POLICY", "frequency")
     assert parse_args([]).eviction_policy == "frequency"
+
+
+def test_adaptive_starts_as_lru():
+    assert scenario("adaptive") == scenario("lru")
+
+
+def hot_and_scan(core_policy: str) -> tuple[float, CacheCore]:
+    """Where frequency clearly wins: 4 hot conversations' prefixes (3 pages each) asked again
+    every step, between them (after a warm-up) a scan of prompts asked once, 6 pages each, in
+    a pool of 24 pages: LRU lets the scan push the hot prefixes out, frequency keeps them. The hit ratio of
+    the second half (after the adaptive policy had time to choose)."""
+    clock = Clock()
+    core = CacheCore(clock=clock, eviction=core_policy)
+    w = Worker(core, device=24)
+    hot = [[1000 * (h + 1) + i for i in range(3 * P + 1)] for h in range(4)]
+    hits = asked = 0
+    for step in range(200):
+        for h, tokens in enumerate(hot):
+            clock.now += 1.0
+            cached = w.run(tokens).cached_tokens
+            if step >= 100:
+                hits, asked = hits + cached, asked + 3 * P
+            clock.now += 1.0
+            if step >= 5:  # after a warm-up that shows the hot prefixes' reuse
+                w.run([10_000_000 + 10_000 * step + 1000 * h + i for i in range(6 * P + 1)])
+    return hits / asked, core
+
+
+def test_adaptive_follows_frequency_where_it_clearly_wins():
+    lru, _ = hot_and_scan("lru")
+    frequency, _ = hot_and_scan("frequency")
+    adaptive, core = hot_and_scan("adaptive")
+    assert frequency > lru + 0.3  # the stream is one where frequency clearly wins
+    assert core._pools["w"].eviction.choice == "frequency"
+    assert adaptive >= frequency - 0.05
+
+
+def run(key: int) -> Node:
+    """A one-page run at the top of its tree (the shadows walk real nodes' parents)."""
+    return Node(b"", bytes([key]) * 16, None, None, None, 0, 0.0)
+
+
+def test_adaptive_goes_back_to_lru_when_recency_wins():
+    """Runs used often early, never again, then a working set that fits only without them:
+    frequency's shadow keeps the stale runs and misses, LRU's holds the new set."""
+    policy = Adaptive(capacity_pages=8)
+    t = 0.0
+    stale = [run(k) for k in range(8)]
+    for _ in range(20):  # used often: frequency wins here
+        for r in stale:
+            t += 1.0
+            policy.use(r, t)
+    policy.choice = "frequency"
+    fresh = [run(100 + k) for k in range(8)]
+    for _ in range(40):
+        for r in fresh:
+            t += 1.0
+            policy.use(r, t)
+    assert policy.choice == "lru"
+
+
+def test_a_shadow_holds_its_capacity_by_its_rank():
+    shadow = Shadow(capacity=3, weight=lambda: 0.0)
+    assert shadow.access(b"a", 2, 1.0) == 0
+    assert shadow.access(b"b", 1, 2.0) == 0
+    assert shadow.access(b"a", 2, 3.0) == 2
+    assert shadow.access(b"c", 1, 4.0) == 0  # over capacity: b, the least recent, goes
+    assert set(shadow.entries) == {b"a", b"c"} and shadow.size == 3
