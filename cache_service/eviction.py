@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -40,7 +41,7 @@ class Lru:
         match): recency only, no new use."""
         node.used_at = node.rank = now
 
-    def dropped(self, hashes: bytes, uses: int) -> None:
+    def dropped(self, hashes: bytes, uses: int, used_at: float) -> None:
         """Pages left the tree (LRU keeps no history)."""
 
 
@@ -52,14 +53,15 @@ class Frequency:
     def __init__(self) -> None:
         self.gap_sum = 0.0
         self.gaps = 0
-        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self._ghosts: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
 
-    def dropped(self, hashes: bytes, uses: int) -> None:
+    def dropped(self, hashes: bytes, uses: int, used_at: float) -> None:
         """Pages left the tree: a run published again from the first of them (a conversation
         resumed where its cached prefix ends) starts with their uses, not from nothing (the
-        history is what tells a prefix used often from one used once)."""
+        history is what tells a prefix used often from one used once), and its return counts
+        as a reuse gap (without it b would see only the gaps short enough to hit)."""
         ghosts = self._ghosts
-        ghosts[hashes[:HASH]] = uses
+        ghosts[hashes[:HASH]] = (uses, used_at)
         ghosts.move_to_end(hashes[:HASH])
         if len(ghosts) > self.GHOSTS:
             ghosts.popitem(last=False)
@@ -70,11 +72,16 @@ class Frequency:
         return 2.0 * self.gap_sum / self.gaps if self.gaps else 0.0
 
     def use(self, node: Node, now: float) -> None:
-        if node.uses:
-            self.gap_sum += now - node.used_at
-            self.gaps += 1
-        else:  # new in the tree: dropped before?
-            node.uses = self._ghosts.pop(node.hashes[:HASH], 0)
+        """Gaps count once per page of the run (as if every page were ranked): a short run
+        every request passes through (a shared system prompt) would otherwise set b to the
+        requests' inter-arrival time."""
+        last = node.used_at if node.uses else None
+        if not node.uses:  # new in the tree: dropped before?
+            node.uses, last = self._ghosts.pop(node.hashes[:HASH], (0, None))
+        if last is not None:
+            pages = len(node.hashes) // HASH
+            self.gap_sum += (now - last) * pages
+            self.gaps += pages
         node.uses += 1
         self.refresh(node, now)
 
@@ -85,65 +92,67 @@ class Frequency:
 
 
 class Shadow:
-    """An id-only cache of runs replaying what the live tree sees under one ranking: keys are
-    the hashes of the runs' first pages, sizes their page counts, no pages or tokens. It only
-    answers how many of a run's pages it would still hold (set dueling's score)."""
+    """An id-only cache of pages replaying what the live tree sees under one ranking: keys are
+    page hashes, nothing else is kept. It only answers whether it would still hold a page
+    (set dueling's score). Ties (the pages of one request) break deepest first, so a chain
+    leaves from its tail, as in the tree."""
 
-    def __init__(self, capacity: int, weight: Callable[[], float]):
-        """`weight`: b of the rank last use + b * log2(1 + uses) (0: LRU)."""
-        self.capacity, self.weight = capacity, weight
-        self.size = 0
-        self.entries: dict[bytes, tuple[float, int, int]] = {}  # key -> (rank, pages, uses)
-        self._heap: list[tuple[float, bytes]] = []
+    def __init__(self, capacity: int, frequency: bool):
+        """`frequency`: rank by last use + b * log2(1 + uses), else by last use (LRU)."""
+        self.capacity, self.frequency = capacity, frequency
+        self.entries: dict[bytes, tuple[float, int, int]] = {}  # key -> (rank, -depth, uses)
+        self._heap: list[tuple[float, int, bytes]] = []
 
-    def access(self, key: bytes, pages: int, now: float) -> int:
-        """The run is used now: the pages it held of it (0 on a miss, then it holds them)."""
-        held = self.entries.get(key)
-        hit, uses = (held[1], held[2] + 1) if held else (0, 1)
-        if held:
-            self.size -= held[1]
-        rank = now + self.weight() * _LOG2[min(uses, 1024)]
-        self.entries[key] = (rank, pages, uses)
-        self.size += pages
+    def access(self, key: bytes, depth: int, now: float, weight: float) -> bool:
+        """The page (at `depth` in its request) is used now (`weight`: the frequency
+        policy's b): whether it was held (if not, it is held from now on)."""
+        entries = self.entries
+        held = entries.get(key)
+        uses = held[2] + 1 if held else 1
+        rank = now + weight * _LOG2[uses if uses < 1024 else 1024] if self.frequency else now
+        entries[key] = (rank, -depth, uses)
         heap = self._heap
-        if len(heap) > 2 * len(self.entries) + 64:  # mostly stale entries: keep it O(entries)
-            heap[:] = [(r, k) for k, (r, _, _) in self.entries.items()]
+        heapq.heappush(heap, (rank, -depth, key))
+        if len(entries) > self.capacity:
+            while True:
+                old, neg_depth, victim = heapq.heappop(heap)
+                entry = entries.get(victim)
+                if entry is not None and entry[0] == old and entry[1] == neg_depth:
+                    del entries[victim]
+                    break  # else stale: used again since
+        elif len(heap) > 2 * len(entries) + 64:  # mostly stale entries: keep it O(entries)
+            heap[:] = [(r, d, k) for k, (r, d, _) in entries.items()]
             heapq.heapify(heap)
-        heapq.heappush(heap, (rank, key))
-        while self.size > self.capacity and self._heap:
-            old, victim = heapq.heappop(self._heap)
-            entry = self.entries.get(victim)
-            if entry is not None and entry[0] == old:  # else stale: used again since
-                del self.entries[victim]
-                self.size -= entry[1]
-        return min(hit, pages)
+        return held is not None
 
 
 class Adaptive(Frequency):
     """Set dueling between `lru` and `frequency`: two id-only shadow caches (Shadow) of the
-    pool's size replay the runs each match walks and each publish inserts, and the live tree
-    ranks by the one that held more of them recently (an exponential average over about
-    WINDOW runs; the other takes over only when 5% ahead). Large pools shadow a sample of the
-    runs (those whose first page hash falls in 1/SAMPLE of the hash space) in 1/SAMPLE of the
-    pages, as sampled set dueling does, so the shadows cost a fraction of the tree's own work.
+    pool's size replay the pages of every request (the runs its match walks, the runs its
+    publish inserts or walks), and the live tree ranks by the one that held more of them
+    recently (an exponential average over about WINDOW pages; the other takes over only when
+    5% ahead). Large pools shadow a sample of the pages (those whose hash's first byte falls
+    in 1/SAMPLE of its range, found by a regular expression over the run's hashes' first
+    bytes) in 1/SAMPLE of the pages, as sampled set dueling does, so the shadows cost a
+    fraction of the tree's own work. Each page a request passes through is one access, so a
+    shadow sees the whole chain the live tree saw, evicted or not.
 
     A switch re-ranks nothing: runs keep the rank their last use gave them until used again
     (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
     name = "adaptive"
-    WINDOW = 2_000
-    SAMPLE = 8
-    SAMPLE_FROM = 4_096  # pools smaller than this many pages shadow every run
+    WINDOW = 4_000
+    SAMPLE = 128
+    SAMPLE_FROM = 16_384  # pools smaller than this many pages shadow every page
 
     def __init__(self, capacity_pages: int = 0) -> None:
         super().__init__()
-        self.sample = self.SAMPLE if capacity_pages >= self.SAMPLE_FROM else 1
-        capacity = max(1, capacity_pages // self.sample)
-        self.shadows = {"lru": Shadow(capacity, lambda: 0.0),
-                        "frequency": Shadow(capacity, self.frequency_weight)}
+        sample = self.SAMPLE if capacity_pages >= self.SAMPLE_FROM else 1
+        capacity = max(1, capacity_pages // sample)
+        self.shadows = {"lru": Shadow(capacity, False), "frequency": Shadow(capacity, True)}
         self.score = {"lru": 0.0, "frequency": 0.0}
         self.choice = "lru"
         self._decay = 1.0 - 1.0 / self.WINDOW
-        self._cut = 256 // self.sample  # first hash byte below this: a sampled run
+        self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
 
     def frequency_weight(self) -> float:
         return Frequency.weight.fget(self)
@@ -154,17 +163,34 @@ class Adaptive(Frequency):
         return self.frequency_weight() if self.choice == "frequency" else 0.0
 
     def use(self, node: Node, now: float) -> None:
+        """A match uses the deepest run, and so every run above it: all are replayed. A new
+        run (a publish) is replayed alone: its request's match replayed the runs above."""
+        new = not node.uses
         super().use(node, now)
-        run = node
-        while type(run) is Node:  # a match uses the deepest run, and so every run above it
-            if run.hashes[0] < self._cut:
-                self._duel(run.hashes[:HASH], len(run.hashes) // HASH, now)
+        path, run = [node], node.parent
+        while type(run) is Node:
+            path.append(run)
             run = run.parent
+        if new:
+            self._replay(path[:1], sum(len(r.hashes) for r in path[1:]) // HASH, now)
+        else:
+            path.reverse()
+            self._replay(path, 0, now)
 
-    def _duel(self, key: bytes, pages: int, now: float) -> None:
-        score, decay = self.score, self._decay
-        for name, shadow in self.shadows.items():
-            score[name] = score[name] * decay + shadow.access(key, pages, now)
+    def _replay(self, runs: list[Node], depth: int, now: float) -> None:
+        """The runs' pages (from `depth`, root side first) are accessed in both shadows."""
+        score, decay, weight = self.score, self._decay, self.frequency_weight()
+        lru, frequency = self.shadows["lru"].access, self.shadows["frequency"].access
+        lru_score, frequency_score = score["lru"], score["frequency"]
+        for run in runs:
+            hashes = run.hashes
+            for found in self._sampled.finditer(hashes[::HASH]):
+                i = found.start()
+                key = hashes[i * HASH:(i + 1) * HASH]
+                lru_score = lru_score * decay + lru(key, depth + i, now, weight)
+                frequency_score = frequency_score * decay + frequency(key, depth + i, now, weight)
+            depth += len(hashes) // HASH
+        score["lru"], score["frequency"] = lru_score, frequency_score
         other = "frequency" if self.choice == "lru" else "lru"
         if score[other] > 1.05 * score[self.choice]:
             self.choice = other

@@ -62,14 +62,26 @@ def test_frequency_ranks_by_reuse_gap_and_uses():
     assert run.uses == 2 and policy.gaps == 1
 
 
+def test_frequency_weighs_gaps_by_pages():
+    """A one-page run every request passes through does not drag b to the inter-arrival
+    time when a ten-page run returns after a long gap."""
+    policy, shared, long = Frequency(), node(b"\x01" * 16), node(b"\x02" * 160)
+    for t in (0.0, 1.0, 2.0):
+        policy.use(shared, t)
+    policy.use(long, 0.0)
+    policy.use(long, 100.0)
+    assert policy.weight == pytest.approx(2 * (2 * 1.0 + 10 * 100.0) / 12)
+
+
 def test_frequency_remembers_the_uses_of_dropped_pages():
     policy, run = Frequency(), node(b"\x07" * 16)
     for t in (0.0, 1.0, 2.0):
         policy.use(run, t)
-    policy.dropped(b"\x07" * 16 + b"\x08" * 16, run.uses)
+    policy.dropped(b"\x07" * 16 + b"\x08" * 16, run.uses, run.used_at)
     again = node(b"\x07" * 16)  # published again from the first dropped page
     policy.use(again, 3.0)
     assert again.uses == 4
+    assert policy.gaps == 3 and policy.gap_sum == 3.0  # its return is a reuse gap too (1 s)
     other = node(b"\x09" * 16)
     policy.use(other, 3.0)
     assert other.uses == 1
@@ -149,10 +161,9 @@ def test_adaptive_goes_back_to_lru_when_recency_wins():
     assert policy.choice == "lru"
 
 
-def test_a_shadow_holds_its_capacity_by_its_rank():
-    shadow = Shadow(capacity=3, weight=lambda: 0.0)
-    assert shadow.access(b"a", 2, 1.0) == 0
-    assert shadow.access(b"b", 1, 2.0) == 0
-    assert shadow.access(b"a", 2, 3.0) == 2
-    assert shadow.access(b"c", 1, 4.0) == 0  # over capacity: b, the least recent, goes
-    assert set(shadow.entries) == {b"a", b"c"} and shadow.size == 3
+def test_a_shadow_holds_its_capacity_by_its_rank_a_chain_from_its_tail():
+    shadow = Shadow(capacity=3, frequency=False)
+    assert [shadow.access(k, d, 1.0, 0.0) for d, k in enumerate((b"a", b"b", b"c"))] == [False] * 3
+    assert shadow.access(b"a", 0, 2.0, 0.0)
+    assert not shadow.access(b"x", 0, 3.0, 0.0)  # over capacity: c, the deepest of the oldest, goes
+    assert set(shadow.entries) == {b"a", b"b", b"x"}
