@@ -8,12 +8,21 @@ by rank), so a policy is only this: how to rank a run now.
 - `frequency`: rank = last use + b * log2(1 + k), k = the run's uses, b = 2 x the mean reuse gap
   observed (between two uses of one run). A run used often outlives, by that many gaps, one used
   once: on the in-repo Mooncake conversation trace, pooled, 2.1x LRU's hit ratio at 1M tokens,
-  1.8x at 2M, 1.07x at 8M (prefixcache_bench/sim/eviction.py measures it against Belady).
+  1.8x at 2M, 1.07x at 8M (prefixcache_bench/sim/eviction.py measures it against Belady). A gap
+  counts once per page of the run, and a dropped run's return counts as one: without either,
+  b would be the inter-arrival time of the short shared prefix every request passes through.
+- `adaptive`: set dueling between the two (Adaptive: id-only shadow caches of sampled page
+  hashes replay every request's pages; the tree ranks by the policy whose shadow held more).
 
 A rank is fixed when the run is used (b included), so heap entries go stale only by use, as with
 LRU: O(log n) per page operation, no re-keying of the heap when b moves. A run that leaves its
 medium hands its rank, uses and last use up to its parent (allocator.hand_up), so a prefix ranks
 at least as high as any run below it (it was used whenever they were).
+
+Every medium leaves by the same rank: a device victim is demoted to host with its rank, the host
+drops smallest rank first, and write-back L3 writes follow the drops (placement.py). A rank is a
+time (last use, plus a bonus in the frequency policy), so a hint that protects a run until time
+T can be combined as max(rank, T) without the policies knowing of it.
 """
 from __future__ import annotations
 
