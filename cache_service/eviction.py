@@ -135,14 +135,35 @@ class Shadow:
         return held is not None
 
 
+class LruShadow:
+    """Shadow's LRU case without a heap: an insertion-ordered dict, least recent first. A
+    request's pages are replayed deepest first, so its chain leaves from its tail here too."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: OrderedDict[bytes, None] = OrderedDict()
+
+    def access(self, key: bytes, depth: int, now: float, weight: float) -> bool:
+        entries = self.entries
+        held = key in entries
+        if held:
+            entries.move_to_end(key)
+        else:
+            entries[key] = None
+            if len(entries) > self.capacity:
+                entries.popitem(last=False)
+        return held
+
+
 class Adaptive(Frequency):
     """Set dueling between `lru` and `frequency`: two id-only shadow caches (Shadow) of the
     pool's size replay the pages of every request (the runs its match walks, the runs its
     publish inserts or walks), and the live tree ranks by the one that held more of them
     recently (an exponential average over about WINDOW pages; the other takes over only when
     5% ahead). Large pools shadow a sample of the pages (those whose hash's first byte falls
-    in 1/SAMPLE of its range, found by a regular expression over the run's hashes' first
-    bytes) in 1/SAMPLE of the pages, as sampled set dueling does, so the shadows cost a
+    in 1/sample of its range, found by a regular expression over the run's hashes' first
+    bytes) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
+    two up to SAMPLE_MAX that leaves each shadow SHADOW_MIN pages), so the shadows cost a
     fraction of the tree's own work. Each page a request passes through is one access, so a
     shadow sees the whole chain the live tree saw, evicted or not.
 
@@ -150,14 +171,16 @@ class Adaptive(Frequency):
     (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
     name = "adaptive"
     WINDOW = 4_000
-    SAMPLE = 128
-    SAMPLE_FROM = 16_384  # pools smaller than this many pages shadow every page
+    SAMPLE_MAX = 256  # shadow at least 1 page in this many
+    SHADOW_MIN = 400  # pages a sampled shadow holds at least
 
     def __init__(self, capacity_pages: int = 0) -> None:
         super().__init__()
-        sample = self.SAMPLE if capacity_pages >= self.SAMPLE_FROM else 1
+        sample = 1  # a power of two: 1/sample of the first byte's range
+        while sample < self.SAMPLE_MAX and capacity_pages // (2 * sample) >= self.SHADOW_MIN:
+            sample *= 2
         capacity = max(1, capacity_pages // sample)
-        self.shadows = {"lru": Shadow(capacity, False), "frequency": Shadow(capacity, True)}
+        self.shadows = {"lru": LruShadow(capacity), "frequency": Shadow(capacity, True)}
         self.score = {"lru": 0.0, "frequency": 0.0}
         self.choice = "lru"
         self._decay = 1.0 - 1.0 / self.WINDOW
@@ -180,25 +203,22 @@ class Adaptive(Frequency):
         while type(run) is Node:
             path.append(run)
             run = run.parent
-        if new:
-            self._replay(path[:1], sum(len(r.hashes) for r in path[1:]) // HASH, now)
-        else:
-            path.reverse()
-            self._replay(path, 0, now)
+        self._replay(path[:1] if new else path, sum(len(r.hashes) for r in path) // HASH, now)
 
-    def _replay(self, runs: list[Node], depth: int, now: float) -> None:
-        """The runs' pages (from `depth`, root side first) are accessed in both shadows."""
+    def _replay(self, runs: list[Node], end: int, now: float) -> None:
+        """The runs' pages (a path, deepest run first, its last page at depth `end` - 1) are
+        accessed in both shadows, deepest first."""
         score, decay, weight = self.score, self._decay, self.frequency_weight()
         lru, frequency = self.shadows["lru"].access, self.shadows["frequency"].access
         lru_score, frequency_score = score["lru"], score["frequency"]
         for run in runs:
             hashes = run.hashes
-            for found in self._sampled.finditer(hashes[::HASH]):
-                i = found.start()
+            start = end - len(hashes) // HASH
+            for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])]):
                 key = hashes[i * HASH:(i + 1) * HASH]
-                lru_score = lru_score * decay + lru(key, depth + i, now, weight)
-                frequency_score = frequency_score * decay + frequency(key, depth + i, now, weight)
-            depth += len(hashes) // HASH
+                lru_score = lru_score * decay + lru(key, start + i, now, weight)
+                frequency_score = frequency_score * decay + frequency(key, start + i, now, weight)
+            end = start
         score["lru"], score["frequency"] = lru_score, frequency_score
         other = "frequency" if self.choice == "lru" else "lru"
         if score[other] > 1.05 * score[self.choice]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.eviction import POLICIES, Adaptive, Frequency, Shadow, make_policy
+from cache_service.eviction import (POLICIES, Adaptive, Frequency, LruShadow, Shadow,
+                                    make_policy)
 from cache_service.tree import Node
 from prefixcache.v1 import cache_service_pb2 as pb
 from tests.cache_service.test_core import P, Worker
@@ -167,3 +168,17 @@ def test_a_shadow_holds_its_capacity_by_its_rank_a_chain_from_its_tail():
     assert shadow.access(b"a", 0, 2.0, 0.0)
     assert not shadow.access(b"x", 0, 3.0, 0.0)  # over capacity: c, the deepest of the oldest, goes
     assert set(shadow.entries) == {b"a", b"b", b"x"}
+
+
+def test_the_lru_shadow_drops_the_least_recent_page():
+    shadow = LruShadow(capacity=2)
+    assert not shadow.access(b"b", 1, 1.0, 0.0) and not shadow.access(b"a", 0, 1.0, 0.0)
+    assert shadow.access(b"b", 1, 2.0, 0.0)
+    assert not shadow.access(b"c", 0, 3.0, 0.0)  # over capacity: a goes
+    assert list(shadow.entries) == [b"b", b"c"]
+
+
+def test_large_pools_shadow_a_sample_of_the_pages():
+    assert Adaptive(500).shadows["lru"].capacity == 500  # small: every page
+    big = Adaptive(500_000).shadows
+    assert 400 <= big["lru"].capacity == big["frequency"].capacity < 4000
