@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
              "seconds between readiness NOT_SERVING and refusing calls on SIGTERM", type=float)
     add_redis_flags(p, "L3 page store probed for remote lookups")
     add_flag(p, "--eviction-policy", "EVICTION_POLICY", "lru", "how runs are ranked for "
-             "eviction (cache_service/eviction.py): lru, or frequency (last use + 2 x the mean "
-             "reuse gap x log2(1 + uses): runs used often outlive runs used once)",
+             "eviction (cache_service/eviction.py): lru, frequency (last use + 2 x the mean "
+             "reuse gap x log2(1 + uses): runs used often outlive runs used once), or adaptive "
+             "(set dueling: follows whichever of the two its shadow caches show ahead)",
              choices=list(POLICIES))
     retention = RetentionConfig()
     add_flag(p, "--retention-pages", "RETENTION_PAGES", retention.pages_per_namespace,

@@ -8,17 +8,29 @@ by rank), so a policy is only this: how to rank a run now.
 - `frequency`: rank = last use + b * log2(1 + k), k = the run's uses, b = 2 x the mean reuse gap
   observed (between two uses of one run). A run used often outlives, by that many gaps, one used
   once: on the in-repo Mooncake conversation trace, pooled, 2.1x LRU's hit ratio at 1M tokens,
-  1.8x at 2M, 1.07x at 8M (prefixcache_bench/sim/eviction.py measures it against Belady).
+  1.8x at 2M, 1.07x at 8M (prefixcache_bench/sim/eviction.py measures it against Belady). A gap
+  counts once per page of the run, and a dropped run's return counts as one: without either,
+  b would be the inter-arrival time of the short shared prefix every request passes through.
+- `adaptive`: set dueling between the two (Adaptive: id-only shadow caches of sampled page
+  hashes replay every request's pages; the tree ranks by the policy whose shadow held more).
 
 A rank is fixed when the run is used (b included), so heap entries go stale only by use, as with
 LRU: O(log n) per page operation, no re-keying of the heap when b moves. A run that leaves its
 medium hands its rank, uses and last use up to its parent (allocator.hand_up), so a prefix ranks
 at least as high as any run below it (it was used whenever they were).
+
+Every medium leaves by the same rank: a device victim is demoted to host with its rank, the host
+drops smallest rank first, and write-back L3 writes follow the drops (placement.py). A rank is a
+time (last use, plus a bonus in the frequency policy), so a hint that protects a run until time
+T can be combined as max(rank, T) without the policies knowing of it.
 """
 from __future__ import annotations
 
+import heapq
 import math
+import re
 from collections import OrderedDict
+from collections.abc import Callable
 
 from cache_service.tree import HASH, Node
 
@@ -38,7 +50,7 @@ class Lru:
         match): recency only, no new use."""
         node.used_at = node.rank = now
 
-    def dropped(self, hashes: bytes, uses: int) -> None:
+    def dropped(self, hashes: bytes, uses: int, used_at: float) -> None:
         """Pages left the tree (LRU keeps no history)."""
 
 
@@ -50,14 +62,15 @@ class Frequency:
     def __init__(self) -> None:
         self.gap_sum = 0.0
         self.gaps = 0
-        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self._ghosts: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
 
-    def dropped(self, hashes: bytes, uses: int) -> None:
+    def dropped(self, hashes: bytes, uses: int, used_at: float) -> None:
         """Pages left the tree: a run published again from the first of them (a conversation
         resumed where its cached prefix ends) starts with their uses, not from nothing (the
-        history is what tells a prefix used often from one used once)."""
+        history is what tells a prefix used often from one used once), and its return counts
+        as a reuse gap (without it b would see only the gaps short enough to hit)."""
         ghosts = self._ghosts
-        ghosts[hashes[:HASH]] = uses
+        ghosts[hashes[:HASH]] = (uses, used_at)
         ghosts.move_to_end(hashes[:HASH])
         if len(ghosts) > self.GHOSTS:
             ghosts.popitem(last=False)
@@ -68,11 +81,16 @@ class Frequency:
         return 2.0 * self.gap_sum / self.gaps if self.gaps else 0.0
 
     def use(self, node: Node, now: float) -> None:
-        if node.uses:
-            self.gap_sum += now - node.used_at
-            self.gaps += 1
-        else:  # new in the tree: dropped before?
-            node.uses = self._ghosts.pop(node.hashes[:HASH], 0)
+        """Gaps count once per page of the run (as if every page were ranked): a short run
+        every request passes through (a shared system prompt) would otherwise set b to the
+        requests' inter-arrival time."""
+        last = node.used_at if node.uses else None
+        if not node.uses:  # new in the tree: dropped before?
+            node.uses, last = self._ghosts.pop(node.hashes[:HASH], (0, None))
+        if last is not None:
+            pages = len(node.hashes) // HASH
+            self.gap_sum += (now - last) * pages
+            self.gaps += pages
         node.uses += 1
         self.refresh(node, now)
 
@@ -82,13 +100,140 @@ class Frequency:
         node.rank = now + self.weight * _LOG2[min(node.uses, 1024)]
 
 
-POLICIES = {"lru": Lru, "frequency": Frequency}
+class Shadow:
+    """An id-only cache of pages replaying what the live tree sees under one ranking: keys are
+    page hashes, nothing else is kept. It only answers whether it would still hold a page
+    (set dueling's score). Ties (the pages of one request) break deepest first, so a chain
+    leaves from its tail, as in the tree."""
+
+    def __init__(self, capacity: int, frequency: bool):
+        """`frequency`: rank by last use + b * log2(1 + uses), else by last use (LRU)."""
+        self.capacity, self.frequency = capacity, frequency
+        self.entries: dict[bytes, tuple[float, int, int]] = {}  # key -> (rank, -depth, uses)
+        self._heap: list[tuple[float, int, bytes]] = []
+
+    def access(self, key: bytes, depth: int, now: float, weight: float) -> bool:
+        """The page (at `depth` in its request) is used now (`weight`: the frequency
+        policy's b): whether it was held (if not, it is held from now on)."""
+        entries = self.entries
+        held = entries.get(key)
+        uses = held[2] + 1 if held else 1
+        rank = now + weight * _LOG2[uses if uses < 1024 else 1024] if self.frequency else now
+        entries[key] = (rank, -depth, uses)
+        heap = self._heap
+        heapq.heappush(heap, (rank, -depth, key))
+        if len(entries) > self.capacity:
+            while True:
+                old, neg_depth, victim = heapq.heappop(heap)
+                entry = entries.get(victim)
+                if entry is not None and entry[0] == old and entry[1] == neg_depth:
+                    del entries[victim]
+                    break  # else stale: used again since
+        elif len(heap) > 2 * len(entries) + 64:  # mostly stale entries: keep it O(entries)
+            heap[:] = [(r, d, k) for k, (r, d, _) in entries.items()]
+            heapq.heapify(heap)
+        return held is not None
 
 
-def make_policy(name: str) -> Lru | Frequency:
-    """ValueError naming the choices for an unknown name."""
+class LruShadow:
+    """Shadow's LRU case without a heap: an insertion-ordered dict, least recent first. A
+    request's pages are replayed deepest first, so its chain leaves from its tail here too."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: OrderedDict[bytes, None] = OrderedDict()
+
+    def access(self, key: bytes, depth: int, now: float, weight: float) -> bool:
+        entries = self.entries
+        held = key in entries
+        if held:
+            entries.move_to_end(key)
+        else:
+            entries[key] = None
+            if len(entries) > self.capacity:
+                entries.popitem(last=False)
+        return held
+
+
+class Adaptive(Frequency):
+    """Set dueling between `lru` and `frequency`: two id-only shadow caches (Shadow) of the
+    pool's size replay the pages of every request (the runs its match walks, the runs its
+    publish inserts or walks), and the live tree ranks by the one that held more of them
+    recently (an exponential average over about WINDOW pages; the other takes over only when
+    5% ahead). Large pools shadow a sample of the pages (those whose hash's first byte falls
+    in 1/sample of its range, found by a regular expression over the run's hashes' first
+    bytes) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
+    two up to SAMPLE_MAX that leaves each shadow SHADOW_MIN pages), so the shadows cost a
+    fraction of the tree's own work. Each page a request passes through is one access, so a
+    shadow sees the whole chain the live tree saw, evicted or not.
+
+    A switch re-ranks nothing: runs keep the rank their last use gave them until used again
+    (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
+    name = "adaptive"
+    WINDOW = 4_000
+    SAMPLE_MAX = 256  # shadow at least 1 page in this many
+    SHADOW_MIN = 400  # pages a sampled shadow holds at least
+
+    def __init__(self, capacity_pages: int = 0) -> None:
+        super().__init__()
+        sample = 1  # a power of two: 1/sample of the first byte's range
+        while sample < self.SAMPLE_MAX and capacity_pages // (2 * sample) >= self.SHADOW_MIN:
+            sample *= 2
+        capacity = max(1, capacity_pages // sample)
+        self.shadows = {"lru": LruShadow(capacity), "frequency": Shadow(capacity, True)}
+        self.score = {"lru": 0.0, "frequency": 0.0}
+        self.choice = "lru"
+        self._decay = 1.0 - 1.0 / self.WINDOW
+        self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
+
+    def frequency_weight(self) -> float:
+        return Frequency.weight.fget(self)
+
+    @property
+    def weight(self) -> float:
+        """The live ranking's b: the frequency policy's while it leads, else 0 (LRU)."""
+        return self.frequency_weight() if self.choice == "frequency" else 0.0
+
+    def use(self, node: Node, now: float) -> None:
+        """A match uses the deepest run, and so every run above it: all are replayed. A new
+        run (a publish) is replayed alone: its request's match replayed the runs above."""
+        new = not node.uses
+        super().use(node, now)
+        path, run = [node], node.parent
+        while type(run) is Node:
+            path.append(run)
+            run = run.parent
+        self._replay(path[:1] if new else path, sum(len(r.hashes) for r in path) // HASH, now)
+
+    def _replay(self, runs: list[Node], end: int, now: float) -> None:
+        """The runs' pages (a path, deepest run first, its last page at depth `end` - 1) are
+        accessed in both shadows, deepest first."""
+        score, decay, weight = self.score, self._decay, self.frequency_weight()
+        lru, frequency = self.shadows["lru"].access, self.shadows["frequency"].access
+        lru_score, frequency_score = score["lru"], score["frequency"]
+        for run in runs:
+            hashes = run.hashes
+            start = end - len(hashes) // HASH
+            for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])]):
+                key = hashes[i * HASH:(i + 1) * HASH]
+                lru_score = lru_score * decay + lru(key, start + i, now, weight)
+                frequency_score = frequency_score * decay + frequency(key, start + i, now, weight)
+            end = start
+        score["lru"], score["frequency"] = lru_score, frequency_score
+        other = "frequency" if self.choice == "lru" else "lru"
+        if score[other] > 1.05 * score[self.choice]:
+            self.choice = other
+
+
+POLICIES = {"lru": Lru, "frequency": Frequency, "adaptive": Adaptive}
+
+
+def make_policy(name: str, capacity_pages: int = 0) -> Lru | Frequency:
+    """`capacity_pages`: the pool's pages (device and host: the adaptive policy's shadows are
+    that large). ValueError naming the choices for an unknown name."""
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]
+        return policy(capacity_pages) if policy is Adaptive else policy()
     except KeyError:
         raise ValueError(f"eviction policy: {name!r} is not one of "
                          f"{', '.join(POLICIES)}") from None

@@ -120,7 +120,7 @@ class Placement:
             self.pages.offer(node)
         self.emit.removed(medium, hashes)
         if self.pages.policy is not None:
-            self.pages.policy.dropped(hashes, node.uses)
+            self.pages.policy.dropped(hashes, node.uses, node.used_at)
         self.pages.free[medium].extend(pages)
         self.pages.cached[medium] -= k
         self.counters.evictions[medium] += k

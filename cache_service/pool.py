@@ -42,7 +42,7 @@ class Pool:
         names the policy that ranks runs (cache_service/eviction.py); `retention` bounds the
         protection of retained prefixes (cache_service/retention.py; default: none honoured)."""
         self.cfg = cfg
-        self.eviction = make_policy(eviction)
+        self.eviction = make_policy(eviction, cfg.device_pages + cfg.host_pages)
         self.stride = 4 * cfg.page_size
         self.clock = clock
         self.roots: dict[tuple[str, str], Root] = {}

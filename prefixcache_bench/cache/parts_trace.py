@@ -1,6 +1,7 @@
 """Part `trace`: replay of a Mooncake conversation trace through CacheCore (match, allocate,
 publish, release per request): requests per second, and the hit ratio beside the one an
-unbounded cache would reach.
+unbounded cache would reach, once per eviction policy. The core's clock is the trace's (each
+request arrives at its timestamp), so the policies' reuse gaps are the trace's think times.
 
 The same metrics as the peer harness's `project-core` (prefixcache_bench/peer_radix.py): ops/s
 over the timed cache calls only, by wall clock and by this thread's CPU time, with the match
@@ -12,10 +13,13 @@ import time
 import numpy as np
 
 from prefixcache_bench.cache.params import Params, register
-from prefixcache_bench.cache.workloads import BlockCache, CoreSteps, ideal_hit_tokens, load_trace
+from prefixcache_bench.cache.workloads import (BlockCache, CoreSteps, ideal_hit_tokens,
+                                               load_arrivals, load_trace)
 from cache_service.core import CacheCore
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache_bench.harness import Progress
+
+POLICIES = ("lru", "frequency", "adaptive")  # the default first: the others' ratios are to it
 
 
 def bench_trace(p: Params) -> dict:
@@ -24,18 +28,31 @@ def bench_trace(p: Params) -> dict:
     timed (building the prompts is not). Once per eviction policy (cache_service/eviction.py):
     the default's figures are `trace_*`, the others' `trace_<policy>_*`, from the same run."""
     trace = load_trace(p.trace_path, p.trace_requests)
+    arrivals = load_arrivals(p.trace_path, p.trace_requests)
     out: dict = {}
-    for policy in ("lru", "frequency"):
-        figures = _replay(p, trace, policy)
+    for policy in POLICIES:
+        figures = _replay(p, trace, arrivals, policy)
         prefix = "trace_" if policy == "lru" else f"trace_{policy}_"
         out.update({prefix + k: v for k, v in figures.items()})
-    out["trace_frequency_ops_over_lru"] = round(
-        out["trace_frequency_cpu_ops_per_s"] / out["trace_cpu_ops_per_s"], 3)
+    for policy in POLICIES[1:]:
+        out[f"trace_{policy}_ops_over_lru"] = round(
+            out[f"trace_{policy}_cpu_ops_per_s"] / out["trace_cpu_ops_per_s"], 3)
+        out[f"trace_{policy}_hit_over_lru"] = round(
+            out[f"trace_{policy}_hit_ratio"] / out["trace_hit_ratio"], 3)
     return out
 
 
-def _replay(p: Params, trace, policy: str) -> dict:
-    core = CacheCore(eviction=policy)
+class TraceClock:
+    """The core's clock: the arrival time of the request being replayed."""
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _replay(p: Params, trace, arrivals: list[float], policy: str) -> dict:
+    clock = TraceClock()
+    core = CacheCore(clock=clock, eviction=policy)
     device_pages = p.trace_device_tokens // p.page_size
     core.register_pool(register("trace", p, device_pages, p.trace_host_tokens // p.page_size))
     steps = CoreSteps(core.step, "trace", p.page_size)
@@ -43,6 +60,7 @@ def _replay(p: Params, trace, policy: str) -> dict:
     busy, cpu, failed = 0.0, 0.0, 0
     progress = Progress(f"trace ({policy})", len(trace))
     for i, (n, ids) in enumerate(trace):
+        clock.now = arrivals[i]
         tokens = np.concatenate([block(h) for h in ids])[:n]
         op = pb.MatchOp(request_id=str(i), packed_token_ids=tokens.astype("<u4").tobytes(),
                         omit_page_hashes=True)

@@ -108,6 +108,18 @@ def load_trace(path: str, limit: int | None) -> list[tuple[int, list[int]]]:
     return out
 
 
+def load_arrivals(path: str, limit: int | None) -> list[float]:
+    """The arrival time (seconds) of each request load_trace returns, in the same order."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if limit is not None and len(out) >= limit:
+                break
+            if line.strip():
+                out.append(float(json.loads(line)["timestamp"]) / 1000.0)
+    return out
+
+
 def ideal_hit_tokens(trace: list[tuple[int, list[int]]], page_size: int) -> int:
     """Hit tokens with an unbounded cache: for each request, the pages that some earlier request
     already published (same hash ids up to that block and long enough to fill the page), up to

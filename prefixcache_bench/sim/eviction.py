@@ -12,14 +12,15 @@ ones are inserted, evicting as the policy says. Policies:
 - `adaptive`: set dueling between the two: two shadow caches of the same size replay the same
   stream, and the live cache evicts by the key of the one that served more hit tokens over the
   last `window` requests (an exponential average; the other takes over when 5% ahead, and the
-  live cache is then re-ordered by its key).
+  live cache is then re-ordered by its key). Adaptive also spots dead blocks (Stats: a
+  prompt's last, partial block goes first once such blocks are seen to be rarely reused).
 - `belady`: the offline optimum with bypass (evict the block used again furthest in the future;
   do not insert a block whose next use is later than every resident's). No online policy and no
   routing can beat it; each policy is reported as a fraction of it.
 
 Ties (blocks of one request) break deepest first, so a chain is evicted from its tail.
 Workloads: the in-repo conversation trace and synthetic ones (trace.py's chat and rollout, and
-an agentic multi-turn one built here).
+an agentic multi-turn one and a many-tenant chat one built here).
 """
 from __future__ import annotations
 
@@ -108,14 +109,25 @@ class KeyedCache:
 
 
 class Stats:
-    """What the online policies know of a block: last use, accesses, and the mean reuse gap."""
+    """What the online policies know of a block: last use, accesses, and the mean reuse gap.
 
-    def __init__(self) -> None:
+    With `spot_dead`, also which blocks are likely dead: a prompt's last, partial block (its
+    request's tokens end inside it) is rarely asked again (the next turn's prompt extends it,
+    which makes a different block). Once at least DEAD_AFTER such blocks were seen and fewer
+    than DEAD_BELOW of them were used again, a block whose last use was as a partial last block
+    ranks below every other (the least recent of them first); where they are reused (RL
+    rollouts: N samples of one prompt) the rule stays off."""
+    DEAD_AFTER, DEAD_BELOW = 200, 0.1
+
+    def __init__(self, spot_dead: bool = False) -> None:
         self.last: dict[int, float] = {}
         self.count: dict[int, int] = {}
         self.gap_sum, self.gaps = 0.0, 0
+        self.spot_dead = spot_dead
+        self.partial: set[int] = set()  # blocks last used as a partial last block
+        self.partials = self.partials_reused = 0
 
-    def see(self, blocks: Sequence[int], now: float) -> None:
+    def see(self, blocks: Sequence[int], now: float, partial_last: bool = False) -> None:
         for b in blocks:
             prev = self.last.get(b)
             if prev is not None:
@@ -123,11 +135,26 @@ class Stats:
                 self.gaps += 1
             self.last[b] = now
             self.count[b] = self.count.get(b, 0) + 1
+        if self.spot_dead:
+            partial = self.partial
+            for b in blocks:
+                if b in partial:
+                    partial.discard(b)
+                    self.partials_reused += 1
+            if partial_last and blocks:
+                partial.add(blocks[-1])
+                self.partials += 1
+
+    def dead(self, b: int) -> bool:
+        return (b in self.partial and self.partials >= self.DEAD_AFTER
+                and self.partials_reused < self.DEAD_BELOW * self.partials)
 
     def lru_key(self, b: int) -> float:
-        return self.last[b]
+        return self.last[b] - (1e12 if self.spot_dead and self.dead(b) else 0.0)
 
     def frequency_key(self, b: int) -> float:
+        if self.spot_dead and self.dead(b):
+            return self.last[b] - 1e12
         weight = 2.0 * (self.gap_sum / self.gaps if self.gaps else 0.0)
         return self.last[b] + weight * math.log2(1 + self.count[b])
 
@@ -145,7 +172,7 @@ def hit_tokens(req: TraceRequest, blocks_hit: int) -> int:
 
 def run_online(requests: Sequence[TraceRequest], capacity: int, policy: str,
                window: int = 200) -> Result:
-    stats = Stats()
+    stats = Stats(spot_dead=policy == "adaptive")
     if policy in ("lru", "frequency"):
         cache = KeyedCache(capacity, stats.lru_key if policy == "lru" else stats.frequency_key)
         caches = {policy: cache}
@@ -162,7 +189,7 @@ def run_online(requests: Sequence[TraceRequest], capacity: int, policy: str,
         blocks = req.hash_ids
         hits += hit_tokens(req, leading_hits(cache, blocks))
         total += req.input_length
-        stats.see(blocks, req.arrival_s)
+        stats.see(blocks, req.arrival_s, req.input_length < len(blocks) * BLOCK_TOKENS)
         if policy == "adaptive":
             for name, shadow in caches.items():
                 score[name] = score[name] * decay + hit_tokens(req, leading_hits(shadow, blocks))
@@ -234,6 +261,30 @@ def agentic_trace(sessions: int = 300, turns: int = 12, seed: int = 1) -> list[T
     return out
 
 
+def many_tenant_trace(tenants: int = 400, conversations: int = 2500,
+                      seed: int = 4) -> list[TraceRequest]:
+    """Many tenants' chats: each tenant has its own system prompt (1-8 blocks), tenants'
+    popularity is Zipf-like (a few busy, a long tail of rare ones), each conversation 1-8
+    turns with ~60 s of thinking between them."""
+    rng = random.Random(seed)
+    ids = itertools.count(30_000_000)
+    systems = [[next(ids) for _ in range(rng.randint(1, 8))] for _ in range(tenants)]
+    weights = [1.0 / (rank + 1) ** 1.1 for rank in range(tenants)]
+    out = []
+    for tenant in rng.choices(range(tenants), weights, k=conversations):
+        t = rng.uniform(0, 3600)
+        context = list(systems[tenant])
+        for _ in range(rng.randint(1, 8)):
+            context += [next(ids) for _ in range(rng.randint(1, 3))]
+            out.append(TraceRequest(0, t, len(context) * BLOCK_TOKENS - rng.randint(1, 500),
+                                    300, tuple(context)))
+            t += rng.expovariate(1 / 60.0)
+    out.sort(key=lambda r: r.arrival_s)
+    for i, r in enumerate(out):
+        r.index = i
+    return out
+
+
 def synthetic(kind: str, n: int, seed: int) -> list[TraceRequest]:
     rows = sorted(SYNTH_KINDS[kind](n, random.Random(seed)), key=lambda r: r["timestamp"])
     return [TraceRequest(i, r["timestamp"] / 1000.0, r["input_length"], r["output_length"],
@@ -243,14 +294,15 @@ def synthetic(kind: str, n: int, seed: int) -> list[TraceRequest]:
 # Pooled capacities (tokens) per workload: around where each one's policies part ways (the
 # synthetic ones are smaller than the trace).
 CAPACITIES = {"conversation": "1M,2M,8M", "agentic": "256K,512K,1M", "chat": "256K,512K,1M",
-              "rollout": "16K,32K,64K"}
+              "rollout": "16K,32K,64K", "many_tenant": "256K,512K,1M"}
 
 
 def workloads(trace_path: Path) -> dict[str, list[TraceRequest]]:
     return {"conversation": load_trace(trace_path),
             "agentic": agentic_trace(),
             "chat": synthetic("chat", 6000, seed=2),
-            "rollout": synthetic("rollout", 6000, seed=3)}
+            "rollout": synthetic("rollout", 6000, seed=3),
+            "many_tenant": many_tenant_trace()}
 
 
 def parse_tokens(text: str) -> int:

@@ -293,3 +293,14 @@ TestCorePropertiesFrequency = FrequencyCoreMachine.TestCase
 TestCorePropertiesFrequency.settings = settings(max_examples=100, stateful_step_count=50,
                                                 deadline=None,
                                                 suppress_health_check=[HealthCheck.too_slow])
+
+
+class AdaptiveCoreMachine(CoreMachine):
+    """The same under the adaptive policy (its shadows see every run: the pool is small)."""
+    eviction = "adaptive"
+
+
+TestCorePropertiesAdaptive = AdaptiveCoreMachine.TestCase
+TestCorePropertiesAdaptive.settings = settings(max_examples=100, stateful_step_count=50,
+                                               deadline=None,
+                                               suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from cache_service.core import CacheCore
-from cache_service.eviction import POLICIES, Frequency, make_policy
+from cache_service.eviction import (POLICIES, Adaptive, Frequency, LruShadow, Shadow,
+                                    make_policy)
+from cache_service.tree import Node
 from prefixcache.v1 import cache_service_pb2 as pb
 from tests.cache_service.test_core import P, Worker
 
@@ -61,22 +63,34 @@ def test_frequency_ranks_by_reuse_gap_and_uses():
     assert run.uses == 2 and policy.gaps == 1
 
 
+def test_frequency_weighs_gaps_by_pages():
+    """A one-page run every request passes through does not drag b to the inter-arrival
+    time when a ten-page run returns after a long gap."""
+    policy, shared, long = Frequency(), node(b"\x01" * 16), node(b"\x02" * 160)
+    for t in (0.0, 1.0, 2.0):
+        policy.use(shared, t)
+    policy.use(long, 0.0)
+    policy.use(long, 100.0)
+    assert policy.weight == pytest.approx(2 * (2 * 1.0 + 10 * 100.0) / 12)
+
+
 def test_frequency_remembers_the_uses_of_dropped_pages():
     policy, run = Frequency(), node(b"\x07" * 16)
     for t in (0.0, 1.0, 2.0):
         policy.use(run, t)
-    policy.dropped(b"\x07" * 16 + b"\x08" * 16, run.uses)
+    policy.dropped(b"\x07" * 16 + b"\x08" * 16, run.uses, run.used_at)
     again = node(b"\x07" * 16)  # published again from the first dropped page
     policy.use(again, 3.0)
     assert again.uses == 4
+    assert policy.gaps == 3 and policy.gap_sum == 3.0  # its return is a reuse gap too (1 s)
     other = node(b"\x09" * 16)
     policy.use(other, 3.0)
     assert other.uses == 1
 
 
 def test_the_policy_is_named_and_checked():
-    assert set(POLICIES) == {"lru", "frequency"}
-    with pytest.raises(ValueError, match="not one of lru, frequency"):
+    assert set(POLICIES) == {"lru", "frequency", "adaptive"}
+    with pytest.raises(ValueError, match="not one of lru, frequency, adaptive"):
         make_policy("clock")
     with pytest.raises(ValueError, match="not one of"):
         CacheCore(eviction="fifo")
@@ -87,3 +101,84 @@ def test_the_flag(monkeypatch):
     assert parse_args([]).eviction_policy == "lru"
     monkeypatch.setenv("PREFIXCACHE_EVICTION_POLICY", "frequency")
     assert parse_args([]).eviction_policy == "frequency"
+
+
+def test_adaptive_starts_as_lru():
+    assert scenario("adaptive") == scenario("lru")
+
+
+def hot_and_scan(core_policy: str) -> tuple[float, CacheCore]:
+    """Where frequency clearly wins: 4 hot conversations' prefixes (3 pages each) asked again
+    every step, between them (after a warm-up) a scan of prompts asked once, 6 pages each, in
+    a pool of 24 pages: LRU lets the scan push the hot prefixes out, frequency keeps them. The hit ratio of
+    the second half (after the adaptive policy had time to choose)."""
+    clock = Clock()
+    core = CacheCore(clock=clock, eviction=core_policy)
+    w = Worker(core, device=24)
+    hot = [[1000 * (h + 1) + i for i in range(3 * P + 1)] for h in range(4)]
+    hits = asked = 0
+    for step in range(200):
+        for h, tokens in enumerate(hot):
+            clock.now += 1.0
+            cached = w.run(tokens).cached_tokens
+            if step >= 100:
+                hits, asked = hits + cached, asked + 3 * P
+            clock.now += 1.0
+            if step >= 5:  # after a warm-up that shows the hot prefixes' reuse
+                w.run([10_000_000 + 10_000 * step + 1000 * h + i for i in range(6 * P + 1)])
+    return hits / asked, core
+
+
+def test_adaptive_follows_frequency_where_it_clearly_wins():
+    lru, _ = hot_and_scan("lru")
+    frequency, _ = hot_and_scan("frequency")
+    adaptive, core = hot_and_scan("adaptive")
+    assert frequency > lru + 0.3  # the stream is one where frequency clearly wins
+    assert core._pools["w"].eviction.choice == "frequency"
+    assert adaptive >= frequency - 0.05
+
+
+def run(key: int) -> Node:
+    """A one-page run at the top of its tree (the shadows walk real nodes' parents)."""
+    return Node(b"", bytes([key]) * 16, None, None, None, 0, 0.0)
+
+
+def test_adaptive_goes_back_to_lru_when_recency_wins():
+    """Runs used often early, never again, then a working set that fits only without them:
+    frequency's shadow keeps the stale runs and misses, LRU's holds the new set."""
+    policy = Adaptive(capacity_pages=8)
+    t = 0.0
+    stale = [run(k) for k in range(8)]
+    for _ in range(20):  # used often: frequency wins here
+        for r in stale:
+            t += 1.0
+            policy.use(r, t)
+    policy.choice = "frequency"
+    fresh = [run(100 + k) for k in range(8)]
+    for _ in range(40):
+        for r in fresh:
+            t += 1.0
+            policy.use(r, t)
+    assert policy.choice == "lru"
+
+
+def test_a_shadow_holds_its_capacity_by_its_rank_a_chain_from_its_tail():
+    shadow = Shadow(capacity=3, frequency=False)
+    assert [shadow.access(k, d, 1.0, 0.0) for d, k in enumerate((b"a", b"b", b"c"))] == [False] * 3
+    assert shadow.access(b"a", 0, 2.0, 0.0)
+    assert not shadow.access(b"x", 0, 3.0, 0.0)  # over capacity: c, the deepest of the oldest, goes
+    assert set(shadow.entries) == {b"a", b"b", b"x"}
+
+
+def test_the_lru_shadow_drops_the_least_recent_page():
+    shadow = LruShadow(capacity=2)
+    assert not shadow.access(b"b", 1, 1.0, 0.0) and not shadow.access(b"a", 0, 1.0, 0.0)
+    assert shadow.access(b"b", 1, 2.0, 0.0)
+    assert not shadow.access(b"c", 0, 3.0, 0.0)  # over capacity: a goes
+    assert list(shadow.entries) == [b"b", b"c"]
+
+
+def test_large_pools_shadow_a_sample_of_the_pages():
+    assert Adaptive(500).shadows["lru"].capacity == 500  # small: every page
+    big = Adaptive(500_000).shadows
+    assert 400 <= big["lru"].capacity == big["frequency"].capacity < 4000

@@ -71,3 +71,14 @@ TestVllmEventsProperties = VllmMachine.TestCase
 TestVllmEventsProperties.settings = settings(max_examples=150, stateful_step_count=40,
                                              deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
+
+
+class AdaptiveVllmMachine(VllmMachine):
+    """The vLLM-format stream equals the tree under the adaptive policy's eviction order too."""
+    eviction = "adaptive"
+
+
+TestVllmEventsPropertiesAdaptive = AdaptiveVllmMachine.TestCase
+TestVllmEventsPropertiesAdaptive.settings = settings(max_examples=60, stateful_step_count=40,
+                                                     deadline=None,
+                                                     suppress_health_check=[HealthCheck.too_slow])

@@ -39,3 +39,24 @@ def test_belady_bounds_every_online_policy_and_adaptive_follows_the_better():
         got = {p: run_online(trace, cap, p).hit_ratio for p in ("lru", "frequency", "adaptive")}
         assert all(v <= opt + 1e-9 for v in got.values()), (got, opt)
         assert got["adaptive"] >= min(got["lru"], got["frequency"]) - 0.01, got
+
+
+def test_dead_partial_blocks_are_spotted_only_where_they_are_not_reused():
+    from prefixcache_bench.sim.eviction import Stats
+    stats = Stats(spot_dead=True)
+    for i in range(Stats.DEAD_AFTER):  # every prompt ends in a partial block never seen again
+        stats.see([1, 1000 + i], float(i), partial_last=True)
+    assert stats.dead(1000 + Stats.DEAD_AFTER - 1) and not stats.dead(1)
+    assert stats.lru_key(1000 + Stats.DEAD_AFTER - 1) < stats.lru_key(1)
+    reused = Stats(spot_dead=True)
+    for i in range(Stats.DEAD_AFTER):  # rollouts: the same prompt, its partial block, again
+        reused.see([1, 2], float(i), partial_last=True)
+    assert not reused.dead(2)
+
+
+def test_many_tenant_workload_never_leaves_adaptive_below_lru():
+    from prefixcache_bench.sim.eviction import many_tenant_trace
+    trace = many_tenant_trace(tenants=100, conversations=600)
+    lru = run_online(trace, 500, "lru").hit_ratio
+    assert run_online(trace, 500, "frequency").hit_ratio < lru - 0.03  # frequency loses here
+    assert run_online(trace, 500, "adaptive").hit_ratio >= lru - 0.01
