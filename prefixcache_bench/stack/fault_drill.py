@@ -22,6 +22,7 @@ later turns (requests) that started after the fault's recovery (issue 25, findin
 its baseline within two turns of a FLUSHALL or a Redis restart), the share computed of each
 prompt's history (what its conversation's previous turn sent too) and of its new part (the rest,
 cached only because the conversations repeat: after a FLUSHALL, lost unless a worker holds it),
+the L3 share of the history (judged) and of the new part held at the recovery (drill_reach),
 and the pages stored in Redis
 at the phase's end (after a FLUSHALL or a Redis restart they must be back: the workers write
 them again). The workers' device pools (--device-pages) are smaller than the conversations, as
@@ -379,11 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             load.enter(name)
             FAULTS[name][1](stack, load)
             load.tallies[name].recovered = time.monotonic()
-            if name.startswith("redis-"):  # what the refill can write again (drill_reach)
-                load.tallies[name].held = held_tokens(
-                    stack.get("cache_service").address, [w.name for w in stack.services
-                                                         if w.name.startswith("worker-")],
-                    operator, ids) if ids else None
+            if name.startswith("redis-") and ids:  # what a refill can write (drill_reach)
+                load.tallies[name].held = held_tokens(stack.get("cache_service").address, [
+                    w.name for w in stack.services if w.name.startswith("worker-")], operator, ids)
             time.sleep(args.quiet_s)
             load.tallies[name].l3_pages = l3_pages(stack)
         load.stop()
