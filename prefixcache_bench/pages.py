@@ -167,7 +167,7 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
              "| prompt tokens: device / host / L3 / shared / computed | L3, 2nd half "
              "| L3, turn 1 / 2 / later after the fault "
              "| computed, turn 2 after the fault: of its history / of its new part "
-             "| L3 of the history, turn 1 / 2 / later after the fault (no fault: all) "
+             "| L3 hit ratio of the history, turn 1 / 2 / later after the fault (no fault: all) "
              "| L3 pages at end |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in d["phases"].values():
@@ -200,9 +200,10 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
                   f"conversation's previous turn sent too (history: reuse a fault need not lose) "
                   f"and of the rest (new: cached only because the conversations repeat, in L3 "
                   f"alone unless a worker still holds it; the no-fault row: over all its turns); "
-                  f"the L3 share of the prompts' history, the reuse the drill judges against "
-                  f"the no-fault row's (after a Redis loss, no tier held the new parts of the "
-                  f"first turns: see `prefixcache_bench/stack/drill_reach.py`); "
+                  f"the L3 hit ratio of the prompts' history (of its tokens the worker's own "
+                  f"tiers lacked, those L3 gave), which the drill judges against the no-fault "
+                  f"row's (after a Redis loss, no tier held the new parts of the first turns: "
+                  f"see `prefixcache_bench/stack/drill_reach.py`); "
                   f"the pages stored in Redis at the phase's end; "
                   f"{fmt(d['conversations']) + ' conversations of ' + fmt(d['turns']) + ' turns, ' if 'conversations' in d else ''}"
                   f"{'workers with ' + fmt(d['device_pages']) + ' device pages each (fewer than the conversations: turns load their history from L3); ' if 'device_pages' in d else ''}"
@@ -218,7 +219,9 @@ def _history_cell(phase: dict) -> str:
     reach = phase.get("reach_by_turn_after")
     if not reach:
         return "-"
-    cell = " / ".join(f"{100 * v['l3_of_history']:.0f}%" for v in reach.values())
+    if not all("l3_hit_ratio_history" in v for v in reach.values()):
+        return "-"
+    cell = " / ".join(f"{100 * v['l3_hit_ratio_history']:.0f}%" for v in reach.values())
     if all("held_of_new" in v for v in reach.values()):
         held = " / ".join(f"{100 * v['held_of_new']:.0f}%" for v in reach.values())
         cell += f" (new part held at recovery: {held})"

@@ -162,8 +162,9 @@ def simulate_rows(src: Source) -> None:
 
 
 # Faults after which the drill expects L3 reuse back at the baseline's within the phase, its
-# pages back in Redis and the L3 share of the prompts' history (what the conversation's previous
-# turn sent too), in each conversation's second turn after the fault, at least
+# pages back in Redis and the L3 hit ratio of the prompts' history (what the conversation's
+# previous turn sent too; of its tokens the worker's own tiers lacked, those L3 gave), in each
+# conversation's second turn after the fault, at least
 # DRILL_L3_TURN_RATIO x the baseline's (issue 25, finding 7: "back at its baseline within two
 # turns"; the L3 share of whole prompts also counts their new part, an L3 hit in the baseline
 # only because the drill's conversations repeat, held by no tier after the loss:
@@ -219,7 +220,7 @@ def _drill_history_rows(src: Source, phase: str, t: dict, base: dict, base_l3) -
     recovery (what a refill could write again). Results without reach_by_turn_after (before
     the drill measured it): the whole prompt's L3 share is judged, as it was then."""
     reach, base_reach = t.get("reach_by_turn_after"), base.get("reach_by_turn_after") or {}
-    base_history = (base_reach.get("all") or {}).get("l3_of_history")
+    base_history = (base_reach.get("all") or {}).get("l3_hit_ratio_history")
     if not reach or base_history is None:
         share = (t.get("l3_share_by_turn_after") or {}).get("turn2")
         if phase in DRILL_L3_BACK and share is not None and base_l3:
@@ -228,13 +229,15 @@ def _drill_history_rows(src: Source, phase: str, t: dict, base: dict, base_l3) -
                                 verdict(share >= DRILL_L3_TURN_RATIO * base_l3)))
         return
     for turn, row in reach.items():
-        name = f"{phase}: L3 share of the history, {_turn_name(turn)} after"
-        if phase in DRILL_L3_BACK and turn == "turn2":
-            src.rows.append(Row(name, row["l3_of_history"],
-                                f">= {DRILL_L3_TURN_RATIO} x baseline ({base_history})",
-                                verdict(row["l3_of_history"] >= DRILL_L3_TURN_RATIO * base_history)))
-        else:
-            src.rows.append(Row(name, row["l3_of_history"]))
+        src.rows.append(Row(f"{phase}: L3 share of the history, {_turn_name(turn)} after",
+                            row["l3_of_history"]))
+        name = f"{phase}: L3 hit ratio of the history, {_turn_name(turn)} after"
+        ratio = row.get("l3_hit_ratio_history")
+        if ratio is not None and phase in DRILL_L3_BACK and turn == "turn2" and base_history:
+            src.rows.append(Row(name, ratio, f">= {DRILL_L3_TURN_RATIO} x baseline ({base_history})",
+                                verdict(ratio >= DRILL_L3_TURN_RATIO * base_history)))
+        elif ratio is not None:
+            src.rows.append(Row(name, ratio))
         if "held_of_new" in row:
             src.rows.append(Row(f"{phase}: new part held by a worker at the recovery, "
                                 f"{_turn_name(turn)} after", row["held_of_new"]))

@@ -113,7 +113,8 @@ def split_prompt(counts: dict[str, int], new: int, held: int | None) -> dict[str
     reused = local + counts["l3"]
     l3_history = max(0, min(reused, history) - local)
     out = {"history": history, "l3_history": l3_history, "new": new,
-           "l3_new": counts["l3"] - l3_history, "reused_new": max(0, reused - history)}
+           "l3_new": counts["l3"] - l3_history, "reused_new": max(0, reused - history),
+           "computed_history": history - min(reused, history)}
     if held is not None:
         held = min(held, total)
         out["held_new"] = max(0, held - history)

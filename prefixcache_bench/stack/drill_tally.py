@@ -113,10 +113,12 @@ class Tally:
             yield names[min(seen[conv], after + 1) - 1], counts, new, prompt
 
     def reach_by_turn(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]]:
-        """Per turn after the recovery (as l3_share_by_turn; the baseline: "all"), the L3 share
-        of the prompts' history (what the conversation's previous turn sent too: the reuse a
-        store loss need not lose after one turn; the drill judges this one against the
-        baseline's) and of their new part (drill_reach: an artefact of the repeating
+        """Per turn after the recovery (as l3_share_by_turn; the baseline: "all"), the L3 hit
+        ratio of the prompts' history (what the conversation's previous turn sent too: the
+        reuse a store loss need not lose after one turn): of its tokens that the worker's own
+        tiers did not hold, those L3 gave (the drill judges it against the baseline's; a share
+        of all tokens would also move with what the device holds, fuller after a fault's
+        recomputing), the L3 share of the history and of the new part (drill_reach: an artefact of the repeating
         conversations), and with a snapshot of the workers at the recovery, the share of the
         new part some worker still held then (what a refill could write to L3 again) and the
         share of all prompt tokens held somewhere yet computed (a refill that came too late)."""
@@ -133,7 +135,9 @@ class Tally:
             return round(a[num] / a[den], 3) if a[den] else 0.0
         out = {}
         for name, a in sums.items():
-            row = {"l3_of_history": ratio(a, "l3_history", "history"),
+            a["l3_or_computed"] = a["l3_history"] + a["computed_history"]
+            row = {"l3_hit_ratio_history": ratio(a, "l3_history", "l3_or_computed"),
+                   "l3_of_history": ratio(a, "l3_history", "history"),
                    "l3_of_new": ratio(a, "l3_new", "new"),
                    "reused_of_new": ratio(a, "reused_new", "new")}
             if self.held is not None and name != "all":

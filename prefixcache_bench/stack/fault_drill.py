@@ -22,7 +22,7 @@ later turns (requests) that started after the fault's recovery (issue 25, findin
 its baseline within two turns of a FLUSHALL or a Redis restart), the share computed of each
 prompt's history (what its conversation's previous turn sent too) and of its new part (the rest,
 cached only because the conversations repeat: after a FLUSHALL, lost unless a worker holds it),
-the L3 share of the history (judged) and of the new part held at the recovery (drill_reach),
+the L3 hit ratio of the history (judged) and the new part held at the recovery (drill_reach),
 and the pages stored in Redis
 at the phase's end (after a FLUSHALL or a Redis restart they must be back: the workers write
 them again). The workers' device pools (--device-pages) are smaller than the conversations, as
@@ -294,7 +294,7 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
              " / ".join(f"{100 * v:.0f}" for v in by_turn.values()) if by_turn else "-",
              "; ".join(f"{100 * v['history']:.0f} / {100 * v['new']:.0f}"
                        for v in t.computed_history_new().values()),
-             " / ".join(f"{100 * v['l3_of_history']:.0f}" for v in t.reach_by_turn().values()),
+             " / ".join(f"{100 * v['l3_hit_ratio_history']:.0f}" for v in t.reach_by_turn().values()),
              " / ".join(f"{100 * v.get('held_of_new', 0):.0f}"
                         for v in t.reach_by_turn().values()) if t.held is not None else "-",
              t.l3_pages]
@@ -304,7 +304,7 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
                          "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
                          "% L3 2nd half", "% L3 turn 1/2/later after",
                          "% computed of history / new: turn 1; 2; later (all)",
-                         "% L3 of history: turn 1/2/later (all)",
+                         "% L3 hit ratio of history: turn 1/2/later (all)",
                          "% of new held at recovery: turn 1/2/later",
                          "L3 pages at end"],
                         rows))

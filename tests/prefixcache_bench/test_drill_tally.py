@@ -49,7 +49,7 @@ def test_the_history_and_new_parts_split_reuse_in_prompt_order():
     # 100 tokens: history 70 (device 40, then L3 30), new 30 (L3 10, then computed 20).
     split = split_prompt(sources(device=40, l3=40, computed=20), new=30, held=85)
     assert split == {"history": 70, "l3_history": 30, "new": 30, "l3_new": 10, "reused_new": 10,
-                     "held_new": 15, "computed_held": 5}
+                     "computed_history": 0, "held_new": 15, "computed_held": 5}
     assert "held_new" not in split_prompt(sources(device=100), new=0, held=None)
 
 
@@ -60,10 +60,11 @@ def test_the_reach_judges_the_history_and_tells_what_a_worker_held_at_the_recove
         (12.0, 0, sources(device=32, l3=48, computed=20), 20, "b"),  # turn 2: history from L3
     ]
     reach = t.reach_by_turn()
-    assert reach["turn1"] == {"l3_of_history": 0.0, "l3_of_new": 0.0, "reused_of_new": 0.0,
+    assert reach["turn1"] == {"l3_hit_ratio_history": 0.0, "l3_of_history": 0.0, "l3_of_new": 0.0, "reused_of_new": 0.0,
                               "held_of_new": round(12 / 48, 3),
                               "computed_though_held": round(32 / 100, 3)}
     assert reach["turn2"]["l3_of_history"] == 0.6 and reach["turn2"]["held_of_new"] == 0.0
+    assert reach["turn2"]["l3_hit_ratio_history"] == 1.0  # what the device lacked, L3 gave
     assert reach["later"]["l3_of_history"] == 0.0
     t.recovered, t.held = None, None  # the baseline: every request, nothing held measured
     assert set(t.reach_by_turn()) == {"all"} and "held_of_new" not in t.reach_by_turn()["all"]
