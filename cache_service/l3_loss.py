@@ -8,8 +8,10 @@ workers computed its whole prefix (issue 25, finding 7).
 
 `StoreWatch` keeps a sentinel key of its own in the store (`<prefix>:sentinel:<random id>`, one
 per cache service process, so several cache services sharing one Redis each notice a loss) and
-checks it with one EXISTS every `interval_s`. A missing sentinel means the store lost its data:
-the watch writes it again and bumps the store's *generation*. `Node.in_remote` holds the
+checks it with one GET every `interval_s`. A missing sentinel, or one whose value is not the
+random one it wrote (a store whose values were overwritten: a restart from a damaged or foreign
+dump, a writer that replaced every key: the fault drill's redis-garbage), means the store lost
+its data: the watch writes it again and bumps the store's *generation*. `Node.in_remote` holds the
 generation in which the run was written (0: never), so a bump makes every run of every pool
 "not written" at once; at its next step each pool queues again the writes of every run still on
 the worker that its policy had written (l3_refill.Refill), so the next turn after a FLUSHALL
@@ -18,7 +20,10 @@ check runs again once it answers. `answered` counts the checks that got an answe
 retries the writes its worker reported failed once the store answered after the report.
 
 Not covered: pages evicted one by one by Redis's maxmemory policy (the sentinel may survive
-them), and on a Redis Cluster the loss of a master other than the sentinel's.
+them), pages corrupted one by one with the sentinel intact (a worker that loads one rejects and
+deletes it, computes the pages and writes them through; a pool that still holds such a page
+writes it again only once it left the worker and was computed again), and on a Redis Cluster
+the loss of a master other than the sentinel's.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ def answers(remote) -> int | None:
 
 
 class StoreWatch:
-    # 5 EXISTS a second: a loss is known within 0.2 s, well before a conversation's next turn
+    # 5 GETs a second: a loss is known within 0.2 s, well before a conversation's next turn
     # (0.7 s apart or more in the fault drill), so its pages are back in L3 by then.
     def __init__(self, remote, interval_s: float = 0.2):
         """`remote`: a pagestore.L3Client (its `redis` client and `cfg.prefix`). Attaches
@@ -52,6 +57,7 @@ class StoreWatch:
         self.remote = remote
         self.interval_s = interval_s
         self.key = f"{remote.cfg.prefix}:sentinel:{secrets.token_hex(8)}"
+        self.value = secrets.token_bytes(16)  # overwritten values show as a loss too
         self.generation = FIRST_GENERATION
         self.losses = 0  # times the store was found to have lost its data
         self.answered = 0  # checks the store answered (present or lost)
@@ -66,14 +72,14 @@ class StoreWatch:
         try:
             conn = self.remote.redis
             if not self._armed:
-                conn.set(self.key, b"1")
+                conn.set(self.key, self.value)
                 self._armed = True
                 self.answered += 1
                 return False
-            if conn.exists(self.key):
+            if conn.get(self.key) == self.value:
                 self.answered += 1
                 return False
-            conn.set(self.key, b"1")
+            conn.set(self.key, self.value)
         except Exception as exc:  # unreachable, timed out, a cluster without a master: later
             log.debug("event=l3_sentinel_unknown cause=%r", exc)
             return None

@@ -343,11 +343,16 @@ class L3Client:
 
     def check(self, timeout_s: float | None = None) -> bool:
         """PINGs Redis (every master of a cluster) within `timeout_s` (default: the connect
-        timeout), logs the outcome when it changes and updates `up`."""
+        timeout), logs the outcome when it changes and updates `up`. An answer closes every
+        breaker: the Redis that made them open is back, and waiting out their cool-down would
+        make every page miss for up to `reset_after_s` more (after a pause, the turns that
+        followed computed what L3 held: issue 25, finding 7)."""
         cause = self.settings.check(timeout_s or self.cfg.connect_timeout_s)
         if cause is None:
             if self.settings.cluster:
                 self._cluster_client()  # the slot map now, not on the first request's path
+            for breaker in list(self.breakers.values()):
+                breaker.record(True)
             self._set_up(True, "")
         else:
             self._set_up(False, cause)
@@ -359,7 +364,7 @@ class L3Client:
         if self.up is not None:
             listener(self.up)
 
-    def watch(self, interval_s: float = 2.0) -> None:
+    def watch(self, interval_s: float = 0.5) -> None:
         """Re-checks in the background every `interval_s` while down (a Redis that comes up
         without traffic to notice it is seen as up); stops at `close()`."""
         if self._watcher is not None:

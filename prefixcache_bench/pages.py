@@ -167,8 +167,9 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
              "| prompt tokens: device / host / L3 / shared / computed | L3, 2nd half "
              "| L3, turn 1 / 2 / later after the fault "
              "| computed, turn 2 after the fault: of its history / of its new part "
+             "| L3 hit ratio of the history, turn 1 / 2 / later after the fault (no fault: all) "
              "| L3 pages at end |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in d["phases"].values():
         errors = ", ".join(f"{k} {v}" for k, v in sorted(t["errors"].items()))
         outage = f"{fmt(t['outage_s'])} s" if t["failed"] else "-"
@@ -186,7 +187,7 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
                      f"| {fmt(t['p50_s']) + ' s' if 'p50_s' in t else '-'} "
                      f"| {fmt(t['max_gap_s']) + ' s' if 'max_gap_s' in t else '-'} | {parts} "
                      f"| {f'{100 * late:.0f}%' if late is not None else '-'} | {turns} "
-                     f"| {split_cell} "
+                     f"| {split_cell} | {_history_cell(t)} "
                      f"| {fmt(t.get('l3_pages_at_end')) if t.get('l3_pages_at_end') is not None else '-'} |")
     lines += ["", f"{d['clients']} clients, greedy, {d['max_tokens']} tokens per request, no "
                   f"retries (a client waits {fmt(d['backoff_s'])} s after a failure); the outage "
@@ -199,6 +200,10 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
                   f"conversation's previous turn sent too (history: reuse a fault need not lose) "
                   f"and of the rest (new: cached only because the conversations repeat, in L3 "
                   f"alone unless a worker still holds it; the no-fault row: over all its turns); "
+                  f"the L3 hit ratio of the prompts' history (of its tokens the worker's own "
+                  f"tiers lacked, those L3 gave), which the drill judges against the no-fault "
+                  f"row's (after a Redis loss, no tier held the new parts of the first turns: "
+                  f"see `prefixcache_bench/stack/drill_reach.py`); "
                   f"the pages stored in Redis at the phase's end; "
                   f"{fmt(d['conversations']) + ' conversations of ' + fmt(d['turns']) + ' turns, ' if 'conversations' in d else ''}"
                   f"{'workers with ' + fmt(d['device_pages']) + ' device pages each (fewer than the conversations: turns load their history from L3); ' if 'device_pages' in d else ''}"
@@ -206,6 +211,21 @@ def block_fault_drill(sources: list[Source]) -> list[str]:
                   f"moved to another worker mid-answer: {fmt(d.get('resumed_streams', 0))}; "
                   f"machine: {machine_line(d.get('machine'))}; `docs/results/{FAULT_DRILL}`"]
     return lines
+
+
+def _history_cell(phase: dict) -> str:
+    """The fault drill's L3 share of the prompts' history per turn after the fault, with the
+    share of their new part a worker held at the recovery (Redis faults)."""
+    reach = phase.get("reach_by_turn_after")
+    if not reach:
+        return "-"
+    if not all("l3_hit_ratio_history" in v for v in reach.values()):
+        return "-"
+    cell = " / ".join(f"{100 * v['l3_hit_ratio_history']:.0f}%" for v in reach.values())
+    if all("held_of_new" in v for v in reach.values()):
+        held = " / ".join(f"{100 * v['held_of_new']:.0f}%" for v in reach.values())
+        cell += f" (new part held at recovery: {held})"
+    return cell
 
 
 def block_service_auth(sources: list[Source]) -> list[str]:

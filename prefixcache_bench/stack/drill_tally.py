@@ -7,6 +7,7 @@ import collections
 from dataclasses import dataclass, field
 
 from prefixcache.v1 import compute_service_pb2 as cpb
+from prefixcache_bench.stack.drill_reach import split_prompt
 
 AFTER_TURNS = 2  # "back at its baseline within two turns" (issue 25, finding 7)
 
@@ -27,8 +28,10 @@ class Tally:
     # (end time, prompt tokens by source) of each request that succeeded
     sources: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     # (start time, conversation, prompt tokens by source, prompt tokens new since the
-    # conversation's previous turn) of each request that succeeded
-    turns: list[tuple[float, int, dict[str, int], int]] = field(default_factory=list)
+    # conversation's previous turn, the prompt) of each request that succeeded
+    turns: list[tuple[float, int, dict[str, int], int, str]] = field(default_factory=list)
+    # prompt -> its leading tokens some worker held when the fault had recovered (drill_reach)
+    held: dict[str, int] | None = None
 
     @property
     def outage_s(self) -> float:
@@ -65,7 +68,7 @@ class Tally:
         if self.recovered is None:
             return None
         groups: dict[str, dict[str, int]] = {}
-        for name, counts, _ in self._by_turn(after):
+        for name, counts, _, _ in self._by_turn(after):
             group = groups.setdefault(name, dict.fromkeys(SOURCES, 0))
             for k, v in counts.items():
                 group[k] += v
@@ -81,7 +84,7 @@ class Tally:
         turn after the fault's recovery as l3_share_by_turn; for the baseline, over all its
         requests ("all"). The computed tokens are a prompt's tail: its new part first."""
         sums: dict[str, list[int]] = {}  # name -> [history, its computed, new, its computed]
-        for name, counts, new in self._by_turn(after):
+        for name, counts, new, _ in self._by_turn(after):
             total, computed = sum(counts.values()), counts.get("computed", 0)
             acc = sums.setdefault(name, [0, 0, 0, 0])
             acc[0] += total - new
@@ -98,16 +101,50 @@ class Tally:
         baseline)."""
         names = [f"turn{k}" for k in range(1, after + 1)] + ["later"]
         if self.recovered is not None:
-            yield from ((name, {}, 0) for name in names)  # every group, in order, even if empty
+            yield from ((name, {}, 0, "") for name in names)  # every group, in order, even if empty
         seen: dict[int, int] = collections.Counter()
-        for started, conv, counts, new in sorted(self.turns, key=lambda x: x[0]):
+        for started, conv, counts, new, prompt in sorted(self.turns, key=lambda x: x[0]):
             if self.recovered is None:
-                yield "all", counts, new
+                yield "all", counts, new, prompt
                 continue
             if started < self.recovered:
                 continue
             seen[conv] += 1
-            yield names[min(seen[conv], after + 1) - 1], counts, new
+            yield names[min(seen[conv], after + 1) - 1], counts, new, prompt
+
+    def reach_by_turn(self, after: int = AFTER_TURNS) -> dict[str, dict[str, float]]:
+        """Per turn after the recovery (as l3_share_by_turn; the baseline: "all"), the L3 hit
+        ratio of the prompts' history (what the conversation's previous turn sent too: the
+        reuse a store loss need not lose after one turn): of its tokens that the worker's own
+        tiers did not hold, those L3 gave (the drill judges it against the baseline's; a share
+        of all tokens would also move with what the device holds, fuller after a fault's
+        recomputing), the L3 share of the history and of the new part (drill_reach: an artefact of the repeating
+        conversations), and with a snapshot of the workers at the recovery, the share of the
+        new part some worker still held then (what a refill could write to L3 again) and the
+        share of all prompt tokens held somewhere yet computed (a refill that came too late)."""
+        sums: dict[str, collections.Counter] = {}
+        for name, counts, new, prompt in self._by_turn(after):
+            acc = sums.setdefault(name, collections.Counter())
+            if not counts:
+                continue
+            held = None if self.held is None else self.held.get(prompt, 0)
+            acc.update(split_prompt(counts, new, held))
+            acc["total"] += sum(counts.values())
+
+        def ratio(a: collections.Counter, num: str, den: str) -> float:
+            return round(a[num] / a[den], 3) if a[den] else 0.0
+        out = {}
+        for name, a in sums.items():
+            a["l3_or_computed"] = a["l3_history"] + a["computed_history"]
+            row = {"l3_hit_ratio_history": ratio(a, "l3_history", "l3_or_computed"),
+                   "l3_of_history": ratio(a, "l3_history", "history"),
+                   "l3_of_new": ratio(a, "l3_new", "new"),
+                   "reused_of_new": ratio(a, "reused_new", "new")}
+            if self.held is not None and name != "all":
+                row["held_of_new"] = ratio(a, "held_new", "new")
+                row["computed_though_held"] = ratio(a, "computed_held", "total")
+            out[name] = row
+        return out
 
     def late_l3_share(self) -> float:
         """The L3 share of the requests that ended in the phase's second half."""

@@ -22,6 +22,7 @@ later turns (requests) that started after the fault's recovery (issue 25, findin
 its baseline within two turns of a FLUSHALL or a Redis restart), the share computed of each
 prompt's history (what its conversation's previous turn sent too) and of its new part (the rest,
 cached only because the conversations repeat: after a FLUSHALL, lost unless a worker holds it),
+the L3 hit ratio of the history (judged) and the new part held at the recovery (drill_reach),
 and the pages stored in Redis
 at the phase's end (after a FLUSHALL or a Redis restart they must be back: the workers write
 them again). The workers' device pools (--device-pages) are smaller than the conversations, as
@@ -47,6 +48,7 @@ import redis
 
 from prefixcache.v1 import compute_service_pb2 as cpb, compute_service_pb2_grpc as cgrpc
 from prefixcache_bench.harness import columns_table, machine_info, write_json
+from prefixcache_bench.stack.drill_reach import held_tokens, prompt_ids
 from prefixcache_bench.stack.drill_tally import Tally, prompt_sources
 from stack.__main__ import TOKENS, start_stack  # the README's stack, exactly
 from stack.launcher import Stack
@@ -57,6 +59,7 @@ BACKOFF_S = 0.1
 CONVERSATIONS = 24
 TURNS = 4
 DEVICE_PAGES = 96
+AUTH = (("authorization", f"Bearer {TOKENS['alice']}"),)
 
 
 class Load:
@@ -64,7 +67,8 @@ class Load:
     the tally of the phase (`phase`, which the drill moves on) in which the request ended."""
 
     def __init__(self, gateway: str, prompts: list[str], expected: dict[str, list[int]],
-                 clients: int, conversation: dict[str, int]):
+                 clients: int, conversation: dict[str, int],
+                 ids: dict[str, list[int]] | None = None):
         self.gateway, self.prompts, self.expected = gateway, prompts, expected
         self.conversation = conversation  # prompt -> its conversation's index
         self.phase = "baseline"
@@ -81,7 +85,7 @@ class Load:
         self._next_turn = {c: 0 for c in set(conversation.values())}
         self._in_flight: set[int] = set()
         self._picker = random.Random(7)
-        self._new = new_since_previous_turn(prompts, self._turns)
+        self._new = new_since_previous_turn(prompts, self._turns, ids)
 
     def _next_prompt(self) -> str:
         with self._lock:
@@ -150,7 +154,7 @@ class Load:
                     if stats is not None:
                         tally.sources.append((ended, prompt_sources(stats)))
                         tally.turns.append((started, self.conversation[prompt],
-                                            prompt_sources(stats), self._new[prompt]))
+                                            prompt_sources(stats), self._new[prompt], prompt))
                 if error is not None:
                     now = time.monotonic()
                     tally.first_failure = tally.first_failure or now
@@ -171,8 +175,7 @@ def ask(stub: cgrpc.ComputeServiceStub, request_id: str, prompt: str,
         max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens: list[int] = []
     worker, stats = "", None
-    for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {TOKENS['alice']}"),),
-                             timeout=60):
+    for msg in stub.Generate(req, metadata=AUTH, timeout=60):
         if msg.token_ids:
             received()
         tokens.extend(msg.token_ids)
@@ -196,15 +199,17 @@ def conversation_prompts(conversations: int, turns: int) -> list[str]:
     return prompts
 
 
-def new_since_previous_turn(prompts: list[str], turns: int) -> dict[str, int]:
+def new_since_previous_turn(prompts: list[str], turns: int,
+                            ids: dict[str, list[int]] | None = None) -> dict[str, int]:
     """Prompt -> its tokens that its conversation's previous turn (cyclically: the first turn
-    follows the last) did not send: the bytes after the two prompts' common prefix, which is
-    its token count for the byte-level tokenizer of the tiny presets the drill serves."""
+    follows the last) did not send: the tokens after the two prompts' common prefix of token
+    ids (`ids`: drill_reach.prompt_ids; without them, of bytes, an estimate)."""
+    seq = ids or {p: p.encode() for p in prompts}
     new = {}
     for i, prompt in enumerate(prompts):
         c, t = divmod(i, turns)
-        previous = prompts[c * turns + (t - 1) % turns]
-        new[prompt] = len(prompt.encode()) - len(os.path.commonprefix([previous, prompt]).encode())
+        mine, previous = seq[prompt], seq[prompts[c * turns + (t - 1) % turns]]
+        new[prompt] = len(mine) - len(os.path.commonprefix([list(previous), list(mine)]))
     return new
 
 
@@ -289,6 +294,9 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
              " / ".join(f"{100 * v:.0f}" for v in by_turn.values()) if by_turn else "-",
              "; ".join(f"{100 * v['history']:.0f} / {100 * v['new']:.0f}"
                        for v in t.computed_history_new().values()),
+             " / ".join(f"{100 * v['l3_hit_ratio_history']:.0f}" for v in t.reach_by_turn().values()),
+             " / ".join(f"{100 * v.get('held_of_new', 0):.0f}"
+                        for v in t.reach_by_turn().values()) if t.held is not None else "-",
              t.l3_pages]
             for phase, t in load.tallies.items() for by_turn in [t.l3_share_by_turn()]]
     print()
@@ -296,6 +304,8 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
                          "errors", "p50 s", "max gap s", "% dev/host/L3/shared/computed",
                          "% L3 2nd half", "% L3 turn 1/2/later after",
                          "% computed of history / new: turn 1; 2; later (all)",
+                         "% L3 hit ratio of history: turn 1/2/later (all)",
+                         "% of new held at recovery: turn 1/2/later",
                          "L3 pages at end"],
                         rows))
     print(f"streams the gateway moved to another worker mid-answer: {resumed}")
@@ -314,6 +324,7 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
                                "l3_share_by_turn_after": t.l3_share_by_turn(),
                                "share_by_turn_after": t.shares_by_turn(),
                                "computed_history_new": t.computed_history_new(),
+                               "reach_by_turn_after": t.reach_by_turn(),
                                "l3_pages_at_end": t.l3_pages}
                        for (phase, t), row in zip(load.tallies.items(), rows)},
             "exit_codes": dict(codes)})
@@ -352,20 +363,26 @@ def main(argv: list[str] | None = None) -> int:
                                  device_pages=args.device_pages)
         if not stack.has("redis"):
             raise RuntimeError("the drill needs redis-server (the L3 faults)")
+        operator = (("x-prefixcache-service-token", (run_dir / "service-auth/operator.token")
+                      .read_text().strip()),)
         prompts = conversation_prompts(conversations=args.conversations, turns=TURNS)
+        ids = prompt_ids(run_dir / "demo-chat" / "tokenizer.json", prompts)
         with grpc.insecure_channel(gateway) as channel:
             stub = cgrpc.ComputeServiceStub(channel)
             expected = {p: ask(stub, f"baseline-{i}", p)[0] for i, p in enumerate(prompts)}
         load = Load(gateway, prompts, expected, args.clients,
-                    {p: i // TURNS for i, p in enumerate(prompts)})
+                    {p: i // TURNS for i, p in enumerate(prompts)}, ids)
         load.start()
         time.sleep(args.quiet_s)
         load.tallies[load.phase].l3_pages = l3_pages(stack)
         for name in names:
-            print(f"fault: {FAULTS[name][0]}", flush=True)
+            print(f"{time.strftime('%H:%M:%S')} fault: {FAULTS[name][0]}", flush=True)
             load.enter(name)
             FAULTS[name][1](stack, load)
             load.tallies[name].recovered = time.monotonic()
+            if name.startswith("redis-") and ids:  # what a refill can write (drill_reach)
+                load.tallies[name].held = held_tokens(stack.get("cache_service").address, [
+                    w.name for w in stack.services if w.name.startswith("worker-")], operator, ids)
             time.sleep(args.quiet_s)
             load.tallies[name].l3_pages = l3_pages(stack)
         load.stop()

@@ -54,3 +54,19 @@ def test_an_unreachable_cluster_is_a_miss_everywhere(redis_server, caplog):
     assert l3.set_many("m", [(pages[0], b"x")]) == 0
     l3.delete("m", pages[0])
     assert l3.breaker.state == "open" and l3.counters.calls["errors"] >= 2
+
+
+def test_a_check_that_gets_an_answer_closes_the_breaker(redis_server):
+    """Redis back before the breaker's cool-down ended: the re-check's answer ends the misses
+    at once instead of `reset_after_s` later."""
+    l3 = L3Client(L3Config(redis_server.url, failure_threshold=1, reset_after_s=60.0,
+                           timeout_s=0.3, connect_timeout_s=0.3))
+    l3.set_many("m", [(b"p" * 16, b"x")])
+    redis_server.pause()
+    try:
+        assert l3.probe("m", [b"p" * 16]) == 0 and l3.breaker.state == "open"
+    finally:
+        redis_server.resume()
+    assert l3.probe("m", [b"p" * 16]) == 0  # still open: skipped
+    assert l3.check() and l3.breaker.state == "closed"
+    assert l3.probe("m", [b"p" * 16]) == 1

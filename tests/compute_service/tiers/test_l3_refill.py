@@ -74,6 +74,30 @@ def test_after_flushall_resident_pages_are_back_in_l3_before_the_next_turn(redis
     assert toks_b == first == reference(NAME, tuple(PROMPT))
 
 
+def test_pages_found_corrupt_in_redis_are_written_again_by_the_worker_that_recomputes_them(
+        redis_server, workers):
+    """Every page in Redis overwritten with garbage (the fault drill's redis-garbage; a Redis
+    that restarts from a damaged dump likewise): the store did not lose its keys, so its watch
+    sees nothing and no refill runs. The worker that loads them rejects every page (its MAC),
+    deletes the key, computes the pages and, as they are new in its tree, writes them through:
+    the next worker loads the whole prefix again."""
+    a, watch = _watched_worker(redis_server, workers)
+    first, _ = generate(a, PROMPT)
+    assert a.flush_l3()
+    r = redis.Redis.from_url(redis_server.url)
+    keys = [a.l3.client.key(NAME, h) for h in prompt_hashes(PROMPT, PAGE, NAME)[:PROMPT_PAGES]]
+    for key in keys:
+        r.set(key, bytes(r.strlen(key)))
+    assert watch.check() is False  # no loss the sentinel could see
+    b = workers(NAME, l3_client(redis_server.url), lookup=True, l3_write_policy="write-through")
+    toks_b, stats_b = generate(b, PROMPT)
+    assert stats_b.cached_tokens_remote == 0 and sum(b.l3.counters.rejected.values()) >= 1
+    assert b.flush_l3()
+    toks_c, stats_c = _worker_b_turn(redis_server, workers)
+    assert stats_c.cached_tokens_remote == PROMPT_PAGES * PAGE
+    assert toks_c == toks_b == first == reference(NAME, tuple(PROMPT))
+
+
 def _tier(url: str, **cfg) -> RemoteTier:
     layout = PageLayout.of_model(model(NAME).config, PAGE, model(NAME).dtype)
     return RemoteTier(l3_client(url), NAME, layout, RemoteTierConfig(**cfg))

@@ -56,3 +56,14 @@ def test_the_watch_changes_nothing_while_redis_is_down_or_intact(redis_server):
     assert watch.check() is None and watch.generation == 1
     redis_server.start()  # back empty: the sentinel is gone
     assert watch.check() is True and watch.generation == 2 and watch.losses == 1
+
+
+def test_a_sentinel_whose_value_was_overwritten_counts_as_a_loss(redis_server):
+    """Every value replaced (a restart from a damaged or foreign dump, the fault drill's
+    redis-garbage): the keys are all there, the pages are not."""
+    watch = StoreWatch(l3_client(redis_server.url))
+    assert watch.check() is False
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(watch.key, b"\x00" * r.strlen(watch.key))
+    assert watch.check() is True and watch.generation == 2
+    assert watch.check() is False  # written again with its own value
