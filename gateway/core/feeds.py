@@ -138,6 +138,9 @@ class Feed:
     call: Any = None  # the current grpc.aio Subscribe call
     # Since when the feed waits on its stream (None: not waiting); the watchdog reads it.
     waiting_since: float | None = None
+    # (epoch, after_seq) the next Subscribe asks for: after the last batch queued.
+    point: tuple[int, int] = (0, -1)
+    failures: int = 0  # stream failures since the last item
     stall_timeout_s: float = 10.0
     stalled: bool = False
 
@@ -284,18 +287,17 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
                         settings: StreamSettings, watchdog: StallWatchdog) -> None:
     """Follows one pool's event stream into the applier until cancelled, or until the router no
     longer routes to the worker (`feed.ended`)."""
-    point, failures = (0, -1), 0
     feed.stall_timeout_s = settings.stall_timeout_s
     watchdog.feeds.add(feed)
     try:
         while not feed.ended:
             feed.resync, feed.stalled = None, False
             feed.call = call = stub.Subscribe(cpb.SubscribeRequest(
-                pool_id=feed.name, epoch=point[0], after_seq=point[1],
+                pool_id=feed.name, epoch=feed.point[0], after_seq=feed.point[1],
                 heartbeat_interval_s=settings.heartbeat_interval_s), metadata=settings.metadata)
             why: str | None
             try:
-                point, failures, why = await _read(applier, feed, call, point, failures)
+                why = await _read(applier, feed, call)
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling() or not (feed.ended or feed.resync
                                                                 or feed.stalled):
@@ -307,22 +309,21 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
                 feed.waiting_since = None
                 call.cancel()
             if feed.resync is not None:
-                point, failures = feed.resync, 0
-                continue
-            if why is not None and not feed.ended:
-                failures += 1
-                log.warning(kv("stream_failed", worker=feed.name, reason=why, attempts=failures,
-                               resume_epoch=point[0], resume_after_seq=point[1]))
-                await asyncio.sleep(settings.backoff.delay(failures))
+                feed.point, feed.failures = feed.resync, 0
+            elif why is not None and not feed.ended:
+                feed.failures += 1
+                log.warning(kv("stream_failed", worker=feed.name, reason=why,
+                               attempts=feed.failures, resume_epoch=feed.point[0],
+                               resume_after_seq=feed.point[1]))
+                await asyncio.sleep(settings.backoff.delay(feed.failures))
     finally:
         watchdog.feeds.discard(feed)
         feed.call = None
 
 
-async def _read(applier: BatchApplier, feed: Feed, call: Any, point: tuple[int, int],
-                failures: int) -> tuple[tuple[int, int], int, str | None]:
-    """Reads one Subscribe call to its end; returns where to resume, the failure count, and why
-    the stream ended (None: a RESYNC asked for it, which the caller sees in `feed.resync`)."""
+async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
+    """Reads one Subscribe call to its end, moving `feed.point` past each batch; returns why the
+    stream ended (None: a RESYNC or the worker's removal asked for it, see `feed`)."""
     while True:
         feed.waiting_since = time.monotonic()
         item = await call.read()
@@ -331,12 +332,12 @@ async def _read(applier: BatchApplier, feed: Feed, call: Any, point: tuple[int, 
             # The cache service ended the stream: the pool was unregistered (its worker
             # restarts, or its cache service did); the next registration starts a new epoch.
             log.info(kv("stream_ended", worker=feed.name, reason="pool unregistered"))
-            return (0, -1), failures, "pool unregistered"
-        failures = 0
-        point = resume_after(item, point)
+            feed.point = (0, -1)
+            return "pool unregistered"
+        feed.point, feed.failures = resume_after(item, feed.point), 0
         await applier.put(feed, item)
         if feed.resync is not None or feed.ended:
-            return point, failures, None
+            return None
 
 
 class StallWatchdog:
