@@ -1,9 +1,11 @@
 """The routing state of the gateway behind one lock: the workers it may route to, the global KV
 index their event streams feed, the policy, and the load tracker (design.md §6).
 
-Event feeds (one thread per worker), Generate calls and the preview RPCs all meet here, and
-`KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access to them holds
-`Router.lock`. Hashing a prompt is done by the caller, outside the lock.
+Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
+all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
+to them holds `Router.lock`. Ingest holds it for bounded slices (`apply_stream_items`) and lets a
+waiting routing decision go first between them (`yield_to_routing`). Hashing a prompt is done by
+the caller, outside the lock.
 """
 from __future__ import annotations
 
