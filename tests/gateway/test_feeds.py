@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from gateway.core.discovery import WorkerAddress
-from gateway.core.feeds import Feed, FeedLoop, split_snapshot
+from gateway.core.feeds import Feed, FeedLoop, aio_channel, split_snapshot
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
+from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from tests.cache_service.grpc_harness import running_server
-from tests.gateway.gateway_harness import FakeWorker, register_pool, running_gateway, wait_until
+from service_shell import TlsConfig, channel_options
+from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool, running_gateway,
+                                           wait_until)
+from tests.service_shell.certs import make_pki
 from tests.gateway.helpers import DEVICE, batch, cleared, pages, removed, stored
 
 # The loop thread, the blocking pool (4) and grpc.aio's own poller, with room to spare; the
@@ -123,3 +129,35 @@ def test_a_feed_loop_closes_with_its_tasks():
     feeds.submit(asyncio.sleep(3600))
     feeds.close(5)
     assert not any(t.name == "gateway-feeds" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_feed_over_mtls_fills_the_index(tmp_path):
+    """The grpc.aio channels take the same TLS settings as the sync ones: a cache service that
+    requires client certificates streams its pool into the router; without them, nothing."""
+    pki = make_pki(tmp_path)
+    server_tls = TlsConfig(cert=pki.server.cert, key=pki.server.key, ca=pki.ca)
+    client_tls = TlsConfig(cert=pki.client.cert, key=pki.client.key, ca=pki.ca)
+    with running_server(tls=server_tls) as cache:
+        register_pool(cache.core, "m")
+        cache_prompt(cache.core, "m", list(range(9)))
+        router, target = _router("m"), f"localhost:{cache.port}"
+        feeds = FeedLoop(router)
+        settings = WorkerSettings(heartbeat_interval_s=0.1).stream_settings()
+
+        async def follow(tls):
+            channel = aio_channel(target, channel_options(4), tls)
+            try:
+                await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed("m"), settings)
+            finally:
+                await channel.close()
+
+        try:
+            plain = feeds.submit(follow(None))
+            time.sleep(1.0)  # a plaintext client gets no handshake, so no event
+            assert router.index.info("m").last_seq < 0
+            feeds.loop.call_soon_threadsafe(plain.cancel)
+            feeds.submit(follow(client_tls))
+            wait_until(lambda: router.index.info("m") is not None
+                       and len(router.index.pages("m", DEVICE)) == 2, what="pages over mTLS")
+        finally:
+            feeds.close()
