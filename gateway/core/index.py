@@ -57,6 +57,9 @@ _EVICT_ORDER = (2, 1, 0)
 # tracemalloc by tests/gateway/test_index_memory.py and the fleet benchmark
 # (docs/results/gateway/fleet/); rounded up, so the budget is an upper bound.
 BYTES_PER_ENTRY = 128
+# A stored event this long goes into the table in numpy (snapshots: 4,096 pages a batch); shorter
+# ones page by page (numpy's fixed cost per call is larger than a few probes in Python).
+_BULK_PAGES = 256
 # Seconds between two "index full" warnings.
 _FULL_WARNING_INTERVAL_S = 60.0
 
@@ -246,9 +249,12 @@ class KvIndex:
                 if tier is None:
                     continue
                 # add() restamps a page already held: its eviction order is the last store.
-                add = tables[tier].add
                 hashes = ev.stored.block_hashes
-                held[tier] += sum(add(h, slot) for h in hashes)
+                if len(hashes) >= _BULK_PAGES:
+                    held[tier] += tables[tier].add_many(hashes, slot)
+                else:
+                    add = tables[tier].add
+                    held[tier] += sum(add(h, slot) for h in hashes)
                 n += len(hashes)
             elif kind == "removed":
                 tier = _TIER.get(ev.removed.medium)

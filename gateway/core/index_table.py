@@ -16,6 +16,7 @@ Single keys are probed in Python over `array.array` (element reads ~30 ns); whol
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -103,18 +104,7 @@ class PageTable:
                 self._rehash()
             return True
         self._stamp[pos] = self._clock
-        hv = self._holder[pos]
-        if hv == slot:
-            return False
-        if hv == MULTI:
-            m = self.multi[pos]
-            if m >> slot & 1:
-                return False
-            self.multi[pos] = m | 1 << slot
-        else:
-            self._holder[pos] = MULTI
-            self.multi[pos] = 1 << hv | 1 << slot
-        return True
+        return self._join(pos, slot)
 
     def discard(self, h: bytes, slot: int) -> bool:
         """Drops the page from a worker; True when it held it."""
@@ -201,44 +191,122 @@ class PageTable:
         stamp[order] = np.arange(1, len(order) + 1, dtype=np.uint32)
         self._clock = len(order)
 
-    def _rehash(self) -> None:
-        """Into a table sized so that the live pages fill ~45% of it (tombstones dropped)."""
-        old_holder = np.frombuffer(self._holder, dtype=np.int32)
+    def add_many(self, hashes: Sequence[bytes], slot: int) -> int:
+        """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
+        the worker did not hold."""
+        n = len(hashes)
+        buf = b"".join(hashes)
+        if len(buf) != 16 * n:  # not all of HASH_BYTES: each cut or padded to 16 bytes
+            buf = b"".join(h[:16].ljust(16, b"\0") for h in hashes)
+        keys = np.frombuffer(buf, dtype="V16")
+        if self._clock + n >= _STAMP_LIMIT:
+            self._renumber()
+        # A page listed twice counts once, at its last position (as `add` one by one would).
+        _, last = np.unique(keys[::-1], return_index=True)
+        order = np.sort(n - 1 - last)
+        pairs = keys[order].view(np.uint64).reshape(-1, 2)
+        lo, hi = pairs[:, 0].copy(), pairs[:, 1].copy()
+        stamps = (self._clock + 1 + order).astype(np.uint32)
+        self._clock += n
+        pos = self._find_many(lo, hi)
+        found = pos >= 0
+        np.frombuffer(self._stamp, dtype=np.uint32)[pos[found]] = stamps[found]
+        new = int(np.count_nonzero(self._holder_np()[pos[found]] != slot))
+        if new:  # held by others (or by several): the masks, one by one
+            holder = self._holder
+            for p in pos[found].tolist():
+                if holder[p] != slot:
+                    new -= not self._join(p, slot)
+        absent = ~found
+        k = int(np.count_nonzero(absent))
+        if self._used + k > _MAX_LOAD * self.cap:
+            self._rehash(k)
+        lo, hi = lo[absent], hi[absent]
+        at = self._place(lo, hi, np.full(k, slot, dtype=np.int32))
+        np.frombuffer(self._lo, dtype=np.uint64)[at] = lo
+        np.frombuffer(self._hi, dtype=np.uint64)[at] = hi
+        np.frombuffer(self._stamp, dtype=np.uint32)[at] = stamps[absent]
+        self.live += k
+        return new + k
+
+    def _join(self, pos: int, slot: int) -> bool:
+        """Adds a worker to a live position's holders; False when it was one already."""
+        hv = self._holder[pos]
+        if hv == slot:
+            return False
+        if hv == MULTI:
+            m = self.multi[pos]
+            if m >> slot & 1:
+                return False
+            self.multi[pos] = m | 1 << slot
+        else:
+            self._holder[pos] = MULTI
+            self.multi[pos] = 1 << hv | 1 << slot
+        return True
+
+    def _holder_np(self) -> np.ndarray:
+        return np.frombuffer(self._holder, dtype=np.int32)
+
+    def _homes(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return (((lo ^ hi) * np.uint64(_MIX)) % np.uint64(self.cap)).astype(np.int64)
+
+    def _find_many(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Positions of the keys, -1 where absent: `_probe` for all of them at once."""
+        holder, klo = self._holder_np(), np.frombuffer(self._lo, dtype=np.uint64)
+        khi = np.frombuffer(self._hi, dtype=np.uint64)
+        p, out = self._homes(lo, hi), np.full(len(lo), -1, dtype=np.int64)
+        todo = np.arange(len(lo))
+        while len(todo):
+            cand = p[todo]
+            hv = holder[cand]
+            hit = (hv >= MULTI) & (klo[cand] == lo[todo]) & (khi[cand] == hi[todo])
+            out[todo[hit]] = cand[hit]
+            todo = todo[~hit & (hv != EMPTY)]
+            p[todo] = (p[todo] + 1) % self.cap
+        return out
+
+    def _rehash(self, extra: int = 0) -> None:
+        """Into a table sized so that the live pages (and `extra` more) fill ~45% of it;
+        tombstones are dropped."""
+        old_holder = self._holder_np()
         live = np.flatnonzero(old_holder >= MULTI)
         lo = np.frombuffer(self._lo, dtype=np.uint64)[live]
         hi = np.frombuffer(self._hi, dtype=np.uint64)[live]
         hv = old_holder[live]
         st = np.frombuffer(self._stamp, dtype=np.uint32)[live]
         old_multi = self.multi
-        self._alloc(max(64, int(len(live) / _GROWN_LOAD) + 1))
-        pos = self._place(lo, hi)
+        self._alloc(max(64, int((len(live) + extra) / _GROWN_LOAD) + 1))
+        pos = self._place(lo, hi, hv)
         np.frombuffer(self._lo, dtype=np.uint64)[pos] = lo
         np.frombuffer(self._hi, dtype=np.uint64)[pos] = hi
-        np.frombuffer(self._holder, dtype=np.int32)[pos] = hv
         np.frombuffer(self._stamp, dtype=np.uint32)[pos] = st
-        self._used = len(live)
         new_at = dict(zip(live.tolist(), pos.tolist()))
         self.multi = {new_at[p]: m for p, m in old_multi.items()}
 
-    def _place(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Free positions for distinct keys in a fresh table, each on its own probe path (the
-        same as `_probe` would find one by one): all keys advance together; where several reach
-        one empty position, the first takes it."""
-        cap = np.uint64(self.cap)
-        with np.errstate(over="ignore"):
-            p = ((lo ^ hi) * np.uint64(_MIX)) % cap
-        p = p.astype(np.int64)
-        taken = np.zeros(self.cap, dtype=bool)
+    def _place(self, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
+        """Writes the holders of keys known to be absent at the first free (empty or deleted)
+        position of each one's probe path, as `add` would one by one; returns the positions.
+        All keys advance together; where several reach one free position, one takes it and the
+        others go on (every position they pass is taken, so each stays reachable from its home)."""
+        holder = self._holder_np()
+        p = self._homes(lo, hi)
         out = np.empty(len(lo), dtype=np.int64)
         todo = np.arange(len(lo))
         while len(todo):
             cand = p[todo]
-            free = ~taken[cand]
-            first = np.zeros(len(todo), dtype=bool)
-            _, idx = np.unique(cand[free], return_index=True)
-            first[np.flatnonzero(free)[idx]] = True
-            out[todo[first]] = cand[first]
-            taken[cand[first]] = True
-            todo = todo[~first]
+            free = np.flatnonzero(holder[cand] < MULTI)
+            spots = cand[free]
+            was_empty = holder[spots] == EMPTY
+            # Claim with a marker below EMPTY (one write wins per position), then keep the winners.
+            holder[spots] = -4 - free
+            mine = holder[spots] == -4 - free
+            won, at = free[mine], spots[mine]
+            self._used += int(np.count_nonzero(was_empty[mine]))
+            holder[at] = holders[todo[won]]
+            out[todo[won]] = at
+            lost = np.ones(len(todo), dtype=bool)
+            lost[won] = False
+            todo = todo[lost]
             p[todo] = (p[todo] + 1) % self.cap
         return out
