@@ -57,9 +57,10 @@ _EVICT_ORDER = (2, 1, 0)
 # tracemalloc by tests/gateway/test_index_memory.py and the fleet benchmark
 # (docs/results/gateway/fleet/); rounded up, so the budget is an upper bound.
 BYTES_PER_ENTRY = 128
-# A stored event this long goes into the table in numpy (snapshots: 4,096 pages a batch); shorter
-# ones page by page (numpy's fixed cost per call is larger than a few probes in Python).
-_BULK_PAGES = 256
+# A stored or removed event this long goes to the table in numpy (snapshots: 4,096 pages a batch;
+# live batches of a busy worker: tens); shorter ones page by page (numpy's fixed cost per call,
+# ~20-40 us, is more than a few probes in Python).
+_BULK_PAGES = 32
 # Seconds between two "index full" warnings.
 _FULL_WARNING_INTERVAL_S = 60.0
 
@@ -260,9 +261,12 @@ class KvIndex:
                 tier = _TIER.get(ev.removed.medium)
                 if tier is None:
                     continue
-                discard = tables[tier].discard
                 hashes = ev.removed.block_hashes
-                held[tier] -= sum(discard(h, slot) for h in hashes)
+                if len(hashes) >= _BULK_PAGES:
+                    held[tier] -= tables[tier].discard_many(hashes, slot)
+                else:
+                    discard = tables[tier].discard
+                    held[tier] -= sum(discard(h, slot) for h in hashes)
                 n += len(hashes)
             elif kind == "cleared":
                 self._clear(w)
@@ -323,12 +327,14 @@ class KvIndex:
         everyone = self._all
         if not everyone or not hashes:
             return {}
-        # Ends past 0 only (see `runs`): workers holding none of the first page cost nothing.
-        dev_end = runs(hashes, {}, dev.mask, first=everyone)
-        host_end = dev_end if not len(host) else runs(
-            hashes, dev_end, lambda h: host.mask(h) | dev.mask(h), first=_others(everyone, dev_end))
+        # Every page's holders in one vectorised probe per medium; ends past 0 only (see `runs`):
+        # workers holding none of the first page cost nothing.
+        devm = dev.masks(hashes)
+        dev_end = runs(devm, {}, first=everyone)
+        anym = devm if not len(host) else [d | h for d, h in zip(devm, host.masks(hashes))]
+        host_end = dev_end if anym is devm else runs(anym, dev_end, first=_others(everyone, dev_end))
         rem_end = host_end if not len(rem) else runs(
-            hashes, host_end, lambda h: everyone if rem.mask(h) else host.mask(h) | dev.mask(h),
+            [everyone if r else a for r, a in zip(rem.masks(hashes), anym)], host_end,
             first=_others(everyone, host_end))
         now = self._clock() if now is None else now
         out: dict[str, PrefixMatch] = {}

@@ -2,7 +2,7 @@
 per worker."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 
 def bit_positions(mask: int) -> Iterator[int]:
@@ -13,9 +13,9 @@ def bit_positions(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def runs(hashes: Sequence[bytes], starts: dict[int, int], mask_of: Callable[[bytes], int],
-         first: int = 0) -> dict[int, int]:
-    """For each worker slot, the first page at or after its start whose mask lacks its bit.
+def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[int, int]:
+    """For each worker slot, the first page at or after its start whose mask (the slots
+    holding it: masks[i] for page i) lacks its bit.
 
     Slots start at starts[slot], and the slots of the mask `first` at 0. Only ends past 0 are
     returned (a slot missing from the answer ends at 0), so a request whose first page few
@@ -26,14 +26,14 @@ def runs(hashes: Sequence[bytes], starts: dict[int, int], mask_of: Callable[[byt
     ends: dict[int, int] = {}
     if not joining:
         return ends
-    alive, n = 0, len(hashes)
+    alive, n = 0, len(masks)
     for i in range(min(joining), n):
         alive |= joining.pop(i, 0)
         if not alive:
             if not joining:
                 return ends
             continue
-        m = mask_of(hashes[i])
+        m = masks[i]
         if alive & m != alive:
             if i:
                 for slot in bit_positions(alive & ~m):

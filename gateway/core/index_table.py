@@ -15,6 +15,7 @@ Single keys are probed in Python over `array.array` (element reads ~30 ns); whol
 """
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Sequence
 
@@ -28,9 +29,27 @@ _GROWN_LOAD = 0.45
 _STAMP_LIMIT = 2**32 - 1
 
 
+_unpack = struct.Struct("<QQ").unpack
+
+
 def split(h: bytes) -> tuple[int, int]:
     """The table's key for a page hash: its first and second 8 bytes as integers."""
+    if len(h) == 16:
+        return _unpack(h)
     return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")
+
+
+def _keys(hashes: Sequence[bytes]) -> np.ndarray:
+    """The hashes as 16-byte keys (cut or zero-padded when not 16 bytes long)."""
+    buf = b"".join(hashes)
+    if len(buf) != 16 * len(hashes):
+        buf = b"".join(h[:16].ljust(16, b"\0") for h in hashes)
+    return np.frombuffer(buf, dtype="V16")
+
+
+def _words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    pairs = keys.view(np.uint64).reshape(-1, 2)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
 def _home(lo: int, hi: int, cap: int) -> int:
@@ -194,18 +213,14 @@ class PageTable:
     def add_many(self, hashes: Sequence[bytes], slot: int) -> int:
         """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
         the worker did not hold."""
-        n = len(hashes)
-        buf = b"".join(hashes)
-        if len(buf) != 16 * n:  # not all of HASH_BYTES: each cut or padded to 16 bytes
-            buf = b"".join(h[:16].ljust(16, b"\0") for h in hashes)
-        keys = np.frombuffer(buf, dtype="V16")
+        keys = _keys(hashes)
+        n = len(keys)
         if self._clock + n >= _STAMP_LIMIT:
             self._renumber()
         # A page listed twice counts once, at its last position (as `add` one by one would).
         _, last = np.unique(keys[::-1], return_index=True)
         order = np.sort(n - 1 - last)
-        pairs = keys[order].view(np.uint64).reshape(-1, 2)
-        lo, hi = pairs[:, 0].copy(), pairs[:, 1].copy()
+        lo, hi = _words(keys[order])
         stamps = (self._clock + 1 + order).astype(np.uint32)
         self._clock += n
         pos = self._find_many(lo, hi)
@@ -228,6 +243,32 @@ class PageTable:
         np.frombuffer(self._stamp, dtype=np.uint32)[at] = stamps[absent]
         self.live += k
         return new + k
+
+    def masks(self, hashes: Sequence[bytes]) -> list[int]:
+        """`mask` of each hash, in numpy (a request's pages)."""
+        pos = self._find_many(*_words(_keys(hashes)))
+        hv = self._holder_np()[pos].tolist()
+        multi = self.multi
+        return [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
+
+    def discard_many(self, hashes: Sequence[bytes], slot: int) -> int:
+        """`discard` of every hash, in numpy; how many the worker held."""
+        pos = self._find_many(*_words(np.unique(_keys(hashes))))
+        pos = pos[pos >= 0]
+        holder = self._holder_np()
+        hv = holder[pos]
+        mine = pos[hv == slot]
+        holder[mine] = TOMB
+        self.live -= len(mine)
+        shared = [p for p in pos[hv == MULTI].tolist() if self.multi[p] >> slot & 1]
+        for p in shared:
+            m = self.multi[p] & ~(1 << slot)
+            if m & (m - 1):
+                self.multi[p] = m
+            else:
+                del self.multi[p]
+                holder[p] = m.bit_length() - 1
+        return len(mine) + len(shared)
 
     def _join(self, pos: int, slot: int) -> bool:
         """Adds a worker to a live position's holders; False when it was one already."""
