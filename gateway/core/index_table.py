@@ -322,8 +322,10 @@ class PageTable:
         np.frombuffer(self._lo, dtype=np.uint64)[pos] = lo
         np.frombuffer(self._hi, dtype=np.uint64)[pos] = hi
         np.frombuffer(self._stamp, dtype=np.uint32)[pos] = st
-        new_at = dict(zip(live.tolist(), pos.tolist()))
-        self.multi = {new_at[p]: m for p, m in old_multi.items()}
+        # `live` is sorted: each shared page's new position by a binary search, not a dict of all.
+        old_at = np.fromiter(old_multi, dtype=np.int64, count=len(old_multi))
+        new_at = pos[np.searchsorted(live, old_at)].tolist()
+        self.multi = dict(zip(new_at, old_multi.values()))
 
     def _place(self, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
         """Writes the holders of keys known to be absent at the first free (empty or deleted)
