@@ -19,7 +19,7 @@ entries are kept (scored with less confidence) until the snapshot that follows r
 
 Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
 `max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by
-`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet.py). Over it, keys go in batches of
+`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of
 `evict_fraction` (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose
 first), within a medium the least recently stored first, and among those a page held by one
 worker before a page several hold (a widely shared prefix serves more requests). An evicted key
@@ -52,10 +52,10 @@ log = logging.getLogger("gateway.index")
 _TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
-# Bytes one (page hash, medium) key costs: a PageTable slot is 24 bytes at 45-70% load (34-53
-# bytes a page), plus ~100-250 bytes for the pages several workers hold. Measured with
-# tracemalloc by tests/gateway/test_index_memory.py and the fleet benchmark
-# (docs/results/gateway/fleet/); rounded up, so the budget is an upper bound.
+# Bytes one (page hash, medium) key is counted as: a PageTable slot is 24 bytes at 45-70% load
+# (34-53 bytes a page), and a page several workers hold costs ~100-250 bytes more (its mask).
+# tracemalloc measured 39-51 at 8 to 1,000 workers (tests/gateway/test_index_table.py, the
+# fleet benchmark, docs/results/gateway/fleet/); 128 leaves room for shared pages.
 BYTES_PER_ENTRY = 128
 # A stored or removed event this long goes to the table in numpy (snapshots: 4,096 pages a batch;
 # live batches of a busy worker: tens); shorter ones page by page (numpy's fixed cost per call,
