@@ -24,13 +24,14 @@ import numpy as np
 EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
 _MIX_HI = 0xC2B2AE3D27D4EB4F
+_MIX_NP, _MIX_HI_NP, _SHIFT_NP = np.uint64(_MIX), np.uint64(_MIX_HI), np.uint64(29)
 _M64 = (1 << 64) - 1
 _MAX_LOAD = 0.7
 _GROWN_LOAD = 0.45
 _STAMP_LIMIT = 2**32 - 1
 # Keys left when a vectorised probe goes on to the scalar one: linear probing at 45-70% load has
 # clusters of ~100 slots somewhere, and a numpy round costs ~10 us whatever the keys left.
-_SCALAR_REST = 8
+_SCALAR_REST = 16
 
 
 _unpack = struct.Struct("<QQ").unpack
@@ -297,9 +298,9 @@ class PageTable:
         return np.frombuffer(self._holder, dtype=np.int32)
 
     def _homes(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        with np.errstate(over="ignore"):  # `_home`, in numpy (uint64 products wrap as & _M64)
-            x = (lo ^ hi * np.uint64(_MIX_HI)) * np.uint64(_MIX)
-            return ((x ^ x >> np.uint64(29)) % np.uint64(self.cap)).astype(np.int64)
+        # `_home`, in numpy: uint64 array products wrap silently, as `& _M64` does.
+        x = (lo ^ hi * _MIX_HI_NP) * _MIX_NP
+        return ((x ^ x >> _SHIFT_NP) % np.uint64(self.cap)).astype(np.int64)
 
     def _find_many(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Positions of the keys, -1 where absent: `_probe` for all of them at once."""
@@ -365,11 +366,12 @@ class PageTable:
             p[todo] = (p[todo] + 1) % self.cap
             if len(todo) <= _SCALAR_REST:
                 break
+        scalar, cap = self._holder, self.cap  # the same memory, read faster one by one
         for k in todo.tolist():  # the few in long clusters, one by one
             at = int(p[k])
-            while holder[at] >= MULTI:
-                at = at + 1 if at + 1 < self.cap else 0
-            self._used += int(holder[at] == EMPTY)
-            holder[at] = holders[k]
+            while scalar[at] >= MULTI:
+                at = at + 1 if at + 1 < cap else 0
+            self._used += scalar[at] == EMPTY
+            scalar[at] = int(holders[k])
             out[k] = at
         return out
