@@ -23,6 +23,8 @@ GOALS = {
 }
 # --routing-only: the decision's own cost with ingest idle, and the index's size.
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
+ROUTING_COLUMNS = ("pools", "indexed_pages", "routing_p50_idle_us", "routing_p99_idle_us",
+                   "routing_max_idle_us", "routed_to_holder", "index_bytes_per_page", "snapshot_apply_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
@@ -56,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
     if args.summary:
-        rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob("w*.json"))]
-        rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
-        print(columns_table(COLUMNS, [[r.get(c) for c in COLUMNS] for r in rows]))
+        for pattern, columns in (("w*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS)):
+            rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
+            rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
+            if rows:
+                print(columns_table(columns, [[r.get(c) for c in columns] for r in rows]))
         return 0
     per_pool = args.total_pages // args.pools
     live = max(1, args.live_page_events // (128 * args.pools))
