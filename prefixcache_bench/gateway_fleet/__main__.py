@@ -24,7 +24,8 @@ GOALS = {
 # --routing-only: the decision's own cost with ingest idle, and the index's size.
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
 ROUTING_COLUMNS = ("pools", "indexed_pages", "routing_p50_idle_us", "routing_p99_idle_us",
-                   "routing_max_idle_us", "routed_to_holder", "index_bytes_per_page", "snapshot_apply_s")
+                   "routing_max_idle_us", "routed_to_holder", "index_bytes_per_page",
+                   "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
@@ -40,6 +41,12 @@ def _flatten(results: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _cores(args: argparse.Namespace) -> str:
+    if args.routing_only:
+        return "one process, unpinned (routing only)"
+    return "gateway process pinned to core 0, load generator to core 1" if not args.no_pin else "unpinned"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     per_pool = args.total_pages // args.pools
     live = max(1, args.live_page_events // (128 * args.pools))
     if args.routing_only:
-        results = routing_only(args.pools, per_pool, args.decisions)
+        results = routing_only(args.pools, per_pool, args.decisions, live)
     else:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1)))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
@@ -75,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
     goals = ROUTING_GOALS if args.routing_only else GOALS
     report(results, goals, f"gateway index, {args.pools} pools", command,
-           machine_info({"cores": "gateway process pinned to core 0, load generator to core 1"
-                         if not args.no_pin else "unpinned"}, watched=["gateway", "prefixcache_client"]),
+           machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
            args.json)
     return 0
 
