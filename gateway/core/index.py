@@ -241,36 +241,45 @@ class KvIndex:
         return ApplyResult(ApplyStatus.RESYNC, w.pool_id, reason, w.epoch, after)
 
     def _apply_events(self, w: _Worker, events: Sequence[events_pb2.KvEvent]) -> int:
-        tables, held, slot = self._tables, w.held, w.slot
+        """Consecutive stored (or removed) events of one medium are applied as one run, so that a
+        live batch of many small events takes the numpy path as a snapshot does; the order of
+        stores and removals is kept (a run ends where the kind or the medium changes)."""
         n = 0
+        run: list[bytes] = []
+        run_key: tuple[str, int] | None = None
         for ev in events:
             kind = ev.WhichOneof("event")
-            if kind == "stored":
-                tier = _TIER.get(ev.stored.medium)
-                if tier is None:
-                    continue
-                # add() restamps a page already held: its eviction order is the last store.
-                hashes = ev.stored.block_hashes
-                if len(hashes) >= _BULK_PAGES:
-                    held[tier] += tables[tier].add_many(hashes, slot)
-                else:
-                    add = tables[tier].add
-                    held[tier] += sum(add(h, slot) for h in hashes)
-                n += len(hashes)
-            elif kind == "removed":
-                tier = _TIER.get(ev.removed.medium)
-                if tier is None:
-                    continue
-                hashes = ev.removed.block_hashes
-                if len(hashes) >= _BULK_PAGES:
-                    held[tier] -= tables[tier].discard_many(hashes, slot)
-                else:
-                    discard = tables[tier].discard
-                    held[tier] -= sum(discard(h, slot) for h in hashes)
-                n += len(hashes)
-            elif kind == "cleared":
+            if kind == "cleared":
+                n += self._apply_run(w, run_key, run)
+                run, run_key = [], None
                 self._clear(w)
-        return n
+                continue
+            body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
+            tier = None if body is None else _TIER.get(body.medium)
+            if tier is None:
+                continue
+            if run_key != (kind, tier):
+                n += self._apply_run(w, run_key, run)
+                run, run_key = [], (kind, tier)
+            run.extend(body.block_hashes)
+        return n + self._apply_run(w, run_key, run)
+
+    def _apply_run(self, w: _Worker, key: tuple[str, int] | None, hashes: list[bytes]) -> int:
+        if key is None or not hashes:
+            return 0
+        kind, tier = key
+        table = self._tables[tier]
+        if kind == "stored":
+            # add() restamps a page already held: its eviction order is the last store.
+            if len(hashes) >= _BULK_PAGES:
+                w.held[tier] += table.add_many(hashes, w.slot)
+            else:
+                w.held[tier] += sum(table.add(h, w.slot) for h in hashes)
+        elif len(hashes) >= _BULK_PAGES:
+            w.held[tier] -= table.discard_many(hashes, w.slot)
+        else:
+            w.held[tier] -= sum(table.discard(h, w.slot) for h in hashes)
+        return len(hashes)
 
     def _clear(self, w: _Worker) -> None:
         for tier, table in enumerate(self._tables):
