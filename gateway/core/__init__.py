@@ -20,6 +20,8 @@ Modules:
 - policies/: the routing policies (affinity, approx, and the baselines) and `LoadTracker`.
 - workers.py: worker lifecycle: identify, admit into the fleet (`Fleet`), probe readiness, feed
   the worker's event stream into the router (`WorkerSet`, `WorkerSettings`).
+- feeds.py: `FeedLoop`, the one asyncio thread every worker's gRPC streams run on, and
+  `BatchApplier`, which applies their events to the router in bulk, in bounded slices.
 - discovery.py: where the workers are (a static list, or DNS of a headless Service).
 - running_calls.py: the calls in progress (Abort and the drain look them up here).
 - tenants.py: bearer tokens -> tenants and their cache salts.

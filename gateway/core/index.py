@@ -4,12 +4,13 @@ It is fed the `prefixcache.v1.EventBatch` stream of every worker's cache service
 question fast: for the page hashes of a request, how many leading pages does each worker hold
 on device, then (as a contiguous extension) on host, then on remote (L3)?
 
-Layout, chosen for ingest and lookup speed in pure Python:
-- one dict per medium, page hash -> bitmask of worker slots (an int; bit i = slot i). A lookup
-  walks the request's pages once and ANDs masks, so its cost is O(pages), not O(pages x workers);
-- per worker, one set of hashes per medium, so a snapshot, a new epoch or `remove_worker` drops
-  exactly that worker's bits without scanning the whole index, and a long match held by few
-  workers is probed a slice at a time in C (set.issuperset).
+Layout, chosen for memory at fleet scale (issue 31: ~35-55 bytes a page instead of ~160-185):
+- one `PageTable` per medium (gateway/core/index_table.py), open addressing over flat arrays:
+  page hash -> the worker slot holding it, or a bitmask of slots when several do (bit i = slot i).
+  A lookup walks the request's pages once and ANDs masks, so its cost is O(pages), not
+  O(pages x workers);
+- per worker only counts: a snapshot, a new epoch or `remove_worker` finds that worker's pages
+  with one vectorised scan of the table (numpy), skipped when it holds none.
 
 Stream rules (events.proto): batches of one pool come in `seq` order, strictly increasing from 0
 within an epoch. A seq jump (gap), a batch of another epoch that is not a snapshot or seq 0, or a
@@ -18,7 +19,7 @@ entries are kept (scored with less confidence) until the snapshot that follows r
 
 Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
 `max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by
-`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet.py). Over it, keys go in batches of
+`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of
 `evict_fraction` (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose
 first), within a medium the least recently stored first, and among those a page held by one
 worker before a page several hold (a widely shared prefix serves more requests). An evicted key
@@ -35,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.core.index_scan import SET_PROBE_WORKERS, bit_positions, run_in, runs, victims
+from gateway.core.index_scan import bit_positions, runs
+from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
                                       WorkerInfo)
 from prefixcache.v1 import common_pb2, events_pb2
@@ -50,11 +52,15 @@ log = logging.getLogger("gateway.index")
 _TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
-# Bytes one (page hash, medium) key costs, all structures included (mask dict slot, 16-byte hash
-# object, the holder's set slot, a mask int when several workers hold it): tracemalloc measured
-# 160 to 185 at 1,000 to 8 workers (python -m prefixcache_bench.gateway_fleet,
-# docs/results/gateway/fleet/); rounded up, so the budget is an upper bound.
-BYTES_PER_ENTRY = 192
+# Bytes one (page hash, medium) key is counted as: a PageTable slot is 24 bytes at 45-70% load
+# (34-53 bytes a page), and a page several workers hold costs ~100-250 bytes more (its mask).
+# tracemalloc measured 39-51 at 8 to 1,000 workers (tests/gateway/test_index_table.py, the
+# fleet benchmark, docs/results/gateway/fleet/); 128 leaves room for shared pages.
+BYTES_PER_ENTRY = 128
+# A stored or removed event this long goes to the table in numpy (snapshots: 4,096 pages a batch;
+# live batches of a busy worker: tens); shorter ones page by page (numpy's fixed cost per call,
+# ~20-40 us, is more than a few probes in Python).
+_BULK_PAGES = 32
 # Seconds between two "index full" warnings.
 _FULL_WARNING_INTERVAL_S = 60.0
 
@@ -71,7 +77,8 @@ class _Worker:
     needs_resync: bool = False
     in_snapshot: bool = False
     last_seen: float = 0.0
-    pages: tuple[set[bytes], set[bytes], set[bytes]] = field(default_factory=lambda: (set(), set(), set()))
+    # Pages held per medium (the tables hold which).
+    held: list[int] = field(default_factory=lambda: [0, 0, 0])
 
 
 class KvIndex:
@@ -81,7 +88,7 @@ class KvIndex:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or IndexConfig()
         self._clock = clock
-        self._masks: tuple[dict[bytes, int], dict[bytes, int], dict[bytes, int]] = ({}, {}, {})
+        self._tables = (PageTable(), PageTable(), PageTable())
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
         self._free_slots: list[int] = []
@@ -131,7 +138,7 @@ class KvIndex:
         if w is None:
             return None
         return WorkerInfo(w.pool_id, w.epoch, w.last_seq, w.needs_resync, w.in_snapshot, w.last_seen,
-                          (len(w.pages[0]), len(w.pages[1]), len(w.pages[2])))
+                          tuple(w.held))
 
     def last_seen(self, pool_id: str) -> float | None:
         """When the worker's stream last delivered anything; None when unknown. (What routing
@@ -142,7 +149,7 @@ class KvIndex:
     def pages(self, pool_id: str, medium: int) -> frozenset[bytes]:
         """The page hashes the index holds for a worker on a medium (for tests and debugging)."""
         w = self._workers.get(pool_id)
-        return frozenset(w.pages[_TIER[medium]]) if w else frozenset()
+        return frozenset(self._tables[_TIER[medium]].hashes_of(w.slot)) if w else frozenset()
 
     def confidence(self, pool_id: str, now: float | None = None) -> float:
         """How much to trust a worker's entries: 1 when fresh and in sync, less when stale."""
@@ -165,7 +172,7 @@ class KvIndex:
 
     def __len__(self) -> int:
         """(page hash, medium) keys held."""
-        return len(self._masks[0]) + len(self._masks[1]) + len(self._masks[2])
+        return len(self._tables[0]) + len(self._tables[1]) + len(self._tables[2])
 
     # ----- stream ------------------------------------------------------------------------------
 
@@ -234,61 +241,51 @@ class KvIndex:
         return ApplyResult(ApplyStatus.RESYNC, w.pool_id, reason, w.epoch, after)
 
     def _apply_events(self, w: _Worker, events: Sequence[events_pb2.KvEvent]) -> int:
-        masks, pages, bit, nbit = self._masks, w.pages, w.bit, ~w.bit
+        """Consecutive stored (or removed) events of one medium are applied as one run, so that a
+        live batch of many small events takes the numpy path as a snapshot does; the order of
+        stores and removals is kept (a run ends where the kind or the medium changes)."""
         n = 0
+        run: list[bytes] = []
+        run_key: tuple[str, int] | None = None
         for ev in events:
             kind = ev.WhichOneof("event")
-            if kind == "stored":
-                tier = _TIER.get(ev.stored.medium)
-                if tier is None:
-                    continue
-                # One bytes object per hash, shared by the mask dict and the worker's set (the
-                # repeated field builds a new one on every iteration).
-                hashes = list(ev.stored.block_hashes)
-                d = masks[tier]
-                for h in hashes:
-                    # pop + insert moves the key to the end: insertion order = last stored. A
-                    # page held by one worker shares that worker's `bit` object (no new int).
-                    old = d.pop(h, 0)
-                    d[h] = old | bit if old else bit
-                pages[tier].update(hashes)
-                n += len(hashes)
-            elif kind == "removed":
-                tier = _TIER.get(ev.removed.medium)
-                if tier is None:
-                    continue
-                hashes = ev.removed.block_hashes
-                d, mine = masks[tier], pages[tier]
-                for h in mine.intersection(hashes):  # held ones, each once
-                    m = d[h] & nbit
-                    if m:
-                        d[h] = self._compact(m)
-                    else:
-                        del d[h]
-                mine.difference_update(hashes)
-                n += len(hashes)
-            elif kind == "cleared":
+            if kind == "cleared":
+                n += self._apply_run(w, run_key, run)
+                run, run_key = [], None
                 self._clear(w)
-        return n
+                continue
+            body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
+            tier = None if body is None else _TIER.get(body.medium)
+            if tier is None:
+                continue
+            if run_key != (kind, tier):
+                n += self._apply_run(w, run_key, run)
+                run, run_key = [], (kind, tier)
+            run.extend(body.block_hashes)
+        return n + self._apply_run(w, run_key, run)
+
+    def _apply_run(self, w: _Worker, key: tuple[str, int] | None, hashes: list[bytes]) -> int:
+        if key is None or not hashes:
+            return 0
+        kind, tier = key
+        table = self._tables[tier]
+        if kind == "stored":
+            # add() restamps a page already held: its eviction order is the last store.
+            if len(hashes) >= _BULK_PAGES:
+                w.held[tier] += table.add_many(hashes, w.slot)
+            else:
+                w.held[tier] += sum(table.add(h, w.slot) for h in hashes)
+        elif len(hashes) >= _BULK_PAGES:
+            w.held[tier] -= table.discard_many(hashes, w.slot)
+        else:
+            w.held[tier] -= sum(table.discard(h, w.slot) for h in hashes)
+        return len(hashes)
 
     def _clear(self, w: _Worker) -> None:
-        nbit = ~w.bit
-        for tier, mine in enumerate(w.pages):
-            d = self._masks[tier]
-            for h in mine:
-                m = d[h] & nbit
-                if m:
-                    d[h] = self._compact(m)
-                else:
-                    del d[h]
-            mine.clear()
-
-    def _compact(self, mask: int) -> int:
-        """A mask left with one holder becomes that worker's own `bit` object (a shared int
-        instead of one per page: up to 160 bytes at 1,000 workers)."""
-        if mask & (mask - 1):
-            return mask
-        return self._by_slot[mask.bit_length() - 1].bit
+        for tier, table in enumerate(self._tables):
+            if w.held[tier]:  # a scan of the table, so only when the worker holds something
+                table.clear_slot(w.slot)
+                w.held[tier] = 0
 
     def _evict(self) -> None:
         cap = self.capacity()
@@ -298,13 +295,13 @@ class KvIndex:
         for tier in _EVICT_ORDER:
             if excess <= 0:
                 return
-            d = self._masks[tier]
-            dropped = victims(d, excess)
-            for h in dropped:
-                for slot in bit_positions(d.pop(h)):
-                    self._by_slot[slot].pages[tier].discard(h)
-            excess -= len(dropped)
-            self.evicted_entries += len(dropped)
+            table = self._tables[tier]
+            before = len(table)
+            for slot, count in table.evict(excess).items():
+                self._by_slot[slot].held[tier] -= count
+            dropped = before - len(table)
+            excess -= dropped
+            self.evicted_entries += dropped
 
     def _warn_full(self, cap: int, excess: int) -> None:
         now = self._clock()
@@ -335,37 +332,31 @@ class KvIndex:
         after its device run ended (their load cost is then overestimated, never the reverse).
         Workers missing from the answer match nothing.
         """
-        dev, host, rem = self._masks
+        dev, host, rem = self._tables
         everyone = self._all
         if not everyone or not hashes:
             return {}
-        dev_end = self._device_runs(hashes)
-        host_end = dev_end if not host else runs(hashes, dev_end, lambda h: host.get(h, 0) | dev.get(h, 0))
-        rem_end = host_end if not rem else runs(
-            hashes, host_end, lambda h: everyone if h in rem else host.get(h, 0) | dev.get(h, 0))
+        # Every page's holders in one vectorised probe per medium; ends past 0 only (see `runs`):
+        # workers holding none of the first page cost nothing.
+        devm = dev.masks(hashes)
+        dev_end = runs(devm, {}, first=everyone)
+        anym = devm if not len(host) else [d | h for d, h in zip(devm, host.masks(hashes))]
+        host_end = dev_end if anym is devm else runs(anym, dev_end, first=_others(everyone, dev_end))
+        rem_end = host_end if not len(rem) else runs(
+            [everyone if r else a for r, a in zip(rem.masks(hashes), anym)], host_end,
+            first=_others(everyone, host_end))
         now = self._clock() if now is None else now
         out: dict[str, PrefixMatch] = {}
         for slot, r_end in rem_end.items():
             if r_end:
-                d_end, h_end = dev_end[slot], host_end[slot]
+                d_end, h_end = dev_end.get(slot, 0), host_end.get(slot, 0)
                 w = self._by_slot[slot]
                 out[w.pool_id] = PrefixMatch(d_end, h_end - d_end, r_end - h_end, self._confidence(w, now))
         return out
 
-    def _device_runs(self, hashes: Sequence[bytes]) -> dict[int, int]:
-        """Leading device pages per worker slot. While many workers still match, one mask AND per
-        page; once few do, each one's own page set is probed a slice at a time (set.issuperset
-        runs in C, ~6x cheaper per page than a dict lookup in the loop)."""
-        dev, n = self._masks[0], len(hashes)
-        alive, i = self._all, 0
-        ends: dict[int, int] = {}
-        while i < n and alive.bit_count() > SET_PROBE_WORKERS:
-            m = dev.get(hashes[i], 0)
-            if alive & m != alive:
-                for slot in bit_positions(alive & ~m):
-                    ends[slot] = i
-                alive &= m
-            i += 1
-        for slot in bit_positions(alive):
-            ends[slot] = run_in(self._by_slot[slot].pages[0], hashes, i)
-        return ends
+
+def _others(everyone: int, ends: dict[int, int]) -> int:
+    """The slots of `everyone` that have no entry in `ends` (they start the next run at 0)."""
+    for slot in ends:
+        everyone &= ~(1 << slot)
+    return everyone

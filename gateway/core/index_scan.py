@@ -1,9 +1,8 @@
-"""Stateless scans of the KV index's masks and sets (gateway/core/index.py): set bits, runs of
-held pages per worker, eviction victims."""
+"""Stateless scans of the KV index's masks (gateway/core/index.py): set bits, runs of held pages
+per worker."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from itertools import islice
+from collections.abc import Iterator, Sequence
 
 
 def bit_positions(mask: int) -> Iterator[int]:
@@ -14,50 +13,31 @@ def bit_positions(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-SET_PROBE_WORKERS = 4
+def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[int, int]:
+    """For each worker slot, the first page at or after its start whose mask (the slots
+    holding it: masks[i] for page i) lacks its bit.
 
-
-def victims(d: dict[bytes, int], n: int) -> list[bytes]:
-    """Up to n keys to drop from the least recently stored 2n: pages one worker holds first, then
-    the oldest shared ones (a power of two has one bit set)."""
-    window = list(islice(d, 2 * n))
-    single = [h for h in window if not d[h] & (d[h] - 1)]
-    if len(single) >= n:
-        return single[:n]
-    shared = [h for h in window if d[h] & (d[h] - 1)]
-    return single + shared[:n - len(single)]
-
-
-def run_in(pages: set[bytes], hashes: Sequence[bytes], i: int) -> int:
-    """First position >= i whose hash is not in `pages` (len(hashes) when none)."""
-    n, step = len(hashes), 32
-    while i < n:
-        stop = min(n, i + step)
-        if not pages.issuperset(hashes[i:stop]):
-            while hashes[i] in pages:
-                i += 1
-            return i
-        i, step = stop, min(step * 2, 1024)
-    return n
-
-
-def runs(hashes: Sequence[bytes], starts: dict[int, int], mask_of: Callable[[bytes], int]) -> dict[int, int]:
-    """For each worker slot, the first page at or after starts[slot] whose mask lacks its bit."""
-    joining: dict[int, int] = {}
+    Slots start at starts[slot], and the slots of the mask `first` at 0. Only ends past 0 are
+    returned (a slot missing from the answer ends at 0), so a request whose first page few
+    workers hold costs O(pages + those workers), not O(all workers)."""
+    joining: dict[int, int] = {0: first} if first else {}
     for slot, pos in starts.items():
         joining[pos] = joining.get(pos, 0) | (1 << slot)
     ends: dict[int, int] = {}
-    alive, n = 0, len(hashes)
+    if not joining:
+        return ends
+    alive, n = 0, len(masks)
     for i in range(min(joining), n):
         alive |= joining.pop(i, 0)
         if not alive:
             if not joining:
                 return ends
             continue
-        m = mask_of(hashes[i])
+        m = masks[i]
         if alive & m != alive:
-            for slot in bit_positions(alive & ~m):
-                ends[slot] = i
+            if i:
+                for slot in bit_positions(alive & ~m):
+                    ends[slot] = i
             alive &= m
     for pos, mask in joining.items():  # runs that started at the very end
         alive |= mask

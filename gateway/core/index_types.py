@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class IndexConfig:
     # Memory the index may use, in MiB: its bound is memory_budget_mb / BYTES_PER_ENTRY keys
-    # (--index-memory-mb). 1024 MiB: ~5.6M keys.
+    # (--index-memory-mb). 1024 MiB: ~8.4M keys.
     memory_budget_mb: float = 1024.0
     # Explicit bound on (page hash, medium) keys; 0 = from memory_budget_mb.
     max_entries: int = 0

@@ -73,6 +73,10 @@ class RoutedPrefixes:
             start += 1
         return start
 
+    def holders(self, h: bytes) -> list[str]:
+        """The workers remembering page `h` (the only ones whose run from page 0 is not empty)."""
+        return [self._names[slot] for slot in bit_positions(self._holders.get(h, 0))]
+
     def size(self, worker: str) -> int:
         """Pages remembered for a worker."""
         lru = self._lru.get(worker)

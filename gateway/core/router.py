@@ -1,16 +1,20 @@
 """The routing state of the gateway behind one lock: the workers it may route to, the global KV
 index their event streams feed, the policy, and the load tracker (design.md §6).
 
-Event feeds (one thread per worker), Generate calls and the preview RPCs all meet here, and
-`KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access to them holds
-`Router.lock`. Hashing a prompt is done by the caller, outside the lock.
+Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
+all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
+to them holds `Router.lock`. Ingest holds it for bounded slices (`apply_stream_items`) and lets a
+waiting routing decision go first between them (`yield_to_routing`). Hashing a prompt is done by
+the caller, outside the lock.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
@@ -67,6 +71,9 @@ class Router:
         self._clock = clock
         self._workers: dict[str, Worker] = {}
         self._calls: dict[str, Worker] = {}  # routed request id -> its worker
+        # One entry per routing call waiting for or holding the lock (deque: atomic append and
+        # pop across threads); bulk ingest steps aside while it is not empty.
+        self._deciding: deque[None] = deque()
         metrics.watch(self._gauges)
 
     # ----- workers -----------------------------------------------------------------------------
@@ -134,23 +141,47 @@ class Router:
     def on_stream_item(self, name: str, item: cpb.SubscribeResponse) -> ApplyResult | None:
         """Applies one item of a worker's event stream; a RESYNC result says where to resume.
         None when the worker is no longer routed to."""
+        return self.apply_stream_items([(name, item)])[0]
+
+    def apply_stream_items(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
+                           ) -> list[ApplyResult | None]:
+        """Applies items of any workers' streams in order under one hold of the lock: the caller
+        (gateway/core/feeds.py) bounds how many page events that is, and calls
+        `yield_to_routing` between holds."""
         with self.lock:
-            worker = self._workers.get(name)
-            if worker is None:
-                return None
-            if item.WhichOneof("item") == "batch":
-                result = self.index.apply(item.batch)
-            else:
-                result = self.index.heartbeat(item.heartbeat)
-                self.load.report(name, item.heartbeat.load)
-            if result.status is ApplyStatus.RESYNC:
-                worker.synced = False
-            elif result.status is ApplyStatus.APPLIED:
-                info = self.index.info(name)
-                worker.synced = info is not None and not info.in_snapshot
+            results = [self._apply_item(name, item) for name, item in items]
+        for result in results:
+            if result is not None and result.status is ApplyStatus.RESYNC:
+                self.metrics.resyncs.labels(result.pool_id).inc()
+        return results
+
+    def _apply_item(self, name: str, item: cpb.SubscribeResponse) -> ApplyResult | None:
+        worker = self._workers.get(name)
+        if worker is None:
+            return None
+        if item.WhichOneof("item") == "batch":
+            result = self.index.apply(item.batch)
+        else:
+            result = self.index.heartbeat(item.heartbeat)
+            self.load.report(name, item.heartbeat.load)
         if result.status is ApplyStatus.RESYNC:
-            self.metrics.resyncs.labels(name).inc()
+            worker.synced = False
+        elif result.status is ApplyStatus.APPLIED:
+            info = self.index.info(name)
+            worker.synced = info is not None and not info.in_snapshot
         return result
+
+    def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
+        """Bulk ingest calls this between two holds of the lock: while a routing decision waits
+        for the lock, the caller sleeps (its GIL released) so that the decision takes the lock
+        first instead of the next ingest slice (a plain Lock is not fair)."""
+        deadline = None
+        while self._deciding:
+            if deadline is None:
+                deadline = time.perf_counter() + max_wait_s
+            elif time.perf_counter() > deadline:
+                return
+            time.sleep(0.00005)
 
     def resume_point(self, name: str) -> tuple[int, int]:
         """Where a worker's broken stream picks up: SubscribeRequest(epoch, after_seq) right after
@@ -179,10 +210,20 @@ class Router:
         # cache knowledge rather than refuse work the workers may still do.
         return [w.name for w in usable if w.up], True
 
+    @contextmanager
+    def _decision_lock(self) -> Iterator[None]:
+        """`self.lock` for the calls on a request's path, which bulk ingest lets go first."""
+        self._deciding.append(None)
+        try:
+            with self.lock:
+                yield
+        finally:
+            self._deciding.pop()
+
     def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> Route | None:
         """Chooses a worker and counts the request on it (`finish` undoes that). None when no
         worker can take it."""
-        with self.lock:
+        with self._decision_lock():
             candidates, blind = self._candidates(exclude, request.tokenizer_fingerprint)
             if not candidates:
                 return None
@@ -228,12 +269,12 @@ class Router:
         return pinned if (mine.device_pages if mine else 0) >= best else None
 
     def first_token(self, request_id: str) -> None:
-        with self.lock:
+        with self._decision_lock():
             self.load.on_first_token(request_id)
 
     def finish(self, request_id: str) -> None:
         """The routed call ended (finished, failed or cancelled)."""
-        with self.lock:
+        with self._decision_lock():
             self.load.on_finish(request_id)
             worker = self._calls.pop(request_id, None)
             if worker is None:

@@ -1,27 +1,31 @@
 """Worker lifecycle: discovered address -> identified worker -> admitted into the router, with a
 readiness probe and an event feed; and back out when it leaves (design.md §6).
 
-Per address, one thread (`WorkerHandle._run`):
+Every worker runs as coroutines on the one `FeedLoop` (gateway/core/feeds.py: one asyncio
+thread with grpc.aio, plus a fixed pool of 4 threads for the calls that only exist blocking), so
+the gateway's thread count does not grow with its workers. Per address (`WorkerHandle._run`):
 1. identify: GetModelInfo until it answers (the worker may still be loading its model);
 2. admit: its model id and page size must be the fleet's (`Fleet`), else it is refused with a
    logged reason and asked again later (the address may get another worker); its tokenizer is
    compared with the gateway's, which the first worker with one gives a gateway started with
    `--tokenizer auto` (gateway/core/tokenize.py): a worker with another tokenizer is admitted for
    token-id prompts only;
-3. follow: a second thread feeds its cache service's event stream for its pool into the router,
-   resubscribing from where the index says when it reports a gap or a new epoch, and after a
-   broken stream from the last batch applied (the cache service replays its buffer, or sends a
-   snapshot when the buffer has moved past that point); this thread
-   probes the worker's `readiness` health, so a dead or draining worker stops being routed to.
-   A third holds a health `Watch` on `readiness`: a worker that starts draining (SIGTERM:
-   readiness NOT_SERVING, design.md §8) is out of the routing within a round trip, before it
-   starts refusing new requests `--drain-delay-s` later, instead of up to a probe interval
-   later; the probes remain the fallback, and the only way back up (after re-identifying).
-   A worker that comes back under another pool id (restarted elsewhere, new pod on the same
-   address) is removed and admitted again under its new name.
+3. follow: a feed task subscribes to its cache service's event stream for its pool and queues
+   the decoded items for bulk apply (`feeds.follow_events`), resubscribing from where the index
+   says when it reports a gap or a new epoch, and after a broken stream from the last batch
+   received (the cache service replays its buffer, or sends a snapshot when the buffer has moved
+   past that point); the handle probes the worker's `readiness` health, so a dead or draining
+   worker stops being routed to. A watch task holds a health `Watch` on `readiness`: a worker
+   that starts draining (SIGTERM: readiness NOT_SERVING, design.md §8) is out of the routing
+   within a round trip, before it starts refusing new requests `--drain-delay-s` later, instead
+   of up to a probe interval later; the probes remain the fallback, and the only way back up
+   (after re-identifying). A worker that comes back under another pool id (restarted elsewhere,
+   new pod on the same address) is removed and admitted again under its new name.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -31,14 +35,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.discovery import WorkerAddress
-from gateway.core.index import ApplyStatus
-from gateway.core.router import Router, Worker, log_resync
+from gateway.core.feeds import Feed, FeedLoop, StreamSettings, aio_channel, token_metadata
+from gateway.core.router import Router, Worker
 from gateway.core.tokenize import GatewayTokenizer
+from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
-from prefixcache_client.cache import CacheClient, CacheClientError
-from prefixcache_client.compute import ComputeClient, ComputeClientError
-from service_shell import TlsConfig, channel_options, kv, open_channel
-from service_shell.retry import WORKER_RETRY, RetryPolicy
+from prefixcache.v1.compute_service_pb2_grpc import ComputeServiceStub as ComputeStub
+from prefixcache_client.compute import ComputeClient
+from service_shell import TlsConfig, channel_options, kv
+from service_shell.retry import SUBSCRIBE_RETRY, WORKER_RETRY, RetryPolicy
 
 log = logging.getLogger("gateway.workers")
 
@@ -58,8 +63,14 @@ class WorkerSettings:
     heartbeat_interval_s: float = 1.0
     # Seconds before a refused worker (another model) is identified again.
     refused_retry_s: float = 30.0
-    # Between attempts of each worker thread's identify, health-watch and event-feed loops.
+    # Between attempts of each worker's identify and health-watch loops.
     backoff: RetryPolicy = WORKER_RETRY
+    # Between attempts to reopen a worker's event stream.
+    stream_backoff: RetryPolicy = SUBSCRIBE_RETRY
+
+    def stream_settings(self) -> StreamSettings:
+        return StreamSettings(self.heartbeat_interval_s, self.stream_backoff,
+                              token_metadata(self.service_token))
 
 
 class Fleet:
@@ -99,100 +110,102 @@ class Fleet:
 
 
 class WorkerHandle:
-    """One discovered address; see the module docstring. `stop()` from any thread."""
+    """One discovered address; see the module docstring. `start()` and `stop()` from any thread
+    but the loop's."""
 
     def __init__(self, address: WorkerAddress, router: Router, fleet: Fleet,
-                 settings: WorkerSettings) -> None:
+                 settings: WorkerSettings, feeds: FeedLoop) -> None:
         self.address = address
-        self._router, self._fleet, self._settings = router, fleet, settings
-        s = settings
-        self.cache = CacheClient(address.cache, timeout_s=s.rpc_timeout_s,
-                                 max_message_mb=s.max_message_mb, tls=s.tls,
-                                 service_token=s.service_token)
-        self._health_channel = open_channel(address.compute, channel_options(1), tls=s.tls)
-        self._health = health_pb2_grpc.HealthStub(self._health_channel)
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"worker-{address.compute}",
-                                        daemon=True)
+        self._router, self._fleet, self._settings, self._feeds = router, fleet, settings, feeds
+        self._future: concurrent.futures.Future[None] | None = None
         self.name: str | None = None
 
     def start(self) -> WorkerHandle:
-        self._thread.start()
+        self._future = self._feeds.submit(self._run())
         return self
 
     def stop(self) -> None:
-        """Leaves the routing now; the threads end on their own."""
-        self._stopped.set()
-        self.cache.close()  # ends the subscription, so the feed thread returns
+        """Leaves the routing now (the lifecycle task is cancelled; its cleanup runs on the loop)."""
+        if self._future is not None:
+            self._feeds.loop.call_soon_threadsafe(self._future.cancel)
 
     def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
+        if self._future is not None:
+            concurrent.futures.wait([self._future], timeout_s)
 
     # ----- lifecycle ---------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
+        s = self._settings
+        # grpc.aio channels (the loop's): health and GetModelInfo at the compute port, events at
+        # the cache port. The sync `ComputeClient` is the proxy's, for Generate.
+        compute = aio_channel(self.address.compute, channel_options(1), s.tls)
+        cache = aio_channel(self.address.cache, channel_options(s.max_message_mb), s.tls)
+        identify = ComputeStub(compute).GetModelInfo
         try:
-            while not self._stopped.is_set():
-                s = self._settings
+            while True:
                 # One client per admission: the router closes it once the worker it was
                 # admitted as is removed and its last call ended.
                 client = ComputeClient(self.address.compute, timeout_s=s.rpc_timeout_s,
                                        max_message_mb=s.max_message_mb, tls=s.tls,
                                        service_token=s.service_token)
-                info = self._identify(client)
-                reason = "stopped" if info is None else self._fleet.admit(info,
-                                                                        self.address.compute)
+                info = await self._identify(identify)
+                reason = self._fleet.admit(info, self.address.compute)
                 if reason is not None:
                     client.close()
-                    if info is None:
-                        return
                     log.warning(kv("worker_refused", address=self.address.compute,
                                    worker=info.worker, reason=reason))
-                    self._stopped.wait(s.refused_retry_s)
+                    await asyncio.sleep(s.refused_retry_s)
                     continue
-                self._follow(info, client)
+                await self._follow(info, client, identify, health_pb2_grpc.HealthStub(compute),
+                                   cpb_grpc.CacheServiceStub(cache))
+        except asyncio.CancelledError:
+            raise
         except Exception:  # a bug here must not go unnoticed, nor take the gateway down
-            log.exception(kv("worker_thread_failed", address=self.address.compute))
+            log.exception(kv("worker_task_failed", address=self.address.compute))
         finally:
-            self._health_channel.close()
+            await asyncio.gather(compute.close(), cache.close(), return_exceptions=True)
 
-    def _identify(self, client: ComputeClient) -> pb.GetModelInfoResponse | None:
+    async def _identify(self, identify: Callable) -> pb.GetModelInfoResponse:
         failures = 0
         backoff = self._settings.backoff
-        while not self._stopped.is_set():
+        while True:
             try:
-                return client.model_info()
-            except ComputeClientError as exc:
+                return await self._model_info(identify)
+            except grpc.aio.AioRpcError as exc:
                 failures += 1
                 if failures == 1 or failures % 20 == 0:
                     log.info(kv("worker_not_answering", address=self.address.compute,
-                                code=exc.status.name, message=exc.message, attempts=failures))
-                self._stopped.wait(backoff.delay(failures))
-        return None
+                                code=exc.code().name, message=exc.details(), attempts=failures))
+                await asyncio.sleep(backoff.delay(failures))
 
-    def _follow(self, info: pb.GetModelInfoResponse, client: ComputeClient) -> None:
+    async def _model_info(self, identify: Callable) -> pb.GetModelInfoResponse:
+        s = self._settings
+        return await identify(pb.GetModelInfoRequest(), timeout=s.rpc_timeout_s,
+                              metadata=token_metadata(s.service_token))
+
+    async def _follow(self, info: pb.GetModelInfoResponse, client: ComputeClient,
+                      identify: Callable, health: health_pb2_grpc.HealthStub,
+                      cache: cpb_grpc.CacheServiceStub) -> None:
         name = self.name = info.worker
-        tokenizer = self._fleet.tokenizer
+        tokenizer, s = self._fleet.tokenizer, self._settings
         # Before it is routed to: text prompts after readiness find the tokenizer known.
-        tokenizer.worker_joined(name, info, client)
+        await self._feeds.blocking(tokenizer.worker_joined, name, info, client)
         worker = Worker(name, self.address.compute, self.address.cache, client, info)
         self._router.add(worker)
         log.info(kv("worker_added", worker=name, address=self.address.compute,
                     cache=self.address.cache, model=info.model_id, page_size=info.page_size,
                     device_pages=info.device_pages, host_pages=info.host_pages))
-        left = threading.Event()  # tells the feed this registration ended
-        feed = threading.Thread(target=self._feed, args=(name, left), name=f"feed-{name}",
-                                daemon=True)
-        feed.start()
-        watches: list[grpc.Future] = []  # the current Watch call, cancelled when it left
-        threading.Thread(target=self._watch, args=(name, left, watches), name=f"watch-{name}",
-                         daemon=True).start()
+        feed = Feed(name)
+        tasks = [asyncio.create_task(self._feeds.follow(cache, feed, s.stream_settings())),
+                 asyncio.create_task(self._watch(name, health))]
         try:
-            while not self._stopped.wait(self._settings.probe_interval_s):
-                tokenizer.learn(name, info, client)  # no-op once known; retries a failed fetch
-                up = self._ready()
+            while True:
+                await asyncio.sleep(s.probe_interval_s)
+                await self._feeds.blocking(tokenizer.learn, name, info, client)  # no-op once known
+                up = await self._ready(health)
                 if up and not worker.up:
-                    again = self._identify_quietly(client)
+                    again = await self._identify_quietly(identify)
                     if again is not None and again.worker != name:
                         log.info(kv("worker_renamed", address=self.address.compute, old=name,
                                     new=again.worker))
@@ -200,105 +213,58 @@ class WorkerHandle:
                 if self._router.set_up(name, up):
                     log.info(kv("worker_up" if up else "worker_down", worker=name))
         finally:
-            left.set()
-            for call in list(watches):
-                call.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             self._router.remove(name)
             tokenizer.worker_left(name)
             self._fleet.release(name, self.address.compute)
             log.info(kv("worker_removed", worker=name, address=self.address.compute))
 
-    def _watch(self, name: str, left: threading.Event, watches: list) -> None:
+    async def _watch(self, name: str, health: health_pb2_grpc.HealthStub) -> None:
         """Takes the worker out of the routing the moment its readiness turns NOT_SERVING (it
         drains), as a health Watch stream reports it; reconnects after a failure."""
         failures = 0
         backoff = self._settings.backoff
-        done: Callable[[], bool] = lambda: left.is_set() or self._stopped.is_set()
-        while not done():
-            call = None
+        while True:
+            call = health.Watch(health_pb2.HealthCheckRequest(service="readiness"))
             try:
-                call = self._health.Watch(health_pb2.HealthCheckRequest(service="readiness"))
-                watches[:] = [call]
-                if done():  # left between the check and the registration: none would cancel it
-                    return
-                for resp in call:
+                async for resp in call:
                     failures = 0
                     if resp.status != _SERVING and self._router.set_up(name, False):
                         status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
                         log.info(kv("worker_down", worker=name, reason=f"readiness {status}"))
-            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
+            except grpc.aio.AioRpcError:
                 pass
             finally:
-                if call is not None:
-                    call.cancel()
+                call.cancel()
             failures += 1
-            self._stopped.wait(backoff.delay(failures))
+            await asyncio.sleep(backoff.delay(failures))
 
-    def _ready(self) -> bool:
+    async def _ready(self, health: health_pb2_grpc.HealthStub) -> bool:
         try:
-            resp = self._health.Check(health_pb2.HealthCheckRequest(service="readiness"),
+            resp = await health.Check(health_pb2.HealthCheckRequest(service="readiness"),
                                       timeout=self._settings.rpc_timeout_s)
-        except grpc.RpcError:
+        except grpc.aio.AioRpcError:
             return False
         return resp.status == _SERVING
 
-    @staticmethod
-    def _identify_quietly(client: ComputeClient) -> pb.GetModelInfoResponse | None:
+    async def _identify_quietly(self, identify: Callable) -> pb.GetModelInfoResponse | None:
         try:
-            return client.model_info()
-        except ComputeClientError:
+            return await self._model_info(identify)
+        except grpc.aio.AioRpcError:
             return None
-
-    # ----- event stream ------------------------------------------------------------------------
-
-    def _feed(self, name: str, left: threading.Event) -> None:
-        """Follows the pool's event stream into the router until the worker leaves."""
-        epoch, after_seq, failures = 0, -1, 0
-        backoff = self._settings.backoff
-        done: Callable[[], bool] = lambda: left.is_set() or self._stopped.is_set()
-        while not done():
-            sub = self.cache.subscribe(name, epoch=epoch, after_seq=after_seq,
-                                       heartbeat_interval_s=self._settings.heartbeat_interval_s)
-            try:
-                for item in sub:
-                    result = self._router.on_stream_item(name, item)
-                    if result is None or done():
-                        return
-                    failures = 0
-                    if result.status is ApplyStatus.RESYNC:
-                        log_resync(name, result)
-                        epoch, after_seq = result.resume_epoch, result.resume_after_seq
-                        break
-                else:  # the cache service ended the stream: the pool was unregistered
-                    if done():
-                        return
-                    log.info(kv("stream_ended", worker=name, reason="pool unregistered"))
-                    epoch, after_seq, failures = 0, -1, failures + 1
-                    self._stopped.wait(backoff.delay(failures))
-            except ValueError:  # grpc: "RPC on closed channel": stop() closed the client
-                return
-            except CacheClientError as exc:
-                if done():
-                    return
-                failures += 1
-                # Resume where the index stopped: a replay of the missed batches, not a
-                # snapshot of the whole pool (the cache service decides, by its buffer).
-                epoch, after_seq = self._router.resume_point(name)
-                log.warning(kv("stream_failed", worker=name, code=exc.status.name,
-                               message=exc.message, attempts=failures, resume_epoch=epoch,
-                               resume_after_seq=after_seq))
-                self._stopped.wait(backoff.delay(failures))
-            finally:
-                sub.close()
 
 
 class WorkerSet:
-    """The handles of the addresses `source()` returns, reconciled by `refresh()`."""
+    """The handles of the addresses `source()` returns, reconciled by `refresh()`; their tasks
+    run on one `FeedLoop`, which `close()` ends."""
 
     def __init__(self, source: Callable[[], list[WorkerAddress]], router: Router, fleet: Fleet,
-                 settings: WorkerSettings) -> None:
+                 settings: WorkerSettings, feeds: FeedLoop | None = None) -> None:
         self._source = source
         self._router, self._fleet, self._settings = router, fleet, settings
+        self.feeds = feeds if feeds is not None else FeedLoop(router)
         self._handles: dict[WorkerAddress, WorkerHandle] = {}
         self._lock = threading.Lock()
 
@@ -312,7 +278,7 @@ class WorkerSet:
             for address in sorted(desired - self._handles.keys()):
                 log.info(kv("worker_address_found", address=address.compute, cache=address.cache))
                 self._handles[address] = WorkerHandle(address, self._router, self._fleet,
-                                                      self._settings).start()
+                                                      self._settings, self.feeds).start()
 
     def addresses(self) -> list[WorkerAddress]:
         with self._lock:
@@ -325,3 +291,4 @@ class WorkerSet:
             handle.stop()
         for handle in handles:
             handle.join(timeout_s)
+        self.feeds.close(timeout_s)

@@ -1,6 +1,7 @@
 """`python -m prefixcache_bench.gateway_fleet --pools 1000 --total-pages 1000000 --json PATH`:
 one configuration (run each in its own process: the index's memory is measured by growth);
-`--summary DIR` tabulates the JSONs of a folder. See run.py for what is measured and how the two
+`--summary DIR` tabulates the JSONs of a folder (w*.json); `--routing-only` times routing
+decisions alone (routing.py; its JSONs are routing_w*.json). See run.py for what is measured and how the two
 cores are split (gateway on core 0, load generator on core 1)."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
@@ -19,6 +21,11 @@ GOALS = {
     "index_bytes_per_page": Goal("<=", 64),
     "restart_to_warm_s": Goal("<=", 5),
 }
+# --routing-only: the decision's own cost with ingest idle, and the index's size.
+ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
+ROUTING_COLUMNS = ("pools", "indexed_pages", "routing_p50_idle_us", "routing_p99_idle_us",
+                   "routing_max_idle_us", "routed_to_holder", "index_bytes_per_page",
+                   "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
@@ -36,6 +43,12 @@ def _flatten(results: dict) -> dict:
     return out
 
 
+def _cores(args: argparse.Namespace) -> str:
+    if args.routing_only:
+        return "one process, unpinned (routing only)"
+    return "gateway process pinned to core 0, load generator to core 1" if not args.no_pin else "unpinned"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixcache_bench.gateway_fleet", description=__doc__)
     p.add_argument("--pools", type=int, default=100)
@@ -44,24 +57,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="live page events over all pools (batches of 64 stored + 64 removed)")
     p.add_argument("--memory-sample-pages", type=int, default=200_000,
                    help="pages of the tracemalloc measurement of bytes per indexed page")
+    p.add_argument("--routing-only", action="store_true",
+                   help="only time routing decisions with ingest idle (snapshots applied directly)")
+    p.add_argument("--decisions", type=int, default=5000, help="timed decisions of --routing-only")
     p.add_argument("--no-pin", action="store_true", help="leave both processes on any core")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
     if args.summary:
-        rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob("*.json"))]
-        rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
-        print(columns_table(COLUMNS, [[r.get(c) for c in COLUMNS] for r in rows]))
+        for pattern, columns in (("w*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS)):
+            rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
+            rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
+            if rows:
+                print(columns_table(columns, [[r.get(c) for c in columns] for r in rows]))
         return 0
     per_pool = args.total_pages // args.pools
     live = max(1, args.live_page_events // (128 * args.pools))
-    results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1)))
+    if args.routing_only:
+        results = routing_only(args.pools, per_pool, args.decisions, live)
+    else:
+        results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1)))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
-    report(results, GOALS, f"gateway index, {args.pools} pools", command,
-           machine_info({"cores": "gateway process pinned to core 0, load generator to core 1"
-                         if not args.no_pin else "unpinned"}, watched=["gateway", "prefixcache_client"]),
+    goals = ROUTING_GOALS if args.routing_only else GOALS
+    report(results, goals, f"gateway index, {args.pools} pools", command,
+           machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
            args.json)
     return 0
 

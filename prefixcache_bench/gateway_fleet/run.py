@@ -1,8 +1,9 @@
 """One configuration of the fleet benchmark: N pools streamed by the load generator (its own
 process, pinned to one core) into one gateway's Router through the real feed code path
-(WorkerHandle._feed: CacheClient.subscribe, Router.on_stream_item), the gateway pinned to the
-other core, while a routing thread times Router.route. Phases: warm (every pool's snapshot
-applied: restart-to-warm), then live (every pool's recorded live batches applied)."""
+(gateway/core/feeds.py: a grpc.aio channel and `follow_events` per pool on the one `FeedLoop`,
+`BatchApplier` -> `Router.apply_stream_items`), the gateway pinned to the other core, while a
+routing thread times Router.route. Phases: warm (every pool's snapshot applied:
+restart-to-warm), then live (every pool's recorded live batches applied)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -12,16 +13,18 @@ import threading
 import time
 import tracemalloc
 
-from gateway.core.discovery import WorkerAddress
+from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
-from gateway.core.workers import Fleet, WorkerHandle, WorkerSettings
+from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.harness import percentile
+from service_shell import channel_options
 
 PAGE_SIZE = 16
 REQUEST_PAGES = 64  # a 1,024-token prompt: a held conversation or system prompt, then new pages
@@ -127,6 +130,15 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
         server.join(10)
 
 
+async def _follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSettings) -> None:
+    """What WorkerHandle does for a pool's events: its own grpc.aio channel, one feed."""
+    channel = aio_channel(address, channel_options(settings.max_message_mb), None)
+    try:
+        await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed(name), settings.stream_settings())
+    finally:
+        await channel.close()
+
+
 def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
              go) -> dict:
     router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
@@ -134,26 +146,25 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
     for name in names:
         router.add(Worker(name, "bench", address, None, pb.GetModelInfoResponse(worker=name)))
     settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
-    fleet, rss0 = Fleet(None, None), _rss_bytes()
+    rss0 = _rss_bytes()
     timed = _Router(router, pools, pages_per_pool, live_batches)
     timed.thread.start()
     t0 = time.perf_counter()
-    handles = []
+    feeds = FeedLoop(router)
     for name in names:
-        handle, left = WorkerHandle(WorkerAddress("127.0.0.1:9", address), router, fleet, settings), threading.Event()
-        threading.Thread(target=handle._feed, args=(name, left), name=f"feed-{name}", daemon=True).start()
-        handles.append(handle)
+        feeds.submit(_follow(feeds, address, name, settings))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     threads = threading.active_count()
     go.set()  # the load generator streams the live batches now
     t_live = time.perf_counter()
+    slices0 = feeds.applier.slices
     t_done = _wait(router, names, lambda i: i.last_seq == live_batches)
+    slices = feeds.applier.slices - slices0
     rss = _rss_bytes() - rss0
     time.sleep(idle_s)
     timed.stop.set()
     timed.thread.join(10)
-    for handle in handles:
-        handle.stop()
+    feeds.close()
     snap, live = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches) for i in range(pools))))
     st = router.index.stats()
     return {
@@ -166,5 +177,5 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
         "routing_idle": timed.summary(t_done, t_done + idle_s + 1),
         "routed_to_holder": timed.to_holder / max(timed.private, 1),
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
-        "index_evictions": st.evicted_entries,
+        "index_evictions": st.evicted_entries, "live_apply_slices": slices,
     }

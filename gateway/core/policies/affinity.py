@@ -77,9 +77,14 @@ class AffinityPolicy:
     def _matches(self, request: RouteRequest, candidates: Sequence[str],
                  index: KvIndex) -> dict[str, PrefixMatch]:
         matches = index.lookup(request.page_hashes)
-        if self.config.recent_pages_per_worker:
-            hashes = request.page_hashes
-            for worker in candidates:
+        hashes = request.page_hashes
+        if self.config.recent_pages_per_worker and hashes:
+            # Only a worker the index matches, or one remembering the first page, can extend:
+            # O(those workers), not O(candidates).
+            allowed = set(candidates)
+            extendable = [w for w in dict.fromkeys([*matches, *self.recent.holders(hashes[0])])
+                          if w in allowed]
+            for worker in extendable:
                 m = matches.get(worker)
                 start = m.device_pages if m is not None else 0
                 end = self.recent.extend(worker, hashes, start)
@@ -137,7 +142,7 @@ class AffinityPolicy:
         """Each worker's load, overload and the prefill it would still do (its `score` is set
         by `_weigh`)."""
         cfg, page = self.config, request.page_size
-        loads = [load.get(worker) for worker in candidates]
+        loads = load.get_many(candidates)
         mean_recent = sum(wl.recent_prefill_tokens for wl in loads) / len(loads)
         scores = []
         for worker, wl in zip(candidates, loads, strict=True):

@@ -3,7 +3,7 @@ workers' own LoadReports."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gateway.core.policies.base import WorkerLoad
 from prefixcache.v1 import common_pb2
@@ -69,6 +69,21 @@ class LoadTracker:
             del self._routed[rid]
         for table in (self._pending, self._inflight, self._reports, self._recent):
             table.pop(worker, None)
+
+    def get_many(self, workers: Sequence[str], now: float | None = None) -> list[WorkerLoad]:
+        """`get` for each worker, at one instant (a routing decision's candidates)."""
+        now = self._clock() if now is None else now
+        pending, inflight, reports, recent = self._pending, self._inflight, self._reports, self._recent
+        ttl, halflife = self.report_ttl_s, self.recent_halflife_s
+        out = []
+        for worker in workers:
+            queued, running = pending.get(worker, 0), inflight.get(worker, 0)
+            rep = reports.get(worker)
+            if rep is not None and now - rep[0] <= ttl:
+                queued, running = max(queued, rep[1]), max(running, rep[2])
+            value, when = recent.get(worker, (0.0, now))
+            out.append(WorkerLoad(queued, running, value * 0.5 ** ((now - when) / halflife)))
+        return out
 
     def get(self, worker: str, now: float | None = None) -> WorkerLoad:
         now = self._clock() if now is None else now

@@ -1,0 +1,359 @@
+"""Every worker's gRPC streams on one asyncio loop, and their events applied in bulk (design.md §6).
+
+`FeedLoop` is one thread running an asyncio loop (grpc.aio) for all workers' event feeds and
+health checks, plus a small fixed pool for the calls that only exist blocking (GetModelInfo on the
+sync `ComputeClient` the proxy also uses, the tokenizer fetch): the gateway's thread count does
+not grow with its workers (at 1,000 workers the former model ran 3-4 threads per worker).
+
+Ingest off the routing path: a feed (`follow_events`) decodes its stream's items on the loop and
+queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to
+the router in slices of at most `slice_events` page events, each one hold of `Router.lock`,
+releasing it between slices and stepping aside while a routing decision waits for it
+(`Router.yield_to_routing`). A snapshot batch bigger than a slice is cut into several snapshot
+batches (same seq, `snapshot_end` on the last only; the index applies them as one snapshot). A
+live batch is applied whole (its seq is its identity); the cache service's live batches are small.
+
+A feed resumes after a broken stream from the last batch it queued (every queued item is applied
+before the resubscription's), so the cache service replays its buffer and falls back to a
+snapshot only when the buffer no longer holds that point; a RESYNC result (a gap, a new epoch)
+drops what the feed still had queued and resubscribes from where the index says.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from gateway.core.index import ApplyStatus
+from gateway.core.router import Router, log_resync
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
+from prefixcache.v1 import events_pb2
+from service_shell import TlsConfig, kv
+from service_shell.retry import RetryPolicy
+from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
+
+log = logging.getLogger("gateway.feeds")
+
+T = TypeVar("T")
+
+# Page events applied per hold of Router.lock: ~0.5 ms at the index's ~2M events/s.
+SLICE_EVENTS = 1024
+# Items queued and not yet applied before the feeds stop reading (gRPC's flow control then
+# holds the cache services back).
+MAX_PENDING_ITEMS = 4096
+# Threads for the blocking calls (identify, tokenizer fetch): fixed, whatever the workers.
+BLOCKING_THREADS = 4
+
+
+def aio_channel(target: str, options: list[tuple[str, int | str]],
+                tls: TlsConfig | None) -> grpc.aio.Channel:
+    """grpc.aio's channel to `target`, TLS from `tls` as `service_shell.open_channel` does it."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options)
+    return grpc.aio.secure_channel(target, tls.channel_credentials(),
+                                   [*options, *tls.channel_options()])
+
+
+def token_metadata(service_token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((SERVICE_TOKEN_METADATA_KEY, service_token),) if service_token else ()
+
+
+class FeedLoop:
+    """The loop thread and the blocking pool; `close()` ends both (from any other thread)."""
+
+    def __init__(self, router: Router, slice_events: int = SLICE_EVENTS,
+                 blocking_threads: int = BLOCKING_THREADS) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._blocking = concurrent.futures.ThreadPoolExecutor(
+            blocking_threads, thread_name_prefix="gateway-blocking")
+        self._thread = threading.Thread(target=self._run, name="gateway-feeds", daemon=True)
+        self._thread.start()
+        self.applier: BatchApplier = self.run_sync(_make_applier(router, slice_events), 10.0)
+        self.watchdog = StallWatchdog()
+        self.submit(self.applier.run())
+        self.submit(self.watchdog.run())
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Runs `coro` on the loop (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run_sync(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return self.submit(coro).result(timeout_s)
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the blocking pool, awaited on the loop."""
+        return await self.loop.run_in_executor(self._blocking, fn, *args)
+
+    async def follow(self, stub: cpb_grpc.CacheServiceStub, feed: Feed,
+                     settings: StreamSettings) -> None:
+        """One pool's event stream into the router, until cancelled (`follow_events`)."""
+        await follow_events(self.applier, stub, feed, settings, self.watchdog)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self.loop.is_running():
+            return
+        try:
+            self.run_sync(_cancel_all(), timeout_s)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        self._blocking.shutdown(wait=False, cancel_futures=True)
+
+
+async def _make_applier(router: Router, slice_events: int) -> BatchApplier:
+    return BatchApplier(router, slice_events)  # its asyncio events belong to the loop
+
+
+async def _cancel_all() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(eq=False, slots=True)
+class Feed:
+    """One worker's event stream as the applier sees it."""
+    name: str
+    # Bumped on a RESYNC: items queued under an older generation are dropped, not applied.
+    generation: int = 0
+    # Where to resubscribe after a RESYNC result, or None.
+    resync: tuple[int, int] | None = None
+    # The router no longer routes to the worker: the feed ends.
+    ended: bool = False
+    call: Any = None  # the current grpc.aio Subscribe call
+    # Since when the feed waits on its stream (None: not waiting); the watchdog reads it.
+    waiting_since: float | None = None
+    # (epoch, after_seq) the next Subscribe asks for: after the last batch queued.
+    point: tuple[int, int] = (0, -1)
+    failures: int = 0  # stream failures since the last item
+    stall_timeout_s: float = 10.0
+    stalled: bool = False
+
+    def interrupt(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+
+
+def _page_count(event: events_pb2.KvEvent) -> int:
+    kind = event.WhichOneof("event")
+    if kind == "stored":
+        return len(event.stored.block_hashes)
+    return len(event.removed.block_hashes) if kind == "removed" else 0
+
+
+def _with_hashes(template: events_pb2.KvEvent, kind: str, hashes: list[bytes]) -> events_pb2.KvEvent:
+    piece = events_pb2.KvEvent()
+    piece.CopyFrom(template)
+    getattr(piece, kind).block_hashes.extend(hashes)
+    return piece
+
+
+def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.EventBatch]:
+    """A snapshot batch as snapshot batches of at most `limit` page events each (a live batch,
+    or a small one, as is)."""
+    if not batch.snapshot or sum(map(_page_count, batch.events)) <= limit:
+        return [batch]
+    parts: list[list[events_pb2.KvEvent]] = []
+    current: list[events_pb2.KvEvent] = []
+    room = limit
+    for event in batch.events:
+        kind = event.WhichOneof("event")
+        if kind not in ("stored", "removed"):
+            current.append(event)
+            continue
+        hashes = list(getattr(event, kind).block_hashes)
+        template = events_pb2.KvEvent()
+        template.CopyFrom(event)
+        getattr(template, kind).ClearField("block_hashes")
+        i = 0
+        while i < len(hashes):
+            if room == 0:
+                parts.append(current)
+                current, room = [], limit
+            chunk = hashes[i:i + room]
+            current.append(_with_hashes(template, kind, chunk))
+            room -= len(chunk)
+            i += len(chunk)
+    parts.append(current)
+    return [events_pb2.EventBatch(pool_id=batch.pool_id, epoch=batch.epoch, seq=batch.seq,
+                                  snapshot=True, snapshot_end=batch.snapshot_end and k == len(parts) - 1,
+                                  events=p) for k, p in enumerate(parts)]
+
+
+class BatchApplier:
+    """The queue of decoded stream items of every feed, applied in bounded slices."""
+
+    def __init__(self, router: Router, slice_events: int) -> None:
+        self.router, self.slice_events = router, slice_events
+        self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse]] = deque()
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self.applied_items = 0
+        self.slices = 0
+
+    async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
+        if item.WhichOneof("item") == "batch" and item.batch.snapshot:
+            for part in split_snapshot(item.batch, self.slice_events):
+                self._pending.append((feed, feed.generation, cpb.SubscribeResponse(batch=part))
+                                     if part is not item.batch else (feed, feed.generation, item))
+        else:
+            self._pending.append((feed, feed.generation, item))
+        self._wake.set()
+        if len(self._pending) >= MAX_PENDING_ITEMS:
+            self._room.clear()
+            await self._room.wait()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                self._apply_slice(self._take_slice())
+                self.router.yield_to_routing()
+                if len(self._pending) < MAX_PENDING_ITEMS // 2:
+                    self._room.set()
+                await asyncio.sleep(0)  # let the feeds read what arrived meanwhile
+            self._room.set()
+
+    def _take_slice(self) -> list[tuple[Feed, cpb.SubscribeResponse]]:
+        out, budget = [], self.slice_events
+        while self._pending and budget > 0:
+            feed, generation, item = self._pending.popleft()
+            if feed.ended or generation != feed.generation:
+                continue
+            out.append((feed, item))
+            if item.WhichOneof("item") == "batch":
+                budget -= max(1, sum(map(_page_count, item.batch.events)))
+        return out
+
+    def _apply_slice(self, items: list[tuple[Feed, cpb.SubscribeResponse]]) -> None:
+        if not items:
+            return
+        results = self.router.apply_stream_items([(f.name, item) for f, item in items])
+        self.applied_items += len(items)
+        self.slices += 1
+        for (feed, _), result in zip(items, results):
+            if feed.ended or feed.resync is not None:
+                continue
+            if result is None:
+                feed.ended = True
+                feed.interrupt()
+            elif result.status is ApplyStatus.RESYNC:
+                log_resync(feed.name, result)
+                feed.generation += 1
+                feed.resync = (result.resume_epoch, result.resume_after_seq)
+                feed.interrupt()
+
+
+def resume_after(item: cpb.SubscribeResponse, point: tuple[int, int]) -> tuple[int, int]:
+    """Where a broken stream resumes once `item` is applied (Subscription._advance's rule: inside
+    an unfinished snapshot, a new snapshot)."""
+    if item.WhichOneof("item") != "batch":
+        return point
+    batch = item.batch
+    return (batch.epoch, -1) if batch.snapshot and not batch.snapshot_end else (batch.epoch, batch.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    heartbeat_interval_s: float
+    backoff: RetryPolicy
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """A stream that sent nothing, not even a heartbeat, for this long is reopened (a wedged
+        server, a half-open connection keepalive missed): five heartbeats, at least 10 s."""
+        return max(10.0, 5 * (self.heartbeat_interval_s or 1.0))
+
+
+async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, feed: Feed,
+                        settings: StreamSettings, watchdog: StallWatchdog) -> None:
+    """Follows one pool's event stream into the applier until cancelled, or until the router no
+    longer routes to the worker (`feed.ended`)."""
+    feed.stall_timeout_s = settings.stall_timeout_s
+    watchdog.feeds.add(feed)
+    try:
+        while not feed.ended:
+            feed.resync, feed.stalled = None, False
+            feed.call = call = stub.Subscribe(cpb.SubscribeRequest(
+                pool_id=feed.name, epoch=feed.point[0], after_seq=feed.point[1],
+                heartbeat_interval_s=settings.heartbeat_interval_s), metadata=settings.metadata)
+            why: str | None
+            try:
+                why = await _read(applier, feed, call)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling() or not (feed.ended or feed.resync
+                                                                or feed.stalled):
+                    raise
+                why = "stalled" if feed.stalled and not feed.resync else None
+            except grpc.aio.AioRpcError as err:
+                why = f"{err.code().name}: {err.details()}"
+            finally:
+                feed.waiting_since = None
+                call.cancel()
+            if feed.resync is not None:
+                feed.point, feed.failures = feed.resync, 0
+            elif why is not None and not feed.ended:
+                feed.failures += 1
+                log.warning(kv("stream_failed", worker=feed.name, reason=why,
+                               attempts=feed.failures, resume_epoch=feed.point[0],
+                               resume_after_seq=feed.point[1]))
+                await asyncio.sleep(settings.backoff.delay(feed.failures))
+    finally:
+        watchdog.feeds.discard(feed)
+        feed.call = None
+
+
+async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
+    """Reads one Subscribe call to its end, moving `feed.point` past each batch; returns why the
+    stream ended (None: a RESYNC or the worker's removal asked for it, see `feed`)."""
+    while True:
+        feed.waiting_since = time.monotonic()
+        item = await call.read()
+        feed.waiting_since = None
+        if item is grpc.aio.EOF:
+            # The cache service ended the stream: the pool was unregistered (its worker
+            # restarts, or its cache service did); the next registration starts a new epoch.
+            log.info(kv("stream_ended", worker=feed.name, reason="pool unregistered"))
+            feed.point = (0, -1)
+            return "pool unregistered"
+        feed.point, feed.failures = resume_after(item, feed.point), 0
+        await applier.put(feed, item)
+        if feed.resync is not None or feed.ended:
+            return None
+
+
+class StallWatchdog:
+    """One task for every feed: cancels a Subscribe call that has delivered nothing for longer
+    than its feed's stall timeout while the feed waited on it."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self.feeds: set[Feed] = set()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            now = time.monotonic()
+            for feed in list(self.feeds):
+                since = feed.waiting_since
+                if since is not None and now - since > feed.stall_timeout_s:
+                    feed.stalled = True
+                    feed.interrupt()

@@ -1,0 +1,377 @@
+"""`PageTable`: one medium of the gateway's KV index (gateway/core/index.py) in flat arrays.
+
+Open addressing with linear probing over four parallel arrays, 24 bytes a slot: the page hash as
+two 64-bit words (all 16 bytes of prefixcache_client.hash's HASH_BYTES, so the table adds no
+collision of its own; a hash of another length is cut or zero-padded to 16 bytes, where two
+such hashes may share a key: that only makes routing count a page a worker may not hold, and
+the worker verifies every page it is sent), the holder (a worker slot, or MULTI: several, their
+bitmask in `multi`), and a stamp (when it was last stored: the eviction order). The table grows
+by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page,
+against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
+`multi` dict entry more (~100 bytes plus the mask int).
+
+Single keys are probed in Python over `array.array` (element reads ~30 ns); whole-table scans
+(a worker's clear, eviction, rehash) run in numpy over views of the same memory.
+"""
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+
+import numpy as np
+
+EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
+_MIX_HI = 0xC2B2AE3D27D4EB4F
+_MIX_NP, _MIX_HI_NP, _SHIFT_NP = np.uint64(_MIX), np.uint64(_MIX_HI), np.uint64(29)
+_M64 = (1 << 64) - 1
+_MAX_LOAD = 0.7
+_GROWN_LOAD = 0.45
+_STAMP_LIMIT = 2**32 - 1
+# Keys left when a vectorised probe goes on to the scalar one: linear probing at 45-70% load has
+# clusters of ~100 slots somewhere, and a numpy round costs ~10 us whatever the keys left.
+_SCALAR_REST = 16
+
+
+_unpack = struct.Struct("<QQ").unpack
+
+
+def split(h: bytes) -> tuple[int, int]:
+    """The table's key for a page hash: its first and second 8 bytes as integers."""
+    if len(h) == 16:
+        return _unpack(h)
+    return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")
+
+
+def _keys(hashes: Sequence[bytes]) -> np.ndarray:
+    """The hashes as 16-byte keys (cut or zero-padded when not 16 bytes long)."""
+    buf = b"".join(hashes)
+    if len(buf) != 16 * len(hashes):
+        buf = b"".join(h[:16].ljust(16, b"\0") for h in hashes)
+    return np.frombuffer(buf, dtype="V16")
+
+
+def _words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    pairs = keys.view(np.uint64).reshape(-1, 2)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
+def _home(lo: int, hi: int, cap: int) -> int:
+    """A key's first position: both words multiplied in, then the product's high bits folded
+    into its low ones (a bare product modulo cap left half the positions unused for the
+    benchmark's structured hashes, and linear probing then walks long clusters)."""
+    x = ((lo ^ ((hi * _MIX_HI) & _M64)) * _MIX) & _M64
+    return (x ^ x >> 29) % cap
+
+
+class PageTable:
+    """Page hash -> holder mask for one medium. Not thread-safe (the router's lock)."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._alloc(capacity)
+        self.live = 0
+        self._clock = 0
+        self.multi: dict[int, int] = {}  # slot position -> mask of its holders (2+ bits)
+
+    def _alloc(self, cap: int) -> None:
+        self.cap = cap
+        self._used = 0  # live + tombstones
+        self._lo = array("Q", bytes(8 * cap))
+        self._hi = array("Q", bytes(8 * cap))
+        self._holder = array("i", [EMPTY]) * cap
+        self._stamp = array("I", bytes(4 * cap))
+
+    def __len__(self) -> int:
+        return self.live
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays (the `multi` entries not included)."""
+        return self.cap * 24
+
+    def _probe(self, lo: int, hi: int) -> tuple[int, int]:
+        """(position of the key or -1, the first free position on its probe path)."""
+        klo, khi, holder, cap = self._lo, self._hi, self._holder, self.cap
+        p, free = _home(lo, hi, cap), -1
+        while True:
+            hv = holder[p]
+            if hv == EMPTY:
+                return -1, (p if free < 0 else free)
+            if hv == TOMB:
+                if free < 0:
+                    free = p
+            elif klo[p] == lo and khi[p] == hi:
+                return p, -1
+            p += 1
+            if p == cap:
+                p = 0
+
+    def mask(self, h: bytes) -> int:
+        """Bitmask of the worker slots holding the page (0: none)."""
+        lo, hi = split(h)
+        pos = self._probe(lo, hi)[0]
+        if pos < 0:
+            return 0
+        hv = self._holder[pos]
+        return self.multi[pos] if hv == MULTI else 1 << hv
+
+    def add(self, h: bytes, slot: int) -> bool:
+        """Records the page on a worker as stored now; True when the worker did not hold it."""
+        lo, hi = split(h)
+        pos, free = self._probe(lo, hi)
+        if self._clock >= _STAMP_LIMIT:
+            self._renumber()
+        self._clock += 1
+        if pos < 0:
+            if self._holder[free] == EMPTY:
+                self._used += 1
+            self._lo[free], self._hi[free], self._holder[free] = lo, hi, slot
+            self._stamp[free] = self._clock
+            self.live += 1
+            if self._used > _MAX_LOAD * self.cap:
+                self._rehash()
+            return True
+        self._stamp[pos] = self._clock
+        return self._join(pos, slot)
+
+    def discard(self, h: bytes, slot: int) -> bool:
+        """Drops the page from a worker; True when it held it."""
+        pos = self._probe(*split(h))[0]
+        if pos < 0:
+            return False
+        hv = self._holder[pos]
+        if hv == slot:
+            self._kill(pos)
+            return True
+        if hv != MULTI or not self.multi[pos] >> slot & 1:
+            return False
+        m = self.multi[pos] & ~(1 << slot)
+        if m & (m - 1):
+            self.multi[pos] = m
+        else:
+            del self.multi[pos]
+            self._holder[pos] = m.bit_length() - 1
+        return True
+
+    def _kill(self, pos: int) -> None:
+        self._holder[pos] = TOMB
+        self.multi.pop(pos, None)
+        self.live -= 1
+
+    def clear_slot(self, slot: int) -> int:
+        """Drops every page of one worker; how many it held."""
+        holder = np.frombuffer(self._holder, dtype=np.int32)
+        mine = np.flatnonzero(holder == slot)
+        holder[mine] = TOMB
+        self.live -= len(mine)
+        bit, shared = 1 << slot, 0
+        for pos in [p for p, m in self.multi.items() if m & bit]:
+            m = self.multi[pos] & ~bit
+            shared += 1
+            if m & (m - 1):
+                self.multi[pos] = m
+            else:
+                del self.multi[pos]
+                holder[pos] = m.bit_length() - 1
+        return len(mine) + shared
+
+    def hashes_of(self, slot: int) -> set[bytes]:
+        """The page hashes one worker holds (for tests and debugging: a full scan)."""
+        holder = np.frombuffer(self._holder, dtype=np.int32)
+        pos = np.flatnonzero(holder == slot).tolist()
+        pos += [p for p, m in self.multi.items() if m >> slot & 1]
+        return {self._lo[p].to_bytes(8, "little") + self._hi[p].to_bytes(8, "little") for p in pos}
+
+    def evict(self, n: int) -> dict[int, int]:
+        """Drops up to n pages from the least recently stored 2n, pages one worker holds first,
+        then the oldest shared ones. Returns how many pages each worker slot lost."""
+        holder = np.frombuffer(self._holder, dtype=np.int32)
+        stamp = np.frombuffer(self._stamp, dtype=np.uint32)
+        live = np.flatnonzero(holder >= MULTI)
+        if 2 * n < len(live):
+            live = live[np.argpartition(stamp[live], 2 * n)[:2 * n]]
+        window = live[np.argsort(stamp[live], kind="stable")]
+        single = window[holder[window] >= 0]
+        chosen = single[:n]
+        shared = window[holder[window] == MULTI][:max(0, n - len(chosen))]
+        lost: dict[int, int] = {}
+        for slot, count in zip(*np.unique(holder[chosen], return_counts=True)):
+            lost[int(slot)] = int(count)
+        for pos in shared.tolist():
+            m = self.multi[pos]
+            while m:
+                low = m & -m
+                s = low.bit_length() - 1
+                lost[s] = lost.get(s, 0) + 1
+                m ^= low
+            del self.multi[pos]
+        holder[chosen] = TOMB
+        holder[shared] = TOMB
+        self.live -= len(chosen) + len(shared)
+        return lost
+
+    def _renumber(self) -> None:
+        """Stamps near their limit: keep their order, renumber them from 1."""
+        stamp = np.frombuffer(self._stamp, dtype=np.uint32)
+        live = np.flatnonzero(np.frombuffer(self._holder, dtype=np.int32) >= MULTI)
+        order = live[np.argsort(stamp[live], kind="stable")]
+        stamp[:] = 0
+        stamp[order] = np.arange(1, len(order) + 1, dtype=np.uint32)
+        self._clock = len(order)
+
+    def add_many(self, hashes: Sequence[bytes], slot: int) -> int:
+        """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
+        the worker did not hold."""
+        keys = _keys(hashes)
+        n = len(keys)
+        if self._clock + n >= _STAMP_LIMIT:
+            self._renumber()
+        # A page listed twice counts once, at its last position (as `add` one by one would).
+        _, last = np.unique(keys[::-1], return_index=True)
+        order = np.sort(n - 1 - last)
+        lo, hi = _words(keys[order])
+        stamps = (self._clock + 1 + order).astype(np.uint32)
+        self._clock += n
+        pos = self._find_many(lo, hi)
+        found = pos >= 0
+        np.frombuffer(self._stamp, dtype=np.uint32)[pos[found]] = stamps[found]
+        new = int(np.count_nonzero(self._holder_np()[pos[found]] != slot))
+        if new:  # held by others (or by several): the masks, one by one
+            holder = self._holder
+            for p in pos[found].tolist():
+                if holder[p] != slot:
+                    new -= not self._join(p, slot)
+        absent = ~found
+        k = int(np.count_nonzero(absent))
+        if self._used + k > _MAX_LOAD * self.cap:
+            self._rehash(k)
+        lo, hi = lo[absent], hi[absent]
+        at = self._place(lo, hi, np.full(k, slot, dtype=np.int32))
+        np.frombuffer(self._lo, dtype=np.uint64)[at] = lo
+        np.frombuffer(self._hi, dtype=np.uint64)[at] = hi
+        np.frombuffer(self._stamp, dtype=np.uint32)[at] = stamps[absent]
+        self.live += k
+        return new + k
+
+    def masks(self, hashes: Sequence[bytes]) -> list[int]:
+        """`mask` of each hash, in numpy (a request's pages)."""
+        pos = self._find_many(*_words(_keys(hashes)))
+        hv = self._holder_np()[pos].tolist()
+        multi = self.multi
+        return [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
+
+    def discard_many(self, hashes: Sequence[bytes], slot: int) -> int:
+        """`discard` of every hash, in numpy; how many the worker held."""
+        pos = self._find_many(*_words(np.unique(_keys(hashes))))
+        pos = pos[pos >= 0]
+        holder = self._holder_np()
+        hv = holder[pos]
+        mine = pos[hv == slot]
+        holder[mine] = TOMB
+        self.live -= len(mine)
+        shared = [p for p in pos[hv == MULTI].tolist() if self.multi[p] >> slot & 1]
+        for p in shared:
+            m = self.multi[p] & ~(1 << slot)
+            if m & (m - 1):
+                self.multi[p] = m
+            else:
+                del self.multi[p]
+                holder[p] = m.bit_length() - 1
+        return len(mine) + len(shared)
+
+    def _join(self, pos: int, slot: int) -> bool:
+        """Adds a worker to a live position's holders; False when it was one already."""
+        hv = self._holder[pos]
+        if hv == slot:
+            return False
+        if hv == MULTI:
+            m = self.multi[pos]
+            if m >> slot & 1:
+                return False
+            self.multi[pos] = m | 1 << slot
+        else:
+            self._holder[pos] = MULTI
+            self.multi[pos] = 1 << hv | 1 << slot
+        return True
+
+    def _holder_np(self) -> np.ndarray:
+        return np.frombuffer(self._holder, dtype=np.int32)
+
+    def _homes(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        # `_home`, in numpy: uint64 array products wrap silently, as `& _M64` does.
+        x = (lo ^ hi * _MIX_HI_NP) * _MIX_NP
+        return ((x ^ x >> _SHIFT_NP) % np.uint64(self.cap)).astype(np.int64)
+
+    def _find_many(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Positions of the keys, -1 where absent: `_probe` for all of them at once."""
+        holder, klo = self._holder_np(), np.frombuffer(self._lo, dtype=np.uint64)
+        khi = np.frombuffer(self._hi, dtype=np.uint64)
+        p, out = self._homes(lo, hi), np.full(len(lo), -1, dtype=np.int64)
+        todo = np.arange(len(lo))
+        while len(todo) > _SCALAR_REST:
+            cand = p[todo]
+            hv = holder[cand]
+            hit = (hv >= MULTI) & (klo[cand] == lo[todo]) & (khi[cand] == hi[todo])
+            out[todo[hit]] = cand[hit]
+            todo = todo[~hit & (hv != EMPTY)]
+            p[todo] = (p[todo] + 1) % self.cap
+        for k in todo.tolist():  # the few in long clusters: one step costs ~0.1 us in Python
+            out[k] = self._probe(int(lo[k]), int(hi[k]))[0]
+        return out
+
+    def _rehash(self, extra: int = 0) -> None:
+        """Into a table sized so that the live pages (and `extra` more) fill ~45% of it;
+        tombstones are dropped."""
+        old_holder = self._holder_np()
+        live = np.flatnonzero(old_holder >= MULTI)
+        lo = np.frombuffer(self._lo, dtype=np.uint64)[live]
+        hi = np.frombuffer(self._hi, dtype=np.uint64)[live]
+        hv = old_holder[live]
+        st = np.frombuffer(self._stamp, dtype=np.uint32)[live]
+        old_multi = self.multi
+        self._alloc(max(64, int((len(live) + extra) / _GROWN_LOAD) + 1))
+        pos = self._place(lo, hi, hv)
+        np.frombuffer(self._lo, dtype=np.uint64)[pos] = lo
+        np.frombuffer(self._hi, dtype=np.uint64)[pos] = hi
+        np.frombuffer(self._stamp, dtype=np.uint32)[pos] = st
+        # `live` is sorted: each shared page's new position by a binary search, not a dict of all.
+        old_at = np.fromiter(old_multi, dtype=np.int64, count=len(old_multi))
+        new_at = pos[np.searchsorted(live, old_at)].tolist()
+        self.multi = dict(zip(new_at, old_multi.values()))
+
+    def _place(self, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
+        """Writes the holders of keys known to be absent at the first free (empty or deleted)
+        position of each one's probe path, as `add` would one by one; returns the positions.
+        All keys advance together; where several reach one free position, one takes it and the
+        others go on (every position they pass is taken, so each stays reachable from its home)."""
+        holder = self._holder_np()
+        p = self._homes(lo, hi)
+        out = np.empty(len(lo), dtype=np.int64)
+        todo = np.arange(len(lo))
+        while len(todo):
+            cand = p[todo]
+            free = np.flatnonzero(holder[cand] < MULTI)
+            spots = cand[free]
+            was_empty = holder[spots] == EMPTY
+            # Claim with a marker below EMPTY (one write wins per position), then keep the winners.
+            holder[spots] = -4 - free
+            mine = holder[spots] == -4 - free
+            won, at = free[mine], spots[mine]
+            self._used += int(np.count_nonzero(was_empty[mine]))
+            holder[at] = holders[todo[won]]
+            out[todo[won]] = at
+            lost = np.ones(len(todo), dtype=bool)
+            lost[won] = False
+            todo = todo[lost]
+            p[todo] = (p[todo] + 1) % self.cap
+            if len(todo) <= _SCALAR_REST:
+                break
+        scalar, cap = self._holder, self.cap  # the same memory, read faster one by one
+        for k in todo.tolist():  # the few in long clusters, one by one
+            at = int(p[k])
+            while scalar[at] >= MULTI:
+                at = at + 1 if at + 1 < cap else 0
+            self._used += scalar[at] == EMPTY
+            scalar[at] = int(holders[k])
+            out[k] = at
+        return out

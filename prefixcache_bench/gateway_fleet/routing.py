@@ -1,0 +1,66 @@
+"""`--routing-only`: the cost of one routing decision with ingest idle (issue 31's "p99 <= 1 ms at
+1,000 workers and 10M indexed pages"). The pools' snapshots go straight into the Router's index
+(no gRPC, no feed threads: nothing else runs in the process), then the same requests as the
+fleet run's routing thread (a pool's conversation or a shared system prompt, then new pages) are
+timed through Router.route + Router.finish, the affinity policy, one after another. Applying
+is timed too: the snapshots, then every pool's live batches (64 stored + 64 removed pages each),
+through Router.on_stream_item on parsed messages."""
+from __future__ import annotations
+
+import random
+import time
+
+from gateway.core.index import IndexConfig
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router, Worker
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.gateway_fleet.run import _Router
+from prefixcache_bench.harness import percentile
+
+
+def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2) -> dict:
+    # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
+    # reproducible (the time it takes is measured with perf_counter).
+    frozen = time.monotonic()
+    router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6),
+                    clock=lambda: frozen)
+    snapshot_s, live, t0 = 0.0, [], time.perf_counter()
+    for i in range(pools):
+        name = F.pool_name(i)
+        router.add(Worker(name, "bench", "bench", None, pb.GetModelInfoResponse(worker=name)))
+        stream = [cpb.SubscribeResponse.FromString(raw)
+                  for raw in F.recorded_stream(i, pages_per_pool, live_batches)]
+        live += [(name, item) for item in stream[len(stream) - live_batches:]]
+        start = time.perf_counter()
+        for item in stream[:len(stream) - live_batches]:
+            router.on_stream_item(name, item)
+        snapshot_s += time.perf_counter() - start
+    load_s = time.perf_counter() - t0
+    start = time.perf_counter()  # every pool's live batches, pool after pool, seq after seq
+    for name, item in sorted(live, key=lambda x: x[1].batch.seq):
+        router.on_stream_item(name, item)
+    live_s = time.perf_counter() - start
+    snap_events, live_events = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches)
+                                                for i in range(pools))))
+    requests = _Router(router, pools, pages_per_pool, live_batches)
+    rng, lat, to_holder, private = random.Random(1), [], 0, 0
+    for n in range(decisions):
+        req, holder = requests._request(rng, n)
+        start = time.perf_counter()
+        route = router.route(req)
+        lat.append((time.perf_counter() - start) * 1e6)
+        router.finish(req.request_id)
+        if holder is not None:
+            private += 1
+            to_holder += route.worker.name == holder
+    st = router.index.stats()
+    return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
+            "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
+            "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
+            "routed_to_holder": to_holder / max(private, 1), "build_s": load_s,
+            # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
+            "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
+            "live_apply_page_events_per_s": live_events / live_s}

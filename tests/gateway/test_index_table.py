@@ -1,0 +1,127 @@
+"""The KV index's flat-array table (gateway/core/index_table.py): the same answers as a dict of
+sets through inserts, removals, clears, evictions and rehashes; its size per page; what a key
+shared by two hashes can and cannot do."""
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.index_table import PageTable
+from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, page, pages, stored
+
+_ops = st.lists(st.tuples(st.sampled_from(["add", "add_many", "discard", "clear", "evict"]),
+                          st.integers(0, 4), st.lists(st.integers(0, 200), max_size=40)), max_size=60)
+
+
+def _check(table: PageTable, model: dict[int, set[bytes]]) -> None:
+    for slot, held in model.items():
+        assert table.hashes_of(slot) == held, slot
+    assert len(table) == len(set().union(*model.values()))
+    everyone = set().union(*model.values()) | {page(i) for i in range(0, 200, 7)}
+    for h in everyone:
+        assert table.mask(h) == sum(1 << s for s, held in model.items() if h in held)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_ops)
+def test_the_table_answers_as_a_dict_of_sets(ops):
+    table = PageTable(capacity=8)  # tiny: most runs rehash several times, with deleted slots
+    model: dict[int, set[bytes]] = {s: set() for s in range(5)}
+    for op, slot, ids in ops:
+        hashes = [page(i) for i in ids]
+        if op == "add":
+            assert sum(table.add(h, slot) for h in hashes) == len(set(hashes) - model[slot])
+            model[slot].update(hashes)
+        elif op == "add_many" and hashes:
+            assert table.add_many(hashes, slot) == len(set(hashes) - model[slot])
+            model[slot].update(hashes)
+        elif op == "discard":
+            assert sum(table.discard(h, slot) for h in hashes) == len(set(hashes) & model[slot])
+            model[slot].difference_update(hashes)
+        elif op == "clear":
+            assert table.clear_slot(slot) == len(model[slot])
+            model[slot].clear()
+        elif op == "evict":
+            before = {s: set(h) for s, h in model.items()}
+            lost = table.evict(len(ids))
+            for s in model:
+                model[s] = table.hashes_of(s)
+                assert model[s] <= before[s]
+                assert lost.get(s, 0) == len(before[s] - model[s])
+        _check(table, model)
+
+
+def test_eviction_takes_the_least_recently_stored_and_single_holders_first():
+    table = PageTable()
+    table.add_many(pages(0, 10), 0)
+    table.add_many(pages(0, 2), 1)  # shared, and restamped
+    table.add(page(5), 0)  # restamped: now the newest
+    lost = table.evict(4)
+    assert lost == {0: 4}
+    # The oldest 8: pages 2-4, 6-9 and 0; the first 4 held by one worker go.
+    assert table.hashes_of(0) == {page(i) for i in (0, 1, 5, 7, 8, 9)}
+
+
+def test_an_indexed_page_takes_at_most_64_bytes():
+    """tracemalloc's count of everything the index allocates, 100 workers x 1,000 private pages
+    (snapshot-sized events and live-sized ones) plus pages a tenth of them share: the goal of
+    issue 31 is 64 bytes; the table is measured at ~40 (the dict layout before it: ~170)."""
+    index = KvIndex(IndexConfig(max_entries=1 << 30))
+    tracemalloc.start()
+    try:
+        for w in range(100):
+            own = [((w + 1) << 40 | j).to_bytes(16, "little") for j in range(1000)]
+            shared = pages(0, 64) if w % 10 == 0 else []
+            index.apply(batch(f"w{w}", 0, stored(shared + own[:900])))
+            for seq, start in enumerate(range(900, 1000, 25), 1):
+                index.apply(batch(f"w{w}", seq, stored(own[start:start + 25])))
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(index) == 100 * 1000 + 64
+    assert used / len(index) <= 64, used / len(index)
+
+
+def test_hashes_sharing_a_key_only_make_routing_count_a_page_it_may_not_find():
+    """Keys are a hash's 16 bytes (HASH_BYTES: prefixcache_client's hashes never share one); a
+    hash of another length is cut or padded. Two that share a key are one page to the index: a
+    lookup may credit a worker with the other one, which only mis-scores that worker (the
+    worker checks every page it is sent against its own cache and computes what it lacks)."""
+    long_a, long_b = b"p" * 16 + b"a", b"p" * 16 + b"b"
+    index = KvIndex()
+    index.apply(batch("w", 0, stored([page(1), long_a])))
+    assert set(index.lookup([page(1), long_b])) == {"w"}  # credited with long_b: 2 pages
+    assert index.lookup([page(1), long_b])["w"].device_pages == 2
+    assert index.lookup([page(2)]) == {}  # distinct 16-byte hashes never meet
+    assert len(index) == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32))
+def test_lookup_equals_a_brute_force_over_every_worker(seed):
+    """Lookups record only runs past 0; every worker's match still equals one computed from its
+    own page sets, page by page, whatever the media and the sharing."""
+    rng, index = random.Random(seed), KvIndex()
+    media = (DEVICE, HOST, REMOTE)
+    for w in range(rng.randrange(1, 12)):
+        events = [stored([page(i) for i in range(rng.randrange(8)) if rng.random() < 0.85], m)
+                  for m in media if rng.random() < 0.6]
+        if events:
+            index.apply(batch(f"w{w}", 0, *events))
+    hashes = [page(i) for i in range(rng.randrange(1, 9))]
+    want = {}
+    remote = set().union(*(index.pages(w, REMOTE) for w in index.workers()))
+    for w in index.workers():
+        dev, host = index.pages(w, DEVICE), index.pages(w, HOST)
+        d = next((i for i, h in enumerate(hashes) if h not in dev), len(hashes))
+        e = next((i for i in range(d, len(hashes)) if hashes[i] not in dev | host), len(hashes))
+        r = next((i for i in range(e, len(hashes)) if hashes[i] not in dev | host | remote),
+                 len(hashes))
+        if r:
+            want[w] = (d, e - d, r - e)
+    got = {w: (m.device_pages, m.host_pages, m.remote_pages) for w, m in index.lookup(hashes).items()}
+    assert got == want
