@@ -173,6 +173,7 @@ class Adaptive(Frequency):
     WINDOW = 4_000
     SAMPLE_MAX = 256  # shadow at least 1 page in this many
     SHADOW_MIN = 400  # pages a sampled shadow holds at least
+    PATHS = 1 << 20  # sampled pages kept in all paths (_sampled_path), about 8 bytes each
 
     def __init__(self, capacity_pages: int = 0) -> None:
         super().__init__()
@@ -185,6 +186,10 @@ class Adaptive(Frequency):
         self.choice = "lru"
         self._decay = 1.0 - 1.0 / self.WINDOW
         self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
+        # run's hashes -> (its path's sampled pages, deepest first; how many are its own; depth
+        # of its end)
+        self._paths: dict[bytes, tuple[list[tuple[bytes, int]], int, int]] = {}
+        self._paths_size = 0  # pages in all its lists
 
     def frequency_weight(self) -> float:
         return Frequency.weight.fget(self)
@@ -199,26 +204,46 @@ class Adaptive(Frequency):
         run (a publish) is replayed alone: its request's match replayed the runs above."""
         new = not node.uses
         super().use(node, now)
-        path, run = [node], node.parent
-        while type(run) is Node:
-            path.append(run)
-            run = run.parent
-        self._replay(path[:1] if new else path, sum(len(r.hashes) for r in path) // HASH, now)
+        pages, own = self._sampled_path(node)
+        if pages:  # else nothing sampled: the shadows and scores stay as they are
+            self._replay(pages[:own] if new else pages, now)
 
-    def _replay(self, runs: list[Node], end: int, now: float) -> None:
-        """The runs' pages (a path, deepest run first, its last page at depth `end` - 1) are
-        accessed in both shadows, deepest first."""
+    def _sampled_path(self, node: Node) -> tuple[list[tuple[bytes, int]], int]:
+        """The sampled pages of the path from the root down to the end of `node`'s run, deepest
+        first, as (hash, depth), and how many of them are the run's own. Kept per run's hashes
+        (the chain from the root ends in them, so they fix the path's pages and depths, and a
+        split or cut makes a new bytes object), each run's list built once from its parent's:
+        a match costs a lookup, not a walk of its path and a scan of every run's hashes."""
+        paths = self._paths
+        found = paths.get(node.hashes)
+        if found is not None:
+            return found[0], found[1]
+        missing, run = [], node
+        while type(run) is Node and (found := paths.get(run.hashes)) is None:
+            missing.append(run)
+            run = run.parent
+        above, depth = (found[0], found[2]) if found is not None else ([], 0)
+        if self._paths_size >= self.PATHS:  # bounded: forget all, rebuilt from the hashes
+            paths.clear()
+            self._paths_size = 0
+        for run in reversed(missing):
+            hashes = run.hashes
+            own = [(hashes[i * HASH:(i + 1) * HASH], depth + i)
+                   for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
+            depth += len(hashes) // HASH
+            found = paths[hashes] = (own + above if above else own, len(own), depth)
+            above = found[0]
+            self._paths_size += len(above) + 1
+        return found[0], found[1]
+
+    def _replay(self, pages: list[tuple[bytes, int]], now: float) -> None:
+        """The pages (hash, depth), deepest first, are accessed in both shadows in turn."""
         score, decay, weight = self.score, self._decay, self.frequency_weight()
         lru, frequency = self.shadows["lru"].access, self.shadows["frequency"].access
         lru_score, frequency_score = score["lru"], score["frequency"]
-        for run in runs:
-            hashes = run.hashes
-            start = end - len(hashes) // HASH
-            for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])]):
-                key = hashes[i * HASH:(i + 1) * HASH]
-                lru_score = lru_score * decay + lru(key, start + i, now, weight)
-                frequency_score = frequency_score * decay + frequency(key, start + i, now, weight)
-            end = start
+        for key, depth in pages:
+            lru_score = lru_score * decay + lru(key, depth, now, weight)
+            frequency_score = frequency_score * decay + frequency(key, depth, now, weight)
         score["lru"], score["frequency"] = lru_score, frequency_score
         other = "frequency" if self.choice == "lru" else "lru"
         if score[other] > 1.05 * score[self.choice]:
