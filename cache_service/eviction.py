@@ -165,7 +165,9 @@ class Adaptive(Frequency):
     bytes) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
     two up to SAMPLE_MAX that leaves each shadow SHADOW_MIN pages), so the shadows cost a
     fraction of the tree's own work. Each page a request passes through is one access, so a
-    shadow sees the whole chain the live tree saw, evicted or not.
+    shadow sees the whole chain the live tree saw, evicted or not. Which pages of a path are
+    sampled is found once per run (_sampled_path), so a match costs its sampled pages'
+    accesses, not a walk of its path.
 
     A switch re-ranks nothing: runs keep the rank their last use gave them until used again
     (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
