@@ -175,7 +175,7 @@ class Adaptive(Frequency):
     WINDOW = 4_000
     SAMPLE_MAX = 256  # shadow at least 1 page in this many
     SHADOW_MIN = 400  # pages a sampled shadow holds at least
-    PATHS = 1 << 20  # sampled pages kept in all paths (_sampled_path), about 8 bytes each
+    PATHS, PATH_PAGES = 1 << 16, 1 << 20  # _sampled_path's lists: runs and pages kept at most
 
     def __init__(self, capacity_pages: int = 0) -> None:
         super().__init__()
@@ -188,9 +188,9 @@ class Adaptive(Frequency):
         self.choice = "lru"
         self._decay = 1.0 - 1.0 / self.WINDOW
         self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
-        # run's hashes -> (its path's sampled pages, deepest first; how many are its own; depth
-        # of its end)
-        self._paths: dict[bytes, tuple[list[tuple[bytes, int]], int, int]] = {}
+        # (run's first page hash, its hashes' length) -> (its path's sampled pages, deepest
+        # first; how many are its own; depth of its end)
+        self._paths: dict[tuple[bytes, int], tuple[list[tuple[bytes, int]], int, int]] = {}
         self._paths_size = 0  # pages in all its lists
 
     def frequency_weight(self) -> float:
@@ -212,20 +212,23 @@ class Adaptive(Frequency):
 
     def _sampled_path(self, node: Node) -> tuple[list[tuple[bytes, int]], int]:
         """The sampled pages of the path from the root down to the end of `node`'s run, deepest
-        first, as (hash, depth), and how many of them are the run's own. Kept per run's hashes
-        (the chain from the root ends in them, so they fix the path's pages and depths, and a
-        split or cut makes a new bytes object), each run's list built once from its parent's:
-        a match costs a lookup, not a walk of its path and a scan of every run's hashes."""
+        first, as (hash, depth), and how many of them are the run's own. Kept per run, by its
+        first page's hash and its length (a chain hash fixes every page above it, so these fix
+        the path's pages and depths and where the run starts and ends, whatever splits and cuts
+        did meanwhile; its hashes are not kept alive), each run's list built once from its
+        parent's: a match costs a lookup, not a walk of its path and a scan of every run's
+        hashes."""
         paths = self._paths
-        found = paths.get(node.hashes)
+        found = paths.get((node.hashes[:HASH], len(node.hashes)))
         if found is not None:
             return found[0], found[1]
         missing, run = [], node
-        while type(run) is Node and (found := paths.get(run.hashes)) is None:
+        while type(run) is Node and (
+                found := paths.get((run.hashes[:HASH], len(run.hashes)))) is None:
             missing.append(run)
             run = run.parent
         above, depth = (found[0], found[2]) if found is not None else ([], 0)
-        if self._paths_size >= self.PATHS:  # bounded: forget all, rebuilt from the hashes
+        if len(paths) >= self.PATHS or self._paths_size >= self.PATH_PAGES:  # forget all
             paths.clear()
             self._paths_size = 0
         for run in reversed(missing):
@@ -233,7 +236,8 @@ class Adaptive(Frequency):
             own = [(hashes[i * HASH:(i + 1) * HASH], depth + i)
                    for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
             depth += len(hashes) // HASH
-            found = paths[hashes] = (own + above if above else own, len(own), depth)
+            found = (own + above if above else own, len(own), depth)
+            paths[hashes[:HASH], len(hashes)] = found
             above = found[0]
             self._paths_size += len(above) + 1
         return found[0], found[1]

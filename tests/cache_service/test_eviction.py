@@ -185,9 +185,9 @@ def test_large_pools_shadow_a_sample_of_the_pages():
 
 
 def test_a_path_s_sampled_pages_are_its_pages_deepest_first_however_its_runs_are_cut():
-    """Adaptive._sampled_path keeps each run's list by its hashes: the same pages at the same
-    depths whether found by a walk, from its parent's list, after a split above it, or after
-    the lists were forgotten (its bound)."""
+    """Adaptive._sampled_path keeps each run's list by its first hash and length: the same
+    pages at the same depths whether found by a walk, from its parent's list, after a split
+    above it, or after the lists were forgotten (its bound)."""
     policy = Adaptive(500_000)  # 1 page in 256: those whose hash starts with byte 0
     page = [bytes([0 if d in (1, 3, 4) else 1, d]) * 8 for d in range(6)]  # sampled: 1, 3, 4
     top = Node(b"", b"".join(page[:3]), None, None, None, 0, 0.0)
@@ -201,6 +201,6 @@ def test_a_path_s_sampled_pages_are_its_pages_deepest_first_however_its_runs_are
     assert policy._sampled_path(lower) == ([(page[1], 1)], 0)
     policy._paths.clear()
     assert policy._sampled_path(below) == (expected, 2)
-    policy.PATHS = 1  # full: the next new run forgets every list first
+    policy.PATH_PAGES = 1  # full: the next new run forgets every list first
     leaf = Node(b"", b"".join(page[5:]), None, below, None, 0, 0.0)
     assert policy._sampled_path(leaf) == (expected, 0)
