@@ -188,7 +188,7 @@ class Adaptive(Frequency):
         self.choice = "lru"
         self._decay = 1.0 - 1.0 / self.WINDOW
         self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
-        # (run's first page hash, its hashes' length) -> (its path's sampled pages, deepest
+        # (run's last page hash, its hashes' length) -> (its path's sampled pages, deepest
         # first; how many are its own; depth of its end)
         self._paths: dict[tuple[bytes, int], tuple[list[tuple[bytes, int]], int, int]] = {}
         self._paths_size = 0  # pages in all its lists
@@ -213,18 +213,18 @@ class Adaptive(Frequency):
     def _sampled_path(self, node: Node) -> tuple[list[tuple[bytes, int]], int]:
         """The sampled pages of the path from the root down to the end of `node`'s run, deepest
         first, as (hash, depth), and how many of them are the run's own. Kept per run, by its
-        first page's hash and its length (a chain hash fixes every page above it, so these fix
-        the path's pages and depths and where the run starts and ends, whatever splits and cuts
-        did meanwhile; its hashes are not kept alive), each run's list built once from its
+        last page's hash and its length (a chain hash fixes every page above it, so these fix
+        the path's pages and depths and where the run starts, whatever splits and cuts did
+        meanwhile; its hashes are not kept alive), each run's list built once from its
         parent's: a match costs a lookup, not a walk of its path and a scan of every run's
         hashes."""
         paths = self._paths
-        found = paths.get((node.hashes[:HASH], len(node.hashes)))
+        found = paths.get((node.hashes[-HASH:], len(node.hashes)))
         if found is not None:
             return found[0], found[1]
         missing, run = [], node
         while type(run) is Node and (
-                found := paths.get((run.hashes[:HASH], len(run.hashes)))) is None:
+                found := paths.get((run.hashes[-HASH:], len(run.hashes)))) is None:
             missing.append(run)
             run = run.parent
         above, depth = (found[0], found[2]) if found is not None else ([], 0)
@@ -237,7 +237,7 @@ class Adaptive(Frequency):
                    for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
             depth += len(hashes) // HASH
             found = (own + above if above else own, len(own), depth)
-            paths[hashes[:HASH], len(hashes)] = found
+            paths[hashes[-HASH:], len(hashes)] = found
             above = found[0]
             self._paths_size += len(above) + 1
         return found[0], found[1]
