@@ -165,9 +165,8 @@ class Adaptive(Frequency):
     bytes) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
     two up to SAMPLE_MAX that leaves each shadow SHADOW_MIN pages), so the shadows cost a
     fraction of the tree's own work. Each page a request passes through is one access, so a
-    shadow sees the whole chain the live tree saw, evicted or not. Which pages of a path are
-    sampled is found once per run (_sampled_path), so a match costs its sampled pages'
-    accesses, not a walk of its path.
+    shadow sees the whole chain the live tree saw, evicted or not. A use that samples no page
+    leaves the shadows and the scores alone.
 
     A switch re-ranks nothing: runs keep the rank their last use gave them until used again
     (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
@@ -175,7 +174,6 @@ class Adaptive(Frequency):
     WINDOW = 4_000
     SAMPLE_MAX = 256  # shadow at least 1 page in this many
     SHADOW_MIN = 400  # pages a sampled shadow holds at least
-    PATHS, PATH_PAGES = 1 << 16, 1 << 20  # _sampled_path's lists: runs and pages kept at most
 
     def __init__(self, capacity_pages: int = 0) -> None:
         super().__init__()
@@ -188,10 +186,6 @@ class Adaptive(Frequency):
         self.choice = "lru"
         self._decay = 1.0 - 1.0 / self.WINDOW
         self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
-        # (run's last page hash, its hashes' length) -> (its path's sampled pages, deepest
-        # first; how many are its own; depth of its end)
-        self._paths: dict[tuple[bytes, int], tuple[list[tuple[bytes, int]], int, int]] = {}
-        self._paths_size = 0  # pages in all its lists
 
     def frequency_weight(self) -> float:
         return Frequency.weight.fget(self)
@@ -206,41 +200,27 @@ class Adaptive(Frequency):
         run (a publish) is replayed alone: its request's match replayed the runs above."""
         new = not node.uses
         super().use(node, now)
-        pages, own = self._sampled_path(node)
+        pages = self._sampled_pages(node, whole_path=not new)
         if pages:  # else nothing sampled: the shadows and scores stay as they are
-            self._replay(pages[:own] if new else pages, now)
+            self._replay(pages, now)
 
-    def _sampled_path(self, node: Node) -> tuple[list[tuple[bytes, int]], int]:
-        """The sampled pages of the path from the root down to the end of `node`'s run, deepest
-        first, as (hash, depth), and how many of them are the run's own. Kept per run, by its
-        last page's hash and its length (a chain hash fixes every page above it, so these fix
-        the path's pages and depths and where the run starts, whatever splits and cuts did
-        meanwhile; its hashes are not kept alive), each run's list built once from its
-        parent's: a match costs a lookup, not a walk of its path and a scan of every run's
-        hashes."""
-        paths = self._paths
-        found = paths.get((node.hashes[-HASH:], len(node.hashes)))
-        if found is not None:
-            return found[0], found[1]
-        missing, run = [], node
-        while type(run) is Node and (
-                found := paths.get((run.hashes[-HASH:], len(run.hashes)))) is None:
-            missing.append(run)
+    def _sampled_pages(self, node: Node, whole_path: bool) -> list[tuple[bytes, int]]:
+        """The sampled pages of `node`'s run, and of the runs above it if `whole_path`, deepest
+        first, as (hash, depth) (a regular expression over each run's hashes' first bytes finds
+        them: no per-page Python work)."""
+        path, run = [node], node.parent
+        while type(run) is Node:
+            path.append(run)
             run = run.parent
-        above, depth = (found[0], found[2]) if found is not None else ([], 0)
-        if len(paths) >= self.PATHS or self._paths_size >= self.PATH_PAGES:  # forget all
-            paths.clear()
-            self._paths_size = 0
-        for run in reversed(missing):
+        end = sum(len(r.hashes) for r in path) // HASH
+        pages: list[tuple[bytes, int]] = []
+        for run in path if whole_path else path[:1]:
             hashes = run.hashes
-            own = [(hashes[i * HASH:(i + 1) * HASH], depth + i)
-                   for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
-            depth += len(hashes) // HASH
-            found = (own + above if above else own, len(own), depth)
-            paths[hashes[-HASH:], len(hashes)] = found
-            above = found[0]
-            self._paths_size += len(above) + 1
-        return found[0], found[1]
+            start = end - len(hashes) // HASH
+            pages += [(hashes[i * HASH:(i + 1) * HASH], start + i)
+                      for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
+            end = start
+        return pages
 
     def _replay(self, pages: list[tuple[bytes, int]], now: float) -> None:
         """The pages (hash, depth), deepest first, are accessed in both shadows in turn."""

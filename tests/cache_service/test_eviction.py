@@ -184,28 +184,11 @@ def test_large_pools_shadow_a_sample_of_the_pages():
     assert 400 <= big["lru"].capacity == big["frequency"].capacity < 4000
 
 
-def test_a_path_s_sampled_pages_are_its_pages_deepest_first_however_its_runs_are_cut():
-    """Adaptive._sampled_path keeps each run's list by its last hash and length: the same
-    pages at the same depths whether found by a walk, from its parent's list, after a split
-    above it, or after the lists were forgotten (its bound)."""
+def test_a_path_s_sampled_pages_are_its_pages_deepest_first():
     policy = Adaptive(500_000)  # 1 page in 256: those whose hash starts with byte 0
     page = [bytes([0 if d in (1, 3, 4) else 1, d]) * 8 for d in range(6)]  # sampled: 1, 3, 4
     top = Node(b"", b"".join(page[:3]), None, None, None, 0, 0.0)
     below = Node(b"", b"".join(page[3:]), None, top, None, 0, 0.0)
-    expected = [(page[4], 4), (page[3], 3), (page[1], 1)]
-    assert policy._sampled_path(below) == (expected, 2)
-    assert policy._sampled_path(top) == (expected[2:], 1)
-    upper = Node(b"", b"".join(page[:2]), None, None, None, 0, 0.0)  # top split after page 1
-    lower = Node(b"", page[2], None, upper, None, 0, 0.0)
-    below.parent = lower
-    assert policy._sampled_path(lower) == ([(page[1], 1)], 0)
-    policy._paths.clear()
-    assert policy._sampled_path(below) == (expected, 2)
-    # A run from the same first page, as long, with another tail (so another last hash: the
-    # pages chain): not the first run's list.
-    other, last = bytes([0, 9]) * 8, bytes([1, 10]) * 8
-    sibling = Node(b"", page[3] + other + last, None, lower, None, 0, 0.0)
-    assert policy._sampled_path(sibling) == ([(other, 4), (page[3], 3), (page[1], 1)], 2)
-    policy.PATH_PAGES = 1  # full: the next new run forgets every list first
-    leaf = Node(b"", b"".join(page[5:]), None, below, None, 0, 0.0)
-    assert policy._sampled_path(leaf) == (expected, 0)
+    assert policy._sampled_pages(below, True) == [(page[4], 4), (page[3], 3), (page[1], 1)]
+    assert policy._sampled_pages(below, False) == [(page[4], 4), (page[3], 3)]
+    assert policy._sampled_pages(top, True) == [(page[1], 1)]
