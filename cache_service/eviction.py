@@ -165,7 +165,8 @@ class Adaptive(Frequency):
     bytes) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
     two up to SAMPLE_MAX that leaves each shadow SHADOW_MIN pages), so the shadows cost a
     fraction of the tree's own work. Each page a request passes through is one access, so a
-    shadow sees the whole chain the live tree saw, evicted or not.
+    shadow sees the whole chain the live tree saw, evicted or not. A use that samples no page
+    leaves the shadows and the scores alone.
 
     A switch re-ranks nothing: runs keep the rank their last use gave them until used again
     (no heap rebuild), so the live order moves to the winner's as the runs in use are used."""
@@ -199,26 +200,36 @@ class Adaptive(Frequency):
         run (a publish) is replayed alone: its request's match replayed the runs above."""
         new = not node.uses
         super().use(node, now)
+        pages = self._sampled_pages(node, whole_path=not new)
+        if pages:  # else nothing sampled: the shadows and scores stay as they are
+            self._replay(pages, now)
+
+    def _sampled_pages(self, node: Node, whole_path: bool) -> list[tuple[bytes, int]]:
+        """The sampled pages of `node`'s run, and of the runs above it if `whole_path`, deepest
+        first, as (hash, depth) (a regular expression over each run's hashes' first bytes finds
+        them: no per-page Python work)."""
         path, run = [node], node.parent
         while type(run) is Node:
             path.append(run)
             run = run.parent
-        self._replay(path[:1] if new else path, sum(len(r.hashes) for r in path) // HASH, now)
+        end = sum(len(r.hashes) for r in path) // HASH
+        pages: list[tuple[bytes, int]] = []
+        for run in path if whole_path else path[:1]:
+            hashes = run.hashes
+            start = end - len(hashes) // HASH
+            pages += [(hashes[i * HASH:(i + 1) * HASH], start + i)
+                      for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
+            end = start
+        return pages
 
-    def _replay(self, runs: list[Node], end: int, now: float) -> None:
-        """The runs' pages (a path, deepest run first, its last page at depth `end` - 1) are
-        accessed in both shadows, deepest first."""
+    def _replay(self, pages: list[tuple[bytes, int]], now: float) -> None:
+        """The pages (hash, depth), deepest first, are accessed in both shadows in turn."""
         score, decay, weight = self.score, self._decay, self.frequency_weight()
         lru, frequency = self.shadows["lru"].access, self.shadows["frequency"].access
         lru_score, frequency_score = score["lru"], score["frequency"]
-        for run in runs:
-            hashes = run.hashes
-            start = end - len(hashes) // HASH
-            for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])]):
-                key = hashes[i * HASH:(i + 1) * HASH]
-                lru_score = lru_score * decay + lru(key, start + i, now, weight)
-                frequency_score = frequency_score * decay + frequency(key, start + i, now, weight)
-            end = start
+        for key, depth in pages:
+            lru_score = lru_score * decay + lru(key, depth, now, weight)
+            frequency_score = frequency_score * decay + frequency(key, depth, now, weight)
         score["lru"], score["frequency"] = lru_score, frequency_score
         other = "frequency" if self.choice == "lru" else "lru"
         if score[other] > 1.05 * score[self.choice]:

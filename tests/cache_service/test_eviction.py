@@ -182,3 +182,13 @@ def test_large_pools_shadow_a_sample_of_the_pages():
     assert Adaptive(500).shadows["lru"].capacity == 500  # small: every page
     big = Adaptive(500_000).shadows
     assert 400 <= big["lru"].capacity == big["frequency"].capacity < 4000
+
+
+def test_a_path_s_sampled_pages_are_its_pages_deepest_first():
+    policy = Adaptive(500_000)  # 1 page in 256: those whose hash starts with byte 0
+    page = [bytes([0 if d in (1, 3, 4) else 1, d]) * 8 for d in range(6)]  # sampled: 1, 3, 4
+    top = Node(b"", b"".join(page[:3]), None, None, None, 0, 0.0)
+    below = Node(b"", b"".join(page[3:]), None, top, None, 0, 0.0)
+    assert policy._sampled_pages(below, True) == [(page[4], 4), (page[3], 3), (page[1], 1)]
+    assert policy._sampled_pages(below, False) == [(page[4], 4), (page[3], 3)]
+    assert policy._sampled_pages(top, True) == [(page[1], 1)]
