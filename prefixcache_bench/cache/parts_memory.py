@@ -3,6 +3,7 @@ chats, and where those bytes go."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import tracemalloc
@@ -71,16 +72,24 @@ def _fill_with_chats(pool: Pool, p: Params) -> int:
 def _growth_per_hit(pool: Pool, p: Params, hits: int) -> float:
     """Memory kept per request that only hits (match + release of a cached prompt whose every
     full page is matched): nothing is cached anew, so anything kept is bookkeeping that grows
-    with traffic rather than with the cache (e.g. stale eviction-heap entries)."""
+    with traffic rather than with the cache (e.g. stale eviction-heap entries). Only blocks
+    allocated by the cache service's own code count: tracemalloc sees every thread, and an
+    earlier part's threads (gRPC's, the ZMQ publisher's) may still allocate or free meanwhile."""
     data = Tokens(p.seed + 5, p.vocab).random(128 * p.page_size + 1).tobytes()
     serve_on_pool(pool, "growth", data)
     gc.collect()
-    start = tracemalloc.get_traced_memory()[0]
+    start = _cache_service_bytes()
     for i in range(hits):
         pool.match("r", f"g{i}", "", "", data, 600.0, False, False)
         pool.release(pool.leases[f"g{i}"])
     gc.collect()
-    return round((tracemalloc.get_traced_memory()[0] - start) / hits, 1)
+    return round((_cache_service_bytes() - start) / hits, 1)
+
+
+def _cache_service_bytes() -> int:
+    """Traced bytes whose allocating line is in cache_service/ (tracemalloc keeps one frame)."""
+    only = tracemalloc.Filter(True, f"*{os.sep}cache_service{os.sep}*")
+    return sum(t.size for t in tracemalloc.take_snapshot().filter_traces([only]).traces)
 
 
 def _memory_breakdown(pool: Pool, cached: int) -> dict:
