@@ -17,10 +17,10 @@ it the outcome after, so a policy's scoring changes without touching key affinit
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gateway.core.expiring_lru import ExpiringLru
 from gateway.core.policies.load import LoadTracker
 
 # (tenant scope, the client's key): keys are per tenant, never shared across tenants.
@@ -51,8 +51,9 @@ class CacheKeyAffinity:
     def __init__(self, config: CacheKeyConfig | None = None,
                  clock: Callable[[], float] | None = None) -> None:
         self.config = config or CacheKeyConfig()
-        self._clock = clock or time.monotonic
-        self._workers: OrderedDict[CacheKey, tuple[str, float]] = OrderedDict()
+        # The key's worker; it expires ttl_s after the key's last routed request.
+        self._workers: ExpiringLru[CacheKey, str] = ExpiringLru(
+            self.config.max_keys, self.config.ttl_s, clock or time.monotonic)
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -60,14 +61,8 @@ class CacheKeyAffinity:
     def worker_for(self, key: CacheKey, candidates: Sequence[str], load: LoadTracker) -> str | None:
         """The worker the key's requests go to now, or None (no key, expired, not a candidate,
         or over the load bound): then the policy decides."""
-        entry = self._workers.get(key)
-        if entry is None:
-            return None
-        worker, expires = entry
-        if self._clock() >= expires:
-            del self._workers[key]
-            return None
-        if worker not in candidates:
+        worker = self._workers.get(key)
+        if worker is None or worker not in candidates:
             return None
         if load.get(worker).queued_prefill_tokens > self.config.max_queue_tokens:
             return None
@@ -75,14 +70,8 @@ class CacheKeyAffinity:
 
     def record(self, key: CacheKey, worker: str) -> None:
         """The key's request was routed to `worker`: later ones follow it."""
-        if not self.config.max_keys:
-            return
-        self._workers[key] = (worker, self._clock() + self.config.ttl_s)
-        self._workers.move_to_end(key)
-        while len(self._workers) > self.config.max_keys:
-            self._workers.popitem(last=False)
+        self._workers.put(key, worker)
 
     def remove_worker(self, worker: str) -> None:
         """The worker left: its keys go to whatever the policy picks next."""
-        for key in [k for k, (w, _) in self._workers.items() if w == worker]:
-            del self._workers[key]
+        self._workers.discard_where(lambda w: w == worker)

@@ -29,11 +29,11 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.core.expiring_lru import ExpiringLru
 from prefixcache_client.tokenizer import Tokenizer
 
 # Placeholders for the contents while locating them in the rendering: private-use characters,
@@ -57,16 +57,25 @@ class TurnMemory:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if config.max_tokens < 0 or config.ttl_s <= 0:
             raise ValueError("turn memory: max_tokens must be >= 0 and ttl_s > 0")
-        self.config, self._clock = config, clock
+        self.config = config
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, tuple[float, tuple[int, ...]]] = OrderedDict()
-        self.tokens = 0  # remembered ids now
+        self._entries: ExpiringLru[bytes, tuple[int, ...]] = ExpiringLru(
+            config.max_tokens, config.ttl_s, clock, cost=len)
         self.used = 0  # answers found (and spliced or offered)
-        self.dropped = 0  # entries dropped for the budget
 
     @property
     def enabled(self) -> bool:
         return self.config.max_tokens > 0
+
+    @property
+    def tokens(self) -> int:
+        """Remembered ids now."""
+        return self._entries.size
+
+    @property
+    def dropped(self) -> int:
+        """Entries dropped for the budget."""
+        return self._entries.dropped
 
     @staticmethod
     def _key(namespace: str, text: str) -> bytes:
@@ -77,36 +86,20 @@ class TurnMemory:
         or larger than the whole budget)."""
         if not self.enabled or not text or not ids or len(ids) > self.config.max_tokens:
             return
-        key, now = self._key(namespace, text), self._clock()
+        key = self._key(namespace, text)
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.tokens -= len(old[1])
-            self._entries[key] = (now + self.config.ttl_s, tuple(ids))
-            self.tokens += len(ids)
-            while self.tokens > self.config.max_tokens:
-                _, (_, dropped) = self._entries.popitem(last=False)
-                self.tokens -= len(dropped)
-                self.dropped += 1
+            self._entries.put(key, tuple(ids))
 
     def recall(self, namespace: str, text: str) -> tuple[int, ...] | None:
         """The ids remembered for `text` in `namespace`, or None (unknown or expired); a hit
         refreshes the entry's recency and TTL."""
         if not self.enabled or not text:
             return None
-        key, now = self._key(namespace, text), self._clock()
+        key = self._key(namespace, text)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            if entry[0] <= now:
-                del self._entries[key]
-                self.tokens -= len(entry[1])
-                return None
-            self._entries[key] = (now + self.config.ttl_s, entry[1])
-            self._entries.move_to_end(key)
-            self.used += 1
-            return entry[1]
+            ids = self._entries.get(key, refresh=True)
+            self.used += ids is not None
+            return ids
 
     def __len__(self) -> int:
         return len(self._entries)
