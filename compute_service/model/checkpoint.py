@@ -76,23 +76,25 @@ _TRANSFORMER = _NameMap(
         ("mlp.", "mlp."),
     ),
 )
+# Bamba's names; Falcon-H1 writes its parallel attention + Mamba block with the same ones.
+_BAMBA = _NameMap(
+    "model.",
+    (("embed_tokens.weight", "embed.weight"), ("final_layernorm.weight", "final_norm.weight")),
+    (
+        ("input_layernorm.", "norm1."),
+        ("self_attn.", "attn."),
+        ("mamba.", "mamba."),
+        ("pre_ff_layernorm.", "norm2."),
+        ("feed_forward.", "mlp."),
+    ),
+)
 _NAME_MAPS = {
     "llama": _TRANSFORMER,
     "qwen2": _TRANSFORMER,
     "qwen3": _TRANSFORMER,
     "qwen3_moe": _TRANSFORMER,
     "mistral": _TRANSFORMER,
-    "bamba": _NameMap(
-        "model.",
-        (("embed_tokens.weight", "embed.weight"), ("final_layernorm.weight", "final_norm.weight")),
-        (
-            ("input_layernorm.", "norm1."),
-            ("self_attn.", "attn."),
-            ("mamba.", "mamba."),
-            ("pre_ff_layernorm.", "norm2."),
-            ("feed_forward.", "mlp."),
-        ),
-    ),
+    "bamba": _BAMBA,
     "mamba2": _NameMap(
         "backbone.",
         (
@@ -108,17 +110,7 @@ _NAME_MAPS = {
         (("norm.", "norm1."), ("mixer.", _BY_KIND)),
         aliases=("backbone.",),
     ),
-    "falcon_h1": _NameMap(
-        "model.",
-        (("embed_tokens.weight", "embed.weight"), ("final_layernorm.weight", "final_norm.weight")),
-        (
-            ("input_layernorm.", "norm1."),
-            ("self_attn.", "attn."),
-            ("mamba.", "mamba."),
-            ("pre_ff_layernorm.", "norm2."),
-            ("feed_forward.", "mlp."),
-        ),
-    ),
+    "falcon_h1": _BAMBA,
     "granitemoehybrid": _NameMap(
         "model.",
         (("embed_tokens.weight", "embed.weight"), ("norm.weight", "final_norm.weight")),

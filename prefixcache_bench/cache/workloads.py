@@ -94,30 +94,30 @@ class BlockCache:
         return block
 
 
-def load_trace(path: str, limit: int | None) -> list[tuple[int, list[int]]]:
-    """(input_length, hash_ids) of the first `limit` requests (all when None), in file order."""
+def _records(path: str, limit: int | None) -> list[dict]:
+    """The first `limit` records (all when None) of a JSON-lines trace, in file order."""
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
             if line.strip():
-                rec = json.loads(line)
-                ids = [int(h) for h in rec["hash_ids"]]
-                out.append((min(int(rec["input_length"]), len(ids) * TRACE_BLOCK_TOKENS), ids))
+                out.append(json.loads(line))
+    return out
+
+
+def load_trace(path: str, limit: int | None) -> list[tuple[int, list[int]]]:
+    """(input_length, hash_ids) of the first `limit` requests (all when None), in file order."""
+    out = []
+    for rec in _records(path, limit):
+        ids = [int(h) for h in rec["hash_ids"]]
+        out.append((min(int(rec["input_length"]), len(ids) * TRACE_BLOCK_TOKENS), ids))
     return out
 
 
 def load_arrivals(path: str, limit: int | None) -> list[float]:
     """The arrival time (seconds) of each request load_trace returns, in the same order."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if limit is not None and len(out) >= limit:
-                break
-            if line.strip():
-                out.append(float(json.loads(line)["timestamp"]) / 1000.0)
-    return out
+    return [float(rec["timestamp"]) / 1000.0 for rec in _records(path, limit)]
 
 
 def ideal_hit_tokens(trace: list[tuple[int, list[int]]], page_size: int) -> int:
