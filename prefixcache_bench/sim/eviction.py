@@ -255,10 +255,15 @@ def agentic_trace(sessions: int = 300, turns: int = 12, seed: int = 1) -> list[T
             out.append(TraceRequest(0, t, len(context) * BLOCK_TOKENS - rng.randint(0, 400),
                                     200, tuple(context)))
             t += rng.expovariate(1 / 40.0)
-    out.sort(key=lambda r: r.arrival_s)
-    for i, r in enumerate(out):
+    return _in_arrival_order(out)
+
+
+def _in_arrival_order(requests: list[TraceRequest]) -> list[TraceRequest]:
+    """The requests sorted by arrival, each indexed by its place."""
+    requests.sort(key=lambda r: r.arrival_s)
+    for i, r in enumerate(requests):
         r.index = i
-    return out
+    return requests
 
 
 def many_tenant_trace(tenants: int = 400, conversations: int = 2500,
@@ -279,10 +284,7 @@ def many_tenant_trace(tenants: int = 400, conversations: int = 2500,
             out.append(TraceRequest(0, t, len(context) * BLOCK_TOKENS - rng.randint(1, 500),
                                     300, tuple(context)))
             t += rng.expovariate(1 / 60.0)
-    out.sort(key=lambda r: r.arrival_s)
-    for i, r in enumerate(out):
-        r.index = i
-    return out
+    return _in_arrival_order(out)
 
 
 def synthetic(kind: str, n: int, seed: int) -> list[TraceRequest]:

@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from cache_service.core import CacheCore
 from compute_service.engine import Engine, EngineConfig, SamplingParams
-from compute_service.model.gguf_checkpoint import gguf_tokenizer_files, load_gguf_model
-from compute_service.model.warmup import warm_up
 from gateway.http.turns import TurnMemory, TurnMemoryConfig, answer_ids, remembered_answers, \
     spliced_chat_ids
+from prefixcache_bench.compute.smollm2 import load_smollm2
 from prefixcache_bench.harness import columns_table, machine_info, write_json
-from prefixcache_client.tokenizer import from_files
-from stack.demo_checkpoint import smollm2_gguf
 
 PAGE = 16
 NEW = 64
@@ -103,11 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    path = smollm2_gguf()
-    tok = from_files(gguf_tokenizer_files(path))
-    model = load_gguf_model(path)
-    warm_up(model)
+    _, tok, model = load_smollm2()
     check = engine(model, tok)
     results: dict = {"model": "SmolLM2-135M-Instruct Q4_1 -> fp32", "page_size": PAGE,
                      "max_new_tokens": NEW, "conversations": len(CONVERSATIONS), "arms": {}}
