@@ -8,8 +8,8 @@
 
 A token's string is the tokenizer's decoding of that one id, as vLLM's is; without a tokenizer
 it is vLLM's `token_id:N` form. Its `bytes` are the token's own bytes (OpenAI's meaning: a
-character split over two tokens is whole again when their bytes are joined), where vLLM sends the
-UTF-8 of the string with U+FFFD in place of the partial character.
+character split over two tokens is whole again when their bytes are joined), where the token's
+string has U+FFFD in place of the partial character.
 """
 from __future__ import annotations
 
