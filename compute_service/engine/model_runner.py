@@ -150,7 +150,7 @@ class ModelRunner:
             has_initial_state=torch.tensor([r.has_state for r, _ in batch], dtype=torch.bool,
                                            device=device),
             mamba_checkpoint_interval=self.cfg.page_size if self.checkpoints and not decode else 0,
-            lora=lora)
+            lora=lora, max_q_len=max(n for _, n in batch))
 
     def _advance(self, batch: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
         """Moves `computed` past the tokens just computed; returns (logits row, request) for

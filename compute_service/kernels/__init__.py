@@ -1,5 +1,6 @@
 """Compute kernels of the model layers: paged attention, Mamba2 SSM scan/update, causal conv1d,
-batched multi-adapter LoRA, the projections' `linear` and the fused mixture-of-experts MLP.
+batched multi-adapter LoRA, the projections' `linear`, the fused mixture-of-experts MLP, RMSNorm
+and RoPE.
 
 Each public function has the signature of its PyTorch reference (the `*_ref` modules) plus the
 keywords `use_triton` and `reference`; `dispatch.TABLE` lists the backends of every operation
@@ -31,6 +32,8 @@ __all__ = [
     "mamba_chunk_layout",
     "mamba_chunk_scan",
     "paged_decode_attention",
+    "rms_norm",
+    "rope",
     "selective_state_update",
     "write_kv",
 ]
@@ -45,6 +48,8 @@ causal_conv1d_update = public("causal_conv1d_update")
 lora_apply = public("lora_apply")
 linear_group = public("linear_group")
 fused_moe = public("fused_moe")
+rms_norm = public("rms_norm")
+rope = public("rope")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -113,6 +113,7 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     sm_scale: float,
     window: int = 0,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over cached prefix + themselves.
 
@@ -121,6 +122,8 @@ def extend_attention(
     The new tokens' K/V are already in the cache at positions prefix_lens[b] + j. Query j of
     sequence b sits at position P = prefix_lens[b] + j and attends to key positions p <= P,
     and with window W > 0 only to p > P - W. Returns [T, Hq, D] in q's dtype.
+    `max_q_len`, the longest sequence's new tokens when the caller knows it on the host, spares
+    a kernel that sizes its grid by it a device synchronisation (the references ignore it).
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()

@@ -335,6 +335,7 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     sm_scale: float,
     window: int = 0,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over cached prefix + themselves.
 

@@ -340,13 +340,14 @@ def _extend_kernel(
 
 # Launch configurations of the extend kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed
 # by (padded head_dim, compute capability). H100/H200 (9.0) and A100 (8.0), with 160-228 KB of
-# shared memory per block, take 128-row query tiles so each program's dots fill the tensor
-# cores; any other GPU (e.g. 8.6/8.9/12.0 with ~100 KB) the small fallback; the interpreter
-# (CPU, tests) keeps the small tiles it was tested with. `prefixcache_bench.gpu_check` sweeps
-# candidates around these on the device and names the best.
+# shared memory per block, take large tiles so each program's dots fill the tensor cores; any
+# other GPU (e.g. 8.6/8.9/12.0 with ~100 KB) the small fallback; the interpreter (CPU, tests)
+# keeps the small tiles it was tested with. `prefixcache_bench.gpu_check` sweeps candidates
+# around these on the device and names the best: for d 128 on an H100, (64, 64, 4, 3) beat the
+# 128-row tiles (128, 64, 8, 3) by 1.14x and 1.24x in two runs (docs/results/gpu/).
 EXTEND_CONFIGS: dict[tuple[int, tuple[int, int]], tuple[int, int, int, int]] = {
     (64, (9, 0)): (128, 64, 4, 3),
-    (128, (9, 0)): (128, 64, 8, 3),
+    (128, (9, 0)): (64, 64, 4, 3),
     (256, (9, 0)): (64, 32, 4, 2),
     (64, (8, 0)): (128, 64, 4, 3),
     (128, (8, 0)): (128, 64, 8, 2),
@@ -380,19 +381,23 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     sm_scale: float,
     window: int = 0,
+    max_q_len: int | None = None,
     *,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """See `attention_ref.extend_attention`. Reads the longest query length on the host once
-    to size the grid. `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the table
-    (`extend_config`), for sweeps."""
+    """See `attention_ref.extend_attention`. The grid is sized by the longest query length:
+    `max_q_len` when the caller passes it, else read from `cu_seqlens_q` (a device
+    synchronisation: once per layer, the host then waits for the GPU before it can queue the
+    next layer's kernels). `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the
+    table (`extend_config`), for sweeps."""
     _check_cache(q, k_cache, v_cache)
     total, num_q_heads, head_dim = q.shape
     num_seqs = prefix_lens.shape[0]
     out = torch.empty_like(q)
     if total == 0:
         return out
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     block_d = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages = config or extend_config(q, head_dim, max_q_len)
     grid = (math.ceil(max_q_len / block_m), num_seqs, num_q_heads)

@@ -55,8 +55,10 @@ TABLE: dict[str, Backends] = {
     "causal_conv1d":          Backends("conv_ref",      "",                "conv_triton",      "",              "x"),
     "causal_conv1d_update":   Backends("conv_ref",      "",                "conv_triton",      "",              "x"),
     "lora_apply":             Backends("lora_ref",      "",                "lora_triton",      "lora_cpu",      "x", ("B_t",)),
-    "linear_group":           Backends("linear_ref",    "",                "",                 "linear_cpu",    "x"),
+    "linear_group":           Backends("linear_ref",    "linear_torch",    "",                 "linear_cpu",    "x"),
     "fused_moe":              Backends("moe_ref",       "",                "moe_triton",       "",              "x"),
+    "rms_norm":               Backends("norm_rope_ref", "",                "norm_rope_triton", "",              "x"),
+    "rope":                   Backends("norm_rope_ref", "",                "norm_rope_triton", "",              "x"),
 }  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """Plain PyTorch reference for the projections: `linear_group`, one `F.linear` per weight.
 
-It serves CUDA tensors (cuBLAS) and every dtype but fp32 on CPU; fp32 CPU projections take
-`linear_cpu` (packed weights through our C GEMM or oneDNN), tested against this to rtol = atol =
-1e-5 (the reduction order differs). There is no Triton version.
+CUDA tensors and every dtype but fp32 on CPU take `linear_torch` (one GEMM for weights laid end to
+end in one buffer); fp32 CPU projections take `linear_cpu` (packed weights through our C GEMM or
+oneDNN), tested against this to rtol = atol = 1e-5 (the reduction order differs). There is no
+Triton version.
 """
 from __future__ import annotations
 

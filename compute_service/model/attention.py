@@ -8,7 +8,7 @@ from torch import nn
 from compute_service import kernels
 from compute_service.model.batch import ForwardBatch, ForwardMode
 from compute_service.model.config import ModelConfig
-from compute_service.model.layers import RMSNorm, apply_rope
+from compute_service.model.layers import RMSNorm
 from compute_service.model.lora_batch import LayerLora, project, project_group
 
 
@@ -64,7 +64,7 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_sin is not None:  # None: no positional encoding (NoPE)
-            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+            q, k = kernels.rope(q, *cos_sin), kernels.rope(k, *cos_sin)
         k_cache, v_cache = cache
         kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.mode is ForwardMode.DECODE:
@@ -81,6 +81,7 @@ class PagedAttention(nn.Module):
                 batch.prefix_lens,
                 self.scale,
                 window=self.window,
+                max_q_len=batch.max_q_len,
             )
         out = project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), lora, "o_proj")
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier

@@ -54,6 +54,9 @@ class ForwardBatch:
     - mamba_checkpoint_interval: when > 0 (EXTEND only), also return the Mamba states at every
       absolute position that is a multiple of it inside this call (normally the page size).
     - lora: per-token LoRA adapters (`AdapterRegistry.lora_batch`); None = base model for all.
+    - max_q_len: the most new tokens of one sequence, when the host knows it (the engine
+      does): the extend kernel sizes its grid by it and otherwise reads it from
+      `cu_seqlens_q`, a device synchronisation in every attention layer.
     """
 
     mode: ForwardMode
@@ -68,6 +71,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     mamba_checkpoint_interval: int = 0
     lora: LoraBatch | None = None
+    max_q_len: int | None = None
 
     @property
     def batch_size(self) -> int:

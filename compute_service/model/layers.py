@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compute_service import kernels
 from compute_service.model.config import ModelConfig, RopeScaling
 from compute_service.model.lora_batch import LayerLora, project, project_group
 
@@ -25,13 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:
-            # The same arithmetic as below (nothing to cast), as one fused op.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -158,7 +153,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) ->
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables for the first `rotary_dim` channels of each head (see `apply_rope`)."""
+    """RoPE tables for the first `rotary_dim` channels of each head (see `kernels.rope`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -172,15 +167,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, head_dim] -> same shape, RoPE in the NeoX ("rotate half") layout applied to the
-    first rotary_dim = cos.shape[-1] channels; the rest (partial rotary, e.g. Bamba's 0.5) pass
-    through unchanged."""
-    rotary_dim = cos.shape[-1]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -21,6 +21,8 @@ from compute_service.model.moe import SparseMoE
 
 # Parameters kept in fp32 whatever the model dtype (see CausalLM.cast).
 FP32_PARAMS = ("A_log", "D", "dt_bias")
+# Projections of one input computed together by `kernels.linear_group` (CausalLM.join_projections).
+_JOINED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class DecoderLayer(nn.Module):
@@ -94,7 +96,36 @@ class CausalLM(nn.Module):
         # to_empty leaves non-persistent buffers uninitialised: rebuild the RoPE table.
         if model.rotary is not None:
             model.rotary = RotaryEmbedding(cfg).to(device)
-        return model.cast(dtype)
+        model.cast(dtype)
+        if torch.device(device).type == "cuda":
+            model.join_projections()
+        return model
+
+    def join_projections(self) -> CausalLM:
+        """Lays the weights of the projections that read the same input (q/k/v, gate/up) end
+        to end in one buffer each, every Linear's weight a view of its rows, so that
+        `kernels.linear_group` runs each group as one GEMM (one launch instead of three or two,
+        and a wider GEMM). Done before weights are loaded: loaders copy into the views. Groups
+        with biases are left apart (their GEMM would need the biases joined on every call)."""
+        for module in self.modules():
+            for names in _JOINED_PROJECTIONS:
+                linears = [getattr(module, n, None) for n in names]
+                if not all(isinstance(lin, nn.Linear) and lin.bias is None for lin in linears):
+                    continue
+                first = linears[0].weight
+                if any(lin.weight.shape[1] != first.shape[1] or lin.weight.dtype != first.dtype
+                       for lin in linears):
+                    continue
+                joined = torch.empty(sum(lin.weight.shape[0] for lin in linears), first.shape[1],
+                                     dtype=first.dtype, device=first.device)
+                row = 0
+                for lin in linears:
+                    rows = lin.weight.shape[0]
+                    joined[row:row + rows].copy_(lin.weight.data)
+                    lin.weight = nn.Parameter(joined[row:row + rows],
+                                              requires_grad=lin.weight.requires_grad)
+                    row += rows
+        return self
 
     def cast(self, dtype: torch.dtype) -> CausalLM:
         """Convert parameters to `dtype`, except the Mamba A_log, D and dt_bias, which stay fp32

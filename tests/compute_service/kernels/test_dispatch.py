@@ -46,6 +46,8 @@ _ARGS = {
         torch.randn(2, 8), torch.randn(3, 8, 8), torch.randn(3, 8, 4),
         torch.tensor([[0, 2], [1, 0]]), torch.rand(2, 2),
     ),
+    "rms_norm": (torch.randn(2, 8), torch.ones(8), 1e-6),
+    "rope": (torch.randn(2, 1, 8), torch.ones(2, 1, 8), torch.zeros(2, 1, 8)),
 }
 
 

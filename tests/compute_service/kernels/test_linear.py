@@ -158,3 +158,50 @@ def test_kernels_build_into_a_fresh_cache_and_report_a_missing_compiler(tmp_path
     monkeypatch.setitem(cpu_native._settings, "mode", "off")
     monkeypatch.delenv("CC")
     assert cpu_native._load() is None
+
+
+def test_joined_weights_take_one_gemm_with_the_same_outputs() -> None:
+    """`linear_torch`: weights laid end to end in one buffer (CausalLM.join_projections) give
+    what one F.linear per weight gives; anything else is not taken for joined."""
+    from compute_service.kernels import linear_torch
+
+    gen = torch.Generator().manual_seed(2)
+    buf = torch.randn(96 + 32 + 32, 64, generator=gen).to(torch.bfloat16)
+    q, k, v = buf[:96], buf[96:128], buf[128:]
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    assert linear_torch.joined_rows([q, k, v]).data_ptr() == buf.data_ptr()
+    got = linear_torch.linear_group(x, [q, k, v], [None] * 3)
+    for y, w in zip(got, (q, k, v), strict=True):
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-2, atol=1e-2)
+    assert kernels.choose("linear_group", x) == "torch"
+    assert linear_torch.joined_rows([q, v]) is None  # a gap
+    assert linear_torch.joined_rows([k, q]) is None  # out of order
+    assert linear_torch.joined_rows([q, buf[96:128].clone()]) is None  # another buffer
+    assert linear_torch.joined_rows([q]) is None
+    # With biases the weights are projected one by one (exact F.linear).
+    b = [torch.ones(96, dtype=torch.bfloat16), None, None]
+    assert torch.equal(linear_torch.linear_group(x, [q, k, v], b)[0], F.linear(x, q, b[0]))
+
+
+def test_join_projections_keeps_the_models_outputs() -> None:
+    """q/k/v and gate/up become views of one buffer each (the GPU layout), with the same weights
+    and the same logits (bf16 on CPU: the `linear_torch` path)."""
+    from compute_service.model import build_preset
+    from tests.compute_service.paged_driver import PagedDriver
+
+    model = build_preset("tiny-transformer", seed=3).cast(torch.bfloat16)
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def logits() -> torch.Tensor:
+        driver = PagedDriver(model, page_size=16)
+        return driver.forward([driver.new_sequence()], [prompt], all_logits=True).logits
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = logits()
+    model.join_projections()
+    attn = model.layers[0].attn
+    q, k = attn.q_proj.weight, attn.k_proj.weight
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    torch.testing.assert_close(logits(), want, rtol=2e-2, atol=2e-2)

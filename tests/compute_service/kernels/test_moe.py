@@ -96,9 +96,11 @@ def test_triton_prefill_sized_batch_on_gpu() -> None:
 
 def test_an_empty_batch_and_the_dispatch() -> None:
     x, w_gate_up, w_down, ids, weights = _inputs(CASES[0], "cpu", torch.float32)
+    assert kernels.choose("fused_moe", x) == "ref"
+    # Forcing Triton takes tensors it can read: compiled Triton on a GPU cannot read CPU ones.
+    x, w_gate_up, w_down, ids, weights = _inputs(CASES[0], DEVICE, torch.float32)
     for impl in (moe_ref, moe_triton):
         assert impl.fused_moe(x[:0], w_gate_up, w_down, ids[:0], weights[:0]).shape == (0, 64)
-    assert kernels.choose("fused_moe", x) == "ref"
     want = moe_ref.fused_moe(x, w_gate_up, w_down, ids, weights)
     assert_close(kernels.fused_moe(x, w_gate_up, w_down, ids, weights, use_triton=True), want,
                  torch.float32)
