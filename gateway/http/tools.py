@@ -62,7 +62,7 @@ class ToolPlan:
 def plan(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None,
          template: str | None) -> ToolPlan | None:
     """The request's tool handling (None without tools); 400 naming the field when the tools or
-    the choice are malformed (vLLM's checks)."""
+    the choice are malformed (vLLM's checks and fields: tests/gateway/test_http_requests_vllm.py)."""
     if tools is None:
         if choice not in (None, "none"):
             raise bad_request("tool_choice", "needs tools")
@@ -75,15 +75,18 @@ def plan(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None,
     parser = "hermes" if template is not None and HERMES_OPEN in template else None
     if choice in ("none", "auto", "required"):
         return ToolPlan(choice, tools, parser=parser)
-    if isinstance(choice, dict):
+    if isinstance(choice, dict):  # each refusal names vLLM's field (its check_tool_usage)
+        usage = 'a named choice is {"type": "function", "function": {"name": "..."}}'
         fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
-            raise bad_request("tool_choice", 'a named choice is {"type": "function", '
-                              '"function": {"name": "..."}}')
+        if not isinstance(fn, dict):
+            raise bad_request("tool_choice.function", usage)
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice.function.name", usage)
+        if choice.get("type", "function") != "function":
+            raise bad_request("tool_choice", usage)
         if name not in names:
-            raise bad_request("tool_choice.function.name", f"{json.dumps(name)[:80]} is not "
-                              "one of the tools")
+            raise bad_request("tool_choice", f"{json.dumps(name)[:80]} is not one of the tools")
         return ToolPlan("named", tools, name=name, parser=parser)
     raise bad_request("tool_choice", 'must be "none", "auto", "required" or a named function')
 

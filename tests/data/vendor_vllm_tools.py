@@ -9,7 +9,11 @@ by the test, so a hand edit of a copy cannot go unnoticed):
 - vllm/renderers/chat_utils/chat_message.py: `_postprocess_messages`, which turns an assistant
   turn's tool-call `arguments` into an object for the chat template;
 - vllm/tool_parsers/hermes_tool_parser.py: `Hermes2ProToolParser.extract_tool_calls` and the
-  class attributes it reads.
+  class attributes it reads;
+- vllm/sampling_params.py: `StructuredOutputsParams` (it refuses two kinds of constraint), and
+  vllm/entrypoints/openai/chat_completion/protocol.py: `ChatCompletionRequest`'s validators
+  `check_structured_outputs_count` and `check_tool_usage` (their decorators left out: the test
+  calls them as plain functions).
 The lines between the copies (imports and stand-ins for vLLM's pydantic classes and logger) are
 ours and marked so.
 
@@ -27,6 +31,8 @@ from pathlib import Path
 UTILS = "vllm/tool_parsers/utils.py"
 CHAT_MESSAGE = "vllm/renderers/chat_utils/chat_message.py"
 HERMES = "vllm/tool_parsers/hermes_tool_parser.py"
+PROTOCOL = "vllm/entrypoints/openai/chat_completion/protocol.py"
+SAMPLING = "vllm/sampling_params.py"
 
 # (file, class or None, names) in the order they are written
 PIECES = (
@@ -37,7 +43,11 @@ PIECES = (
     (CHAT_MESSAGE, None, ("_postprocess_messages",)),
     (HERMES, "Hermes2ProToolParser", ("tool_call_start_token", "tool_call_end_token",
                                       "tool_call_regex", "extract_tool_calls")),
+    (SAMPLING, None, ("StructuredOutputsParams",)),
+    (PROTOCOL, "ChatCompletionRequest", ("check_structured_outputs_count", "check_tool_usage")),
 )
+# the decorator lines `ast` leaves out of a copied class (ours, the same as vLLM's)
+DECORATORS = {"StructuredOutputsParams": "@dataclass  # ours: vLLM's decorator (pydantic's)\n"}
 
 PRELUDE = Path(__file__).with_name("vllm_tools_prelude.txt")
 
@@ -80,7 +90,7 @@ def main(wheel: str, root: str) -> None:
         for name, text in segments(source, cls, names).items():
             key = f"{cls}.{name}" if cls else name
             hashes[key] = sha256(text.encode())
-            out.append(text + ("\n" if cls else "\n\n\n"))
+            out.append(DECORATORS.get(name, "") + text + ("\n" if cls else "\n\n\n"))
     out.append("\n# ours: the sha256 of each copied text, as extracted from the wheel\n"
                "VENDORED_SHA256 = {\n"
                + "".join(f"    {k!r}: {v!r},\n" for k, v in hashes.items()) + "}\n")

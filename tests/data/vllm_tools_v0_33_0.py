@@ -25,7 +25,10 @@ from openai.types.responses import (
     ToolChoiceCustom,
     ToolChoiceFunction,
 )
+from dataclasses import field
+
 from pydantic import BaseModel
+from pydantic.dataclasses import dataclass
 
 logger = logging.getLogger("vllm_v0_33_0")
 
@@ -78,6 +81,10 @@ Tool: TypeAlias = ChatCompletionToolsParam
 ChatCompletionRequest: TypeAlias = Any
 ConversationMessage: TypeAlias = dict[str, Any]
 ExtractedToolCallInformation.model_rebuild()
+
+
+def validate_structured_outputs_structural_tag(structured_outputs: Any) -> None:
+    """vLLM checks a structural tag here; the tests send none."""
 
 
 # ---- vLLM: vllm/tool_parsers/utils.py (file sha256 4ff79d1fd68d47b56eb038beb312d30c7a889811a33bc15ba6f18a67d39c8589)
@@ -402,6 +409,206 @@ class Hermes2ProToolParser:  # ours: the class line only
                     tools_called=False, tool_calls=[], content=model_output
                 )
 
+
+# ---- vLLM: vllm/sampling_params.py (file sha256 deebc01732f3f7c14b9912dbed0190570015f5e0635c802c8293a508c36e4848)
+@dataclass  # ours: vLLM's decorator (pydantic's)
+class StructuredOutputsParams:
+    # One of these fields will be used to build a logit processor.
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # These are other options that can be set.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    _backend: str | None = field(default=None, init=False)
+    """CAUTION: Should only be set by Processor._validate_structured_output"""
+    _backend_was_auto: bool = field(default=False, init=False)
+    """CAUTION: Should only be set by Processor._validate_structured_output"""
+
+    def __post_init__(self):
+        """Validate that some fields are mutually exclusive."""
+        count = sum(
+            [
+                self.json is not None,
+                self.regex is not None,
+                self.choice is not None,
+                self.grammar is not None,
+                self.json_object is not None,
+                self.structural_tag is not None,
+            ]
+        )
+        if count > 1:
+            raise VLLMValidationError(
+                "You can only use one kind of structured outputs constraint "
+                f"but multiple are specified: {self.__dict__}"
+            )
+        if count < 1:
+            raise VLLMValidationError(
+                "You must use one kind of structured outputs constraint "
+                f"but none are specified: {self.__dict__}"
+            )
+
+    def all_constraints_none(self) -> bool:
+        """Returns True if all structured-output constraint fields are None."""
+        return all(
+            getattr(self, field) is None
+            for field in (
+                "json",
+                "regex",
+                "choice",
+                "grammar",
+                "json_object",
+                "structural_tag",
+            )
+        )
+
+    def all_non_structural_tag_constraints_none(self) -> bool:
+        """Returns True if all structured-output constraint fields are None."""
+        return all(
+            getattr(self, field) is None
+            for field in (
+                "json",
+                "regex",
+                "choice",
+                "grammar",
+                "json_object",
+            )
+        )
+
+
+
+
+# ---- vLLM: vllm/entrypoints/openai/chat_completion/protocol.py (file sha256 e112a3c4c23e7a2e82a1964b39102d7209621f81f37810e741cf963cd50e1ec1), class ChatCompletionRequest
+class ChatCompletionRequest:  # ours: the class line only
+    def check_structured_outputs_count(cls, data):
+        if isinstance(data, ValueError):
+            raise data
+        if not isinstance(data, dict):
+            return data
+
+        if data.get("structured_outputs", None) is None:
+            return data
+
+        structured_outputs_kwargs = data["structured_outputs"]
+        # structured_outputs may arrive as a dict (from JSON/raw kwargs) or
+        # as a StructuredOutputsParams dataclass instance.
+        is_dataclass = isinstance(structured_outputs_kwargs, StructuredOutputsParams)
+        count = sum(
+            (
+                getattr(structured_outputs_kwargs, k, None)
+                if is_dataclass
+                else structured_outputs_kwargs.get(k)
+            )
+            is not None
+            for k in ("json", "regex", "choice")
+        )
+        # you can only use one kind of constraints for structured outputs
+        if count > 1:
+            raise VLLMValidationError(
+                "You can only use one kind of constraints for structured "
+                "outputs ('json', 'regex' or 'choice').",
+            )
+        # you can only either use structured outputs or tools, not both
+        if count > 0 and data.get("tool_choice", "none") not in (
+            "none",
+            "auto",
+            "required",
+        ):
+            raise VLLMValidationError(
+                "You can only either use constraints for structured outputs "
+                "or tools, not both.",
+            )
+        validate_structured_outputs_structural_tag(structured_outputs_kwargs)
+        return data
+    def check_tool_usage(cls, data):
+        if isinstance(data, ValueError):
+            raise data
+        if not isinstance(data, dict):
+            return data
+
+        # Reject empty tools array, matching OpenAI API behavior
+        if data.get("tools") == []:
+            raise VLLMValidationError(
+                "`tools` must not be an empty array. "
+                "Either provide at least one tool or omit the field entirely.",
+                parameter="tools",
+            )
+
+        # if "tool_choice" is not specified but tools are provided,
+        # default to "auto" tool_choice
+        if "tool_choice" not in data and data.get("tools"):
+            data["tool_choice"] = "auto"
+
+        # if "tool_choice" is "none" -- no validation is needed for tools
+        if "tool_choice" in data and data["tool_choice"] == "none":
+            return data
+
+        # if "tool_choice" is specified -- validation
+        if "tool_choice" in data and data["tool_choice"] is not None:
+            # ensure that if "tool choice" is specified, tools are present
+            if "tools" not in data or data["tools"] is None:
+                raise VLLMValidationError(
+                    "When using `tool_choice`, `tools` must be set.",
+                    parameter="tool_choice",
+                )
+
+            # make sure that tool choice is either a named tool
+            # OR that it's set to "auto" or "required"
+            if data["tool_choice"] not in ["auto", "required"] and not isinstance(
+                data["tool_choice"], dict
+            ):
+                raise VLLMValidationError(
+                    f"Invalid value for `tool_choice`: {data['tool_choice']}! "
+                    'Only named tools, "none", "auto" or "required" '
+                    "are supported.",
+                    parameter="tool_choice",
+                )
+
+            # ensure that if "tool_choice" is specified as an object,
+            # it matches a valid tool
+            correct_usage_message = (
+                'Correct usage: `{"type": "function",'
+                ' "function": {"name": "my_function"}}`'
+            )
+            if isinstance(data["tool_choice"], dict):
+                valid_tool = False
+                function = data["tool_choice"].get("function")
+                if not isinstance(function, dict):
+                    raise VLLMValidationError(
+                        f"Invalid value for `function`: `{function}` in "
+                        f"`tool_choice`! {correct_usage_message}",
+                        parameter="tool_choice.function",
+                    )
+                if "name" not in function:
+                    raise VLLMValidationError(
+                        f"Expected field `name` in `function` in "
+                        f"`tool_choice`! {correct_usage_message}",
+                        parameter="tool_choice.function.name",
+                    )
+                function_name = function["name"]
+                if not isinstance(function_name, str) or len(function_name) == 0:
+                    raise VLLMValidationError(
+                        f"Invalid `name` in `function`: `{function_name}`"
+                        f" in `tool_choice`! {correct_usage_message}",
+                        parameter="tool_choice.function.name",
+                    )
+                for tool in data["tools"]:
+                    if tool["function"]["name"] == function_name:
+                        valid_tool = True
+                        break
+                if not valid_tool:
+                    raise VLLMValidationError(
+                        "The tool specified in `tool_choice` does not match any"
+                        " of the specified `tools`",
+                        parameter="tool_choice",
+                    )
+        return data
+
 # ours: the sha256 of each copied text, as extracted from the wheel
 VENDORED_SHA256 = {
     'get_function_tools': 'd45540090d5ccb970d6e8c259e6f0102b058d8da54d55e8eddd21f40bd41306a',
@@ -418,4 +625,7 @@ VENDORED_SHA256 = {
     'Hermes2ProToolParser.tool_call_end_token': '769459712fb59df5b362f0df7e0b6dcc6fb213c6b4d30160eaefb915ab960604',
     'Hermes2ProToolParser.tool_call_regex': 'c3003c48ed91bd367420ef64e53cd98e0ad5dfde6c29817f5e4ea8ea1113cb3a',
     'Hermes2ProToolParser.extract_tool_calls': '5bcb34d61aa897d569a13113a68bd3780d45d7e3216fe7aa52b3ef622c554347',
+    'StructuredOutputsParams': 'd0c18be79bc23dc7d64f653b3dc4c39b54e68a5fd007cb4787490f8d27c78475',
+    'ChatCompletionRequest.check_structured_outputs_count': '1a3154a585e4200e954d70984c8e34aee4e6a5601f8f7886a5014ecd960be62e',
+    'ChatCompletionRequest.check_tool_usage': '37fbebabbd0008fb62facee3b1b186f835800d6675a29b20826461456238866f',
 }

@@ -50,7 +50,7 @@ def test_plans_and_their_refusals():
     assert param_of(lambda: tools.plan([{"type": "function", "function": {}}], None, None,
                                        None)) == "tools[0].function.name"
     assert param_of(lambda: tools.plan(TOOLS, {"type": "function", "function": {
-        "name": "missing"}}, None, None)) == "tool_choice.function.name"
+        "name": "missing"}}, None, None)) == "tool_choice"
 
 
 def test_required_schema_accepts_calls_of_the_tools_only():
