@@ -117,9 +117,14 @@ def long_functions(paths: list[Path], root: Path = REPO, limit: int = MAX_FUNCTI
     return long
 
 
+VENDORED = "# Vendored from "  # a third party's code copied verbatim (and hash-checked): not ours to split
+
+
 def test_no_function_is_longer_than_80_lines():
     """design.md §8: a long function becomes named steps (small functions, dataclasses)."""
-    long = long_functions(python_sources())
+    long = long_functions([p for p in python_sources()
+                           if not any(line.startswith(VENDORED)
+                                      for line in p.read_text(encoding="utf-8").splitlines()[:10])])
     assert long == [], f"split these functions ({MAX_FUNCTION_LINES} lines at most): {long}"
 
 

@@ -38,8 +38,8 @@ def test_plans_and_their_refusals():
     assert tools.plan(None, None, None, None) is None
     p = tools.plan(TOOLS, None, None, HERMES_TEMPLATE)
     assert p.mode == "auto" and p.parser == "hermes" and p.calls_tools
-    # SmolLM2's template knows no tools: no parser, `auto` answers with content (vLLM's
-    # behaviour without a tool parser); required and named still call through the grammar.
+    # SmolLM2's template knows no tools: no parser, `auto` answers with content (vLLM would
+    # refuse `auto` without --tool-call-parser); required and named still call through the grammar.
     assert not tools.plan(TOOLS, "auto", None, SMOLLM2_TEMPLATE).calls_tools
     assert tools.plan(TOOLS, "required", None, SMOLLM2_TEMPLATE).calls_tools
     assert not tools.plan(TOOLS, "none", None, HERMES_TEMPLATE).calls_tools
@@ -50,7 +50,7 @@ def test_plans_and_their_refusals():
     assert param_of(lambda: tools.plan([{"type": "function", "function": {}}], None, None,
                                        None)) == "tools[0].function.name"
     assert param_of(lambda: tools.plan(TOOLS, {"type": "function", "function": {
-        "name": "missing"}}, None, None)) == "tool_choice.function.name"
+        "name": "missing"}}, None, None)) == "tool_choice"
 
 
 def test_required_schema_accepts_calls_of_the_tools_only():
@@ -73,7 +73,7 @@ def test_hermes_parser():
     text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n' \
            '</tool_call>\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
     content, calls = tools.hermes(text)
-    assert content == "Sure." and [c.name for c in calls] == ["get_weather", "noop"]
+    assert content == "Sure. " and [c.name for c in calls] == ["get_weather", "noop"]
     assert json.loads(calls[0].arguments) == {"city": "Lima"}
     assert tools.hermes("<tool_call>{not json</tool_call>") == ("<tool_call>{not json"
                                                                 "</tool_call>", [])

@@ -1,0 +1,102 @@
+"""Writes tests/data/vllm_tools_v0_33_0.py: vLLM 0.33.0's own tool-calling functions, copied
+verbatim out of the wheel so that tests/gateway/test_http_tools_vllm.py runs them and ours on
+the same inputs (vLLM itself needs torch and its whole package to import).
+
+Copied (each by `ast`, its exact source text, whose sha256 is recorded in the output and checked
+by the test, so a hand edit of a copy cannot go unnoticed):
+- vllm/tool_parsers/utils.py: the JSON schema of `tool_choice: "required"` and of a named
+  function (`get_json_schema_from_tools` and its helpers);
+- vllm/renderers/chat_utils/chat_message.py: `_postprocess_messages`, which turns an assistant
+  turn's tool-call `arguments` into an object for the chat template;
+- vllm/tool_parsers/hermes_tool_parser.py: `Hermes2ProToolParser.extract_tool_calls` and the
+  class attributes it reads;
+- vllm/sampling_params.py: `StructuredOutputsParams` (it refuses two kinds of constraint), and
+  vllm/entrypoints/openai/chat_completion/protocol.py: `ChatCompletionRequest`'s validators
+  `check_structured_outputs_count` and `check_tool_usage` (their decorators left out: the test
+  calls them as plain functions).
+The lines between the copies (imports and stand-ins for vLLM's pydantic classes and logger) are
+ours and marked so.
+
+    pip download vllm==0.33.0 --no-deps -d /tmp/vllm_whl
+    mkdir /tmp/vllm_src && cd /tmp/vllm_src && unzip -q /tmp/vllm_whl/vllm-0.33.0-*.whl
+    python tests/data/vendor_vllm_tools.py /tmp/vllm_whl/vllm-0.33.0-*.whl /tmp/vllm_src
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import sys
+from pathlib import Path
+
+UTILS = "vllm/tool_parsers/utils.py"
+CHAT_MESSAGE = "vllm/renderers/chat_utils/chat_message.py"
+HERMES = "vllm/tool_parsers/hermes_tool_parser.py"
+PROTOCOL = "vllm/entrypoints/openai/chat_completion/protocol.py"
+SAMPLING = "vllm/sampling_params.py"
+
+# (file, class or None, names) in the order they are written
+PIECES = (
+    (UTILS, None, ("get_function_tools", "require_function_tools", "_extract_tool_info", "_params_or_empty_object",
+                   "_get_tool_schema_from_name_and_params", "_get_tool_schema_from_tool",
+                   "_get_tool_schema_defs", "_get_json_schema_from_tools",
+                   "get_json_schema_from_tools")),
+    (CHAT_MESSAGE, None, ("_postprocess_messages",)),
+    (HERMES, "Hermes2ProToolParser", ("tool_call_start_token", "tool_call_end_token",
+                                      "tool_call_regex", "extract_tool_calls")),
+    (SAMPLING, None, ("StructuredOutputsParams",)),
+    (PROTOCOL, "ChatCompletionRequest", ("check_structured_outputs_count", "check_tool_usage")),
+)
+# the decorator lines `ast` leaves out of a copied class (ours, the same as vLLM's)
+DECORATORS = {"StructuredOutputsParams": "@dataclass  # ours: vLLM's decorator (pydantic's)\n"}
+
+PRELUDE = Path(__file__).with_name("vllm_tools_prelude.txt")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.FunctionDef | ast.ClassDef):
+        return node.name
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return node.target.id
+    if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id
+    return None
+
+
+def segments(source: str, cls: str | None, names: tuple[str, ...]) -> dict[str, str]:
+    """name -> its exact source text (a method or class attribute keeps its indentation)."""
+    body = ast.parse(source).body
+    if cls is not None:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    found = {_name(n): " " * n.col_offset + ast.get_source_segment(source, n) for n in body}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SystemExit(f"not found: {missing}")
+    return {n: found[n] for n in names}
+
+
+def main(wheel: str, root: str) -> None:
+    out = [PRELUDE.read_text().replace("{WHEEL_SHA256}", sha256(Path(wheel).read_bytes()))]
+    hashes: dict[str, str] = {}
+    for path, cls, names in PIECES:
+        source = (Path(root) / path).read_text()
+        out.append(f"\n\n# ---- vLLM: {path} (file sha256 {sha256(source.encode())})"
+                   + (f", class {cls}" if cls else "") + "\n")
+        if cls:
+            out.append(f"class {cls}:  # ours: the class line only\n")
+        for name, text in segments(source, cls, names).items():
+            key = f"{cls}.{name}" if cls else name
+            hashes[key] = sha256(text.encode())
+            out.append(DECORATORS.get(name, "") + text + ("\n" if cls else "\n\n\n"))
+    out.append("\n# ours: the sha256 of each copied text, as extracted from the wheel\n"
+               "VENDORED_SHA256 = {\n"
+               + "".join(f"    {k!r}: {v!r},\n" for k, v in hashes.items()) + "}\n")
+    dest = Path(__file__).with_name("vllm_tools_v0_33_0.py")
+    dest.write_text("".join(out).rstrip() + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
