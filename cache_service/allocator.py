@@ -65,6 +65,14 @@ class Pages:
             node.queued = node.medium
             heapq.heappush(self._heaps[node.medium], (node.rank, next(self._tie), node))
 
+    def requeue(self, node: Node) -> None:
+        """`node`'s rank fell (a dead run): one more entry at the new rank, so it leaves at that
+        rank; the old entry is skipped or pushed again when it comes up."""
+        if node.queued == node.medium:
+            heapq.heappush(self._heaps[node.medium], (node.rank, next(self._tie), node))
+        else:
+            self.offer(node)
+
     def pop_victim(self, medium: int) -> Node | None:
         """The candidate on `medium` ranked lowest (the least recently used, with LRU), taken
         off the heap."""

@@ -13,6 +13,9 @@ by rank), so a policy is only this: how to rank a run now.
   b would be the inter-arrival time of the short shared prefix every request passes through.
 - `adaptive`: set dueling between the two (Adaptive: id-only shadow caches of sampled page
   hashes replay every request's pages; the tree ranks by the policy whose shadow held more).
+  It also spots dead runs: a leaf a new run branches off beside (a prompt's tail the next
+  turn did not extend) ranks below every live run once such tails are seen rarely used
+  again (Adaptive.inserted).
 
 A rank is fixed when the run is used (b included), so heap entries go stale only by use, as with
 LRU: O(log n) per page operation, no re-keying of the heap when b moves. A run that leaves its
@@ -53,6 +56,11 @@ class Lru:
     def dropped(self, hashes: bytes, uses: int, used_at: float) -> None:
         """Pages left the tree (LRU keeps no history)."""
 
+    def inserted(self, node: Node) -> Node | None:
+        """A new run entered the tree: the run whose rank fell because of it (to be queued
+        again at its new rank), if any. Only `adaptive` spots dead runs."""
+        return None
+
 
 class Frequency:
     name = "frequency"
@@ -62,6 +70,7 @@ class Frequency:
     def __init__(self) -> None:
         self.gap_sum = 0.0
         self.gaps = 0
+        self._b = 0.0  # weight, kept current as gaps are seen (read on every use)
         self._ghosts: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
 
     def dropped(self, hashes: bytes, uses: int, used_at: float) -> None:
@@ -75,10 +84,12 @@ class Frequency:
         if len(ghosts) > self.GHOSTS:
             ghosts.popitem(last=False)
 
+    inserted = Lru.inserted
+
     @property
     def weight(self) -> float:
         """b: twice the mean reuse gap seen so far (0 before any reuse: plain LRU)."""
-        return 2.0 * self.gap_sum / self.gaps if self.gaps else 0.0
+        return self._b
 
     def use(self, node: Node, now: float) -> None:
         """Gaps count once per page of the run (as if every page were ranked): a short run
@@ -91,6 +102,7 @@ class Frequency:
             pages = len(node.hashes) // HASH
             self.gap_sum += (now - last) * pages
             self.gaps += pages
+            self._b = 2.0 * self.gap_sum / self.gaps
         node.uses += 1
         self.refresh(node, now)
 
@@ -184,16 +196,52 @@ class Adaptive(Frequency):
         self.shadows = {"lru": LruShadow(capacity), "frequency": Shadow(capacity, True)}
         self.score = {"lru": 0.0, "frequency": 0.0}
         self.choice = "lru"
+        self.superseded = self.superseded_reused = 0  # dead-run candidates, and those used again
         self._decay = 1.0 - 1.0 / self.WINDOW
         self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
 
+    # Dead runs (a prompt's tail the next turn did not extend): once DEAD_AFTER were seen and
+    # fewer than DEAD_BELOW of them used again, such a run ranks below every live one.
+    DEAD_AFTER, DEAD_BELOW = 200, 0.1
+    DEAD = 1e12  # subtracted from a dead run's last use: below any rank a use gives
+
     def frequency_weight(self) -> float:
-        return Frequency.weight.fget(self)
+        return self._b
+
+    def inserted(self, node: Node) -> Node | None:
+        """The new run branches off beside one leaf (its parent has these two children only):
+        that leaf is the tail of a prompt the new one shares all but that tail of (a
+        conversation's next turn, its prompt's last partial 512-token block re-hashed or its
+        answer re-tokenized), so it is likely dead. Marked, and counted; once such runs are
+        seen rarely used again (measured: DEAD_AFTER, DEAD_BELOW), ranked below every live run
+        at once (the least recently used of them first). Where they are used again (N samples
+        of one prompt) the rule stays off. O(1): a parent with other children is left alone."""
+        kids = node.parent.children
+        if len(kids) != 2:
+            return None
+        for leaf in kids.values():
+            if leaf is not node:
+                break
+        if leaf.children or leaf.superseded:
+            return None
+        leaf.superseded = True
+        self.superseded += 1
+        if (self.superseded < self.DEAD_AFTER
+                or self.superseded_reused >= self.DEAD_BELOW * self.superseded):
+            return None
+        leaf.rank = leaf.used_at - self.DEAD
+        return leaf
+
+    def refresh(self, node: Node, now: float) -> None:
+        if node.superseded:  # used again after all
+            node.superseded = False
+            self.superseded_reused += 1
+        super().refresh(node, now)
 
     @property
     def weight(self) -> float:
         """The live ranking's b: the frequency policy's while it leads, else 0 (LRU)."""
-        return self.frequency_weight() if self.choice == "frequency" else 0.0
+        return self._b if self.choice == "frequency" else 0.0
 
     def use(self, node: Node, now: float) -> None:
         """A match uses the deepest run, and so every run above it: all are replayed. A new
@@ -208,23 +256,29 @@ class Adaptive(Frequency):
         """The sampled pages of `node`'s run, and of the runs above it if `whole_path`, deepest
         first, as (hash, depth) (a regular expression over each run's hashes' first bytes finds
         them: no per-page Python work)."""
-        path, run = [node], node.parent
+        finditer = self._sampled.finditer
+        hashes = node.hashes
+        sampled = [m.start() for m in finditer(hashes[::HASH])]
+        if not sampled and not whole_path:
+            return []  # a new run with no sampled page: no need to find its depth
+        runs, length, run = [(hashes, sampled)], len(hashes), node.parent
         while type(run) is Node:
-            path.append(run)
-            run = run.parent
-        end = sum(len(r.hashes) for r in path) // HASH
-        pages: list[tuple[bytes, int]] = []
-        for run in path if whole_path else path[:1]:
             hashes = run.hashes
+            length += len(hashes)
+            if whole_path:
+                runs.append((hashes, [m.start() for m in finditer(hashes[::HASH])]))
+            run = run.parent
+        end = length // HASH
+        pages: list[tuple[bytes, int]] = []
+        for hashes, sampled in runs:
             start = end - len(hashes) // HASH
-            pages += [(hashes[i * HASH:(i + 1) * HASH], start + i)
-                      for i in reversed([m.start() for m in self._sampled.finditer(hashes[::HASH])])]
+            pages += [(hashes[i * HASH:(i + 1) * HASH], start + i) for i in reversed(sampled)]
             end = start
         return pages
 
     def _replay(self, pages: list[tuple[bytes, int]], now: float) -> None:
         """The pages (hash, depth), deepest first, are accessed in both shadows in turn."""
-        score, decay, weight = self.score, self._decay, self.frequency_weight()
+        score, decay, weight = self.score, self._decay, self._b
         lru, frequency = self.shadows["lru"].access, self.shadows["frequency"].access
         lru_score, frequency_score = score["lru"], score["frequency"]
         for key, depth in pages:

@@ -283,6 +283,9 @@ class Pool:
         node = Node(tokens, hashes, lease.page_table[depth:end], parent, lease.root, DEVICE, now)
         self.eviction.use(node, now)
         add_child(parent, node, stride)
+        dead = self.eviction.inserted(node)
+        if dead is not None:
+            self.pages.requeue(dead)
         self.placement.published(node)
         self.cached[DEVICE] += end - depth
         self.events.stored(DEVICE, b"" if type(parent) is Root else chained, hashes, tokens,

@@ -67,7 +67,8 @@ class Node:
     heap holding this node's entry, or None (`allocator.Pages`)."""
 
     __slots__ = ("tokens", "hashes", "pages", "parent", "children", "root", "medium", "rank",
-                 "used_at", "uses", "pins", "slot", "hits", "in_remote", "queued")
+                 "used_at", "uses", "pins", "slot", "hits", "in_remote", "queued",
+                 "superseded")
 
     def __init__(self, tokens: bytes, hashes: bytes, pages: array, parent: Node | Root,
                  root: Root, medium: int, now: float):
@@ -87,6 +88,9 @@ class Node:
         self.hits = 0  # matches that used this run (REMOTE_WRITE_POLICY_HOT)
         self.in_remote = 0  # the L3 store generation it was written in (l3_loss), 0: never
         self.queued: int | None = None
+        # A leaf a sibling branched off beside: a prompt's tail the next request did not
+        # extend (cache_service/eviction.py, Adaptive.inserted).
+        self.superseded = False
 
     def __repr__(self) -> str:
         return (f"Node({self.hashes[:4].hex()}.. pages={size(self)} medium={self.medium} "
@@ -145,6 +149,7 @@ def split(node: Node, k: int, stride: int) -> Node:
                 node.medium, node.used_at)
     head.rank, head.uses = node.rank, node.uses
     head.hits, head.in_remote = node.hits, node.in_remote
+    head.superseded = node.superseded  # a use of either part is a use of the leaf
     node.tokens = node.tokens[cut:]
     node.hashes = node.hashes[k * HASH:]
     node.pages = node.pages[k:]

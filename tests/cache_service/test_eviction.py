@@ -192,3 +192,52 @@ def test_a_path_s_sampled_pages_are_its_pages_deepest_first():
     assert policy._sampled_pages(below, True) == [(page[4], 4), (page[3], 3), (page[1], 1)]
     assert policy._sampled_pages(below, False) == [(page[4], 4), (page[3], 3)]
     assert policy._sampled_pages(top, True) == [(page[1], 1)]
+
+
+def turns_then_filler(policy: str, monkeypatch, tail_reused: bool = False) -> tuple[int, int, Adaptive]:
+    """Four conversations of two turns: turn 1 publishes 3 pages, turn 2 shares its first 2 and
+    branches off (its 2 new pages beside turn 1's last page: that page, a prompt's tail, is
+    superseded). With `tail_reused`, turn 1 is asked again after turn 2 (the tail was not dead).
+    Then a new prompt needs 3 more pages than are free (a pool of 22). Returns the tokens still
+    cached for conversation 0's turn 2 and for conversation 3's turn 1, and the policy."""
+    monkeypatch.setattr(Adaptive, "DEAD_AFTER", 3)
+    clock = Clock()
+    core = CacheCore(clock=clock, eviction=policy)
+    w = Worker(core, device=22)
+    turns = []
+    for c in range(4):
+        base = 1000 * (c + 1)
+        first = [base + i for i in range(3 * P + 1)]
+        second = first[:2 * P] + [base + 500 + i for i in range(2 * P + 1)]
+        for tokens in (first, second) + ((first,) if tail_reused else ()):
+            clock.now += 1.0
+            w.run(tokens)
+        turns.append((first, second))
+    clock.now += 1.0
+    w.run([9_000_000 + i for i in range(4 * P + 1)])
+    clock.now += 1.0
+    cached = []
+    for tokens in (turns[0][1], turns[3][0]):
+        m = w.match(tokens)
+        w.step(releases=[pb.ReleaseOp(lease_id=m.lease_id)])
+        cached.append(m.cached_tokens)
+    return cached[0], cached[1], core._pools["w"].eviction
+
+
+def test_adaptive_evicts_superseded_prompt_tails_first_once_seen_dead(monkeypatch):
+    """The live tree tells a prompt's tail the next turn did not extend (a leaf a sibling
+    branched off beside) and, once such tails are seen rarely used again, evicts them first:
+    conversation 3's tail (the newest run) goes before conversation 0's turn 2 (the oldest),
+    where LRU does the opposite."""
+    turn2, turn1, policy = turns_then_filler("adaptive", monkeypatch)
+    assert (policy.superseded, policy.superseded_reused) == (4, 0)
+    assert (turn2, turn1) == (4 * P, 2 * P)
+    assert turns_then_filler("lru", monkeypatch)[:2] == (2 * P, 3 * P)
+
+
+def test_superseded_tails_used_again_keep_their_rank(monkeypatch):
+    """Where the tails are used again (N samples of one prompt), the rule stays off: the same
+    victims as LRU's."""
+    *adaptive, policy = turns_then_filler("adaptive", monkeypatch, tail_reused=True)
+    assert (policy.superseded, policy.superseded_reused) == (4, 4)
+    assert adaptive == list(turns_then_filler("lru", monkeypatch, tail_reused=True)[:2])
