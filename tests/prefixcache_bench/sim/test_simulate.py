@@ -6,6 +6,7 @@ import pytest
 
 from gateway.core.index import KvIndex
 from gateway.core.policies import RoundRobinPolicy
+from prefixcache_bench.sim import fleet_summary
 from prefixcache_bench.sim.bench import run_bench
 from prefixcache_bench.sim.cache import PageCache, SharedL3
 from prefixcache_bench.sim.engine import SimConfig, run_policy
@@ -65,6 +66,15 @@ def test_simulator_on_a_scaled_trace_routes_through_the_router_and_sizes_the_ind
     assert main(args[:-5] + ["--max-requests", "29", "--json", str(out), "--quiet"]) == 0
     one = json.loads(out.read_text())
     assert result["unbounded_hit_ratio"] == pytest.approx(one["unbounded_hit_ratio"])
+    scaled = tmp_path / "scaled.json"
+    scaled.write_text(json.dumps(result))
+    summary = tmp_path / "summary.txt"
+    assert fleet_summary.main([str(scaled), str(out), "--out", str(summary)]) == 0
+    table = summary.read_text().splitlines()
+    assert table[0].split()[:6] == ["file", "policy", "workers", "copies", "requests", "hit_ratio"]
+    assert table[2].split()[:5] == ["scaled.json", "affinity", "24", "3", "87"]
+    assert table[3].split()[:5] == ["sim.json", "affinity", "24", "1", "29"]
+    assert table[-1] == one["command"]
 
 
 def test_simulator_rejects_bad_arguments(capsys):
