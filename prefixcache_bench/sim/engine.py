@@ -18,6 +18,13 @@ Per worker, as in an engine with continuous batching:
 Workers report their queue (LoadReport) after every change, also after the delay, and send a
 Heartbeat every `heartbeat_s`.
 
+The gateway side is the gateway's own `Router` (gateway/core/router.py): each request is routed
+by `Router.route` (candidates, the policy's choice, the load accounting; timed per call as
+`decision_ns`), first tokens and finishes go to `Router.first_token` / `Router.finish`, and
+heartbeats go through `Router.on_stream_item` as a cache service's stream delivers them. Event
+batches are applied to the Router's `KvIndex` directly (`Router._apply_item` adds only the
+per-worker "synced" flag, which the first heartbeat sets), sparing a protobuf copy per batch.
+
 Shared L3 (`SimConfig.l3_capacity_tokens` > 0), as compute_service's Redis tier works:
 - writes: write-back (default) sends the pages a worker drops altogether (evicted from device
   with no host tier, else dropped from host) to the L3 when they leave; write-through sends
@@ -43,10 +50,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RECENT_HALFLIFE_S, LoadTracker, Policy, RouteRequest
+from gateway.core.router import Router
+from gateway.core.router import Worker as RouterWorker
 from prefixcache_bench.sim.cache import PageCache, SharedL3
+from prefixcache_bench.sim.index_memory import index_bytes
 from prefixcache_bench.sim.trace import TraceRequest
-from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache.v1 import cache_service_pb2, common_pb2, compute_service_pb2, events_pb2
 
 
 @dataclass(slots=True)
@@ -121,6 +132,9 @@ class PolicyResult:
     l3_page_writes: int = 0
     l3_new_pages: int = 0
     l3_evictions: int = 0
+    # The Router's index at the end of the replay: (page hash, medium) keys and their bytes.
+    index_keys: int = 0
+    index_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -205,10 +219,13 @@ class _Replay:
         index_pages = (cfg.workers * (cfg.capacity_tokens + cfg.host_capacity_tokens)
                        + cfg.l3_capacity_tokens) // page
         # Sized above everything the workers can hold, so the bound never drops live entries here.
-        self.index = KvIndex(IndexConfig(max_entries=2 * index_pages + 1024), clock=self.clock)
-        self.load = LoadTracker(clock=self.clock, recent_halflife_s=cfg.recent_halflife_s)
+        self.router = Router(policy, GatewayMetrics(), IndexConfig(max_entries=2 * index_pages + 1024),
+                             clock=self.clock)
+        self.router.load = LoadTracker(clock=self.clock, recent_halflife_s=cfg.recent_halflife_s)
+        self.index, self.load = self.router.index, self.router.load
         self.workers = [_Worker(f"worker-{i:03d}", cfg) for i in range(cfg.workers)]
-        self.names = [w.name for w in self.workers]
+        for w in self.workers:  # no client: the simulated worker is called in-process
+            self.router.add(RouterWorker(w.name, w.name, w.name, None, compute_service_pb2.GetModelInfoResponse()))  # type: ignore[arg-type]
         self.by_name = {w.name: w for w in self.workers}
         self.l3 = SharedL3(max(cfg.l3_capacity_tokens // page, 1), page, cfg.model_id) if cfg.l3_capacity_tokens else None
         self.l3_stream = _Stream(L3_POOL) if self.l3 is not None and cfg.l3_events else None
@@ -237,8 +254,7 @@ class _Replay:
             _ARRIVE: self.arrive, _PREFILL_DONE: self.prefill_done, _DECODE_DONE: self.decode_done,
             _BATCH: lambda batch: index.apply(batch, clock.now),  # type: ignore[arg-type]
             _REPORT: lambda item: self.load.report(*item, clock.now),  # type: ignore[misc]
-            _TICK: lambda _: self.tick(),
-            _HEARTBEAT: lambda beat: index.heartbeat(beat, clock.now)}  # type: ignore[arg-type]
+            _TICK: lambda _: self.tick(), _HEARTBEAT: self.heartbeat}
         while self.heap:
             clock.now, _, kind, item = heapq.heappop(self.heap)
             handlers[kind](item)
@@ -282,10 +298,10 @@ class _Replay:
         hashes = split_hashes(self.blobs[i])
         route = RouteRequest(str(req.index), hashes, req.input_length, page)
         t0 = time.perf_counter_ns()
-        decision = self.policy.choose(route, self.names, self.index, self.load)
+        routed = self.router.route(route)
         self.decision_ns.append(time.perf_counter_ns() - t0)
-        self.load.on_route(decision.worker, route.request_id, decision.prefill_tokens)
-        w = self.by_name[decision.worker]
+        assert routed is not None, "every simulated worker is up"
+        w = self.by_name[routed.decision.worker]
         # What the worker itself counts as queued: its device misses, not the policy's estimate.
         estimate = req.input_length - w.cache.match(hashes)[0] * page
         w.queue.append(_Job(route.request_id, hashes, req.input_length, req.output_length,
@@ -309,7 +325,7 @@ class _Replay:
 
     def first_token(self, job: _Job) -> None:
         self.ttft.append(self.clock.now - job.arrival)
-        self.load.on_first_token(job.rid)
+        self.router.first_token(job.rid)
 
     def prefill_done(self, w: _Worker) -> None:
         """End of `w`'s step: commit its pages, publish the events, start decoding its jobs."""
@@ -361,9 +377,16 @@ class _Replay:
 
     def decode_done(self, item: tuple[_Worker, str]) -> None:
         w, rid = item
-        self.load.on_finish(rid)
+        self.router.finish(rid)
         w.decoding -= 1
         self.send(_REPORT, (w.name, w.report(self.clock.now)))
+
+    def heartbeat(self, beat: events_pb2.Heartbeat) -> None:
+        """A worker's heartbeat through the Router (freshness, load, sync); the L3's to the index."""
+        if beat.pool_id in self.by_name:
+            self.router.on_stream_item(beat.pool_id, cache_service_pb2.SubscribeResponse(heartbeat=beat))
+        else:
+            self.index.heartbeat(beat, self.clock.now)
 
     def tick(self) -> None:
         """Every `heartbeat_s`: each stream's heartbeat; ticks stop once nothing is left to do."""
@@ -384,7 +407,8 @@ class _Replay:
                             self.index.page_events, self.index.resyncs, time.perf_counter() - self.started,
                             l3_hit_tokens=self.l3_tokens,
                             l3_page_writes=l3.writes if l3 else 0, l3_new_pages=l3.new_pages if l3 else 0,
-                            l3_evictions=l3.evictions if l3 else 0)
+                            l3_evictions=l3.evictions if l3 else 0, index_keys=len(self.index),
+                            index_bytes=index_bytes(self.index))
 
 
 def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy: Policy, cfg: SimConfig,

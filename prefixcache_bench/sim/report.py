@@ -47,6 +47,9 @@ def summarize(result: PolicyResult, bound_hit_ratio: float, l3_bound_hit_ratio: 
         "computed_prefill_tokens_per_worker": computed,
         "index_page_events": result.page_events,
         "index_resyncs": result.index_resyncs,
+        "index_keys": result.index_keys,
+        "index_bytes": result.index_bytes,
+        "index_bytes_per_key": result.index_bytes / result.index_keys if result.index_keys else 0.0,
         "wall_s": result.wall_s,
     }
     if l3_bound_hit_ratio is not None:

@@ -2,6 +2,7 @@
 
     python -m prefixcache_bench.sim.simulate --trace PATH --workers 8 --capacity-tokens 1000000 --policy all \\
         --json out.json [--png out.png] [--max-requests N] [--page-size 16] [--time-scale 1] [--bench]
+        [--scale-copies N [--copy-spacing-s 0.5]]
         [--l3-capacity-tokens C3 [--l3-write-through] [--l3-load-s-per-token S] [--no-l3-events]]
     python -m prefixcache_bench.sim.simulate --bench --json bench.json      # micro-benchmarks only
 
@@ -14,7 +15,14 @@ Prints a table, writes JSON (per policy: hit_ratio, bound_hit_ratio, imbalance =
 prefill tokens computed per worker, mean/p99 TTFT, routing decision p50/p99 in microseconds,
 hashing excluded since prompts are hashed up front), and optionally a PNG. With --bench, also
 the decision latency for 8k-token prompts over 64 workers with hashing included, and the
-index's ingest rate. Progress goes to stderr.
+index's ingest rate. Progress goes to stderr. Requests are routed by the gateway's own Router
+(`decision_p*_us` times each `Router.route` call), and each policy's JSON has the index's size at
+the end of its replay (`index_keys`, `index_bytes`, `index_bytes_per_key`).
+
+With --scale-copies N the trace is N disjoint copies on one timeline, copy k `k x
+--copy-spacing-s` late (prefixcache_bench.sim.trace.scale_copies says why): 125 copies over
+1,000 workers load each worker as one copy loads 8. --max-requests then keeps the first N of
+the merged timeline.
 
 With --l3-capacity-tokens, the workers share an L3 tier of that many tokens (LRU over pages;
 write-back by default, write-through with --l3-write-through; hits past a worker's device and
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -39,7 +48,7 @@ from prefixcache_bench.sim.bench import run_bench
 from prefixcache_bench.sim.bounds import bound_hit_ratio, l3_bound_hit_ratio, unbounded_hit_ratio
 from prefixcache_bench.sim.engine import CostModel, SimConfig, run_policy
 from prefixcache_bench.sim.report import goals, plot, summarize, table
-from prefixcache_bench.sim.trace import BlockTokens, load_trace
+from prefixcache_bench.sim.trace import BlockTokens, load_trace, scale_copies
 from prefixcache_bench.harness import log, write_json
 
 
@@ -58,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write results here")
     p.add_argument("--png", help="write a plot of hit ratio and TTFT per policy here")
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    p.add_argument("--scale-copies", type=int, default=1, help="N disjoint copies of the trace (tenants)")
+    p.add_argument("--copy-spacing-s", type=float, default=0.5, help="copy k arrives k x this later")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--time-scale", type=float, default=1.0, help="> 1 compresses arrival times (more load)")
     p.add_argument("--max-output-tokens", type=int, default=4096)
@@ -104,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--l3-capacity-tokens must be 0 (no L3) or >= --page-size")
     if args.recent_halflife_s <= 0:
         parser.error("--recent-halflife-s must be > 0")
+    if args.scale_copies < 1 or args.copy_spacing_s < 0:
+        parser.error("--scale-copies must be >= 1, --copy-spacing-s >= 0")
     progress = None if args.quiet else log
-    out: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "png", "quiet")}}
+    out: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "png", "quiet")},
+                 "command": "python -m prefixcache_bench.sim.simulate " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "load_avg_start": os.getloadavg()[0]}
     if args.trace:
         out.update(_simulate(args, progress))
     if args.bench:
@@ -118,13 +133,17 @@ def main(argv: list[str] | None = None) -> int:
               f"(CPU time p99 {bench['decision_cpu_p99_us']:.0f} us) "
               f"(hash p99 {bench['hash_p99_us']:.0f} us, index lookup p99 {bench['lookup_p99_us']:.0f} us)")
         print(f"index ingest: {bench['ingest_page_events_per_s']:,.0f} page events/s")
+    out["load_avg_end"] = os.getloadavg()[0]
     if args.json:
         write_json(args.json, out)
     return 0
 
 
 def _simulate(args: argparse.Namespace, progress) -> dict:
-    requests = load_trace(args.trace, args.max_requests, args.time_scale, args.max_output_tokens)
+    requests = load_trace(args.trace, None if args.scale_copies > 1 else args.max_requests, args.time_scale,
+                          args.max_output_tokens)
+    if args.scale_copies > 1:
+        requests = scale_copies(requests, args.scale_copies, args.copy_spacing_s, args.max_requests)
     cfg = SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
                     host_capacity_tokens=args.host_capacity_tokens, page_size=args.page_size,
                     event_delay_s=args.event_delay_s,

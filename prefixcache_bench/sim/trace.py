@@ -6,6 +6,16 @@ prefix. Here each id becomes a fixed block of token ids: SHAKE-256(seed, id) rea
 reduced modulo the vocabulary, so equal ids give equal tokens in any process and any version.
 
     python -m prefixcache_bench.sim.trace --synth chat|rollout --out PATH [--requests N] [--seed S]
+
+`scale_copies` scales a trace up to a fleet (issue 31: 1,000 workers): N copies of it, each a
+tenant of its own, on one timeline. Copy k's hash ids are shifted by k x (largest id + 1), so
+copies share no block, not even the system prompt every request of the conversation trace
+opens with (id 0): a fleet of that size serves many applications, each with its own system
+prompt, rather than one prompt cached by all; within a copy every sharing of the original is
+kept. Copy k arrives `k x spacing_s` later than the original (0.5 s by default: 125 copies
+spread over ~1 min of an hour-long trace), so that copies do not send their simultaneous
+requests (several at t=0) as one N-fold burst, while the load per worker of N copies over
+N x W workers stays that of one copy over W workers.
 """
 from __future__ import annotations
 
@@ -17,7 +27,7 @@ import random
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +45,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    copy: int = 0  # which copy of the trace (scale_copies), 0 when not scaled
 
 
 def load_trace(path: str | Path, max_requests: int | None = None, time_scale: float = 1.0,
@@ -56,6 +67,29 @@ def load_trace(path: str | Path, max_requests: int | None = None, time_scale: fl
             out.append(TraceRequest(len(out), float(rec["timestamp"]) / 1000.0 / time_scale, n,
                                     min(max(int(rec["output_length"]), 1), max_output_tokens), ids))
     out.sort(key=lambda r: (r.arrival_s, r.index))
+    return out
+
+
+def scale_copies(requests: Sequence[TraceRequest], copies: int, spacing_s: float = 0.5,
+                 max_requests: int | None = None) -> list[TraceRequest]:
+    """`copies` disjoint copies of `requests` (see the module docstring) merged in arrival order,
+    ties in copy order, re-indexed from 0; the first `max_requests` of the merged timeline."""
+    if copies < 1 or spacing_s < 0:
+        raise ValueError(f"copies must be >= 1 and spacing_s >= 0, got {copies}, {spacing_s}")
+    stride = max((max(r.hash_ids, default=0) for r in requests), default=0) + 1
+
+    def copy_of(k: int) -> Iterator[tuple[float, int, int, TraceRequest]]:
+        delay = k * spacing_s
+        for i, r in enumerate(requests):
+            yield r.arrival_s + delay, k, i, r
+
+    out: list[TraceRequest] = []
+    for arrival, k, _, r in heapq.merge(*(copy_of(k) for k in range(copies))):
+        if max_requests is not None and len(out) >= max_requests:
+            break
+        shift = k * stride
+        out.append(TraceRequest(len(out), arrival, r.input_length, r.output_length,
+                                tuple(h + shift for h in r.hash_ids), k))
     return out
 
 

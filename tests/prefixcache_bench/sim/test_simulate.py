@@ -6,6 +6,7 @@ import pytest
 
 from gateway.core.index import KvIndex
 from gateway.core.policies import RoundRobinPolicy
+from prefixcache_bench.sim import fleet_summary
 from prefixcache_bench.sim.bench import run_bench
 from prefixcache_bench.sim.cache import PageCache, SharedL3
 from prefixcache_bench.sim.engine import SimConfig, run_policy
@@ -44,6 +45,36 @@ def test_simulator_on_a_trace_slice(tmp_path):
     assert policies["affinity"]["hit_ratio"] > policies["round_robin"]["hit_ratio"]
     assert 0 < result["bound_hit_ratio"] <= 1 and "hit_vs_bound_ok" in result["goals"]
     assert png.stat().st_size > 10_000
+
+
+def test_simulator_on_a_scaled_trace_routes_through_the_router_and_sizes_the_index(tmp_path):
+    out = tmp_path / "sim.json"
+    args = ["--trace", str(CONVERSATION_TRACE), "--workers", "24", "--capacity-tokens", "200000",
+            "--policy", "affinity", "--max-requests", "87", "--json", str(out), "--quiet"]
+    assert main(args + ["--scale-copies", "3", "--copy-spacing-s", "0"]) == 0
+    result = json.loads(out.read_text())
+    aff = result["policies"]["affinity"]
+    assert aff["requests"] == 87 and len(aff["computed_prefill_tokens_per_worker"]) == 24
+    assert result["command"].endswith("--scale-copies 3 --copy-spacing-s 0")
+    assert "load_avg_start" in result and aff["decision_p99_us"] >= aff["decision_p50_us"] > 0
+    # Every page a request computed is indexed once (no host tier, no L3, nothing evicted yet at
+    # this size): keys = distinct pages, ~34-53 bytes each in the flat table (plus masks).
+    assert 0 < aff["index_keys"] and 20 < aff["index_bytes_per_key"] < 200
+    # Three disjoint copies in step (no spacing): the first 87 are each copy's first 29 (its 30th
+    # ties with its 31st), and no request of a copy hits another copy's pages, so the ceiling is
+    # that of one copy's 29.
+    assert main(args[:-5] + ["--max-requests", "29", "--json", str(out), "--quiet"]) == 0
+    one = json.loads(out.read_text())
+    assert result["unbounded_hit_ratio"] == pytest.approx(one["unbounded_hit_ratio"])
+    scaled = tmp_path / "scaled.json"
+    scaled.write_text(json.dumps(result))
+    summary = tmp_path / "summary.txt"
+    assert fleet_summary.main([str(scaled), str(out), "--out", str(summary)]) == 0
+    table = summary.read_text().splitlines()
+    assert table[0].split()[:6] == ["file", "policy", "workers", "copies", "requests", "hit_ratio"]
+    assert table[2].split()[:5] == ["scaled.json", "affinity", "24", "3", "87"]
+    assert table[3].split()[:5] == ["sim.json", "affinity", "24", "1", "29"]
+    assert table[-1] == one["command"]
 
 
 def test_simulator_rejects_bad_arguments(capsys):

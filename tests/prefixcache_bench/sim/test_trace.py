@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prefixcache_bench.sim.trace import BlockTokens, load_trace, main, write_synthetic
+from prefixcache_bench.sim.trace import BlockTokens, load_trace, main, scale_copies, write_synthetic
 from prefixcache_client.hash import prompt_hashes, token_bytes
 
 
@@ -61,3 +61,34 @@ def test_synthetic_traces_are_valid_mooncake_traces(tmp_path, kind):
     again = tmp_path / "again.jsonl"
     write_synthetic(kind, again, 300, seed=1)
     assert again.read_text() == path.read_text()
+
+
+def test_scaled_trace_keeps_each_copy_and_shares_nothing_across_copies(tmp_path):
+    path = _write(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 700, "output_length": 3, "hash_ids": [0, 1]},
+        {"timestamp": 0, "input_length": 900, "output_length": 4, "hash_ids": [0, 2]},
+        {"timestamp": 1500, "input_length": 1500, "output_length": 5, "hash_ids": [0, 1, 3]},
+    ])
+    original = load_trace(path)
+    scaled = scale_copies(original, copies=3, spacing_s=0.25)
+    assert len(scaled) == 9 and [r.index for r in scaled] == list(range(9))
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(scaled, scaled[1:]))
+    for k in range(3):
+        copy = [r for r in scaled if r.copy == k]
+        # Same requests in the same order, `k x spacing` late, ids shifted by k x (max id + 1).
+        assert [(r.arrival_s, r.input_length, r.output_length) for r in copy] == [
+            (o.arrival_s + 0.25 * k, o.input_length, o.output_length) for o in original]
+        assert [r.hash_ids for r in copy] == [tuple(h + 4 * k for h in o.hash_ids) for o in original]
+    ids = [{h for r in scaled if r.copy == k for h in r.hash_ids} for k in range(3)]
+    assert all(not (ids[a] & ids[b]) for a in range(3) for b in range(a + 1, 3))
+    # Disjoint ids are disjoint pages: no page hash of one copy is in another.
+    blocks = BlockTokens(vocab_size=1000)
+    pages = [{h for r in scaled if r.copy == k for h in blocks.page_hashes(r, 16, "m")} for k in range(3)]
+    assert all(pages[k] for k in range(3)) and not (pages[0] & pages[1]) and not (pages[1] & pages[2])
+    # The first N of the merged timeline; one copy is the trace itself.
+    assert [r.hash_ids for r in scale_copies(original, 3, 0.25, max_requests=4)] == [
+        (0, 1), (0, 2), (4, 5), (4, 6)]
+    assert [(r.arrival_s, r.hash_ids) for r in scale_copies(original, 1)] == [
+        (o.arrival_s, o.hash_ids) for o in original]
+    with pytest.raises(ValueError):
+        scale_copies(original, 0)
