@@ -36,6 +36,11 @@ def apply_ops(table: PageTable, hashes: Sequence[bytes], slots: Sequence[int],
             if changed:
                 delta[s] = delta.get(s, 0) + (1 if store else -1)
         return delta
+    if len(set(slots)) == 1 and len(set(stores)) == 1:
+        # One worker's stores (a snapshot slice) or removals only: the table's own bulk calls.
+        s = slots[0]
+        change = table.add_many(hashes, s) if stores[0] else -table.discard_many(hashes, s)
+        return {s: change} if change else {}
     lo, hi = _words(_keys(hashes))
     slot = np.asarray(slots, dtype=np.int64)
     store = np.asarray(stores, dtype=bool)
