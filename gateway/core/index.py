@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from gateway.core.index_bulk import apply_ops
 from gateway.core.index_scan import bit_positions, runs
 from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
@@ -97,6 +99,9 @@ class KvIndex:
         self.evicted_entries = 0
         self.resyncs = 0
         self._warned_at: float | None = None
+        # Inside `bulk()`: page events per medium waiting for one `apply_ops` run
+        # (hashes, worker slots, store or not); None outside.
+        self._deferred: tuple[tuple[list[bytes], list[int], list[bool]], ...] | None = None
         if self.capacity() < 1:
             raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
                              f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
@@ -214,7 +219,7 @@ class KvIndex:
         else:
             w.last_seq = batch.seq
         self.page_events += n
-        if len(self) > self.capacity():
+        if self._deferred is None and len(self) > self.capacity():
             self._evict()
         return ApplyResult(ApplyStatus.APPLIED, w.pool_id, "", w.epoch, w.last_seq, n)
 
@@ -264,10 +269,47 @@ class KvIndex:
             run.extend(body.block_hashes)
         return n + self._apply_run(w, run_key, run)
 
+    @contextmanager
+    def bulk(self) -> Iterator[None]:
+        """`apply` calls inside are checked (seq, epoch, snapshot) one by one as they come, and
+        their page events applied together at the end, one numpy run per medium
+        (gateway/core/index_bulk.py), with the same final state as one by one; a clear (snapshot,
+        new epoch, removal of a worker) applies what waits first. The bound is checked at the end.
+        Page counts (`info().held`, `len`) are current only after the block."""
+        if self._deferred is not None:
+            yield
+            return
+        self._deferred = (([], [], []), ([], [], []), ([], [], []))
+        try:
+            yield
+        finally:
+            self._flush()
+            self._deferred = None
+        if len(self) > self.capacity():
+            self._evict()
+
+    def _flush(self) -> None:
+        if self._deferred is None:
+            return
+        for tier, (hashes, slots, stores) in enumerate(self._deferred):
+            if not hashes:
+                continue
+            for slot, change in apply_ops(self._tables[tier], hashes, slots, stores).items():
+                self._by_slot[slot].held[tier] += change
+            hashes.clear()
+            slots.clear()
+            stores.clear()
+
     def _apply_run(self, w: _Worker, key: tuple[str, int] | None, hashes: list[bytes]) -> int:
         if key is None or not hashes:
             return 0
         kind, tier = key
+        if self._deferred is not None:
+            pending_hashes, pending_slots, pending_stores = self._deferred[tier]
+            pending_hashes.extend(hashes)
+            pending_slots.extend([w.slot] * len(hashes))
+            pending_stores.extend([kind == "stored"] * len(hashes))
+            return len(hashes)
         table = self._tables[tier]
         if kind == "stored":
             # add() restamps a page already held: its eviction order is the last store.
@@ -282,6 +324,7 @@ class KvIndex:
         return len(hashes)
 
     def _clear(self, w: _Worker) -> None:
+        self._flush()  # what waits in `bulk()` came before the clear
         for tier, table in enumerate(self._tables):
             if w.held[tier]:  # a scan of the table, so only when the worker holds something
                 table.clear_slot(w.slot)

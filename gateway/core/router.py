@@ -148,7 +148,7 @@ class Router:
         """Applies items of any workers' streams in order under one hold of the lock: the caller
         (gateway/core/feeds.py) bounds how many page events that is, and calls
         `yield_to_routing` between holds."""
-        with self.lock:
+        with self.lock, self.index.bulk():  # page events of all items: one numpy run per medium
             results = [self._apply_item(name, item) for name, item in items]
         for result in results:
             if result is not None and result.status is ApplyStatus.RESYNC:

@@ -1,0 +1,154 @@
+"""Stores and removals of many workers applied to one `PageTable` in one numpy run (issue 31).
+
+A live batch is tens of pages; applied one batch at a time, each paid numpy's fixed cost per call
+(~10-40 us) several times, which is what made the flat table slower than dicts for small fleets.
+`apply_ops` takes every page event of an ingest slice (all its batches, all workers) for one
+medium and applies them with a handful of array operations, the final state equal to applying
+them one by one in order:
+- the holders: a (page, worker) pair ends held when its last event is a store, not held when it
+  is a removal, whatever came before, so only each pair's last event is applied; removals first
+  (they only clear bits or kill positions), then stores (found ones join, absent ones are placed);
+- the stamps (eviction order): a live page's stamp is that of the last store to it by any worker,
+  numbered as `PageTable.add` would number them one by one;
+- the counts: per worker, pages it gained minus pages it lost, as the sum of `add` / `discard`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gateway.core.index_table import _MAX_LOAD, _STAMP_LIMIT, MULTI, TOMB, PageTable, _keys, _words
+
+# Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
+SCALAR_OPS = 24
+
+
+def apply_ops(table: PageTable, hashes: Sequence[bytes], slots: Sequence[int],
+              stores: Sequence[bool]) -> dict[int, int]:
+    """Applies event i (store or removal of hashes[i] by worker slots[i]) in order; returns the
+    change of each worker slot's page count."""
+    n = len(hashes)
+    delta: dict[int, int] = {}
+    if n < SCALAR_OPS:
+        for h, s, store in zip(hashes, slots, stores):
+            changed = table.add(h, s) if store else table.discard(h, s)
+            if changed:
+                delta[s] = delta.get(s, 0) + (1 if store else -1)
+        return delta
+    if len(set(slots)) == 1 and len(set(stores)) == 1:
+        # One worker's stores (a snapshot slice) or removals only: the table's own bulk calls.
+        s = slots[0]
+        change = table.add_many(hashes, s) if stores[0] else -table.discard_many(hashes, s)
+        return {s: change} if change else {}
+    lo, hi = _words(_keys(hashes))
+    slot = np.asarray(slots, dtype=np.int64)
+    store = np.asarray(stores, dtype=bool)
+    # The last event of each (page, worker) pair: sort by pair, the latest first within it.
+    idx = np.arange(n)
+    order = np.lexsort((-idx, slot, hi, lo))
+    first = np.ones(n, dtype=bool)
+    same = (lo[order][1:] == lo[order][:-1]) & (hi[order][1:] == hi[order][:-1]) \
+        & (slot[order][1:] == slot[order][:-1])
+    first[1:] = ~same
+    last = order[first]
+    rem = last[~store[last]]
+    if len(rem):
+        _remove(table, lo[rem], hi[rem], slot[rem], delta)
+    add = np.sort(last[store[last]])
+    if len(add):
+        _store(table, lo[add], hi[add], slot[add], delta)
+    _stamp(table, lo, hi, store)
+    return delta
+
+
+def _count(delta: dict[int, int], slots: np.ndarray, sign: int) -> None:
+    if len(slots):
+        for s, c in zip(*np.unique(slots, return_counts=True)):
+            delta[int(s)] = delta.get(int(s), 0) + sign * int(c)
+
+
+def _remove(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
+            delta: dict[int, int]) -> None:
+    pos = table._find_many(lo, hi)
+    found = pos >= 0
+    pos, slot = pos[found], slot[found]
+    holder = table._holder_np()
+    hv = holder[pos]
+    mine = hv == slot
+    # Two workers' removals of one page held by one of them: at most one is its holder.
+    holder[pos[mine]] = TOMB
+    table.live -= int(np.count_nonzero(mine))
+    _count(delta, slot[mine], -1)
+    multi, scalar = table.multi, table._holder
+    # Pages several hold, one by one: an earlier removal here may leave a single holder.
+    for p, s in zip(pos[hv == MULTI].tolist(), slot[hv == MULTI].tolist()):
+        if scalar[p] == s:
+            table._kill(p)
+            delta[s] = delta.get(s, 0) - 1
+            continue
+        m = multi.get(p, 0) if scalar[p] == MULTI else 0
+        if not m >> s & 1:
+            continue
+        delta[s] = delta.get(s, 0) - 1
+        m &= ~(1 << s)
+        if m & (m - 1):
+            multi[p] = m
+        else:
+            del multi[p]
+            holder[p] = m.bit_length() - 1
+
+
+def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
+           delta: dict[int, int]) -> None:
+    pos = table._find_many(lo, hi)
+    found = pos >= 0
+    holder = table._holder_np()
+    # Found and held by another worker (or several): the masks, one by one.
+    others = found.copy()
+    others[found] = holder[pos[found]] != slot[found]
+    for p, s in zip(pos[others].tolist(), slot[others].tolist()):
+        if table._join(p, s):
+            delta[s] = delta.get(s, 0) + 1
+    absent = np.flatnonzero(~found)
+    if not len(absent):
+        return
+    # An absent page several workers store: the first places it, the others join it after.
+    keys = np.stack([lo[absent], hi[absent]], axis=1).view("V16").ravel()
+    _, head = np.unique(keys, return_index=True)
+    head = np.sort(head)
+    placed = absent[head]
+    k = len(placed)
+    if table._used + k > _MAX_LOAD * table.cap:
+        table._rehash(k)
+    at = table._place(lo[placed], hi[placed], slot[placed].astype(np.int32))
+    np.frombuffer(table._lo, dtype=np.uint64)[at] = lo[placed]
+    np.frombuffer(table._hi, dtype=np.uint64)[at] = hi[placed]
+    table.live += k
+    _count(delta, slot[placed], +1)
+    if k < len(absent):
+        rest = np.ones(len(absent), dtype=bool)
+        rest[head] = False
+        more = absent[rest]
+        for p, s in zip(table._find_many(lo[more], hi[more]).tolist(), slot[more].tolist()):
+            if table._join(p, s):
+                delta[s] = delta.get(s, 0) + 1
+
+
+def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) -> None:
+    """Every page stored in the run gets the stamp of its last store, numbered from the table's
+    clock in the order of the stores (as `add` one by one)."""
+    stored = np.flatnonzero(store)
+    k = len(stored)
+    if not k:
+        return
+    if table._clock + k >= _STAMP_LIMIT:
+        table._renumber()
+    number = table._clock + 1 + np.arange(k)
+    table._clock += k
+    keys = np.stack([lo[stored], hi[stored]], axis=1).view("V16").ravel()
+    _, last_rev = np.unique(keys[::-1], return_index=True)
+    last = k - 1 - last_rev
+    pos = table._find_many(lo[stored[last]], hi[stored[last]])
+    live = pos >= 0
+    np.frombuffer(table._stamp, dtype=np.uint32)[pos[live]] = number[last[live]].astype(np.uint32)
