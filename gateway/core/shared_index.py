@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from gateway.core.index_scan import runs
-from gateway.core.index_types import IndexConfig, PrefixMatch, WorkerInfo
+from gateway.core.index_types import IndexConfig, IndexStats, PrefixMatch, WorkerInfo
 from service_shell import kv
 
 log = logging.getLogger("gateway.shared_index")
@@ -171,7 +171,7 @@ class SharedIndexView:
     """What a replica's router asks: `lookup`, `last_seen`, `info`, `workers`; from Redis.
 
     Redis unreachable: `lookup` answers {} (no prefix knowledge: routing by load only),
-    `stats.redis_down` says so and a warning is logged once per outage; nothing raises."""
+    `health.redis_down` says so and a warning is logged once per outage; nothing raises."""
 
     def __init__(self, store: SharedIndexStore, index_config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -181,7 +181,7 @@ class SharedIndexView:
         self._clock, self._wall = clock, wall
         self._rows: dict[str, TableRow] = {}
         self._rows_at = float("-inf")
-        self.stats = SharedIndexStats()
+        self.health = SharedIndexStats()
 
     def _pages(self, hashes: Sequence[bytes]) -> list[bytes]:
         p = self.store.prefix.encode() + b"p:"
@@ -201,14 +201,14 @@ class SharedIndexView:
                 pipe.hgetall(self.store.table_key)
             replies = pipe.execute()
         except redis.RedisError as exc:
-            self.stats.lookup_failures += 1
-            if not self.stats.redis_down:
+            self.health.lookup_failures += 1
+            if not self.health.redis_down:
                 log.warning(kv("shared_index_unreachable", url=self.store.config.url, error=str(exc),
                                hint="routing by load only until Redis answers"))
-            self.stats.redis_down = True
+            self.health.redis_down = True
             return None
-        self.stats.redis_down = False
-        self.stats.last_lookup_s = time.perf_counter() - started
+        self.health.redis_down = False
+        self.health.last_lookup_s = time.perf_counter() - started
         if refresh:
             table = replies.pop()
             self._rows = {k.decode(): TableRow.decode(v) for k, v in table.items()}
@@ -217,6 +217,17 @@ class SharedIndexView:
 
     def workers(self) -> list[str]:
         return list(self._rows)
+
+    # The router's calls for its own index: the indexers own the workers' entries here.
+    def add_worker(self, pool_id: str) -> None:
+        pass
+
+    def remove_worker(self, pool_id: str) -> bool:
+        return False
+
+    def stats(self) -> IndexStats:
+        """The entries live in Redis (its INFO and DBSIZE count them): none in this process."""
+        return IndexStats(0, 0, 0, 0, 0)
 
     def info(self, pool_id: str) -> WorkerInfo | None:
         r = self._rows.get(pool_id)
@@ -231,7 +242,7 @@ class SharedIndexView:
     def last_seen(self, pool_id: str) -> float | None:
         """When the worker's indexer last heard from it, on this replica's clock. While Redis
         is down every worker counts as just seen (routing by load, not by nobody)."""
-        if self.stats.redis_down:
+        if self.health.redis_down:
             return self._clock()
         r = self._rows.get(pool_id)
         return None if r is None else self._to_clock(r.last_seen)
@@ -257,7 +268,7 @@ class SharedIndexView:
         if not hashes:
             return {}
         replies = self._round_trip(hashes)
-        self.stats.lookups += 1
+        self.health.lookups += 1
         if replies is None or not self._rows:
             return {}
         # Local bit per current worker slot; members of old slots (cleared views) are ignored.

@@ -161,10 +161,10 @@ def test_redis_down_answers_no_prefix_knowledge_and_says_so(redis_server, cache)
         wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
         view = SharedIndexView(store(redis_server))
         assert view.lookup(expected_hashes(PROMPTS[0]))
-        assert not view.stats.redis_down
+        assert not view.health.redis_down
         redis_server.stop()
         assert view.lookup(expected_hashes(PROMPTS[0])) == {}
-        assert view.stats.redis_down and view.stats.lookup_failures == 1
+        assert view.health.redis_down and view.health.lookup_failures == 1
         assert view.last_seen("pool-a") is not None  # still routable, by load
     finally:
         ix.stop()
@@ -223,3 +223,42 @@ def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(re
             shared, local = view.lookup(hashes), memory.lookup(hashes)
             assert {k: (m.device_pages, m.host_pages, m.remote_pages) for k, m in shared.items()} == \
                 {k: (m.device_pages, m.host_pages, m.remote_pages) for k, m in local.items()}, round_
+
+
+def test_routing_with_the_shared_index_equals_routing_with_the_in_memory_one(redis_server):
+    """The same events into a router's own KvIndex (through `on_stream_item`) and into Redis
+    (through the indexer's writer); a router over `SharedIndexView` routes every request to the
+    same worker, with the same scores."""
+    from gateway.core.metrics import GatewayMetrics
+    from gateway.core.policies import RouteRequest, make_policy
+    from gateway.core.router import Router, Worker
+    from prefixcache.v1 import compute_service_pb2 as cpb_compute
+    from tests.gateway.helpers import HOST, batch, pages, stored
+
+    st = store(redis_server)
+    clock = lambda: 1000.0  # noqa: E731 - one frozen clock: load decays alike in both routers
+    routers = [Router(make_policy("affinity"), GatewayMetrics(), clock=clock),
+               Router(make_policy("affinity"), GatewayMetrics(), clock=clock,
+                      index=SharedIndexView(store(redis_server), clock=clock))]
+    names = [f"w{i}" for i in range(4)]
+    for router in routers:
+        for name in names:
+            router.add(Worker(name, "w", "c", None, cpb_compute.GetModelInfoResponse(worker=name)))
+    for i, name in enumerate(names):
+        assert st.try_lease(name, "r")
+        writer = StreamWriter(st, name, "r")
+        for seq, events in enumerate([(stored(pages(0, 4 + 4 * i)),), (stored(pages(100 * i, 100 * i + 8), HOST),)]):
+            b = batch(name, seq, *events)
+            routers[0].on_stream_item(name, pb.SubscribeResponse(batch=b))
+            writer.apply(b)
+        routers[1].get(name).synced = True  # its indexer, not this replica, follows the stream
+    rng = random.Random(5)
+    for n in range(200):
+        start = rng.choice([0, 0, 100, 200, 300, 1000])
+        request = RouteRequest(f"r{n}", pages(start, start + rng.randrange(1, 20)), 200, 4)
+        got = [router.route(request) for router in routers]
+        assert got[0].worker.name == got[1].worker.name, n
+        assert got[0].decision.scores == got[1].decision.scores, n
+        if n % 3:
+            for router in routers:
+                router.finish(request.request_id)
