@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
 from gateway.core.cache_keys import CacheKeyAffinity
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
+from gateway.core.shared_index import SharedIndexView
 from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
 from gateway.core.policies import LoadTracker, Policy, RouteDecision, RouteRequest
 from prefixcache.v1 import cache_service_pb2 as cpb
@@ -61,10 +62,12 @@ class Router:
     def __init__(self, policy: Policy, metrics: GatewayMetrics,
                  index_config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cache_keys: CacheKeyAffinity | None = None) -> None:
+                 cache_keys: CacheKeyAffinity | None = None,
+                 index: KvIndex | SharedIndexView | None = None) -> None:
         self.lock = threading.Lock()
         self.cache_keys = cache_keys or CacheKeyAffinity(clock=clock)
-        self.index = KvIndex(index_config, clock)
+        # The in-process index by default; a SharedIndexView reads the fleet's one in Redis.
+        self.index = index if index is not None else KvIndex(index_config, clock)
         self.policy = policy
         self.load = LoadTracker(clock)
         self.metrics = metrics

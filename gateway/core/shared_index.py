@@ -1,0 +1,305 @@
+"""The routing index shared by many gateway replicas, in Redis (design.md, "Many gateway replicas").
+
+One replica per worker (the INDEXER, under a lease: gateway/core/shared_indexer.py) applies that
+worker's event stream here; every replica answers lookups from it with one pipelined round trip
+per decision (`SharedIndexView.lookup`, the same answer as `KvIndex.lookup` for the same events).
+
+Layout, under the prefix `pcx:{namespace}:` (nothing leaks across namespaces: every key, lease
+and worker table carries it):
+- `p:` + the first 8 bytes of a page hash -> a Redis SET of small integers `slot * 3 + tier`
+  (tier 0 device, 1 host, 2 remote). Small integers make Redis store the set as an intset
+  (2-8 bytes a member, no hashing), and one SMEMBERS per page answers all three media. A set,
+  not a bitmap of worker slots: a page is held by few workers, and a bitmap over 1,000 slots
+  would cost 125 bytes whoever holds it. 8-byte keys: a collision (two pages sharing a prefix,
+  ~n^2/2^65) only makes routing believe a worker holds a page it lacks, a routing miss.
+- `s` -> a HASH pool_id -> "slot epoch last_seq last_seen_unix in_snapshot": the worker table,
+  and the point the next lease holder resumes the stream from.
+- `n` -> the slot counter; `l:` + pool_id -> the indexer's lease.
+
+Clearing a worker (a snapshot, a new epoch, the worker leaving) is O(1): it takes a fresh slot
+from the counter and readers ignore members of any slot that is not a worker's current one. A
+snapshot is written under its new slot and becomes the worker's view only at `snapshot_end`
+(readers never see a half snapshot). What the old slots left behind goes by TTL: every store
+refreshes its page key's expiry (`page_ttl_s`), so a key no live worker stores again expires.
+The cost of that choice: a page a worker holds for longer than the TTL without storing it again
+is forgotten (a routing miss, not a wrong answer).
+
+Every write of a batch is one Lua script (one round trip): it checks that the caller still
+holds the worker's lease (a replica that lost it cannot write), renews it, applies the stores and
+removals and records the new seq with them, atomically (the next holder resumes exactly there).
+Not Redis Cluster ready: the script names page keys it was not given as KEYS.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from gateway.core.index_scan import runs
+from gateway.core.index_types import IndexConfig, IndexStats, PrefixMatch, WorkerInfo
+from service_shell import kv
+
+log = logging.getLogger("gateway.shared_index")
+
+KEY_BYTES = 8
+TIERS = 3
+
+# KEYS: lease, worker table. ARGV: owner, lease_ms, page prefix, page ttl s, pool_id, table row,
+# then per operation: '+' or '-', page key suffix, member.
+APPLY_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local prefix, ttl = ARGV[3], tonumber(ARGV[4])
+for i = 7, #ARGV, 3 do
+  local key = prefix .. ARGV[i + 1]
+  if ARGV[i] == '+' then
+    redis.call('SADD', key, ARGV[i + 2])
+    redis.call('EXPIRE', key, ttl)
+  else
+    redis.call('SREM', key, ARGV[i + 2])
+  end
+end
+if ARGV[6] == '' then redis.call('HDEL', KEYS[2], ARGV[5])
+else redis.call('HSET', KEYS[2], ARGV[5], ARGV[6]) end
+return 1
+"""
+
+
+@dataclass(slots=True)
+class SharedIndexConfig:
+    url: str
+    # Deployment namespace (e.g. the model served): the key prefix.
+    namespace: str = "default"
+    # An indexer's lease; renewed by every write (batches, heartbeats at least every 1 s).
+    lease_ms: int = 5000
+    # A page key no worker stores again expires after this (see the module doc).
+    page_ttl_s: int = 24 * 3600
+    # Seconds a reader reuses the worker table before re-reading it (in the lookup's pipeline).
+    table_refresh_s: float = 0.25
+
+
+def prefix_of(namespace: str) -> str:
+    if ":" in namespace or not namespace:
+        raise ValueError(f"index namespace {namespace!r}: must be non-empty, without ':'")
+    return f"pcx:{namespace}:"
+
+
+def page_suffix(page_hash: bytes) -> bytes:
+    return page_hash[:KEY_BYTES]
+
+
+@dataclass(slots=True)
+class TableRow:
+    """A worker's row of the table: what readers score and where its stream resumes."""
+    slot: int
+    epoch: int
+    last_seq: int
+    last_seen: float
+    in_snapshot: bool
+
+    def encode(self) -> str:
+        return f"{self.slot} {self.epoch} {self.last_seq} {self.last_seen:.3f} {int(self.in_snapshot)}"
+
+    @staticmethod
+    def decode(raw: bytes | str) -> TableRow:
+        s, e, q, t, i = (raw.decode() if isinstance(raw, bytes) else raw).split()
+        return TableRow(int(s), int(e), int(q), float(t), i == "1")
+
+
+class SharedIndexStore:
+    """The Redis keys of one namespace: the lease and write primitives indexers use."""
+
+    def __init__(self, config: SharedIndexConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        self.prefix = prefix_of(config.namespace)
+        self.redis = client or redis.Redis.from_url(config.url, socket_timeout=1.0,
+                                                    socket_connect_timeout=1.0)
+        self._apply = self.redis.register_script(APPLY_SCRIPT)
+        self.table_key = self.prefix + "s"
+
+    def lease_key(self, pool_id: str) -> str:
+        return f"{self.prefix}l:{pool_id}"
+
+    def try_lease(self, pool_id: str, owner: str) -> bool:
+        """SET NX PX: true when `owner` now holds (or already held) the worker's lease."""
+        key = self.lease_key(pool_id)
+        if self.redis.set(key, owner, nx=True, px=self.config.lease_ms):
+            return True
+        return self.redis.get(key) == owner.encode()
+
+    def release(self, pool_id: str, owner: str) -> None:
+        key = self.lease_key(pool_id)
+        if self.redis.get(key) == owner.encode():
+            self.redis.delete(key)
+
+    def holder(self, pool_id: str) -> str | None:
+        raw = self.redis.get(self.lease_key(pool_id))
+        return raw.decode() if raw else None
+
+    def row(self, pool_id: str) -> TableRow | None:
+        raw = self.redis.hget(self.table_key, pool_id)
+        return TableRow.decode(raw) if raw else None
+
+    def new_slot(self) -> int:
+        return int(self.redis.incr(self.prefix + "n"))
+
+    def write(self, owner: str, pool_id: str, row: TableRow | None,
+              ops: Sequence[tuple[str, bytes, int]]) -> bool:
+        """One round trip: ops ('+'/'-', page key suffix, member) and the worker's row (None:
+        the worker is gone), if `owner` still holds the lease. False when it does not."""
+        args: list[bytes | str | int] = [owner, self.config.lease_ms, self.prefix + "p:",
+                                         self.config.page_ttl_s, pool_id,
+                                         row.encode() if row else ""]
+        for op, suffix, member in ops:
+            args += (op, suffix, member)
+        return bool(self._apply(keys=[self.lease_key(pool_id), self.table_key], args=args))
+
+
+@dataclass(slots=True)
+class SharedIndexStats:
+    lookups: int = 0
+    lookup_failures: int = 0
+    # 1 while the last round trip to Redis failed: routing is by load only.
+    redis_down: bool = False
+    last_lookup_s: float = 0.0
+
+
+class SharedIndexView:
+    """What a replica's router asks: `lookup`, `last_seen`, `info`, `workers`; from Redis.
+
+    Redis unreachable: `lookup` answers {} (no prefix knowledge: routing by load only),
+    `health.redis_down` says so and a warning is logged once per outage; nothing raises."""
+
+    def __init__(self, store: SharedIndexStore, index_config: IndexConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.config = index_config or IndexConfig()
+        self._clock, self._wall = clock, wall
+        self._rows: dict[str, TableRow] = {}
+        self._rows_at = float("-inf")
+        self.health = SharedIndexStats()
+
+    def _pages(self, hashes: Sequence[bytes]) -> list[bytes]:
+        p = self.store.prefix.encode() + b"p:"
+        return [p + page_suffix(h) for h in hashes]
+
+    def refresh(self) -> None:
+        self._round_trip([])
+
+    def _round_trip(self, hashes: Sequence[bytes]) -> list[set[bytes]] | None:
+        refresh = self._clock() - self._rows_at >= self.store.config.table_refresh_s
+        started = time.perf_counter()
+        try:
+            pipe = self.store.redis.pipeline(transaction=False)
+            for key in self._pages(hashes):
+                pipe.smembers(key)
+            if refresh:
+                pipe.hgetall(self.store.table_key)
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            self.health.lookup_failures += 1
+            if not self.health.redis_down:
+                log.warning(kv("shared_index_unreachable", url=self.store.config.url, error=str(exc),
+                               hint="routing by load only until Redis answers"))
+            self.health.redis_down = True
+            return None
+        self.health.redis_down = False
+        self.health.last_lookup_s = time.perf_counter() - started
+        if refresh:
+            table = replies.pop()
+            self._rows = {k.decode(): TableRow.decode(v) for k, v in table.items()}
+            self._rows_at = self._clock()
+        return replies
+
+    def workers(self) -> list[str]:
+        return list(self._rows)
+
+    # The router's calls for its own index: the indexers own the workers' entries here.
+    def add_worker(self, pool_id: str) -> None:
+        pass
+
+    def remove_worker(self, pool_id: str) -> bool:
+        return False
+
+    def stats(self) -> IndexStats:
+        """The entries live in Redis (its INFO and DBSIZE count them): none in this process."""
+        return IndexStats(0, 0, 0, 0, 0)
+
+    def info(self, pool_id: str) -> WorkerInfo | None:
+        r = self._rows.get(pool_id)
+        if r is None:
+            return None
+        return WorkerInfo(pool_id, r.epoch, r.last_seq, False, r.in_snapshot,
+                          self._to_clock(r.last_seen), (0, 0, 0))
+
+    def _to_clock(self, wall_seen: float) -> float:
+        return self._clock() - max(0.0, self._wall() - wall_seen)
+
+    def last_seen(self, pool_id: str) -> float | None:
+        """When the worker's indexer last heard from it, on this replica's clock. While Redis
+        is down every worker counts as just seen (routing by load, not by nobody)."""
+        if self.health.redis_down:
+            return self._clock()
+        r = self._rows.get(pool_id)
+        return None if r is None else self._to_clock(r.last_seen)
+
+    def confidence(self, pool_id: str, now: float | None = None) -> float:
+        r = self._rows.get(pool_id)
+        return 0.0 if r is None else self._confidence(r, self._clock() if now is None else now)
+
+    def _confidence(self, r: TableRow, now: float) -> float:
+        cfg = self.config
+        age = now - self._to_clock(r.last_seen)
+        if age <= cfg.stale_after_s:
+            conf = 1.0
+        elif age >= cfg.dead_after_s:
+            conf = cfg.min_confidence
+        else:
+            frac = (age - cfg.stale_after_s) / (cfg.dead_after_s - cfg.stale_after_s)
+            conf = 1.0 - frac * (1.0 - cfg.min_confidence)
+        return conf * cfg.resync_confidence if r.in_snapshot else conf
+
+    def lookup(self, hashes: Sequence[bytes], now: float | None = None) -> dict[str, PrefixMatch]:
+        """`KvIndex.lookup`'s answer (the same runs over the same masks), from one round trip."""
+        if not hashes:
+            return {}
+        replies = self._round_trip(hashes)
+        self.health.lookups += 1
+        if replies is None or not self._rows:
+            return {}
+        # Local bit per current worker slot; members of old slots (cleared views) are ignored.
+        names = list(self._rows)
+        bit_of = {self._rows[n].slot: i for i, n in enumerate(names)}
+        masks = ([0] * len(hashes), [0] * len(hashes), [0] * len(hashes))
+        for i, members in enumerate(replies):
+            for m in members:
+                slot, tier = divmod(int(m), TIERS)
+                b = bit_of.get(slot)
+                if b is not None:
+                    masks[tier][i] |= 1 << b
+        everyone = (1 << len(names)) - 1
+        devm, hostm, remm = masks
+        dev_end = runs(devm, {}, first=everyone)
+        anym = [d | h for d, h in zip(devm, hostm)]
+        host_end = runs(anym, dev_end, first=_others(everyone, dev_end))
+        rem_end = runs([everyone if r else a for r, a in zip(remm, anym)], host_end,
+                       first=_others(everyone, host_end))
+        now = self._clock() if now is None else now
+        out: dict[str, PrefixMatch] = {}
+        for b, r_end in rem_end.items():
+            if r_end:
+                d_end, h_end = dev_end.get(b, 0), host_end.get(b, 0)
+                row = self._rows[names[b]]
+                out[names[b]] = PrefixMatch(d_end, h_end - d_end, r_end - h_end,
+                                            self._confidence(row, now))
+        return out
+
+
+def _others(everyone: int, ends: dict[int, int]) -> int:
+    for b in ends:
+        everyone &= ~(1 << b)
+    return everyone
