@@ -247,7 +247,7 @@ class Router:
         key pins one (gateway/core/cache_keys.py); the key then follows the choice."""
         pinned = self._pinned(request, candidates)
         decision = self.policy.choose(request, [pinned] if pinned else candidates, self.index,
-                                      self.load)
+                                      self.load, all_scores=False)
         if request.cache_key:
             self.cache_keys.record(request.cache_key, decision.worker)
         if pinned:
