@@ -154,9 +154,10 @@ class AffinityPolicy:
         n = len(candidates)
         prefill = np.full(n, max(total - 0.0, 0.0))
         if matches:  # only the holders' prefill differs from the whole prompt's
-            position = {w: i for i, w in enumerate(candidates) if w in matches}
-            for worker, i in position.items():
-                prefill[i] = max(total - self._saved(matches[worker], page), 0.0)
+            position = dict(zip(candidates, range(n)))
+            for worker, m in matches.items():
+                if worker in position:
+                    prefill[position[worker]] = max(total - self._saved(m, page), 0.0)
         new = float(prefill.min())
         overload_weight = cfg.overload_weight if total - new < new else 0.0
         mean_recent = sum(recent.tolist()) / n
