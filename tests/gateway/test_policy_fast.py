@@ -27,6 +27,7 @@ def _fleet(seed: int):
                             recent_pages_per_worker=rng.choice([0, 4096]))
     workers = [f"w{i:02d}" for i in range(rng.randrange(1, 25))]
     index, load, policy = KvIndex(clock=clock), LoadTracker(clock), AffinityPolicy(config)
+    policy.array_min_candidates = 1  # the array path for any fleet (the router's is 64 on)
     busy = rng.random() < 0.7
     for w in workers:
         index.add_worker(w)

@@ -67,6 +67,9 @@ class AffinityConfig:
 
 class AffinityPolicy:
     name = "affinity"
+    # From this many candidates on, the router's decisions are scored on arrays (`_decide_fast`):
+    # below it the fixed cost of a few dozen numpy calls is more than a loop over the workers.
+    array_min_candidates = 64
 
     def __init__(self, config: AffinityConfig | None = None) -> None:
         self.config = config or AffinityConfig()
@@ -103,8 +106,10 @@ class AffinityPolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
         """`all_scores`: the decision lists every candidate's score (as `preview` does); off
-        (the router's request path), only the chosen worker's, scored on arrays (`_decide_fast`)."""
-        decide = self._decide if all_scores else self._decide_fast
+        (the router's request path), many candidates are scored on arrays (`_decide_fast`) and
+        the decision lists the chosen worker's score alone."""
+        fast = not all_scores and len(candidates) >= self.array_min_candidates
+        decide = self._decide_fast if fast else self._decide
         decision, match, tied = decide(request, candidates, index, load)
         if tied:
             self._rr += 1
