@@ -206,7 +206,10 @@ class Router:
         now = self._clock()
         usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
             not tokenizer_fingerprint or w.info.tokenizer_fingerprint == tokenizer_fingerprint)]
-        eligible = [w.name for w in usable if self._eligible(w, now)]
+        # `_eligible` inlined: this runs over every worker on each decision.
+        seen, dead_after = self.index.last_seen, self.index.config.dead_after_s
+        eligible = [w.name for w in usable if w.up and w.synced
+                    and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after]
         if eligible:
             return eligible, False
         # No worker has a live stream (the cache services are unreachable, say): route without
@@ -250,7 +253,7 @@ class Router:
         key pins one (gateway/core/cache_keys.py); the key then follows the choice."""
         pinned = self._pinned(request, candidates)
         decision = self.policy.choose(request, [pinned] if pinned else candidates, self.index,
-                                      self.load)
+                                      self.load, all_scores=False)
         if request.cache_key:
             self.cache_keys.record(request.cache_key, decision.worker)
         if pinned:

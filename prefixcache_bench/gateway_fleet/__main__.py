@@ -25,7 +25,9 @@ GOALS = {
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
 ROUTING_COLUMNS = ("pools", "indexed_pages", "routing_p50_idle_us", "routing_p99_idle_us",
                    "routing_max_idle_us", "routed_to_holder", "index_bytes_per_page",
-                   "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s")
+                   "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s",
+                   "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
+                   "gc_max_pause_us")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")

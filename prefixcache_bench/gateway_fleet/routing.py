@@ -4,9 +4,14 @@
 fleet run's routing thread (a pool's conversation or a shared system prompt, then new pages) are
 timed through Router.route + Router.finish, the affinity policy, one after another. Applying
 is timed too: the snapshots, then every pool's live batches (64 stored + 64 removed pages each),
-through Router.on_stream_item on parsed messages."""
+through Router.on_stream_item on parsed messages. The policy's decision alone is timed apart, both ways,
+interleaved, on each request (a same-minute ratio on a loaded machine): the router's array path
+(`_decide_fast`) and the exhaustive one (`preview`: a WorkerScore per candidate, what
+RoutePreview shows); and the garbage collector's pauses during the decisions are
+counted (gc.callbacks)."""
 from __future__ import annotations
 
+import gc
 import random
 import time
 
@@ -47,8 +52,22 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
                                                 for i in range(pools))))
     requests = _Router(router, pools, pages_per_pool, live_batches)
     rng, lat, to_holder, private = random.Random(1), [], 0, 0
+    fast, exhaustive, pauses, gc_start = [], [], [], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - gc_start[0])
+
+    gc.callbacks.append(on_gc)
     for n in range(decisions):
         req, holder = requests._request(rng, n)
+        candidates, policy = router._candidates(())[0], router.policy
+        for way, times in ((policy._decide_fast, fast), (policy.preview, exhaustive)):
+            start = time.perf_counter()
+            way(req, candidates, router.index, router.load)
+            times.append((time.perf_counter() - start) * 1e6)
         start = time.perf_counter()
         route = router.route(req)
         lat.append((time.perf_counter() - start) * 1e6)
@@ -56,11 +75,17 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
         if holder is not None:
             private += 1
             to_holder += route.worker.name == holder
+    gc.callbacks.remove(on_gc)
     st = router.index.stats()
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
             "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
             "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
             "routed_to_holder": to_holder / max(private, 1), "build_s": load_s,
+            "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
+            "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),
+            "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
+            "gc_pauses_during_decisions": len(pauses),
+            "gc_max_pause_us": max(pauses, default=0.0) * 1e6,
             # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
             "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
             "live_apply_page_events_per_s": live_events / live_s}

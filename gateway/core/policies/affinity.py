@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from gateway.core.index import KvIndex, PrefixMatch
 from gateway.core.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
 from gateway.core.policies.load import LoadTracker
@@ -65,6 +67,9 @@ class AffinityConfig:
 
 class AffinityPolicy:
     name = "affinity"
+    # From this many candidates on, the router's decisions are scored on arrays (`_decide_fast`):
+    # below it the fixed cost of a few dozen numpy calls is more than a loop over the workers.
+    array_min_candidates = 64
 
     def __init__(self, config: AffinityConfig | None = None) -> None:
         self.config = config or AffinityConfig()
@@ -99,8 +104,13 @@ class AffinityPolicy:
         return matches
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
-               load: LoadTracker) -> RouteDecision:
-        decision, match, tied = self._decide(request, candidates, index, load)
+               load: LoadTracker, all_scores: bool = True) -> RouteDecision:
+        """`all_scores`: the decision lists every candidate's score (as `preview` does); off
+        (the router's request path), many candidates are scored on arrays (`_decide_fast`) and
+        the decision lists the chosen worker's score alone."""
+        fast = not all_scores and len(candidates) >= self.array_min_candidates
+        decide = self._decide_fast if fast else self._decide
+        decision, match, tied = decide(request, candidates, index, load)
         if tied:
             self._rr += 1
         self._record(request, decision.worker, match)
@@ -137,11 +147,69 @@ class AffinityPolicy:
         decision = RouteDecision(chosen.worker, self.name, reason, round(chosen.prefill_tokens), scores)
         return decision, matches.get(chosen.worker), rotated
 
+    def _decide_fast(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
+                     load: LoadTracker) -> tuple[RouteDecision, PrefixMatch | None, bool]:
+        """`_decide`'s decision, the same float operations in the same order, over arrays: a
+        WorkerScore is built for the chosen worker alone. The property test in
+        tests/gateway/test_policy_fast.py holds the two equal."""
+        require_candidates(candidates)
+        cfg, total, page = self.config, request.prompt_tokens, request.page_size
+        matches = self._matches(request, candidates, index)
+        queued, running, recent = load.columns(candidates)
+        n = len(candidates)
+        prefill = np.full(n, max(total - 0.0, 0.0))
+        if matches:  # only the holders' prefill differs from the whole prompt's
+            position = dict(zip(candidates, range(n)))
+            for worker, m in matches.items():
+                if worker in position:
+                    prefill[position[worker]] = max(total - self._saved(m, page), 0.0)
+        new = float(prefill.min())
+        overload_weight = cfg.overload_weight if total - new < new else 0.0
+        mean_recent = sum(recent.tolist()) / n
+        overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
+                    else np.zeros(n))
+        balance = (cfg.prefill_weight * prefill * (1.0 + overload_weight * overload)
+                   + cfg.balance_weight * (recent - recent.min()))
+        score = balance + cfg.queue_weight * queued + cfg.inflight_weight_tokens * running
+        tie = max(cfg.tie_abs_tokens, cfg.tie_rel * total)
+        best = score.min()
+        tied = np.flatnonzero(score <= best + tie)
+        rotated = len(tied) > 1
+        if not rotated:
+            pick = int(tied[0])
+            reason = ("lowest score (uncached prefill weighted by overload, new prompt + load)"
+                      if overload_weight > 0.0 else "lowest score (uncached prefill + load)")
+        else:  # _pick's order: least work, queued, recent, then rotation (lexsort: last key first)
+            rotation = (tied - self._rr) % n
+            pick = int(tied[np.lexsort((rotation, recent[tied], queued[tied], prefill[tied]))[0]])
+            reason = (f"near-tie of {len(tied)} workers within {best + tie - best:.0f} tokens: "
+                      f"least work, then load")
+        if prefill[pick] > new:
+            holders = np.flatnonzero(prefill == new)
+            holder = int(holders[np.argmin(score[holders])])
+            if (queued[holder] <= cfg.move_queue_tokens
+                    and balance[holders].min() <= balance.min() + tie):
+                pick = holder
+                reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
+                          f"{total - new:.0f} tokens")
+        worker = candidates[pick]
+        chosen = self._score(request, [worker], {worker: matches[worker]} if worker in matches
+                             else {}, load)[0]
+        chosen.overload, chosen.score = float(overload[pick]), float(score[pick])
+        decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
+        return decision, matches.get(worker), rotated
+
+    def _saved(self, m: PrefixMatch, page: int) -> float:
+        """Prompt tokens a worker with this match does not compute (confidence-weighted)."""
+        cfg = self.config
+        return m.confidence * (m.device_pages * page + m.host_pages * page * (1.0 - cfg.host_cost)
+                               + m.remote_pages * page * (1.0 - cfg.remote_cost))
+
     def _score(self, request: RouteRequest, candidates: Sequence[str],
                matches: dict[str, PrefixMatch], load: LoadTracker) -> list[WorkerScore]:
         """Each worker's load, overload and the prefill it would still do (its `score` is set
         by `_weigh`)."""
-        cfg, page = self.config, request.page_size
+        page = request.page_size
         loads = load.get_many(candidates)
         mean_recent = sum(wl.recent_prefill_tokens for wl in loads) / len(loads)
         scores = []
@@ -156,8 +224,7 @@ class AffinityPolicy:
             if m is not None:
                 s.device_tokens, s.host_tokens = m.device_pages * page, m.host_pages * page
                 s.remote_tokens, s.confidence = m.remote_pages * page, m.confidence
-                saved = m.confidence * (s.device_tokens + s.host_tokens * (1.0 - cfg.host_cost)
-                                        + s.remote_tokens * (1.0 - cfg.remote_cost))
+                saved = self._saved(m, page)
             s.prefill_tokens = max(request.prompt_tokens - saved, 0.0)
             scores.append(s)
         return scores

@@ -66,8 +66,10 @@ class Policy(Protocol):
     name: str
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
-               load: LoadTracker) -> RouteDecision:
-        """Pick a worker and remember it (routed prefixes, rotation counters)."""
+               load: LoadTracker, all_scores: bool = True) -> RouteDecision:
+        """Pick a worker and remember it (routed prefixes, rotation counters). Without
+        `all_scores` the decision's scores may list the chosen worker alone (a policy that
+        scores every candidate anyway lists them all)."""
         ...
 
     def preview(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,

@@ -21,7 +21,7 @@ class RoundRobinPolicy:
         return None
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
-               load: LoadTracker) -> RouteDecision:
+               load: LoadTracker, all_scores: bool = True) -> RouteDecision:
         decision = self.preview(request, candidates, index, load)
         self._next += 1
         return decision
@@ -43,7 +43,7 @@ class LeastLoadedPolicy:
         return None
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
-               load: LoadTracker) -> RouteDecision:
+               load: LoadTracker, all_scores: bool = True) -> RouteDecision:
         decision = self.preview(request, candidates, index, load)
         self._rr += 1
         return decision
@@ -94,7 +94,7 @@ class SglangPolicy:
         self.routed.remove_worker(worker)
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
-               load: LoadTracker) -> RouteDecision:
+               load: LoadTracker, all_scores: bool = True) -> RouteDecision:
         decision = self.preview(request, candidates, index, load)
         self.routed.record(decision.worker, request.page_hashes)
         return decision

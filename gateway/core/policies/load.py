@@ -5,12 +5,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from gateway.core.policies.base import WorkerLoad
 from prefixcache.v1 import common_pb2
 
 # Half-life of LoadTracker.recent_prefill_tokens: long enough that a relative load is an estimate
 # over many prompts per worker, not noise (docs/design.md §6, "Routing policy").
 RECENT_HALFLIFE_S = 600.0
+
+# The columns of LoadTracker's table, one row per worker; row 0 stays all "nothing known" (no
+# load, no report) and stands for any worker the tracker has not seen.
+_PENDING, _INFLIGHT, _REPORT_WHEN, _REPORT_QUEUED, _REPORT_REQUESTS, _RECENT, _RECENT_WHEN = range(7)
+_EMPTY_ROW = (0.0, 0.0, -np.inf, 0.0, 0.0, 0.0, 0.0)
+
+
+class _Rows(dict):
+    """worker -> its row; a worker without one reads row 0."""
+
+    def __missing__(self, worker: str) -> int:
+        return 0
 
 
 class LoadTracker:
@@ -20,6 +34,9 @@ class LoadTracker:
     queue), not the sum: the report already counts what this gateway routed, and the max is right
     whether the gateway is the worker's only client (its own view is fresher) or one of several
     (the report sees the others). Reports older than report_ttl_s are ignored.
+
+    The numbers live in one float table (a row per worker) so that a routing decision reads all
+    candidates' loads with a few array operations (`columns`), not a Python loop over workers.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, report_ttl_s: float = 5.0,
@@ -27,68 +44,83 @@ class LoadTracker:
         self._clock = clock
         self.report_ttl_s = report_ttl_s
         self.recent_halflife_s = recent_halflife_s
-        self._recent: dict[str, tuple[float, float]] = {}  # worker -> (decayed tokens, as of when)
         self._routed: dict[str, tuple[str, int]] = {}  # request id -> (worker, prefill pending)
-        self._pending: dict[str, int] = {}
-        self._inflight: dict[str, int] = {}
-        self._reports: dict[str, tuple[float, int, int]] = {}  # worker -> (when, queued, requests)
+        self._rows = _Rows()
+        self._free = list(range(7, 0, -1))  # rows not in use, the next one last
+        self._table = np.array([_EMPTY_ROW] * 8, dtype=np.float64)
+
+    def _row(self, worker: str) -> int:
+        row = self._rows.get(worker)
+        if row is None:
+            if not self._free:
+                used = len(self._table)
+                self._table = np.concatenate([self._table, np.array([_EMPTY_ROW] * used)])
+                self._free = list(range(len(self._table) - 1, used - 1, -1))
+            row = self._rows[worker] = self._free.pop()
+        return row
 
     def report(self, worker: str, load: common_pb2.LoadReport, now: float | None = None) -> None:
-        when = self._clock() if now is None else now
-        self._reports[worker] = (when, load.queued_prefill_tokens,
-                                 load.waiting_requests + load.running_requests)
+        when, row = (self._clock() if now is None else now), self._row(worker)
+        self._table[row, _REPORT_WHEN:_RECENT] = (
+            when, load.queued_prefill_tokens, load.waiting_requests + load.running_requests)
 
     def on_route(self, worker: str, request_id: str, prefill_tokens: int) -> None:
         self._routed[request_id] = (worker, prefill_tokens)
-        self._pending[worker] = self._pending.get(worker, 0) + prefill_tokens
-        self._inflight[worker] = self._inflight.get(worker, 0) + 1
-        now = self._clock()
-        self._recent[worker] = (self._decayed(worker, now) + prefill_tokens, now)
+        row, now = self._row(worker), self._clock()
+        t = self._table
+        t[row, _PENDING] += prefill_tokens
+        t[row, _INFLIGHT] += 1
+        t[row, _RECENT] = self._decayed(row, now) + prefill_tokens
+        t[row, _RECENT_WHEN] = now
 
-    def _decayed(self, worker: str, now: float) -> float:
-        value, when = self._recent.get(worker, (0.0, now))
-        return value * 0.5 ** ((now - when) / self.recent_halflife_s)
+    def _decayed(self, row: int, now: float) -> float:
+        value, when = self._table[row, _RECENT], self._table[row, _RECENT_WHEN]
+        if row == 0 or value == 0.0:
+            return 0.0
+        return float(value * np.power(0.5, (now - when) / self.recent_halflife_s))
 
     def on_first_token(self, request_id: str) -> None:
         """Its prefill is done: it no longer counts as queued prefill work."""
         entry = self._routed.get(request_id)
         if entry is not None and entry[1]:
             worker, tokens = entry
-            self._pending[worker] -= tokens
+            self._table[self._rows[worker], _PENDING] -= tokens
             self._routed[request_id] = (worker, 0)
 
     def on_finish(self, request_id: str) -> None:
         """Finished, failed or aborted."""
         self.on_first_token(request_id)
         entry = self._routed.pop(request_id, None)
-        if entry is not None and entry[0] in self._inflight:
-            self._inflight[entry[0]] -= 1
+        if entry is not None and entry[0] in self._rows:
+            self._table[self._rows[entry[0]], _INFLIGHT] -= 1
 
     def remove_worker(self, worker: str) -> None:
         for rid in [r for r, (w, _) in self._routed.items() if w == worker]:
             del self._routed[rid]
-        for table in (self._pending, self._inflight, self._reports, self._recent):
-            table.pop(worker, None)
+        row = self._rows.pop(worker, None)
+        if row is not None:
+            self._table[row] = _EMPTY_ROW
+            self._free.append(row)
+
+    def columns(self, workers: Sequence[str], now: float | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(queued prefill tokens, requests in flight, recent prefill tokens) of each worker, as
+        float arrays in the order given, at one instant (a routing decision's candidates)."""
+        now = self._clock() if now is None else now
+        rows = self._table[np.fromiter(map(self._rows.__getitem__, workers), np.intp, len(workers))]
+        fresh = now - rows[:, _REPORT_WHEN] <= self.report_ttl_s
+        queued = np.where(fresh, np.maximum(rows[:, _PENDING], rows[:, _REPORT_QUEUED]), rows[:, _PENDING])
+        running = np.where(fresh, np.maximum(rows[:, _INFLIGHT], rows[:, _REPORT_REQUESTS]),
+                           rows[:, _INFLIGHT])
+        value = rows[:, _RECENT]
+        decay = np.power(0.5, (now - rows[:, _RECENT_WHEN]) / self.recent_halflife_s)
+        recent = np.where(value == 0.0, 0.0, value * decay)
+        return queued, running, recent
 
     def get_many(self, workers: Sequence[str], now: float | None = None) -> list[WorkerLoad]:
-        """`get` for each worker, at one instant (a routing decision's candidates)."""
-        now = self._clock() if now is None else now
-        pending, inflight, reports, recent = self._pending, self._inflight, self._reports, self._recent
-        ttl, halflife = self.report_ttl_s, self.recent_halflife_s
-        out = []
-        for worker in workers:
-            queued, running = pending.get(worker, 0), inflight.get(worker, 0)
-            rep = reports.get(worker)
-            if rep is not None and now - rep[0] <= ttl:
-                queued, running = max(queued, rep[1]), max(running, rep[2])
-            value, when = recent.get(worker, (0.0, now))
-            out.append(WorkerLoad(queued, running, value * 0.5 ** ((now - when) / halflife)))
-        return out
+        """`get` for each worker, at one instant."""
+        queued, running, recent = (c.tolist() for c in self.columns(workers, now))
+        return [WorkerLoad(int(q), int(r), v) for q, r, v in zip(queued, running, recent, strict=True)]
 
     def get(self, worker: str, now: float | None = None) -> WorkerLoad:
-        now = self._clock() if now is None else now
-        queued, inflight = self._pending.get(worker, 0), self._inflight.get(worker, 0)
-        rep = self._reports.get(worker)
-        if rep is not None and now - rep[0] <= self.report_ttl_s:
-            queued, inflight = max(queued, rep[1]), max(inflight, rep[2])
-        return WorkerLoad(queued, inflight, self._decayed(worker, now))
+        return self.get_many([worker], now)[0]
