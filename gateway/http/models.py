@@ -3,8 +3,9 @@ loaded, each a model of its own (as vLLM lists them), refreshed from the workers
 
 Adapters are loaded and unloaded on the workers at runtime, so the list is asked of every
 routed worker again once it is `ttl_s` old, and at once (at most every `min_refresh_s`) when a
-request names a model not in it: a client that just loaded an adapter can use it without
-waiting, and a flood of unknown names costs one round of calls per `min_refresh_s`. A worker
+request names a model not in it (waiting out the rest of `min_refresh_s` when the last refresh
+is younger): a client that just loaded an adapter can use it at once, and a flood of unknown
+names costs one round of calls per `min_refresh_s`. A worker
 that does not answer keeps the adapters it last reported.
 """
 from __future__ import annotations
@@ -40,8 +41,16 @@ class ModelCatalog:
         self._lock = threading.Lock()
 
     async def models(self, force: bool = False) -> Models:
-        """503 before any worker is known."""
+        """503 before any worker is known. `force`: the list as the workers have it now; when
+        it was refreshed under `min_refresh_s` ago, after waiting out the rest of that time
+        (an adapter loaded just after a refresh is found, not refused), unless another call
+        refreshed it meanwhile."""
         age = time.monotonic() - self._refreshed
+        if force and age <= self._min_refresh_s:
+            seen = self._refreshed
+            await anyio.sleep(self._min_refresh_s - age)
+            force = self._refreshed == seen
+            age = time.monotonic() - self._refreshed
         if age > self._ttl_s or (force and age > self._min_refresh_s):
             await to_thread.run_sync(self._refresh, limiter=self._limiter)
         base = self._fleet.model_id

@@ -191,6 +191,10 @@ def test_a_failure_mid_stream_is_an_error_event_or_a_503(http_fleet, workers):
 
 def test_adapters_are_models_and_route_in_their_namespace(http_fleet, workers):
     _, _, _, base = http_fleet
+    # An unknown name refreshes the catalog now; an adapter loaded right after is still found
+    # (the next refresh waits out its rate limit instead of refusing the name).
+    r = post(base, "/v1/completions", {"model": "lora-a", "prompt": P})
+    assert r.status_code == 404 and "does not exist" in r.text
     for w in workers.values():
         w.adapters = ["lora-a"]  # "loaded at runtime": the next request naming it sees it
     r = post(base, "/v1/completions", {"model": "lora-a", "prompt": P})
