@@ -88,6 +88,43 @@ def test_frequency_remembers_the_uses_of_dropped_pages():
     assert other.uses == 1
 
 
+def test_the_history_of_dropped_runs_is_bounded(monkeypatch):
+    """At most GHOSTS dropped runs are remembered, the least recently dropped forgotten
+    first: a run they left returns with no history."""
+    monkeypatch.setattr(Frequency, "GHOSTS", 3)
+    policy = Frequency()
+    for i in range(5):
+        policy.dropped(bytes([i]) * 32, i + 1, float(i))
+    assert list(policy._ghosts) == [bytes([i]) * 16 for i in (2, 3, 4)]
+    forgotten, kept = node(bytes([0]) * 16), node(bytes([4]) * 16)
+    policy.use(forgotten, 9.0)
+    policy.use(kept, 9.0)
+    assert (forgotten.uses, kept.uses) == (1, 6)
+
+
+@pytest.mark.parametrize("name", ["frequency", "adaptive"])
+def test_a_run_dropped_and_published_again_resumes_its_uses(name):
+    """Through the core: a run used 3 times, dropped whole to make room, and published again
+    from the same first page starts at 4 uses, not 1 (the ghost history LRU does not keep)."""
+    clock = Clock()
+    core = CacheCore(clock=clock, eviction=name)
+    w = Worker(core, device=5)
+    policy = core._pools["w"].eviction
+    a = [100 + i for i in range(2 * P + 1)]
+    for t in (0, 10, 20):
+        clock.now = t
+        w.run(a)
+    clock.now = 30
+    w.run([300 + i for i in range(4 * P + 1)])  # needs all 5 pages: a's run is dropped
+    assert list(policy._ghosts.values()) == [(3, 20.0)]
+    uses, use = [], policy.use
+    policy.use = lambda run, now: (use(run, now), uses.append(run.uses))
+    clock.now = 40
+    assert w.run(a).cached_tokens == 0
+    assert uses == [4]
+    assert policy.gaps == 2 * (2 + 1)  # its return (20 s) counted per page, as a reuse gap
+
+
 def test_the_policy_is_named_and_checked():
     assert set(POLICIES) == {"lru", "frequency", "adaptive"}
     with pytest.raises(ValueError, match="not one of lru, frequency, adaptive"):
