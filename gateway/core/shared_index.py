@@ -175,8 +175,11 @@ class SharedIndexView:
 
     def __init__(self, store: SharedIndexStore, index_config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 on_round_trip: Callable[[float], None] | None = None) -> None:
         self.store = store
+        # Each successful round trip's seconds (the gateway's latency histogram).
+        self._on_round_trip = on_round_trip
         self.config = index_config or IndexConfig()
         self._clock, self._wall = clock, wall
         self._rows: dict[str, TableRow] = {}
@@ -209,6 +212,8 @@ class SharedIndexView:
             return None
         self.health.redis_down = False
         self.health.last_lookup_s = time.perf_counter() - started
+        if self._on_round_trip is not None:
+            self._on_round_trip(self.health.last_lookup_s)
         if refresh:
             table = replies.pop()
             self._rows = {k.decode(): TableRow.decode(v) for k, v in table.items()}
