@@ -200,8 +200,8 @@ class Router:
         snapshot under way)."""
         if not self.shared:
             return
+        self.index.refresh()  # outside the lock: a Redis outage must not stall routing on it
         with self.lock:
-            self.index.refresh()
             for name, worker in self._workers.items():
                 info = self.index.info(name)
                 worker.synced = info is not None and not info.in_snapshot

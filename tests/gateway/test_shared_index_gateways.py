@@ -1,8 +1,9 @@
 """Two gateway replicas with `--index-backend redis` (gateway/assembly.py) against one real
 redis-server, one real cache service over loopback gRPC and two fake workers: pages a worker
 publishes are seen by both replicas' routing (the same preview, the same route), each worker's
-events are written by exactly one replica (its lease holder), and a replica that stops leaves
-the other routing from the index intact, writing the workers' new events itself."""
+events are written by exactly one replica (its lease holder), a replica that stops leaves the
+other routing from the index intact, writing the workers' new events itself, and Redis going
+down and coming back empty costs prefix knowledge only while it is away."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +16,8 @@ from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (Caller, FakeWorker, cache_prompt, register_pool,
                                            running_gateway, wait_until)
 from tests.gateway.server_helpers import list_workers, preview, prompt, sample
+
+METRIC = "prefixcache_gateway_shared_index"
 
 
 def routed_to(caller: Caller, tokens: list[int]) -> tuple[str, str]:
@@ -53,11 +56,11 @@ def test_two_replicas_route_from_one_shared_index_and_survive_one_leaving(redis_
                 # The replicas hold no index of their own: the pages are in Redis only.
                 assert gw_a.router.index.stats().entries == gw_b.router.index.stats().entries == 0
                 for gw in (gw_a, gw_b):
-                    assert sample(gw, "prefixcache_gateway_shared_index_redis_down") == 0
-                    assert sample(gw, "prefixcache_gateway_shared_index_lookups_total") > 0
-                    assert sample(gw, "prefixcache_gateway_shared_index_round_trip_seconds_count") > 0
-                assert sample(gw_a, "prefixcache_gateway_shared_index_leases_held") == 2
-                assert sample(gw_b, "prefixcache_gateway_shared_index_leases_held") == 0
+                    assert sample(gw, f"{METRIC}_redis_down") == 0
+                    assert sample(gw, f"{METRIC}_lookups_total") > 0
+                    assert sample(gw, f"{METRIC}_round_trip_seconds_count") > 0
+                assert sample(gw_a, f"{METRIC}_leases_held") == 2
+                assert sample(gw_b, f"{METRIC}_leases_held") == 0
 
                 gw_a.drain()  # releases its leases: replica b takes them over
                 callers[0].close()
@@ -68,6 +71,21 @@ def test_two_replicas_route_from_one_shared_index_and_survive_one_leaving(redis_
                 wait_until(lambda: routed_to(callers[1], later)[0] == "w1",
                            what="b writes and sees w1's new pages")
                 assert callers[1].generate(later)[-1].stats.worker == "w1"
+
+                # Redis down: routing goes on by load, and the metrics say so.
+                redis_server.stop()
+                assert callers[1].generate(prompt(3))[-1].stats.worker in workers
+                wait_until(lambda: sample(gw_b, f"{METRIC}_redis_down") == 1, what="redis_down")
+                assert sample(gw_b, f"{METRIC}_failures_total") > 0
+                meanwhile = prompt(4)  # published while no indexer can write
+                cache_prompt(cache.core, "w2", meanwhile, salt="salt-a")
+                # Back, empty (no persistence): the indexers take their leases again and
+                # rebuild the index from the cache service's snapshots.
+                redis_server.start()
+                wait_until(lambda: routed_to(callers[1], meanwhile) == ("w2", b[1])
+                           and sample(gw_b, f"{METRIC}_redis_down") == 0, timeout_s=20,
+                           what="index rebuilt after Redis came back")
+                wait_until(lambda: gw_b.indexers.held() == 2, what="b holds both leases again")
                 callers[1].close()
         finally:
             for w in workers.values():
