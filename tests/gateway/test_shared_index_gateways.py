@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from gateway.__main__ import parse_args
+from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (Caller, FakeWorker, cache_prompt, register_pool,
@@ -101,3 +101,14 @@ def test_index_backend_flags_are_checked(flags, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--workers", "localhost:50051", "--allow-anonymous", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_index_backend_flags_reach_the_gateway_config():
+    args = parse_args(["--workers", "localhost:50051", "--allow-anonymous", "--index-backend",
+                       "redis", "--index-redis-url", "redis://127.0.0.1:6379/0",
+                       "--index-namespace", "fleet-a"])
+    cfg = config_from_args(args)
+    assert (cfg.index_backend, cfg.index_redis_url, cfg.index_namespace) == (
+        "redis", "redis://127.0.0.1:6379/0", "fleet-a")
+    assert config_from_args(parse_args(["--workers", "localhost:50051",
+                                        "--allow-anonymous"])).index_backend == "memory"
