@@ -38,6 +38,7 @@ from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import DnsWorkers, parse_static, static_workers
 from gateway.core.policies import POLICY_NAMES
 from gateway.core.resume_peers import ModelServerWorkers
+from gateway.core.shared_index import prefix_of
 from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO
 from gateway.core.workers import WorkerSettings
@@ -98,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
          "index may use, in MiB; past it the least useful entries are evicted, counted "
          "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
          type=finite_float(1.0, 1e9))
+    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
+         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
+         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
+         "worker and the holder of the worker's Redis lease writes its events)",
+         choices=("memory", "redis"))
+    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
+         "of the shared index (redis://HOST:PORT/DB)")
+    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
+         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
+         "of one fleet share it, other fleets on the same Redis need their own")
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
@@ -197,6 +208,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give exactly one of --workers (PREFIXCACHE_WORKERS), --workers-dns "
                 "(PREFIXCACHE_WORKERS_DNS) and --workers-inferencepool "
                 "(PREFIXCACHE_WORKERS_INFERENCEPOOL)")
+    if args.index_backend == "redis" and not args.index_redis_url:
+        p.error("--index-backend redis needs --index-redis-url (PREFIXCACHE_INDEX_REDIS_URL): "
+                "the Redis the gateway replicas share the index in")
+    if args.index_backend == "redis" and (args.tls is not None or args.service_token):
+        p.error("--index-backend redis: its indexers do not yet speak TLS or send a service "
+                "token to the cache services; use --index-backend memory with TLS or a token")
     if args.hash_spec != NS_DOMAIN.decode():
         p.error(f"--hash-spec {args.hash_spec!r}: this gateway implements "
                 f"{NS_DOMAIN.decode()!r} only")
@@ -218,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}: must be > 0")
     try:
+        prefix_of(args.index_namespace)
         args.source = _worker_source(args)
         args.tenants = (DataplaneTenants(args.epp_callers) if args.model_server
                         else TenantDirectory.from_file(args.tenants_file, args.allow_anonymous))
@@ -283,6 +301,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         policy=args.policy, tenants=args.tenants, tokenizer=args.tokenizer,
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
         dead_after_s=args.dead_after_s, index_memory_mb=args.index_memory_mb,
+        index_backend=args.index_backend, index_redis_url=args.index_redis_url or "",
+        index_namespace=args.index_namespace,
         resolve_interval_s=args.resolve_interval_s,
         worker=WorkerSettings(tls=args.tls, service_token=args.service_token,
                               max_message_mb=args.max_message_mb,

@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import WorkerAddress
 from gateway.core.index import IndexConfig
+from gateway.core.indexer_roles import IndexerRoles
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.proxy import GenerateProxy
 from gateway.core.router import Router
 from gateway.core.running_calls import RunningCalls
+from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView
 from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO, load_tokenizer
 from gateway.core.workers import Fleet, WorkerSet, WorkerSettings
@@ -109,6 +111,12 @@ class GatewayConfig:
     dead_after_s: float = 30.0
     # Memory the routing index may use (gateway/core/index.py: its bound in keys).
     index_memory_mb: float = 1024.0
+    # `memory`: this replica's own index, fed by every worker's events. `redis`: the index many
+    # replicas share (gateway/core/shared_index.py) at `index_redis_url`, under
+    # `index_namespace`; this replica runs an indexer per worker (gateway/core/indexer_roles.py).
+    index_backend: str = "memory"
+    index_redis_url: str = ""
+    index_namespace: str = "default"
     resolve_interval_s: float = 10.0
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     # Worker-call deadline when the client set none.
@@ -131,12 +139,14 @@ class GatewayServer(ShellPorts):
         self.config = cfg = config
         self.metrics = GatewayMetrics()
         tokenizer = load_tokenizer(cfg.tokenizer, self.metrics)
-        self.router = Router(make_policy(cfg.policy), self.metrics,
-                             IndexConfig(stale_after_s=cfg.stale_after_s,
-                                         dead_after_s=cfg.dead_after_s,
-                                         memory_budget_mb=cfg.index_memory_mb))
+        index_config = IndexConfig(stale_after_s=cfg.stale_after_s,
+                                   dead_after_s=cfg.dead_after_s,
+                                   memory_budget_mb=cfg.index_memory_mb)
+        shared, self.indexers = self._shared_index(index_config)
+        self.router = Router(make_policy(cfg.policy), self.metrics, index_config, index=shared)
         self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer)
-        self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker)
+        self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker,
+                                 indexers=self.indexers)
         self.running = RunningCalls()
         self._draining = threading.Event()
         self.proxy = GenerateProxy(self.router, self.fleet, cfg.tenants, tokenizer, self.metrics,
@@ -157,6 +167,32 @@ class GatewayServer(ShellPorts):
         self._drain_lock = threading.Lock()
         self._drain_started = False
         self._loop = threading.Thread(target=self._watch, name="gateway-watch", daemon=True)
+
+    def _shared_index(self, index_config: IndexConfig
+                      ) -> tuple[SharedIndexView | None, IndexerRoles | None]:
+        """`index_backend` redis: the view the router reads and this replica's indexer roles,
+        with their metrics; (None, None) for the in-process index."""
+        cfg = self.config
+        if cfg.index_backend == "memory":
+            return None, None
+        if cfg.index_backend != "redis" or not cfg.index_redis_url:
+            raise ValueError(f"index backend {cfg.index_backend!r}: 'memory', or 'redis' with "
+                             "a Redis URL")
+        if cfg.worker.tls is not None or cfg.worker.service_token:
+            # The indexers' Subscribe channels are plain (gateway/core/shared_indexer.py).
+            raise ValueError("index backend redis: the indexers do not yet speak TLS or send "
+                             "a service token to the cache services")
+        store = SharedIndexStore(SharedIndexConfig(cfg.index_redis_url, cfg.index_namespace))
+        roles = IndexerRoles(store)
+        view = None
+
+        def health() -> tuple[bool, int, int]:
+            h = view.health
+            return h.redis_down, h.lookups, h.lookup_failures
+
+        observe = self.metrics.shared_index(health, roles.held)
+        view = SharedIndexView(store, index_config, on_round_trip=observe)
+        return view, roles
 
     @property
     def http_port(self) -> int | None:
@@ -227,6 +263,7 @@ class GatewayServer(ShellPorts):
                     self.workers.refresh()
                 except Exception:  # a bad answer must not end discovery for good
                     log.exception(kv("discovery_failed"))
+            self.router.refresh_shared_index()
             now_ready = (self.router.ready(self.config.home_worker) and not self._draining.is_set()
                          and (self.http is None or self.http.serving))
             if now_ready != ready and not self._drain_started:

@@ -110,3 +110,39 @@ class GatewayMetrics:
 
     def watch(self, snapshot: Callable[[], Snapshot]) -> None:
         self.registry.register(_Gauges(snapshot))
+
+    def shared_index(self, health: Callable[[], tuple[bool, int, int]],
+                     leases_held: Callable[[], int]) -> Callable[[float], None]:
+        """`--index-backend redis`: the view's health (Redis down; lookups and failed round
+        trips, read per scrape) and the workers whose lease this replica holds. Returns what
+        observes each round trip's seconds."""
+        rtt = prometheus_client.Histogram(
+            "prefixcache_gateway_shared_index_round_trip_seconds", "Round trips to the shared "
+            "index in Redis (a routing lookup's, the worker table's refresh).",
+            buckets=_DECISION_BUCKETS, registry=self.registry)
+        self.registry.register(_SharedIndexGauges(health, leases_held))
+        return rtt.observe
+
+
+class _SharedIndexGauges(Collector):
+    def __init__(self, health: Callable[[], tuple[bool, int, int]],
+                 leases_held: Callable[[], int]):
+        self._health, self._leases_held = health, leases_held
+
+    def collect(self) -> Iterator[prometheus_client.Metric]:
+        down, lookups, failures = self._health()
+        g = GaugeMetricFamily("prefixcache_gateway_shared_index_redis_down", "1 while the last "
+                              "round trip to the shared index failed: routing by load only.")
+        g.add_metric([], int(down))
+        yield g
+        for name, doc, n in (("lookups", "Routing lookups asked of the shared index.", lookups),
+                             ("failures", "Round trips to the shared index that failed.",
+                              failures)):
+            c = CounterMetricFamily(f"prefixcache_gateway_shared_index_{name}", doc)
+            c.add_metric([], n)
+            yield c
+        leases = GaugeMetricFamily("prefixcache_gateway_shared_index_leases_held", "Workers "
+                                   "whose indexer lease this replica holds (it writes their "
+                                   "events to the shared index).")
+        leases.add_metric([], self._leases_held())
+        yield leases

@@ -68,6 +68,9 @@ class Router:
         self.cache_keys = cache_keys or CacheKeyAffinity(clock=clock)
         # The in-process index by default; a SharedIndexView reads the fleet's one in Redis.
         self.index = index if index is not None else KvIndex(index_config, clock)
+        # The shared index is written by the indexers (gateway/core/indexer_roles.py): this
+        # replica's own feeds bring only the workers' load (their heartbeats).
+        self.shared = isinstance(self.index, SharedIndexView)
         self.policy = policy
         self.load = LoadTracker(clock)
         self.metrics = metrics
@@ -151,6 +154,8 @@ class Router:
         """Applies items of any workers' streams in order under one hold of the lock: the caller
         (gateway/core/feeds.py) bounds how many page events that is, and calls
         `yield_to_routing` between holds."""
+        if self.shared:
+            return self._apply_load_only(items)
         with self.lock, self.index.bulk():  # page events of all items: one numpy run per medium
             results = [self._apply_item(name, item) for name, item in items]
         for result in results:
@@ -173,6 +178,33 @@ class Router:
             info = self.index.info(name)
             worker.synced = info is not None and not info.in_snapshot
         return result
+
+    def _apply_load_only(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
+                         ) -> list[ApplyResult | None]:
+        """The shared index's mode: heartbeats report load; batches are the indexers' to write
+        (ignored here, never a RESYNC: the feed keeps its own resume point)."""
+        results: list[ApplyResult | None] = []
+        with self.lock:
+            for name, item in items:
+                if name not in self._workers:
+                    results.append(None)
+                    continue
+                if item.WhichOneof("item") == "heartbeat":
+                    self.load.report(name, item.heartbeat.load)
+                results.append(ApplyResult(ApplyStatus.DUPLICATE, name))
+        return results
+
+    def refresh_shared_index(self) -> None:
+        """The shared index's mode, called periodically: re-reads the worker table (liveness)
+        and takes each worker's `synced` from its row there (a complete view written: no
+        snapshot under way)."""
+        if not self.shared:
+            return
+        self.index.refresh()  # outside the lock: a Redis outage must not stall routing on it
+        with self.lock:
+            for name, worker in self._workers.items():
+                info = self.index.info(name)
+                worker.synced = info is not None and not info.in_snapshot
 
     def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
         """Bulk ingest calls this between two holds of the lock: while a routing decision waits

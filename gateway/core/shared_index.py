@@ -175,8 +175,11 @@ class SharedIndexView:
 
     def __init__(self, store: SharedIndexStore, index_config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 on_round_trip: Callable[[float], None] | None = None) -> None:
         self.store = store
+        # Each successful round trip's seconds (the gateway's latency histogram).
+        self._on_round_trip = on_round_trip
         self.config = index_config or IndexConfig()
         self._clock, self._wall = clock, wall
         self._rows: dict[str, TableRow] = {}
@@ -188,6 +191,8 @@ class SharedIndexView:
         return [p + page_suffix(h) for h in hashes]
 
     def refresh(self) -> None:
+        """Re-reads the worker table if it is older than `table_refresh_s`; safe beside the
+        other calls (the table is replaced whole), so callers need not hold a lock."""
         self._round_trip([])
 
     def _round_trip(self, hashes: Sequence[bytes]) -> list[set[bytes]] | None:
@@ -209,6 +214,8 @@ class SharedIndexView:
             return None
         self.health.redis_down = False
         self.health.last_lookup_s = time.perf_counter() - started
+        if self._on_round_trip is not None:
+            self._on_round_trip(self.health.last_lookup_s)
         if refresh:
             table = replies.pop()
             self._rows = {k.decode(): TableRow.decode(v) for k, v in table.items()}
@@ -269,11 +276,12 @@ class SharedIndexView:
             return {}
         replies = self._round_trip(hashes)
         self.health.lookups += 1
-        if replies is None or not self._rows:
+        rows = self._rows  # one table throughout: a refresh from another thread replaces it
+        if replies is None or not rows:
             return {}
         # Local bit per current worker slot; members of old slots (cleared views) are ignored.
-        names = list(self._rows)
-        bit_of = {self._rows[n].slot: i for i, n in enumerate(names)}
+        names = list(rows)
+        bit_of = {rows[n].slot: i for i, n in enumerate(names)}
         masks = ([0] * len(hashes), [0] * len(hashes), [0] * len(hashes))
         for i, members in enumerate(replies):
             for m in members:
@@ -293,7 +301,7 @@ class SharedIndexView:
         for b, r_end in rem_end.items():
             if r_end:
                 d_end, h_end = dev_end.get(b, 0), host_end.get(b, 0)
-                row = self._rows[names[b]]
+                row = rows[names[b]]
                 out[names[b]] = PrefixMatch(d_end, h_end - d_end, r_end - h_end,
                                             self._confidence(row, now))
         return out

@@ -21,6 +21,9 @@ the gateway's thread count does not grow with its workers. Per address (`WorkerH
    of up to a probe interval later; the probes remain the fallback, and the only way back up
    (after re-identifying). A worker that comes back under another pool id (restarted elsewhere,
    new pod on the same address) is removed and admitted again under its new name.
+   With the shared index (`--index-backend redis`), an admitted worker also gets this replica's
+   indexer role (gateway/core/indexer_roles.py), stopped when it is removed; the feed then brings
+   the router its load only.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.discovery import WorkerAddress
 from gateway.core.feeds import Feed, FeedLoop, StreamSettings, aio_channel, token_metadata
+from gateway.core.indexer_roles import IndexerRoles
 from gateway.core.router import Router, Worker
 from gateway.core.tokenize import GatewayTokenizer
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -114,9 +118,11 @@ class WorkerHandle:
     but the loop's."""
 
     def __init__(self, address: WorkerAddress, router: Router, fleet: Fleet,
-                 settings: WorkerSettings, feeds: FeedLoop) -> None:
+                 settings: WorkerSettings, feeds: FeedLoop,
+                 indexers: IndexerRoles | None = None) -> None:
         self.address = address
         self._router, self._fleet, self._settings, self._feeds = router, fleet, settings, feeds
+        self._indexers = indexers
         self._future: concurrent.futures.Future[None] | None = None
         self.name: str | None = None
 
@@ -193,6 +199,8 @@ class WorkerHandle:
         await self._feeds.blocking(tokenizer.worker_joined, name, info, client)
         worker = Worker(name, self.address.compute, self.address.cache, client, info)
         self._router.add(worker)
+        if self._indexers is not None:
+            self._indexers.join(name, self.address.cache)
         log.info(kv("worker_added", worker=name, address=self.address.compute,
                     cache=self.address.cache, model=info.model_id, page_size=info.page_size,
                     device_pages=info.device_pages, host_pages=info.host_pages))
@@ -217,6 +225,8 @@ class WorkerHandle:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._router.remove(name)
+            if self._indexers is not None:
+                self._indexers.leave(name)  # quick: its thread ends on the cancelled stream
             tokenizer.worker_left(name)
             self._fleet.release(name, self.address.compute)
             log.info(kv("worker_removed", worker=name, address=self.address.compute))
@@ -261,9 +271,12 @@ class WorkerSet:
     run on one `FeedLoop`, which `close()` ends."""
 
     def __init__(self, source: Callable[[], list[WorkerAddress]], router: Router, fleet: Fleet,
-                 settings: WorkerSettings, feeds: FeedLoop | None = None) -> None:
+                 settings: WorkerSettings, feeds: FeedLoop | None = None,
+                 indexers: IndexerRoles | None = None) -> None:
         self._source = source
         self._router, self._fleet, self._settings = router, fleet, settings
+        # The shared index's mode: each admitted worker gets an indexer on this replica.
+        self.indexers = indexers
         self.feeds = feeds if feeds is not None else FeedLoop(router)
         self._handles: dict[WorkerAddress, WorkerHandle] = {}
         self._lock = threading.Lock()
@@ -278,7 +291,8 @@ class WorkerSet:
             for address in sorted(desired - self._handles.keys()):
                 log.info(kv("worker_address_found", address=address.compute, cache=address.cache))
                 self._handles[address] = WorkerHandle(address, self._router, self._fleet,
-                                                      self._settings, self.feeds).start()
+                                                      self._settings, self.feeds,
+                                                      self.indexers).start()
 
     def addresses(self) -> list[WorkerAddress]:
         with self._lock:
@@ -292,3 +306,5 @@ class WorkerSet:
         for handle in handles:
             handle.join(timeout_s)
         self.feeds.close(timeout_s)
+        if self.indexers is not None:
+            self.indexers.close()
