@@ -8,7 +8,8 @@ the worker verifies every page it is sent), the holder (a worker slot, or MULTI:
 bitmask in `multi`), and a stamp (when it was last stored: the eviction order). The table grows
 by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page,
 against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
-`multi` dict entry more (~100 bytes plus the mask int).
+`multi` dict entry more (~100 bytes plus the mask int). While a growth migrates, the old arrays
+stay allocated beside the new ones (~0.65x their size).
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
