@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gateway.core.index_table import _MAX_LOAD, _STAMP_LIMIT, MULTI, TOMB, PageTable, _keys, _words
+from gateway.core.index_table import _STAMP_LIMIT, MULTI, TOMB, PageTable, _keys, _words
 
 # Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
 SCALAR_OPS = 24
@@ -42,6 +42,7 @@ def apply_ops(table: PageTable, hashes: Sequence[bytes], slots: Sequence[int],
         change = table.add_many(hashes, s) if stores[0] else -table.discard_many(hashes, s)
         return {s: change} if change else {}
     lo, hi = _words(_keys(hashes))
+    table._touch_many(lo, hi)  # while the table grows: every position below is the new table's
     slot = np.asarray(slots, dtype=np.int64)
     store = np.asarray(stores, dtype=bool)
     # The last event of each (page, worker) pair: sort by pair, the latest first within it.
@@ -119,8 +120,7 @@ def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     head = np.sort(head)
     placed = absent[head]
     k = len(placed)
-    if table._used + k > _MAX_LOAD * table.cap:
-        table._rehash(k)
+    table._make_room(k)
     at = table._place(lo[placed], hi[placed], slot[placed].astype(np.int32))
     np.frombuffer(table._lo, dtype=np.uint64)[at] = lo[placed]
     np.frombuffer(table._hi, dtype=np.uint64)[at] = hi[placed]
@@ -149,6 +149,7 @@ def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) 
     keys = np.stack([lo[stored], hi[stored]], axis=1).view("V16").ravel()
     _, last_rev = np.unique(keys[::-1], return_index=True)
     last = k - 1 - last_rev
+    table._pull_many(lo[stored[last]], hi[stored[last]])  # `_store` may have started a growth
     pos = table._find_many(lo[stored[last]], hi[stored[last]])
     live = pos >= 0
     np.frombuffer(table._stamp, dtype=np.uint32)[pos[live]] = number[last[live]].astype(np.uint32)

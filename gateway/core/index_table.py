@@ -8,7 +8,19 @@ the worker verifies every page it is sent), the holder (a worker slot, or MULTI:
 bitmask in `multi`), and a stamp (when it was last stored: the eviction order). The table grows
 by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page,
 against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
-`multi` dict entry more (~100 bytes plus the mask int).
+`multi` dict entry more (~100 bytes plus the mask int). While a growth migrates, the old arrays
+stay allocated beside the new ones (~0.65x their size).
+
+Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
+When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
+PageTable of its own, positions and `multi` per table); a key lives in exactly one of them.
+Lookups try the new table, then the old. Each mutating call first moves the keys it touches into
+the new table, then migrates the next `migrate_step + rate * len(call)` old slots (rate chosen at
+growth so that the old table empties before the new one fills); the old table goes when empty.
+
+Longer than 400 lines: one data structure whose lookups, bulk calls, scans and incremental growth
+all work on the same arrays of one or two tables; split apart, each part would reach into the
+others' arrays.
 
 Single keys are probed in Python over `array.array` (element reads ~30 ns); whole-table scans
 (a worker's clear, eviction, rehash) run in numpy over views of the same memory.
@@ -32,6 +44,9 @@ _STAMP_LIMIT = 2**32 - 1
 # Keys left when a vectorised probe goes on to the scalar one: linear probing at 45-70% load has
 # clusters of ~100 slots somewhere, and a numpy round costs ~10 us whatever the keys left.
 _SCALAR_REST = 16
+# Old slots migrated per mutating call while an old table remains, plus `rate` per page of the
+# call: ~1k slots is ~0.1-0.3 ms of numpy, the stall it replaces ~1 s.
+MIGRATE_STEP = 1024
 
 
 _unpack = struct.Struct("<QQ").unpack
@@ -68,26 +83,32 @@ def _home(lo: int, hi: int, cap: int) -> int:
 class PageTable:
     """Page hash -> holder mask for one medium. Not thread-safe (the router's lock)."""
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, migrate_step: int = MIGRATE_STEP) -> None:
         self._alloc(capacity)
-        self.live = 0
+        self.live = 0  # pages in both tables while an old one remains
         self._clock = 0
         self.multi: dict[int, int] = {}  # slot position -> mask of its holders (2+ bits)
+        self._old: PageTable | None = None  # the table being migrated from, if any
+        self._cursor = 0  # old slots below it are migrated
+        self.migrate_step, self.rate = migrate_step, 0
+        self.migrated_slots = 0  # old slots scanned by migration, ever (tests bound it per call)
 
     def _alloc(self, cap: int) -> None:
         self.cap = cap
         self._used = 0  # live + tombstones
-        self._lo = array("Q", bytes(8 * cap))
-        self._hi = array("Q", bytes(8 * cap))
+        # Repeating one element touches the memory once (array(bytes(n)) twice): at 4M slots
+        # ~0.01-0.05 s against ~0.2-0.5 s, which is most of what a growth's call still costs.
+        self._lo = array("Q", [0]) * cap
+        self._hi = array("Q", [0]) * cap
         self._holder = array("i", [EMPTY]) * cap
-        self._stamp = array("I", bytes(4 * cap))
+        self._stamp = array("I", [0]) * cap
 
     def __len__(self) -> int:
         return self.live
 
     def nbytes(self) -> int:
         """Bytes of the arrays (the `multi` entries not included)."""
-        return self.cap * 24
+        return self.cap * 24 + (self._old.nbytes() if self._old is not None else 0)
 
     def _probe(self, lo: int, hi: int) -> tuple[int, int]:
         """(position of the key or -1, the first free position on its probe path)."""
@@ -111,32 +132,39 @@ class PageTable:
         lo, hi = split(h)
         pos = self._probe(lo, hi)[0]
         if pos < 0:
-            return 0
+            return 0 if self._old is None else self._old.mask(h)
         hv = self._holder[pos]
         return self.multi[pos] if hv == MULTI else 1 << hv
 
     def add(self, h: bytes, slot: int) -> bool:
         """Records the page on a worker as stored now; True when the worker did not hold it."""
         lo, hi = split(h)
+        if self._old is not None:
+            self._step(1)
+            self._pull(lo, hi)
         pos, free = self._probe(lo, hi)
         if self._clock >= _STAMP_LIMIT:
             self._renumber()
         self._clock += 1
         if pos < 0:
+            if self._make_room(1):
+                free = self._probe(lo, hi)[1]
             if self._holder[free] == EMPTY:
                 self._used += 1
             self._lo[free], self._hi[free], self._holder[free] = lo, hi, slot
             self._stamp[free] = self._clock
             self.live += 1
-            if self._used > _MAX_LOAD * self.cap:
-                self._rehash()
             return True
         self._stamp[pos] = self._clock
         return self._join(pos, slot)
 
     def discard(self, h: bytes, slot: int) -> bool:
         """Drops the page from a worker; True when it held it."""
-        pos = self._probe(*split(h))[0]
+        lo, hi = split(h)
+        if self._old is not None:
+            self._step(1)
+            self._pull(lo, hi)
+        pos = self._probe(lo, hi)[0]
         if pos < 0:
             return False
         hv = self._holder[pos]
@@ -160,6 +188,16 @@ class PageTable:
 
     def clear_slot(self, slot: int) -> int:
         """Drops every page of one worker; how many it held."""
+        held = self._clear_here(slot)
+        if self._old is not None:
+            live = self._old.live
+            held += self._old._clear_here(slot)
+            self.live -= live - self._old.live
+            self._step(0)
+        return held
+
+    def _clear_here(self, slot: int) -> int:
+        """`clear_slot` in this table's arrays only."""
         holder = np.frombuffer(self._holder, dtype=np.int32)
         mine = np.flatnonzero(holder == slot)
         holder[mine] = TOMB
@@ -180,44 +218,75 @@ class PageTable:
         holder = np.frombuffer(self._holder, dtype=np.int32)
         pos = np.flatnonzero(holder == slot).tolist()
         pos += [p for p, m in self.multi.items() if m >> slot & 1]
-        return {self._lo[p].to_bytes(8, "little") + self._hi[p].to_bytes(8, "little") for p in pos}
+        mine = {self._lo[p].to_bytes(8, "little") + self._hi[p].to_bytes(8, "little") for p in pos}
+        return mine if self._old is None else mine | self._old.hashes_of(slot)
 
     def evict(self, n: int) -> dict[int, int]:
         """Drops up to n pages from the least recently stored 2n, pages one worker holds first,
         then the oldest shared ones. Returns how many pages each worker slot lost."""
-        holder = np.frombuffer(self._holder, dtype=np.int32)
-        stamp = np.frombuffer(self._stamp, dtype=np.uint32)
-        live = np.flatnonzero(holder >= MULTI)
-        if 2 * n < len(live):
-            live = live[np.argpartition(stamp[live], 2 * n)[:2 * n]]
-        window = live[np.argsort(stamp[live], kind="stable")]
-        single = window[holder[window] >= 0]
-        chosen = single[:n]
-        shared = window[holder[window] == MULTI][:max(0, n - len(chosen))]
+        tables = self._tables()
+        pos, hv, st, base = [], [], [], 0  # positions in the old table come after the new one's
+        for t in tables:
+            holder, stamp = t._holder_np(), np.frombuffer(t._stamp, dtype=np.uint32)
+            live = np.flatnonzero(holder >= MULTI)
+            if 2 * n < len(live):
+                live = live[np.argpartition(stamp[live], 2 * n)[:2 * n]]
+            pos.append(live + base)
+            hv.append(holder[live])
+            st.append(stamp[live])
+            base += t.cap
+        pos, hv, st = np.concatenate(pos), np.concatenate(hv), np.concatenate(st)
+        if 2 * n < len(pos):
+            keep = np.argpartition(st, 2 * n)[:2 * n]
+            pos, hv, st = pos[keep], hv[keep], st[keep]
+        order = np.argsort(st, kind="stable")
+        pos, hv = pos[order], hv[order]
+        chosen = pos[hv >= 0][:n]
+        shared = pos[hv == MULTI][:max(0, n - len(chosen))]
         lost: dict[int, int] = {}
-        for slot, count in zip(*np.unique(holder[chosen], return_counts=True)):
+        for slot, count in zip(*np.unique(hv[hv >= 0][:n], return_counts=True)):
             lost[int(slot)] = int(count)
+        base, old_live = 0, tables[-1].live
+        for t in tables:
+            t._drop(chosen[(chosen >= base) & (chosen < base + t.cap)] - base,
+                    shared[(shared >= base) & (shared < base + t.cap)] - base, lost)
+            base += t.cap
+        if self._old is not None:
+            self.live -= old_live - self._old.live  # the old table's share of the total
+            self._step(0)
+        return lost
+
+    def _drop(self, single: np.ndarray, shared: np.ndarray, lost: dict[int, int]) -> None:
+        """Kills positions of this table (`evict`'s choice), counting the shared ones' holders."""
         for pos in shared.tolist():
-            m = self.multi[pos]
+            m = self.multi.pop(pos)
             while m:
                 low = m & -m
                 s = low.bit_length() - 1
                 lost[s] = lost.get(s, 0) + 1
                 m ^= low
-            del self.multi[pos]
-        holder[chosen] = TOMB
+        holder = self._holder_np()
+        holder[single] = TOMB
         holder[shared] = TOMB
-        self.live -= len(chosen) + len(shared)
-        return lost
+        self.live -= len(single) + len(shared)
+
+    def _tables(self) -> list[PageTable]:
+        return [self] if self._old is None else [self, self._old]
 
     def _renumber(self) -> None:
-        """Stamps near their limit: keep their order, renumber them from 1."""
-        stamp = np.frombuffer(self._stamp, dtype=np.uint32)
-        live = np.flatnonzero(np.frombuffer(self._holder, dtype=np.int32) >= MULTI)
-        order = live[np.argsort(stamp[live], kind="stable")]
-        stamp[:] = 0
-        stamp[order] = np.arange(1, len(order) + 1, dtype=np.uint32)
-        self._clock = len(order)
+        """Stamps near their limit: keep their order (across both tables), renumber them from 1."""
+        tables = self._tables()
+        stamps = [np.frombuffer(t._stamp, dtype=np.uint32) for t in tables]
+        lives = [np.flatnonzero(t._holder_np() >= MULTI) for t in tables]
+        every = np.concatenate([s[live] for s, live in zip(stamps, lives)])
+        rank = np.empty(len(every), dtype=np.uint32)
+        rank[np.argsort(every, kind="stable")] = np.arange(1, len(every) + 1, dtype=np.uint32)
+        at = 0
+        for s, live in zip(stamps, lives):
+            s[:] = 0
+            s[live] = rank[at:at + len(live)]
+            at += len(live)
+        self._clock = len(every)
 
     def add_many(self, hashes: Sequence[bytes], slot: int) -> int:
         """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
@@ -230,6 +299,7 @@ class PageTable:
         _, last = np.unique(keys[::-1], return_index=True)
         order = np.sort(n - 1 - last)
         lo, hi = _words(keys[order])
+        self._touch_many(lo, hi)
         stamps = (self._clock + 1 + order).astype(np.uint32)
         self._clock += n
         pos = self._find_many(lo, hi)
@@ -243,8 +313,7 @@ class PageTable:
                     new -= not self._join(p, slot)
         absent = ~found
         k = int(np.count_nonzero(absent))
-        if self._used + k > _MAX_LOAD * self.cap:
-            self._rehash(k)
+        self._make_room(k)  # may move every found page into an old table: they are done
         lo, hi = lo[absent], hi[absent]
         at = self._place(lo, hi, np.full(k, slot, dtype=np.int32))
         np.frombuffer(self._lo, dtype=np.uint64)[at] = lo
@@ -258,11 +327,18 @@ class PageTable:
         pos = self._find_many(*_words(_keys(hashes)))
         hv = self._holder_np()[pos].tolist()
         multi = self.multi
-        return [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
+        out = [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
+        if self._old is not None:  # the pages not in the new table may be in the old one
+            rest = [i for i, m in enumerate(out) if not m]
+            for i, m in zip(rest, self._old.masks([hashes[i] for i in rest]) if rest else []):
+                out[i] = m
+        return out
 
     def discard_many(self, hashes: Sequence[bytes], slot: int) -> int:
         """`discard` of every hash, in numpy; how many the worker held."""
-        pos = self._find_many(*_words(np.unique(_keys(hashes))))
+        lo, hi = _words(np.unique(_keys(hashes)))
+        self._touch_many(lo, hi)
+        pos = self._find_many(lo, hi)
         pos = pos[pos >= 0]
         holder = self._holder_np()
         hv = holder[pos]
@@ -319,25 +395,96 @@ class PageTable:
             out[k] = self._probe(int(lo[k]), int(hi[k]))[0]
         return out
 
-    def _rehash(self, extra: int = 0) -> None:
-        """Into a table sized so that the live pages (and `extra` more) fill ~45% of it;
-        tombstones are dropped."""
-        old_holder = self._holder_np()
-        live = np.flatnonzero(old_holder >= MULTI)
-        lo = np.frombuffer(self._lo, dtype=np.uint64)[live]
-        hi = np.frombuffer(self._hi, dtype=np.uint64)[live]
-        hv = old_holder[live]
-        st = np.frombuffer(self._stamp, dtype=np.uint32)[live]
-        old_multi = self.multi
-        self._alloc(max(64, int((len(live) + extra) / _GROWN_LOAD) + 1))
-        pos = self._place(lo, hi, hv)
-        np.frombuffer(self._lo, dtype=np.uint64)[pos] = lo
-        np.frombuffer(self._hi, dtype=np.uint64)[pos] = hi
-        np.frombuffer(self._stamp, dtype=np.uint32)[pos] = st
-        # `live` is sorted: each shared page's new position by a binary search, not a dict of all.
-        old_at = np.fromiter(old_multi, dtype=np.int64, count=len(old_multi))
-        new_at = pos[np.searchsorted(live, old_at)].tolist()
-        self.multi = dict(zip(new_at, old_multi.values()))
+    def _make_room(self, k: int) -> bool:
+        """Before k pages are placed: grows when they would take the table past 70%, counting
+        the pages still to come from an old table; True when it grew."""
+        pending = self._old.live if self._old is not None else 0
+        if self._used + pending + k <= _MAX_LOAD * self.cap:
+            return False
+        self._grow(k)
+        return True
+
+    def _grow(self, extra: int) -> None:
+        """Starts a migration into a table sized so that every live page (and `extra` more) fill
+        ~45% of it: the current arrays become the old table. An old table still there is
+        finished first (a whole-table stall, which the migration rate makes rare)."""
+        if self._old is not None:
+            self._step(0, self._old.cap - self._cursor)
+        old = PageTable.__new__(PageTable)
+        old.cap, old._used, old.live, old.multi, old._old = self.cap, self._used, self.live, self.multi, None
+        old._lo, old._hi, old._holder, old._stamp = self._lo, self._hi, self._holder, self._stamp
+        self._alloc(max(64, int((self.live + extra) / _GROWN_LOAD) + 1))
+        self.multi, self._old, self._cursor = {}, old, 0
+        # Scan every old slot (twice over, to spare) before the pages to come fill the room left.
+        room = max(1, int(_MAX_LOAD * self.cap) - self.live - extra)
+        self.rate = -(-2 * old.cap // room)
+
+    def _step(self, pages: int, slots: int | None = None) -> None:
+        """Migrates the next old slots: `migrate_step + rate * pages` of them (or `slots`)."""
+        old = self._old
+        if old is None:
+            return
+        if slots is None:
+            slots = self.migrate_step + self.rate * pages
+        end = min(old.cap, self._cursor + slots)
+        seg = old._holder_np()[self._cursor:end]
+        pos = self._cursor + np.flatnonzero(seg >= MULTI)
+        self.migrated_slots += end - self._cursor
+        self._cursor = end
+        if len(pos):
+            self._move(pos)
+        if end == old.cap:
+            self._old = None
+
+    def _touch_many(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Before a mutating call on these keys: a migration step, then the keys still in the
+        old table moved into the new one (so the call's positions are all the new table's)."""
+        if self._old is not None:
+            self._step(len(lo))
+            self._pull_many(lo, hi)
+
+    def _pull_many(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """The keys still in the old table moved into this one."""
+        if self._old is not None:
+            pos = self._old._find_many(lo, hi)
+            pos = np.unique(pos[pos >= 0])
+            if len(pos):
+                self._move(pos)
+
+    def _pull(self, lo: int, hi: int) -> None:
+        """`_touch_many` of one key, without numpy."""
+        old = self._old
+        if old is None:
+            return
+        pos = old._probe(lo, hi)[0]
+        if pos < 0:
+            return
+        free = self._probe(lo, hi)[1]
+        self._used += self._holder[free] == EMPTY
+        hv = old._holder[pos]
+        self._lo[free], self._hi[free], self._holder[free] = lo, hi, hv
+        self._stamp[free] = old._stamp[pos]
+        if hv == MULTI:
+            self.multi[free] = old.multi.pop(pos)
+        old._holder[pos] = TOMB
+        old.live -= 1
+
+    def _move(self, pos: np.ndarray) -> None:
+        """Moves live positions of the old table into this one (tombstones left behind keep
+        the old table's other keys reachable)."""
+        old = self._old
+        hv = old._holder_np()[pos]
+        lo = np.frombuffer(old._lo, dtype=np.uint64)[pos]
+        hi = np.frombuffer(old._hi, dtype=np.uint64)[pos]
+        at = self._place(lo, hi, hv)
+        np.frombuffer(self._lo, dtype=np.uint64)[at] = lo
+        np.frombuffer(self._hi, dtype=np.uint64)[at] = hi
+        np.frombuffer(self._stamp, dtype=np.uint32)[at] = np.frombuffer(old._stamp, dtype=np.uint32)[pos]
+        shared = hv == MULTI
+        for p, a in zip(pos[shared].tolist(), at[shared].tolist()):
+            self.multi[a] = old.multi.pop(p)
+        old._holder_np()[pos] = TOMB
+        old.live -= len(pos)
 
     def _place(self, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
         """Writes the holders of keys known to be absent at the first free (empty or deleted)

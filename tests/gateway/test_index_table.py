@@ -8,9 +8,11 @@ import tracemalloc
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import numpy as np
 
 from gateway.core.index import IndexConfig, KvIndex
-from gateway.core.index_table import PageTable
+from gateway.core.index_bulk import apply_ops
+from gateway.core.index_table import MULTI, PageTable
 from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, page, pages, stored
 
 _ops = st.lists(st.tuples(st.sampled_from(["add", "add_many", "discard", "clear", "evict"]),
@@ -125,3 +127,122 @@ def test_lookup_equals_a_brute_force_over_every_worker(seed):
             want[w] = (d, e - d, r - e)
     got = {w: (m.device_pages, m.host_pages, m.remote_pages) for w, m in index.lookup(hashes).items()}
     assert got == want
+
+
+_growing_ops = st.lists(st.tuples(
+    st.sampled_from(["add", "add_many", "discard", "discard_many", "clear", "evict", "bulk"]),
+    st.integers(0, 4), st.lists(st.integers(0, 300), max_size=40)), max_size=80)
+
+
+def _check_tables(table: PageTable) -> None:
+    """While an old table remains: every key in exactly one table, `live` their sum, each
+    table's `multi` exactly its own MULTI positions."""
+    tables = [table] if table._old is None else [table, table._old]
+    keys = []
+    for t in tables:
+        holder = t._holder_np()
+        live = np.flatnonzero(holder >= MULTI)
+        keys += [(t._lo[p], t._hi[p]) for p in live.tolist()]
+        assert set(t.multi) == set(np.flatnonzero(holder == MULTI).tolist())
+    assert len(keys) == len(set(keys)) == table.live
+    if table._old is not None:
+        assert table._old.live == int(np.count_nonzero(table._old._holder_np() >= MULTI))
+
+
+def _apply_growing(table: PageTable, model: dict[int, set[bytes]], op: str, slot: int,
+                   hashes: list[bytes]) -> None:
+    """One operation on the table and on the model, the table's answer checked."""
+    if op == "add":
+        assert sum(table.add(h, slot) for h in hashes) == len(set(hashes) - model[slot])
+        model[slot].update(hashes)
+    elif op == "add_many" and hashes:
+        assert table.add_many(hashes, slot) == len(set(hashes) - model[slot])
+        model[slot].update(hashes)
+    elif op == "discard":
+        assert sum(table.discard(h, slot) for h in hashes) == len(set(hashes) & model[slot])
+        model[slot].difference_update(hashes)
+    elif op == "discard_many" and hashes:
+        assert table.discard_many(hashes, slot) == len(set(hashes) & model[slot])
+        model[slot].difference_update(hashes)
+    elif op == "clear":
+        assert table.clear_slot(slot) == len(model[slot])
+        model[slot].clear()
+    elif op == "evict":
+        before = {s: set(h) for s, h in model.items()}
+        lost = table.evict(len(hashes))
+        assert sum(lost.values()) <= sum(len(h) for h in before.values())
+        for s in model:
+            model[s] = table.hashes_of(s)
+            assert model[s] <= before[s]
+            assert lost.get(s, 0) == len(before[s] - model[s])
+    elif op == "bulk":  # several workers' stores and removals (gateway/core/index_bulk.py)
+        slots = [(slot + i) % 5 for i in range(len(hashes))]
+        stores = [i % 3 != 2 for i in range(len(hashes))]
+        want = {s: set(held) for s, held in model.items()}
+        for h, s, store in zip(hashes, slots, stores):
+            (want[s].add if store else want[s].discard)(h)
+        delta = apply_ops(table, hashes, slots, stores)
+        for s in model:
+            assert delta.get(s, 0) == len(want[s]) - len(model[s])
+        model.update(want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_growing_ops, st.integers(1, 6))
+def test_a_table_growing_incrementally_answers_as_a_dict_of_masks(ops, step):
+    """Issue 31's incremental growth: a tiny table and a migration of a few slots a call, so most
+    operations meet two tables (pages in either, `multi` positions per table)."""
+    table = PageTable(capacity=8, migrate_step=step)
+    model: dict[int, set[bytes]] = {s: set() for s in range(5)}
+    for op, slot, ids in ops:
+        hashes = [page(i) for i in ids]
+        _apply_growing(table, model, op, slot, hashes)
+        _check_tables(table)
+        _check(table, model)
+        probe = [page(i) for i in range(0, 300, 11)]
+        assert table.masks(probe) == [table.mask(h) for h in probe]
+
+
+def test_growth_meets_two_tables_often_and_still_matches_the_model():
+    """The same check, seeded and long: growth happens many times with an old table alive."""
+    rng = random.Random(31)
+    table = PageTable(capacity=8, migrate_step=2)
+    model: dict[int, set[bytes]] = {s: set() for s in range(5)}
+    both = grows = 0
+    for _ in range(1500):
+        op = rng.choice(["add", "add_many", "add_many", "bulk", "discard", "discard_many",
+                         "evict", "clear"] if rng.random() < 0.05 else ["add_many", "bulk", "add",
+                                                                         "discard_many"])
+        cap = table.cap
+        hashes = [page(rng.randrange(4000)) for _ in range(rng.randrange(1, 40))]
+        _apply_growing(table, model, op, rng.randrange(5), hashes)
+        grows += table.cap != cap
+        both += table._old is not None
+        _check_tables(table)
+    _check(table, model)
+    assert grows >= 5 and both >= 50, (grows, both)
+
+
+def test_no_call_migrates_more_than_its_bound():
+    """Each mutating call migrates at most `migrate_step + rate * pages` old slots, and the old
+    table is always gone before the new one fills (no whole-table finish inside a call)."""
+    rng = random.Random(7)
+    table = PageTable(capacity=64, migrate_step=64)
+    migrating = 0
+
+    def bounded(call, pages: int) -> None:
+        before, rate = table.migrated_slots, table.rate
+        call()
+        assert table.migrated_slots - before <= 64 + rate * pages
+
+    for i in range(6000):
+        hashes = [(i << 20 | j).to_bytes(16, "little") for j in range(rng.randrange(1, 60))]
+        bounded(lambda: table.add_many(hashes, i % 5), len(hashes))
+        if i % 10 == 9:
+            bounded(lambda: table.discard_many(hashes[:5], i % 5), 5)
+            bounded(lambda: table.evict(3), 0)
+            bounded(lambda: table.add(hashes[0], 4), 1)
+        migrating += table._old is not None
+        if i % 500 == 0:
+            _check_tables(table)
+    assert table.cap > 100_000 / 0.7 and migrating > 1000, (table.cap, migrating)
