@@ -46,12 +46,13 @@ class ModelCatalog:
         (an adapter loaded just after a refresh is found, not refused), unless another call
         refreshed it meanwhile."""
         age = time.monotonic() - self._refreshed
-        if force and age <= self._min_refresh_s:
+        refresh = age > self._ttl_s or (force and age > self._min_refresh_s)
+        if force and not refresh:
             seen = self._refreshed
             await anyio.sleep(self._min_refresh_s - age)
-            force = self._refreshed == seen
-            age = time.monotonic() - self._refreshed
-        if age > self._ttl_s or (force and age > self._min_refresh_s):
+            # Not by age again: the event loop's timer may wake a little early.
+            refresh = self._refreshed == seen
+        if refresh:
             await to_thread.run_sync(self._refresh, limiter=self._limiter)
         base = self._fleet.model_id
         if base is None:
