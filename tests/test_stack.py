@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE_SIZE = 16  # the stack's workers
 
@@ -16,6 +18,7 @@ def rows(out: str) -> dict[str, list[str]]:
             if line.startswith(("chat", "burst", "alice", "bob", "base", "lora", "http"))}
 
 
+@pytest.mark.timeout(660)  # the subprocess's own limit is 600 s; pytest's default 300 cut it
 def test_the_stack_runs_the_demo_and_stops_cleanly(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # The default model: SmolLM2-135M-Instruct, trained (3 min on a busy 2-core machine).
