@@ -162,18 +162,7 @@ class KvIndex:
         return 0.0 if w is None else self._confidence(w, self._clock() if now is None else now)
 
     def _confidence(self, w: _Worker, now: float) -> float:
-        cfg = self.config
-        age = now - w.last_seen
-        if age <= cfg.stale_after_s:
-            conf = 1.0
-        elif age >= cfg.dead_after_s:
-            conf = cfg.min_confidence
-        else:
-            frac = (age - cfg.stale_after_s) / (cfg.dead_after_s - cfg.stale_after_s)
-            conf = 1.0 - frac * (1.0 - cfg.min_confidence)
-        if w.needs_resync or w.in_snapshot:
-            conf *= cfg.resync_confidence
-        return conf
+        return self.config.confidence(now - w.last_seen, w.needs_resync or w.in_snapshot)
 
     def __len__(self) -> int:
         """(page hash, medium) keys held."""

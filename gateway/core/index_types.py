@@ -23,6 +23,18 @@ class IndexConfig:
     # Multiplier while a worker's view is known to be incomplete (gap seen, snapshot in progress).
     resync_confidence: float = 0.5
 
+    def confidence(self, age_s: float, incomplete: bool) -> float:
+        """How much to trust a worker last heard from `age_s` ago (the in-process and the
+        shared index score workers alike)."""
+        if age_s <= self.stale_after_s:
+            conf = 1.0
+        elif age_s >= self.dead_after_s:
+            conf = self.min_confidence
+        else:
+            frac = (age_s - self.stale_after_s) / (self.dead_after_s - self.stale_after_s)
+            conf = 1.0 - frac * (1.0 - self.min_confidence)
+        return conf * self.resync_confidence if incomplete else conf
+
 
 class ApplyStatus(enum.Enum):
     APPLIED = "applied"

@@ -259,16 +259,7 @@ class SharedIndexView:
         return 0.0 if r is None else self._confidence(r, self._clock() if now is None else now)
 
     def _confidence(self, r: TableRow, now: float) -> float:
-        cfg = self.config
-        age = now - self._to_clock(r.last_seen)
-        if age <= cfg.stale_after_s:
-            conf = 1.0
-        elif age >= cfg.dead_after_s:
-            conf = cfg.min_confidence
-        else:
-            frac = (age - cfg.stale_after_s) / (cfg.dead_after_s - cfg.stale_after_s)
-            conf = 1.0 - frac * (1.0 - cfg.min_confidence)
-        return conf * cfg.resync_confidence if r.in_snapshot else conf
+        return self.config.confidence(now - self._to_clock(r.last_seen), r.in_snapshot)
 
     def lookup(self, hashes: Sequence[bytes], now: float | None = None) -> dict[str, PrefixMatch]:
         """`KvIndex.lookup`'s answer (the same runs over the same masks), from one round trip."""
