@@ -34,26 +34,7 @@ def test_the_table_answers_as_a_dict_of_sets(ops):
     table = PageTable(capacity=8)  # tiny: most runs rehash several times, with deleted slots
     model: dict[int, set[bytes]] = {s: set() for s in range(5)}
     for op, slot, ids in ops:
-        hashes = [page(i) for i in ids]
-        if op == "add":
-            assert sum(table.add(h, slot) for h in hashes) == len(set(hashes) - model[slot])
-            model[slot].update(hashes)
-        elif op == "add_many" and hashes:
-            assert table.add_many(hashes, slot) == len(set(hashes) - model[slot])
-            model[slot].update(hashes)
-        elif op == "discard":
-            assert sum(table.discard(h, slot) for h in hashes) == len(set(hashes) & model[slot])
-            model[slot].difference_update(hashes)
-        elif op == "clear":
-            assert table.clear_slot(slot) == len(model[slot])
-            model[slot].clear()
-        elif op == "evict":
-            before = {s: set(h) for s, h in model.items()}
-            lost = table.evict(len(ids))
-            for s in model:
-                model[s] = table.hashes_of(s)
-                assert model[s] <= before[s]
-                assert lost.get(s, 0) == len(before[s] - model[s])
+        _apply_checked(table, model, op, slot, [page(i) for i in ids])
         _check(table, model)
 
 
@@ -149,7 +130,7 @@ def _check_tables(table: PageTable) -> None:
         assert table._old.live == int(np.count_nonzero(table._old._holder_np() >= MULTI))
 
 
-def _apply_growing(table: PageTable, model: dict[int, set[bytes]], op: str, slot: int,
+def _apply_checked(table: PageTable, model: dict[int, set[bytes]], op: str, slot: int,
                    hashes: list[bytes]) -> None:
     """One operation on the table and on the model, the table's answer checked."""
     if op == "add":
@@ -196,7 +177,7 @@ def test_a_table_growing_incrementally_answers_as_a_dict_of_masks(ops, step):
     model: dict[int, set[bytes]] = {s: set() for s in range(5)}
     for op, slot, ids in ops:
         hashes = [page(i) for i in ids]
-        _apply_growing(table, model, op, slot, hashes)
+        _apply_checked(table, model, op, slot, hashes)
         _check_tables(table)
         _check(table, model)
         probe = [page(i) for i in range(0, 300, 11)]
@@ -215,7 +196,7 @@ def test_growth_meets_two_tables_often_and_still_matches_the_model():
                                                                          "discard_many"])
         cap = table.cap
         hashes = [page(rng.randrange(4000)) for _ in range(rng.randrange(1, 40))]
-        _apply_growing(table, model, op, rng.randrange(5), hashes)
+        _apply_checked(table, model, op, rng.randrange(5), hashes)
         grows += table.cap != cap
         both += table._old is not None
         _check_tables(table)
