@@ -10,25 +10,34 @@
 #
 # ours, up to the first "---- vLLM" line: the imports the pieces need, and stand-ins for what
 # they import from the rest of vLLM (its pydantic protocol classes, with the same fields; its
-# error and logger). The OpenAI Responses types are the `openai` package's own.
+# error, logger, environment variable and tokenizer checks; the server state that
+# OnlineRenderer.render_chat reads is set by the test). The OpenAI Responses types are the
+# `openai` package's own.
 # ruff: noqa
 import json
 import logging
-from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from http import HTTPStatus
+from json import JSONDecodeError
+from typing import Any, Literal, TypeAlias, TypeVar, cast
 
 import regex as re
 from openai.types.responses import (
     CustomTool,
     FunctionTool,
     NamespaceTool,
+    ResponseFormatTextJSONSchemaConfig,
+    ResponseTextConfig,
     ToolChoiceCustom,
     ToolChoiceFunction,
 )
-from dataclasses import field
+from dataclasses import MISSING, field, fields, is_dataclass
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
 
 logger = logging.getLogger("vllm_v0_33_0")
 
@@ -85,6 +94,45 @@ ExtractedToolCallInformation.model_rebuild()
 
 def validate_structured_outputs_structural_tag(structured_outputs: Any) -> None:
     """vLLM checks a structural tag here; the tests send none."""
+
+
+class envs:
+    """vllm/envs.py: the one variable read here, as vLLM reads it (default on)."""
+    VLLM_ENFORCE_STRICT_TOOL_CALLING = (
+        os.getenv("VLLM_ENFORCE_STRICT_TOOL_CALLING", "True").lower() in ("true", "1"))
+
+
+class OpenAIBaseModel(BaseModel):
+    """vLLM's base of its protocol classes, without its validator that logs extra fields."""
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class ResponsesRequest(BaseModel):
+    """The Responses API's request: only its type is read here (the tests send chat requests)."""
+
+
+def is_mistral_tokenizer(tokenizer: Any) -> bool:
+    """vLLM's check for a Mistral tokenizer (the tests use none)."""
+    return False
+
+
+TokenizerLike: TypeAlias = Any
+EngineInput: TypeAlias = Any
+AnyResponseFormat: TypeAlias = Any
+ConfigType: TypeAlias = type
+ConfigT = TypeVar("ConfigT")
+
 
 
 # ---- vLLM: vllm/tool_parsers/utils.py (file sha256 4ff79d1fd68d47b56eb038beb312d30c7a889811a33bc15ba6f18a67d39c8589)
@@ -270,6 +318,27 @@ def get_json_schema_from_tools(
     return None
 
 
+def partial_tag_overlap(text: str, tag: str) -> int:
+    """Length of the longest prefix of *tag* that matches a suffix of *text*.
+
+    E.g. text ending in ``"<tool_"`` returns 6 when tag is ``"<tool_call>"``.
+    Returns 0 when there is no overlap.
+    """
+    max_check = min(len(tag) - 1, len(text))
+    for k in range(max_check, 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def is_complete_json(input_str: str) -> bool:
+    try:
+        json.loads(input_str)
+        return True
+    except JSONDecodeError:
+        return False
+
+
 
 
 # ---- vLLM: vllm/renderers/chat_utils/chat_message.py (file sha256 0eb9f6ca4899700f937cc8fca85d919ac625ce4b34aa524e5c3e9963e8f61bf6)
@@ -350,64 +419,69 @@ def _postprocess_messages(messages: list[ConversationMessage]) -> None:
 
 
 
-# ---- vLLM: vllm/tool_parsers/hermes_tool_parser.py (file sha256 2176dce9d3147b549bafab5ef76bc92e12a9614eeb0b61138dadfdc5959e21ef), class Hermes2ProToolParser
-class Hermes2ProToolParser:  # ours: the class line only
-    tool_call_start_token: str = "<tool_call>"
-    tool_call_end_token: str = "</tool_call>"
-    tool_call_regex = re.compile(
-        r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL
-    )
-    def extract_tool_calls(
-        self,
-        model_output: str,
-        request: ChatCompletionRequest,
-    ) -> ExtractedToolCallInformation:
-        # sanity check; avoid unnecessary processing
-        if self.tool_call_start_token not in model_output:
-            return ExtractedToolCallInformation(
-                tools_called=False, tool_calls=[], content=model_output
-            )
+# ---- vLLM: vllm/utils/__init__.py (file sha256 c58b3f45deeb98bccca22c945526fd15d483a2f5eb8a3c62cf7df218b081885f)
+MASK_64_BITS = (1 << 64) - 1
 
-        else:
-            try:
-                # there are two possible captures - between tags, or between a
-                # tag and end-of-string so the result of
-                # findall is an array of tuples where one is a function call and
-                # the other is None
-                function_call_tuples = self.tool_call_regex.findall(model_output)
 
-                # load the JSON, and then use it to build the Function and
-                # Tool Call
-                raw_function_calls = [
-                    json.loads(match[0] if match[0] else match[1])
-                    for match in function_call_tuples
-                ]
-                tool_calls = [
-                    ToolCall(
-                        type="function",
-                        function=FunctionCall(
-                            name=function_call["name"],
-                            # function call args are JSON but as a string
-                            arguments=json.dumps(
-                                function_call["arguments"], ensure_ascii=False
-                            ),
-                        ),
-                    )
-                    for function_call in raw_function_calls
-                ]
+def random_uuid() -> str:
+    return f"{uuid.uuid4().int & MASK_64_BITS:016x}"
 
-                content = model_output[: model_output.find(self.tool_call_start_token)]
-                return ExtractedToolCallInformation(
-                    tools_called=True,
-                    tool_calls=tool_calls,
-                    content=content if content else None,
-                )
 
-            except Exception:
-                logger.exception("Error in extracting tool call from response.")
-                return ExtractedToolCallInformation(
-                    tools_called=False, tool_calls=[], content=model_output
-                )
+
+
+# ---- vLLM: vllm/renderers/chat_utils/tool_call.py (file sha256 ba40d87fe363eea14427eb3c5abbb81d8b1bdd501b5abc800d6fff3cc9ea5611)
+def make_tool_call_id(id_type: str = "random", func_name=None, idx=None):
+    if id_type == "kimi_k2":
+        return f"functions.{func_name}:{idx}"
+    else:
+        # by default return random
+        return f"chatcmpl-tool-{random_uuid()}"
+
+
+
+
+# ---- vLLM: vllm/entrypoints/generate/base/protocol.py (file sha256 0c07e689fdbbb59929fc8599f714b8041eec0dcd7fb16d87bb59bc80c5874803)
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    # schema is the field in openai but that causes conflicts with pydantic so
+    # instead use json_schema with an alias
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    # type must be "json_schema", "json_object", or "text"
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        if len(data.get("tool_calls", [])) == 0:
+            data.pop("tool_calls", None)
+        return data
+
+
 
 
 # ---- vLLM: vllm/sampling_params.py (file sha256 deebc01732f3f7c14b9912dbed0190570015f5e0635c802c8293a508c36e4848)
@@ -481,6 +555,671 @@ class StructuredOutputsParams:
         )
 
 
+
+
+# ---- vLLM: vllm/config/utils.py (file sha256 eb3f40bb32522dfdd802f9c456184c501d30dc0fcd36d0edebcb04b510e3ec8b)
+def get_field(cls: ConfigType, name: str) -> Any:
+    """Get the default factory field of a dataclass by name. Used for getting
+    default factory fields in `EngineArgs`."""
+    if not is_dataclass(cls):
+        raise TypeError("The given class is not a dataclass.")
+    try:
+        named_field = next(f for f in fields(cls) if f.name == name)
+    except StopIteration as e:
+        raise ValueError(f"Field '{name}' not found in {cls.__name__}.") from e
+
+    # The arguments to copy to the new field
+    default = named_field.default
+    default_factory = named_field.default_factory
+    init = named_field.init
+
+    # Handle pydantic.Field
+    if isinstance(default, FieldInfo):
+        if default.init is not None:
+            init = default.init
+        if default.default_factory is not None:
+            default_factory = cast(Callable[[], Any], default.default_factory)
+            default = MISSING
+        else:
+            default = default.default
+
+    if default is MISSING and default_factory is MISSING:
+        logger.warning_once(
+            "%s.%s has no default or default factory.", cls.__name__, name
+        )
+    return field(default=default, default_factory=default_factory, init=init)
+
+
+def is_init_field(cls: ConfigType, name: str) -> bool:
+    return get_field(cls, name).init
+
+
+def replace(dataclass_instance: ConfigT, /, **kwargs) -> ConfigT:
+    """Like [`dataclasses.replace`](https://docs.python.org/3/library/dataclasses.html#dataclasses.replace),
+    but compatible with Pydantic dataclasses which use `pydantic.fields.Field` instead
+    of `dataclasses.field`"""
+    cls = type(dataclass_instance)
+    dataclass_dict = dataclass_instance.__dict__
+    dataclass_dict = {k: v for k, v in dataclass_dict.items() if is_init_field(cls, k)}
+    dataclass_dict.update(kwargs)
+    return cls(**dataclass_dict)
+
+
+
+
+# ---- vLLM: vllm/entrypoints/generate/base/protocol.py (file sha256 0c07e689fdbbb59929fc8599f714b8041eec0dcd7fb16d87bb59bc80c5874803)
+def structured_outputs_from_response_format(
+    structured_outputs: StructuredOutputsParams | None,
+    response_format: AnyResponseFormat | None,
+) -> StructuredOutputsParams | None:
+    """Apply ``response_format`` overrides to ``structured_outputs``."""
+    if response_format is None or response_format.type == "text":
+        return structured_outputs
+
+    overrides: dict[str, Any]
+    if response_format.type == "json_object":
+        overrides = {"json_object": True}
+    elif response_format.type == "json_schema":
+        json_schema = response_format.json_schema
+        assert json_schema is not None
+        overrides = {"json": json_schema.json_schema}
+    else:
+        assert isinstance(
+            response_format,
+            (
+                LegacyStructuralTagResponseFormat,
+                StructuralTagResponseFormat,
+            ),
+        )
+        overrides = {
+            "structural_tag": json.dumps(response_format.model_dump(by_alias=True))
+        }
+
+    if structured_outputs is None:
+        return StructuredOutputsParams(**overrides)
+
+    return replace(structured_outputs, **overrides)
+
+
+
+
+# ---- vLLM: vllm/tool_parsers/abstract_tool_parser.py (file sha256 261e477a170acb0eb1b71a3254daecf733367e92049f59ccf93a2d7f357b4a8d), class ToolParser
+class ToolParser:  # ours: the class line only
+    supports_required_and_named: bool = True
+    structural_tag_model: str | None = None
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if (
+            cls.structural_tag_model is not None
+            and envs.VLLM_ENFORCE_STRICT_TOOL_CALLING
+        ):
+            cls.supports_required_and_named = False
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        tools: list[Tool] | None = None,
+    ):
+        self.prev_tool_call_arr: list[dict] = []
+        # the index of the tool call that is currently being parsed
+        self.current_tool_id: int = -1
+        self.current_tool_name_sent: bool = False
+        self.streamed_args_for_tool: list[str] = []
+
+        self.model_tokenizer = tokenizer
+        if tools:
+            self.tools: list[ChatCompletionToolsParam | FunctionTool] = [
+                tool
+                for tool in tools
+                if isinstance(tool, (ChatCompletionToolsParam, FunctionTool))
+            ]
+        else:
+            self.tools = []
+    def get_remaining_unstreamed_args(self) -> str:
+        """Return tool call arguments parsed but not yet streamed."""
+        if not self.prev_tool_call_arr:
+            return ""
+        index = len(self.prev_tool_call_arr) - 1
+        args = self.prev_tool_call_arr[index].get("arguments", {})
+        if isinstance(args, str):
+            expected = args
+        else:
+            expected = json.dumps(args, ensure_ascii=False)
+        actual = (
+            self.streamed_args_for_tool[index]
+            if index < len(self.streamed_args_for_tool)
+            else ""
+        )
+        if expected.startswith(actual):
+            return expected[len(actual) :]
+        return ""
+    def adjust_request(
+        self,
+        request: ChatCompletionRequest | ResponsesRequest,
+    ) -> ChatCompletionRequest | ResponsesRequest:
+        # If there are no tools, return the request as is.
+        if not request.tools:
+            return request
+
+        # Set structured output params when tool constraints are derived from
+        # the tool schema. Unified parsers handle model-specific structural
+        # tags before calling into the tool parser.
+        structured_outputs = getattr(request, "structured_outputs", None)
+        if (
+            structured_outputs is not None
+            and structured_outputs.structural_tag is not None
+        ):
+            return request
+
+        # Parsers that extract required/named tool calls from their native
+        # format (supports_required_and_named=False) must not be forced into
+        # the JSON tool-call format below: they would never find a call in
+        # the JSON output and would return it as content instead.
+        if not self.supports_required_and_named:
+            return request
+
+        json_schema_from_tool = get_json_schema_from_tools(
+            tool_choice=request.tool_choice,
+            tools=request.tools,
+            parallel_tool_calls=request.parallel_tool_calls,
+        )
+        # Set structured output params for tool calling
+        if json_schema_from_tool is not None:
+            if isinstance(request, ChatCompletionRequest):
+                # tool_choice: "Forced Function" or "required" will override
+                # structured output json settings to make tool calling work correctly
+                request.structured_outputs = StructuredOutputsParams(
+                    json=json_schema_from_tool  # type: ignore[call-arg]
+                )
+                request.response_format = None
+            if isinstance(request, ResponsesRequest):
+                # Single-shot construction so Pydantic v2 tracks `format`
+                # in __fields_set__ — assigning to `.format` after the bare
+                # `ResponseTextConfig()` constructor does not, which can
+                # drop the nested config from `model_dump`. Also drop the
+                # `description` kwarg: it is not a field on
+                # ResponseFormatTextJSONSchemaConfig and was being silently
+                # passed through as extra.
+                request.text = ResponseTextConfig(
+                    format=ResponseFormatTextJSONSchemaConfig(
+                        type="json_schema",
+                        name="tool_calling_response",
+                        schema=json_schema_from_tool,
+                        strict=True,
+                    )
+                )
+
+        return request
+
+
+# ---- vLLM: vllm/tool_parsers/hermes_tool_parser.py (file sha256 2176dce9d3147b549bafab5ef76bc92e12a9614eeb0b61138dadfdc5959e21ef), class Hermes2ProToolParser
+class Hermes2ProToolParser(ToolParser):  # ours: the class line only
+    structural_tag_model = "hermes"
+    tool_call_start_token: str = "<tool_call>"
+    tool_call_end_token: str = "</tool_call>"
+    tool_call_regex = re.compile(
+        r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL
+    )
+    def __init__(self, tokenizer: TokenizerLike, tools: list[Tool] | None = None):
+        super().__init__(tokenizer, tools)
+
+        if is_mistral_tokenizer(tokenizer):
+            logger.error("Detected Mistral tokenizer when using a Hermes model")
+            self.model_tokenizer = tokenizer.tokenizer
+
+        if not self.model_tokenizer:
+            raise ValueError(
+                "The model tokenizer must be passed to the ToolParser "
+                "constructor during construction."
+            )
+
+        # Streaming state: what has been sent to the client.
+        self._sent_content_idx: int = 0
+    def adjust_request(
+        self, request: ChatCompletionRequest | ResponsesRequest
+    ) -> ChatCompletionRequest | ResponsesRequest:
+        request = super().adjust_request(request)
+        if request.tools and request.tool_choice != "none":
+            # do not skip special tokens because the tool_call tokens are
+            # marked "special" in some models. Since they are skipped
+            # prior to the call to the tool parser, it breaks tool calling.
+            request.skip_special_tokens = False
+        return request
+    def extract_tool_calls(
+        self,
+        model_output: str,
+        request: ChatCompletionRequest,
+    ) -> ExtractedToolCallInformation:
+        # sanity check; avoid unnecessary processing
+        if self.tool_call_start_token not in model_output:
+            return ExtractedToolCallInformation(
+                tools_called=False, tool_calls=[], content=model_output
+            )
+
+        else:
+            try:
+                # there are two possible captures - between tags, or between a
+                # tag and end-of-string so the result of
+                # findall is an array of tuples where one is a function call and
+                # the other is None
+                function_call_tuples = self.tool_call_regex.findall(model_output)
+
+                # load the JSON, and then use it to build the Function and
+                # Tool Call
+                raw_function_calls = [
+                    json.loads(match[0] if match[0] else match[1])
+                    for match in function_call_tuples
+                ]
+                tool_calls = [
+                    ToolCall(
+                        type="function",
+                        function=FunctionCall(
+                            name=function_call["name"],
+                            # function call args are JSON but as a string
+                            arguments=json.dumps(
+                                function_call["arguments"], ensure_ascii=False
+                            ),
+                        ),
+                    )
+                    for function_call in raw_function_calls
+                ]
+
+                content = model_output[: model_output.find(self.tool_call_start_token)]
+                return ExtractedToolCallInformation(
+                    tools_called=True,
+                    tool_calls=tool_calls,
+                    content=content if content else None,
+                )
+
+            except Exception:
+                logger.exception("Error in extracting tool call from response.")
+                return ExtractedToolCallInformation(
+                    tools_called=False, tool_calls=[], content=model_output
+                )
+    def _extract_content(self, current_text: str) -> str | None:
+        """Return unsent non-tool-call text, or None.
+
+        Holds back any suffix that could be a partial <tool_call> tag.
+        """
+        if self.tool_call_start_token not in current_text:
+            overlap_length = partial_tag_overlap(
+                current_text, self.tool_call_start_token
+            )
+            sendable_idx = len(current_text) - overlap_length
+        else:
+            sendable_idx = current_text.index(self.tool_call_start_token)
+
+        if sendable_idx > self._sent_content_idx:
+            content = current_text[self._sent_content_idx : sendable_idx]
+            self._sent_content_idx = sendable_idx
+            return content
+        return None
+    def _extract_tool_call_jsons(self, text: str) -> list[tuple[str, bool]]:
+        """Extract (json_text, is_complete) for each <tool_call> region."""
+        results: list[tuple[str, bool]] = []
+        pos = 0
+        while True:
+            start = text.find(self.tool_call_start_token, pos)
+            if start == -1:
+                break
+            json_start = start + len(self.tool_call_start_token)
+            json_end = text.find(self.tool_call_end_token, json_start)
+            if json_end != -1:
+                results.append((text[json_start:json_end].strip(), True))
+                pos = json_end + len(self.tool_call_end_token)
+            else:
+                raw = text[json_start:]
+                # Strip partial </tool_call> suffix if present.
+                overlap = partial_tag_overlap(raw, self.tool_call_end_token)
+                if overlap:
+                    raw = raw[:-overlap]
+                tc_json = raw.strip()
+                # Valid JSON without closing tag = complete body,
+                # tag tokens just haven't arrived yet.
+                is_complete = is_complete_json(tc_json) if tc_json else False
+                results.append((tc_json, is_complete))
+                break
+        return results
+    @staticmethod  # ours: vLLM's decorator
+    def _extract_tool_name(tc_json: str) -> str | None:
+        """Extract tool name, or None if the name isn't complete yet."""
+        match = re.search(r'"name"\s*:\s*"([^"]+)"', tc_json)
+        return match.group(1) if match else None
+    @staticmethod  # ours: vLLM's decorator
+    def _extract_tool_args(tc_json: str, is_complete: bool) -> str | None:
+        """Extract tool arguments from the tool call JSON.
+
+        Given {"name": "f", "arguments": {"x": 1}}, returns '{"x": 1}'.
+        When is_complete, strips the trailing '}' that closes the outer
+        object (not the arguments). For partial JSON, returns as-is.
+        """
+        match = re.search(r'"arguments"\s*:\s*', tc_json)
+        if not match:
+            return None
+        raw = tc_json[match.end() :]
+        if is_complete:
+            raw = raw.rstrip()
+            if raw.endswith("}"):
+                raw = raw[:-1].rstrip()
+        return raw
+    def _compute_args_diff(
+        self, index: int, tc_json: str, is_complete: bool
+    ) -> str | None:
+        """Return new argument text not yet sent for tool `index`, or None."""
+        args = self._extract_tool_args(tc_json, is_complete)
+        if args is None or len(args) <= len(self.streamed_args_for_tool[index]):
+            return None
+        diff = args[len(self.streamed_args_for_tool[index]) :]
+        self.streamed_args_for_tool[index] = args
+        self.prev_tool_call_arr[index]["arguments"] = args
+        return diff
+    def extract_tool_calls_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+        request: ChatCompletionRequest,
+    ) -> DeltaMessage | None:
+        """Incrementally stream tool call deltas from accumulated output.
+
+        On each invocation, re-parses the full ``current_text`` to find
+        ``<tool_call>`` regions, then diffs against previously sent state
+        to emit only new content, tool names, or argument fragments.
+
+        Returns a ``DeltaMessage`` containing either plain content (for
+        text preceding any tool call) or one or more ``DeltaToolCall``
+        entries, or ``None`` if there is nothing new to send yet."""
+        try:
+            # Extract any content before tool calls.
+            content = self._extract_content(current_text)
+            tool_call_jsons = self._extract_tool_call_jsons(current_text)
+            tool_call_deltas: list[DeltaToolCall] = []
+
+            for i, (tc_json, is_complete) in enumerate(tool_call_jsons):
+                if i >= len(self.prev_tool_call_arr):
+                    self.prev_tool_call_arr.append({})
+                    self.streamed_args_for_tool.append("")
+
+                # Stream back tool name.
+                if "name" not in self.prev_tool_call_arr[i]:
+                    name = self._extract_tool_name(tc_json)
+                    if not name:
+                        # Can't skip to tool i+1 if i isn't ready
+                        break
+                    self.prev_tool_call_arr[i]["name"] = name
+                    tool_call_deltas.append(
+                        DeltaToolCall(
+                            index=i,
+                            type="function",
+                            id=make_tool_call_id(),
+                            function=DeltaFunctionCall(name=name).model_dump(
+                                exclude_none=True
+                            ),
+                        )
+                    )
+
+                # Stream back new tool args by diffing against what was sent.
+                args_diff = self._compute_args_diff(i, tc_json, is_complete)
+                if args_diff:
+                    tool_call_deltas.append(
+                        DeltaToolCall(
+                            index=i,
+                            function=DeltaFunctionCall(arguments=args_diff).model_dump(
+                                exclude_none=True
+                            ),
+                        )
+                    )
+
+            if content or tool_call_deltas:
+                return DeltaMessage(
+                    content=content,
+                    tool_calls=tool_call_deltas,
+                )
+
+            return None
+
+        except Exception:
+            logger.exception("Error trying to handle streaming tool call.")
+            return None
+
+
+# ---- vLLM: vllm/entrypoints/serve/exception_handling/utils.py (file sha256 723214aa4c63418f1d5eb7c1ff2116eca474778576ac7198daa1f39217c17a4f)
+def sanitize_message(message: str) -> str:
+    """Strip memory addresses, tracebacks, and file paths from error messages."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(
+        r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message
+    )
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
+
+
+# ---- vLLM: vllm/entrypoints/serve/exception_handling/error_response.py (file sha256 66f9eee71606efaf478aca09e271abeefe952f94f3c2d71dd5d697b121831481)
+def create_error_response(
+    message: str | Exception,
+    err_type: str = "BadRequestError",
+    status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    param: str | None = None,
+) -> ErrorResponse:
+    exc: Exception | None = None
+
+    if isinstance(message, Exception):
+        exc = message
+        message = str(exc)
+        logger.debug(
+            "create_error_response called with %s: %s", type(exc).__name__, exc
+        )
+
+        from vllm.exceptions import (
+            GracefulHTTPError,
+            VLLMClientError,
+            VLLMNotFoundError,
+            VLLMServerError,
+            VLLMUnprocessableEntityError,
+            VLLMValidationError,
+        )
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, GracefulHTTPError):
+            err_type = HTTPStatus(exc.http_status).phrase
+            status_code = exc.http_status
+            param = None
+        elif isinstance(exc, VLLMValidationError):
+            err_type = "BadRequestError"
+            status_code = HTTPStatus.BAD_REQUEST
+            param = exc.parameter
+        elif isinstance(exc, VLLMUnprocessableEntityError):
+            err_type = "UnprocessableEntityError"
+            status_code = HTTPStatus.UNPROCESSABLE_ENTITY
+            param = exc.parameter
+        elif isinstance(exc, VLLMNotFoundError):
+            err_type = "NotFoundError"
+            status_code = HTTPStatus.NOT_FOUND
+            param = None
+        elif isinstance(exc, VLLMClientError):
+            # Any other client-caused error defaults to 400.
+            err_type = "BadRequestError"
+            status_code = HTTPStatus.BAD_REQUEST
+            param = None
+        elif isinstance(exc, GenerationError):
+            err_type = (
+                "ServiceUnavailableError"
+                if isinstance(exc, RetryableRequestError)
+                else "InternalServerError"
+            )
+            status_code = exc.status_code
+            param = None
+        elif isinstance(exc, EngineDeadError):
+            err_type = "InternalServerError"
+            status_code = HTTPStatus.INTERNAL_SERVER_ERROR
+            param = None
+            message = exc.CLIENT_MESSAGE
+        elif isinstance(exc, VLLMServerError):
+            # Any other server-caused error defaults to 500.
+            err_type = "InternalServerError"
+            status_code = HTTPStatus.INTERNAL_SERVER_ERROR
+            param = None
+        # Fallback for raw exceptions not yet migrated to VLLMError.
+        # TODO(zqzten): remove these fallback handlers after migration to VLLMError
+        elif isinstance(exc, (ValueError, TypeError, OverflowError)):
+            err_type = "BadRequestError"
+            status_code = HTTPStatus.BAD_REQUEST
+            param = None
+        elif isinstance(exc, NotImplementedError):
+            err_type = "NotImplementedError"
+            status_code = HTTPStatus.NOT_IMPLEMENTED
+            param = None
+        elif any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__):
+            # jinja2.TemplateError and its subclasses (avoid importing jinja2)
+            err_type = "BadRequestError"
+            status_code = HTTPStatus.BAD_REQUEST
+            param = None
+        else:
+            err_type = "InternalServerError"
+            status_code = HTTPStatus.INTERNAL_SERVER_ERROR
+            param = None
+
+    return ErrorResponse(
+        error=ErrorInfo(
+            message=sanitize_message(message),
+            type=err_type,
+            code=status_code.value,
+            param=param,
+        )
+    )
+
+
+
+
+# ---- vLLM: vllm/renderers/online_renderer.py (file sha256 d3bdba4043fcb4f6261526897234034cb8082d0bc67d21a5017857bf61f9ee35), class OnlineRenderer
+class OnlineRenderer:  # ours: the class line only
+    async def render_chat(
+        self,
+        request: ChatCompletionRequest,
+        *,
+        skip_mm_cache: bool = False,
+    ) -> tuple[list[ConversationMessage], list[EngineInput]] | ErrorResponse:
+        """Core preprocessing logic for chat requests (no model/engine check).
+
+        Called directly by render_chat_request and delegated to by
+        OpenAIServingChat.render_chat_request after its engine-aware checks.
+
+        Decode-side token reuse (ids forwarded in ``kv_transfer_params``) is
+        handled deeper, in ``preprocess_chat`` / ``_make_request_with_harmony``,
+        so it skips only templating and tokenization while tool-choice
+        validation and ``adjust_request`` still run and the output is
+        detokenized (text-out).
+        """
+        tokenizer = self.renderer.tokenizer
+
+        tool_parser = self.parser.tool_parser_cls if self.parser is not None else None
+
+        if is_mistral_tokenizer(tokenizer):
+            # because of issues with pydantic we need to potentially
+            # re-serialize the tool_calls field of the request
+            _mt.maybe_serialize_tool_calls(request)  # type: ignore[arg-type]
+            _mt.truncate_tool_call_ids(request)  # type: ignore[arg-type]
+            _mt.validate_request_params(request)
+
+        # Check if tool parsing is unavailable (common condition)
+        tool_parsing_unavailable = (
+            tool_parser is None
+            and not is_mistral_tokenizer(tokenizer)
+            and not self.use_harmony
+        )
+
+        # Validate tool_choice when tool parsing is required but unavailable
+        if tool_parsing_unavailable and request.tool_choice not in (
+            None,
+            "none",
+        ):
+            if request.tool_choice == "auto" and not self.enable_auto_tools:
+                # for hf tokenizers, "auto" tools requires
+                # --enable-auto-tool-choice and --tool-call-parser
+                return self.create_error_response(
+                    '"auto" tool choice requires '
+                    "--enable-auto-tool-choice and --tool-call-parser to be set"
+                )
+            elif request.tool_choice != "auto":
+                # "required" or named tool requires tool parser
+                if isinstance(request.tool_choice, ChatCompletionNamedToolChoiceParam):
+                    tool_choice_desc = f'function "{request.tool_choice.function.name}"'
+                else:
+                    tool_choice_desc = f'"{request.tool_choice}"'
+                return self.create_error_response(
+                    f"tool_choice={tool_choice_desc} requires "
+                    "--tool-call-parser to be set"
+                )
+
+        if request.tools is None or (
+            request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none
+        ):
+            tool_dicts = None
+        else:
+            tool_dicts = [tool.model_dump() for tool in request.tools]
+
+        if not self.use_harmony:
+            # Common case.
+            error_check_ret = self.validate_chat_template(
+                request_chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+                trust_request_chat_template=self.trust_request_chat_template,
+            )
+            if error_check_ret is not None:
+                return error_check_ret
+
+            conversation, engine_inputs = await self.preprocess_chat(
+                request,
+                request.messages,
+                default_template=self.chat_template,
+                default_template_content_format=self.chat_template_content_format,
+                default_template_kwargs=self.default_chat_template_kwargs,
+                tool_dicts=tool_dicts,
+                parser=self.parser,
+                skip_mm_cache=skip_mm_cache,
+            )
+        else:
+            # For GPT-OSS.
+            self.adjust_harmony_request(request)
+            should_include_tools = tool_dicts is not None
+            conversation, engine_inputs = self._make_request_with_harmony(
+                request, should_include_tools
+            )
+
+        return conversation, engine_inputs
+    def create_error_response(
+        self,
+        message: str | Exception,
+        err_type: str = "BadRequestError",
+        status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+    ) -> ErrorResponse:
+        return create_error_response(message, err_type, status_code, param)
+    def validate_chat_template(
+        self,
+        request_chat_template: str | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        trust_request_chat_template: bool,
+    ) -> ErrorResponse | None:
+        """Copied from GenerateBaseServing._validate_chat_template."""
+        if not trust_request_chat_template and (
+            request_chat_template is not None
+            or (
+                chat_template_kwargs
+                and chat_template_kwargs.get("chat_template") is not None
+            )
+        ):
+            return self.create_error_response(
+                "Chat template is passed with request, but "
+                "--trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template."
+            )
+        return None
 
 
 # ---- vLLM: vllm/entrypoints/openai/chat_completion/protocol.py (file sha256 e112a3c4c23e7a2e82a1964b39102d7209621f81f37810e741cf963cd50e1ec1), class ChatCompletionRequest
@@ -608,6 +1347,12 @@ class ChatCompletionRequest:  # ours: the class line only
                         parameter="tool_choice",
                     )
         return data
+    def extract_structured_outputs(self) -> StructuredOutputsParams | None:
+        """Normalize request constraints into ``StructuredOutputsParams``."""
+        return structured_outputs_from_response_format(
+            self.structured_outputs,
+            self.response_format,
+        )
 
 # ours: the sha256 of each copied text, as extracted from the wheel
 VENDORED_SHA256 = {
@@ -620,12 +1365,47 @@ VENDORED_SHA256 = {
     '_get_tool_schema_defs': '16cb19d14c3905e8439f1f98e0983277af268ae7dbb92180523dd2b5c7560314',
     '_get_json_schema_from_tools': '85895c970416323b6cb7986990c47ca77654fefa7d7a9c6de9cb0e56592dd4bc',
     'get_json_schema_from_tools': '7247f3b7ce66f49ea63c074cd38cb3fe57ab6ac338713dc4b47d572079fc996d',
+    'partial_tag_overlap': 'e4eaa418b1fd56a0b4878c44b3f7d53caea337b7db3b757d449571a59190b680',
+    'is_complete_json': '3260b4ef3f302ac3103f8a3d77b9bbbb7d67df04b0c156f8954e3ada9318aa08',
     '_postprocess_messages': '2b8e88dac34c0e96cca7ac2eb909867fe03cd8398cbbf307293455e613e213ea',
+    'MASK_64_BITS': '34acf7576716f0658577e45b5d6ebc1bb4f369b8403fdc6057404a25f19cde74',
+    'random_uuid': 'ec67b6dae269ff1d6f0842a0c1e5ecfd31a4e58c2e6f5fd12d76e219c8d8c909',
+    'make_tool_call_id': 'c768c7aa16c6755c1b246096e7b3744abe66a985ced44e8242fdbaafb3e7fd1a',
+    'JsonSchemaResponseFormat': '3716522fee921f3f716041056ed4303c0563f46bf8d458046d3316eee558f782',
+    'ResponseFormat': 'c0b0726f3930740e04ed9c417110f8cc5e9e1da7c033bd242120599dc9db5edc',
+    'DeltaFunctionCall': 'ba69a8f2821a0269dbf28231cef3e72a5bb330b374a651be3fed85ed68aa0e2e',
+    'DeltaToolCall': 'b91fa927a6108fd6213820aba0b541555006feabd31bf1b74a8eedb2e2b9499d',
+    'DeltaMessage': '47aa4c2aa162c94c06ca0e60f75f2a092b65b5dda00e58550e34653da8e34889',
+    'StructuredOutputsParams': 'd0c18be79bc23dc7d64f653b3dc4c39b54e68a5fd007cb4787490f8d27c78475',
+    'get_field': '3a4bb2b8a1dc1ba23cad7cd029a7b96996a016005607d056f39f40351184ec59',
+    'is_init_field': '1d255f369cccf091d0131a22528fed3ac88493a2ca962f9334a5587fc052cdf9',
+    'replace': 'fe35b2411d2e3e35a6ea4d21909411c94cd67c6922b824796f61946bbf683c27',
+    'structured_outputs_from_response_format': '0276e18123ee6087ff18543605d53f8a191f7325f692f5569950a2ef825be03a',
+    'ToolParser.supports_required_and_named': 'aba0285e12c255f1aa56b62cd81461381680d956aed01e9ba580f79bc8da88f4',
+    'ToolParser.structural_tag_model': '16ecedef2338466349ac1ddae956f3027bcd4c080954724f3cd4f1377f089093',
+    'ToolParser.__init_subclass__': 'a4898c9b766ffad0e1412c6ed2f6046e957272cc860191c43cb343d83fbc99e1',
+    'ToolParser.__init__': '23480b816400e6ba912ac3639c2f81677e49e2a87a28cfa9787cf05c2f444b23',
+    'ToolParser.get_remaining_unstreamed_args': 'ab9f1da5cd24e46cb8e2c25beef391e78152bd46ce3c94a223947735504a31ef',
+    'ToolParser.adjust_request': 'e0a6927ae7dde30784fb32495688b8e7e9d2ed4a8c3eaebf66a371cc56c6dc89',
+    'Hermes2ProToolParser.structural_tag_model': '242ffcd7475aa2fe82d65005a3ae9a2d6edd1592c8a086c1a4f0cff401c55ab6',
     'Hermes2ProToolParser.tool_call_start_token': 'f5796d36019dc709e390996a4381d926f9742abca95c22cf60d5d1a9ffec35d4',
     'Hermes2ProToolParser.tool_call_end_token': '769459712fb59df5b362f0df7e0b6dcc6fb213c6b4d30160eaefb915ab960604',
     'Hermes2ProToolParser.tool_call_regex': 'c3003c48ed91bd367420ef64e53cd98e0ad5dfde6c29817f5e4ea8ea1113cb3a',
+    'Hermes2ProToolParser.__init__': 'a56b2f1d33925788008da6ac8e4361495157f482ea9f5c1157564576dec3415c',
+    'Hermes2ProToolParser.adjust_request': '3a681457845f9d49fea027d51c408b522a87e0c4b0aead35c3269d93176fd2bb',
     'Hermes2ProToolParser.extract_tool_calls': '5bcb34d61aa897d569a13113a68bd3780d45d7e3216fe7aa52b3ef622c554347',
-    'StructuredOutputsParams': 'd0c18be79bc23dc7d64f653b3dc4c39b54e68a5fd007cb4787490f8d27c78475',
+    'Hermes2ProToolParser._extract_content': 'ab4f0c0b49d1948c0673dd50770a40dcc0aebd24b2d8a66bf2484046df24c22e',
+    'Hermes2ProToolParser._extract_tool_call_jsons': '28f414a41d92760a4c7137c1341faaced99c750313e1858af7d2f96fc1c8d1de',
+    'Hermes2ProToolParser._extract_tool_name': '96f088eb6e7e9541243e60fa78c6643531e8ece6388750c230997de31c215195',
+    'Hermes2ProToolParser._extract_tool_args': '08e87e02cccecef43736923795ef25bf1a6905d3335603d7598cca62743428cf',
+    'Hermes2ProToolParser._compute_args_diff': 'd67b0af6ddeb443431d5b2a6f748bda46e96fea02b829603be90656223dc9c48',
+    'Hermes2ProToolParser.extract_tool_calls_streaming': '86bad2d70015f3d9dfdd621c89d077e3317d29ce22892188ca3ac15e0e77ab22',
+    'sanitize_message': 'c4ad34c416e144d8260982cd357e24ed24b288492262fde8ea164a8b48dfa2aa',
+    'create_error_response': '86c9ad151aac6c6d0a8ed0e7bd165698f7976a2d71ce92d3601645d55ae4c503',
+    'OnlineRenderer.render_chat': '10a5b9c875546044798b2d49ae138ee2ae0ef2f992e93367366af12bff76c1a9',
+    'OnlineRenderer.create_error_response': 'aba02a4818eac4000feb74ca3c2d47625a1679985f38e8d7baff6babbb3ac68c',
+    'OnlineRenderer.validate_chat_template': 'b8e3edbfeb9478d3a0148412e6a18778e08ceda1ab72fdcfcc741a725c44d17a',
     'ChatCompletionRequest.check_structured_outputs_count': '1a3154a585e4200e954d70984c8e34aee4e6a5601f8f7886a5014ecd960be62e',
     'ChatCompletionRequest.check_tool_usage': '37fbebabbd0008fb62facee3b1b186f835800d6675a29b20826461456238866f',
+    'ChatCompletionRequest.extract_structured_outputs': '69e74beeccb42be879f55104ff0fd227a7711f922eb53eda47f6790bc5bd6620',
 }

@@ -18,6 +18,8 @@ from gateway.http.errors import ApiError
 from tests.data import vllm_tools_v0_33_0 as vllm
 
 VENDORED = Path(vllm.__file__)
+# The Hermes parser only checks that it was given a tokenizer (it never reads one).
+NO_TOKENIZER = object()
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string"}}}
@@ -53,7 +55,7 @@ def _texts(tree: ast.Module, source: str) -> dict[str, str]:
 def test_the_copies_are_the_wheels_text():
     source = VENDORED.read_text()
     texts = _texts(ast.parse(source), source)
-    assert len(vllm.VENDORED_SHA256) == 17
+    assert len(vllm.VENDORED_SHA256) == 52
     for name, digest in vllm.VENDORED_SHA256.items():
         assert hashlib.sha256(texts[name].encode()).hexdigest() == digest, name
     assert "SPDX-License-Identifier: Apache-2.0" in source.splitlines()[0]
@@ -137,7 +139,7 @@ OUTPUTS = [
 
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_hermes_parser_is_vllms(output):
-    theirs = vllm.Hermes2ProToolParser().extract_tool_calls(output, None)
+    theirs = vllm.Hermes2ProToolParser(NO_TOKENIZER).extract_tool_calls(output, None)
     auto = tools.plan(TOOLSETS["plain"], "auto", None, "... <tool_call> ...")  # Hermes parser
     content, calls = tools.parse(auto, output)
     assert content == theirs.content
