@@ -5,6 +5,7 @@ refuses two kinds of constraint): the same requests refused, tool refusals namin
 and the one place we refuse what vLLM takes said and shown."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 from types import SimpleNamespace
@@ -101,3 +102,119 @@ def test_required_with_a_constraint_is_refused_by_us_only():
     data = {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a+"}}
     assert vllm_refusal(Request.check_structured_outputs_count, data) is None
     assert _ours_with_tools("required", {"regex": "a+"}) == "tool_choice"
+
+
+# ---- `structured_outputs` with a `response_format`: vLLM merges them, we refuse the pair
+
+SCHEMA_A = {"type": "object", "properties": {"a": {"type": "integer"}}}
+SCHEMA_B = {"type": "object", "properties": {"b": {"type": "string"}}}
+JSON_SCHEMA_B = {"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMA_B}}
+
+
+def vllm_merged(so: dict | None, fmt: dict | None):
+    """The constraint vLLM's ChatCompletionRequest.to_sampling_params uses
+    (`extract_structured_outputs`), from the two fields as pydantic parses them."""
+    request = SimpleNamespace(
+        structured_outputs=None if so is None else vllm.StructuredOutputsParams(**so),
+        response_format=None if fmt is None else vllm.ResponseFormat(**fmt))
+    return Request.extract_structured_outputs(request)
+
+
+@pytest.mark.parametrize("so, fmt, kind, value", [
+    ({"json": SCHEMA_A}, JSON_SCHEMA_B, "json", SCHEMA_B),
+    ({"json_object": True}, {"type": "json_object"}, "json_object", True),
+    ({"json": SCHEMA_A}, {"type": "text"}, "json", SCHEMA_A),  # text: no constraint
+])
+def test_a_response_format_of_the_same_kind_silently_replaces_structured_outputs_in_vllm(
+        so, fmt, kind, value):
+    """docs/structured_output.md: vLLM takes both fields, and a `response_format` of the same
+    kind as `structured_outputs` replaces it, with no error; we take one constraint only."""
+    assert vllm_refusal(Request.check_structured_outputs_count, {"structured_outputs": so},
+                        _structured_outputs_step) is None
+    merged = vllm_merged(so, fmt)
+    assert getattr(merged, kind) == value
+    others = [k for k in KINDS if k != kind and getattr(merged, k) is not None]
+    assert others == []  # the request's own structured_outputs value is gone
+    ours = our_refusal(lambda: structured.from_request(copy.deepcopy(fmt), copy.deepcopy(so)))
+    assert ours == (None if fmt["type"] == "text" else "structured_outputs")
+
+
+@pytest.mark.parametrize("kind", ["regex", "choice", "grammar", "json_object"])
+def test_a_response_format_of_another_kind_is_refused_by_both(kind):
+    """Two kinds once merged: StructuredOutputsParams refuses them, when vLLM builds the
+    sampling parameters (an error naming no field); we refuse at the request, naming ours."""
+    so = {kind: KINDS[kind]}
+    # (pydantic wraps the dataclass's VLLMValidationError, a ValueError, as vLLM's does)
+    with pytest.raises((vllm.VLLMValidationError, pydantic.ValidationError),
+                       match="only use one kind"):
+        vllm_merged(so, JSON_SCHEMA_B)
+    assert our_refusal(lambda: structured.from_request(JSON_SCHEMA_B, so)) == \
+        "structured_outputs"
+
+
+# ---- a server without a tool parser: vLLM refuses tool choices, we choose by the template
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}")  # SmolLM2's kind: no tools, no <tool_call>
+
+
+def vllm_render_without_parser(data: dict):
+    """vLLM's OnlineRenderer.render_chat on a server started without --tool-call-parser (and
+    so without --enable-auto-tool-choice, which needs it): the ErrorResponse it answers, or
+    "rendered" when it goes on to the template (the rendering itself, past the check, is ours)."""
+    renderer = object.__new__(vllm.OnlineRenderer)
+    renderer.renderer = SimpleNamespace(tokenizer=object())
+    renderer.parser, renderer.enable_auto_tools, renderer.use_harmony = None, False, False
+    renderer.exclude_tools_when_tool_choice_none = renderer.trust_request_chat_template = False
+    renderer.chat_template = renderer.chat_template_content_format = None
+    renderer.default_chat_template_kwargs = {}
+
+    async def preprocess_chat(*args, **kwargs):
+        return "rendered", []
+    renderer.preprocess_chat = preprocess_chat
+    data = Request.check_tool_usage(Request, copy.deepcopy(data))  # sets tool_choice "auto"
+    choice = data.get("tool_choice", "none")
+    request = SimpleNamespace(
+        messages=data["messages"], chat_template=None, chat_template_kwargs=None,
+        tools=[vllm.ChatCompletionToolsParam(**t) for t in data["tools"]]
+        if data.get("tools") else None,
+        tool_choice=vllm.ChatCompletionNamedToolChoiceParam(**choice)
+        if isinstance(choice, dict) else choice)
+    result = asyncio.run(renderer.render_chat(request))
+    return "rendered" if result == ("rendered", []) else result
+
+
+@pytest.mark.parametrize("choice, message", [
+    (None, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+           "to be set"),
+    ("auto", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+             "to be set"),
+    ("required", 'tool_choice="required" requires --tool-call-parser to be set'),
+    (NAMED, 'tool_choice=function "noop" requires --tool-call-parser to be set'),
+    ("none", None),
+])
+def test_without_a_tool_parser_vllm_refuses_tool_choices_we_serve_them(choice, message):
+    """docs/structured_output.md: without --tool-call-parser vLLM answers `auto`, `required`
+    and a named choice with a 400; we serve them with a template that has no tool support:
+    `auto` as plain content (no parser), `required` and named by their JSON schema."""
+    data = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    if choice is not None:
+        data["tool_choice"] = choice
+    theirs = vllm_render_without_parser(data)
+    if message is None:
+        assert theirs == "rendered"
+    else:
+        assert (theirs.error.code, theirs.error.type, theirs.error.message) == \
+            (400, "BadRequestError", message)
+    body = schemas.ChatCompletionRequest(model="m", **data)
+    proxy = SimpleNamespace(tokenizer=SimpleNamespace(
+        current=lambda: SimpleNamespace(chat_template=CHATML)))
+    plan, constraint = tool_constraint(body, proxy)
+    assert plan.parser is None  # the template writes no <tool_call>
+    assert plan.calls_tools == (choice in ("required", NAMED))
+    assert (constraint is not None) == (choice in ("required", NAMED))
+
+
+def test_without_tools_vllm_renders_as_we_do():
+    assert vllm_render_without_parser({"messages": [{"role": "user", "content": "hi"}]}) == \
+        "rendered"
