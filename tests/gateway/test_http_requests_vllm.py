@@ -83,10 +83,7 @@ def test_one_kind_of_constraint_is_taken_two_are_refused_as_by_vllm(kinds):
 
 
 def _ours_with_tools(choice, so) -> str | None:
-    body = schemas.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                         tools=TOOLS, tool_choice=choice, structured_outputs=so)
-    proxy = SimpleNamespace(tokenizer=SimpleNamespace(current=lambda: None))
-    return our_refusal(lambda: tool_constraint(body, proxy))
+    return our_refusal(lambda: _ours_with_constraint(choice, {"structured_outputs": so}))
 
 
 @pytest.mark.parametrize("kind", ["json", "regex", "choice"])
@@ -218,3 +215,69 @@ def test_without_a_tool_parser_vllm_refuses_tool_choices_we_serve_them(choice, m
 def test_without_tools_vllm_renders_as_we_do():
     assert vllm_render_without_parser({"messages": [{"role": "user", "content": "hi"}]}) == \
         "rendered"
+
+
+# ---- `required` or a named choice with another constraint: vLLM's tool schema replaces it
+
+class JsonListToolParser(vllm.ToolParser):
+    """A vLLM tool parser that keeps ToolParser.adjust_request as it is: one without a
+    structural tag of its own (0.33.0's PythonicToolParser, Granite20bFCToolParser, ...)."""
+
+
+def vllm_adjusted(parser_cls, choice, constraint: dict):
+    """The request vLLM's parser leaves (`adjust_request`, run before sampling)."""
+    request = Request()  # the vendored class: its methods only, the fields set here
+    request.tools = [vllm.ChatCompletionToolsParam(**t) for t in copy.deepcopy(TOOLS)]
+    request.tool_choice = vllm.ChatCompletionNamedToolChoiceParam(**choice) \
+        if isinstance(choice, dict) else choice
+    request.parallel_tool_calls, request.skip_special_tokens = None, None
+    so, fmt = constraint.get("structured_outputs"), constraint.get("response_format")
+    request.structured_outputs = None if so is None else vllm.StructuredOutputsParams(**so)
+    request.response_format = None if fmt is None else vllm.ResponseFormat(**fmt)
+    return parser_cls(object()).adjust_request(request)
+
+
+CONSTRAINTS = [("required", {"structured_outputs": {"regex": "a+"}}),
+               ("required", {"structured_outputs": {"json": SCHEMA_A}}),
+               ("required", {"response_format": JSON_SCHEMA_B}),
+               (NAMED, {"response_format": JSON_SCHEMA_B})]  # named + structured_outputs: 400
+
+
+@pytest.mark.parametrize("choice, constraint", CONSTRAINTS)
+def test_the_tool_schema_replaces_another_constraint_in_vllm(choice, constraint):
+    """docs/structured_output.md: vLLM takes `required` (and a named choice with a
+    `response_format`: its check counts only `structured_outputs`) with another constraint,
+    and ToolParser.adjust_request replaces that constraint with the tool schema, which is ours;
+    we refuse the request (400 naming `tool_choice`)."""
+    data = {"tools": TOOLS, "tool_choice": choice, **copy.deepcopy(constraint)}
+    assert vllm_refusal(Request.check_structured_outputs_count, data) is None
+    adjusted = vllm_adjusted(JsonListToolParser, choice, constraint)
+    ours = tools.constraint_schema(tools.plan(copy.deepcopy(TOOLS), choice, None, None), None)
+    assert adjusted.structured_outputs == vllm.StructuredOutputsParams(json=ours)
+    assert adjusted.response_format is None
+    assert our_refusal(lambda: _ours_with_constraint(choice, constraint)) == "tool_choice"
+
+
+def _ours_with_constraint(choice, constraint: dict):
+    body = schemas.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                         tools=TOOLS, tool_choice=choice, **constraint)
+    proxy = SimpleNamespace(tokenizer=SimpleNamespace(current=lambda: None))
+    return tool_constraint(body, proxy)
+
+
+@pytest.mark.parametrize("choice, constraint", CONSTRAINTS)
+def test_vllms_hermes_parser_leaves_the_constraint_to_its_structural_tag(choice, constraint):
+    """With VLLM_ENFORCE_STRICT_TOOL_CALLING at its default (on), a parser with a structural
+    tag model, Hermes's among them, does not support the JSON `required`/named path
+    (ToolParser.__init_subclass__): its adjust_request leaves the constraint, which vLLM's
+    Parser._apply_structural_tag then replaces with a Hermes-format structural tag (read in
+    vllm/parser/abstract_parser.py, not run here: it builds xgrammar's structural tag)."""
+    assert vllm.envs.VLLM_ENFORCE_STRICT_TOOL_CALLING
+    assert vllm.Hermes2ProToolParser.supports_required_and_named is False
+    assert JsonListToolParser.supports_required_and_named is True
+    adjusted = vllm_adjusted(vllm.Hermes2ProToolParser, choice, constraint)
+    so, fmt = constraint.get("structured_outputs"), constraint.get("response_format")
+    assert adjusted.structured_outputs == (None if so is None
+                                           else vllm.StructuredOutputsParams(**so))
+    assert adjusted.response_format == (None if fmt is None else vllm.ResponseFormat(**fmt))
+    assert adjusted.skip_special_tokens is False  # Hermes's own step: keep <tool_call>
