@@ -14,7 +14,9 @@ by the test, so a hand edit of a copy cannot go unnoticed):
   `__init_subclass__`, `__init__`, `get_remaining_unstreamed_args`, `adjust_request`), and what
   the streaming parser calls: `partial_tag_overlap`, `is_complete_json` (utils.py),
   `make_tool_call_id` (vllm/renderers/chat_utils/tool_call.py; `random_uuid` from
-  vllm/utils/__init__.py), the delta classes (vllm/entrypoints/generate/base/protocol.py);
+  vllm/utils/__init__.py), the delta classes (vllm/entrypoints/generate/base/protocol.py),
+  and what the serving layer adds to a stream's last delta (vllm/parser/abstract_parser.py:
+  `DelegatingParser._append_unstreamed_tool_args`);
 - vllm/sampling_params.py: `StructuredOutputsParams` (it refuses two kinds of constraint), and
   vllm/entrypoints/openai/chat_completion/protocol.py: `ChatCompletionRequest`'s validators
   `check_structured_outputs_count` and `check_tool_usage` (their decorators left out: the test
@@ -47,6 +49,7 @@ BASE_PROTOCOL = "vllm/entrypoints/generate/base/protocol.py"
 CONFIG_UTILS = "vllm/config/utils.py"
 ABSTRACT = "vllm/tool_parsers/abstract_tool_parser.py"
 HERMES = "vllm/tool_parsers/hermes_tool_parser.py"
+PARSER = "vllm/parser/abstract_parser.py"
 ERROR_UTILS = "vllm/entrypoints/serve/exception_handling/utils.py"
 ERROR_RESPONSE = "vllm/entrypoints/serve/exception_handling/error_response.py"
 RENDERER = "vllm/renderers/online_renderer.py"
@@ -76,6 +79,7 @@ PIECES = (
                                       "_extract_tool_call_jsons", "_extract_tool_name",
                                       "_extract_tool_args", "_compute_args_diff",
                                       "extract_tool_calls_streaming")),
+    (PARSER, "DelegatingParser", ("_append_unstreamed_tool_args",)),
     (ERROR_UTILS, None, ("sanitize_message",)),
     (ERROR_RESPONSE, None, ("create_error_response",)),
     (RENDERER, "OnlineRenderer", ("render_chat", "create_error_response",

@@ -985,6 +985,24 @@ class Hermes2ProToolParser(ToolParser):  # ours: the class line only
             return None
 
 
+# ---- vLLM: vllm/parser/abstract_parser.py (file sha256 050234f75f7406e2368b54ecbad95c5efe79fc8437afb2b0e515e571f5d6e311), class DelegatingParser
+class DelegatingParser:  # ours: the class line only
+    def _append_unstreamed_tool_args(
+        self,
+        delta_message: DeltaMessage | None,
+    ) -> None:
+        """Append parsed-but-unstreamed tool-call arguments to *delta_message*."""
+        if (
+            self._tool_parser is not None
+            and delta_message
+            and delta_message.tool_calls
+            and (last_tc := delta_message.tool_calls[-1]).function
+        ):
+            last_tc.function.arguments = (
+                last_tc.function.arguments or ""
+            ) + self._tool_parser.get_remaining_unstreamed_args()
+
+
 # ---- vLLM: vllm/entrypoints/serve/exception_handling/utils.py (file sha256 723214aa4c63418f1d5eb7c1ff2116eca474778576ac7198daa1f39217c17a4f)
 def sanitize_message(message: str) -> str:
     """Strip memory addresses, tracebacks, and file paths from error messages."""
@@ -1400,6 +1418,7 @@ VENDORED_SHA256 = {
     'Hermes2ProToolParser._extract_tool_args': '08e87e02cccecef43736923795ef25bf1a6905d3335603d7598cca62743428cf',
     'Hermes2ProToolParser._compute_args_diff': 'd67b0af6ddeb443431d5b2a6f748bda46e96fea02b829603be90656223dc9c48',
     'Hermes2ProToolParser.extract_tool_calls_streaming': '86bad2d70015f3d9dfdd621c89d077e3317d29ce22892188ca3ac15e0e77ab22',
+    'DelegatingParser._append_unstreamed_tool_args': 'f7e4d1ea91299e4a78ad778a224cbce1185c5784deacf9c297f6879c315facc7',
     'sanitize_message': 'c4ad34c416e144d8260982cd357e24ed24b288492262fde8ea164a8b48dfa2aa',
     'create_error_response': '86c9ad151aac6c6d0a8ed0e7bd165698f7976a2d71ce92d3601645d55ae4c503',
     'OnlineRenderer.render_chat': '10a5b9c875546044798b2d49ae138ee2ae0ef2f992e93367366af12bff76c1a9',
