@@ -17,6 +17,12 @@ by the test, so a hand edit of a copy cannot go unnoticed):
   vllm/utils/__init__.py), the delta classes (vllm/entrypoints/generate/base/protocol.py),
   and what the serving layer adds to a stream's last delta (vllm/parser/abstract_parser.py:
   `DelegatingParser._append_unstreamed_tool_args`);
+- how vLLM constrains a request with tools for a parser that has a structural tag, Hermes's:
+  `DelegatingParser.adjust_request` and `_apply_structural_tag` (vllm/parser/abstract_parser.py),
+  `ToolParser.get_structural_tag`, `ToolStrictLevel`, and the Hermes tag's builders in
+  vllm/tool_parsers/structural_tag_registry.py (they build xgrammar's own StructuralTag; the
+  test registers the copy under the registry's module name, which `get_structural_tag` imports
+  at call time);
 - vllm/sampling_params.py: `StructuredOutputsParams` (it refuses two kinds of constraint), and
   vllm/entrypoints/openai/chat_completion/protocol.py: `ChatCompletionRequest`'s validators
   `check_structured_outputs_count` and `check_tool_usage` (their decorators left out: the test
@@ -48,6 +54,8 @@ VLLM_UTILS = "vllm/utils/__init__.py"
 BASE_PROTOCOL = "vllm/entrypoints/generate/base/protocol.py"
 CONFIG_UTILS = "vllm/config/utils.py"
 ABSTRACT = "vllm/tool_parsers/abstract_tool_parser.py"
+STRICT = "vllm/tool_parsers/tool_strict_level.py"
+REGISTRY = "vllm/tool_parsers/structural_tag_registry.py"
 HERMES = "vllm/tool_parsers/hermes_tool_parser.py"
 PARSER = "vllm/parser/abstract_parser.py"
 ERROR_UTILS = "vllm/entrypoints/serve/exception_handling/utils.py"
@@ -70,16 +78,31 @@ PIECES = (
     (SAMPLING, None, ("StructuredOutputsParams",)),
     (CONFIG_UTILS, None, ("get_field", "is_init_field", "replace")),
     (BASE_PROTOCOL, None, ("structured_outputs_from_response_format",)),
+    (STRICT, None, ("ToolStrictLevel",)),
+    (REGISTRY, None, ("ToolChoice", "AllowedToolRef", "SimplifiedToolChoice",
+                      "StructuralTagBuilder", "XGRAMMAR_BUILTIN_STRUCTURAL_TAG_MODELS",
+                      "VLLM_BUILTIN_STRUCTURAL_TAG_MODELS", "SUPPORTED_STRUCTURAL_TAG_MODELS",
+                      "_VLLM_STRUCTURAL_TAG_REGISTRY", "_BUILTIN_TOOL_STRUCTURAL_TAG_MODELS",
+                      "register_vllm_structural_tag", "get_structural_tag_tools",
+                      "_tool_is_strict", "_any_tool_strict", "_with_tool_strict",
+                      "resolve_tool_strictness", "get_model_structural_tag",
+                      "_TOOL_CALL_LIST_FORMATS", "limit_to_single_tool_call",
+                      "_dump_tool_for_xgrammar", "_dump_tool_choice_for_xgrammar",
+                      "_dump_allowed_tool_ref_for_xgrammar", "get_function_parameters",
+                      "_hermes_tool_tags", "_hermes_style_structural_tag",
+                      "get_hermes_structural_tag")),
     (ABSTRACT, "ToolParser", ("supports_required_and_named", "structural_tag_model",
-                              "__init_subclass__", "__init__", "get_remaining_unstreamed_args",
-                              "adjust_request")),
+                              "default_tool_strict_level", "__init_subclass__", "__init__",
+                              "get_remaining_unstreamed_args", "adjust_request",
+                              "get_structural_tag")),
     (HERMES, "Hermes2ProToolParser", ("structural_tag_model", "tool_call_start_token",
                                       "tool_call_end_token", "tool_call_regex", "__init__",
                                       "adjust_request", "extract_tool_calls", "_extract_content",
                                       "_extract_tool_call_jsons", "_extract_tool_name",
                                       "_extract_tool_args", "_compute_args_diff",
                                       "extract_tool_calls_streaming")),
-    (PARSER, "DelegatingParser", ("_append_unstreamed_tool_args",)),
+    (PARSER, "DelegatingParser", ("adjust_request", "_apply_structural_tag",
+                                  "_append_unstreamed_tool_args")),
     (ERROR_UTILS, None, ("sanitize_message",)),
     (ERROR_RESPONSE, None, ("create_error_response",)),
     (RENDERER, "OnlineRenderer", ("render_chat", "create_error_response",
@@ -90,7 +113,9 @@ PIECES = (
 # the decorator lines `ast` leaves out of a copied class or method (ours, the same as vLLM's)
 DECORATORS = {"StructuredOutputsParams": "@dataclass  # ours: vLLM's decorator (pydantic's)\n",
               "_extract_tool_name": "    @staticmethod  # ours: vLLM's decorator\n",
-              "_extract_tool_args": "    @staticmethod  # ours: vLLM's decorator\n"}
+              "_extract_tool_args": "    @staticmethod  # ours: vLLM's decorator\n",
+              "get_hermes_structural_tag":
+                  '@register_vllm_structural_tag("hermes")  # ours: vLLM\'s decorator\n'}
 # a copied class's base, when it has one (ours: the class line only)
 BASES = {"Hermes2ProToolParser": "(ToolParser)"}
 

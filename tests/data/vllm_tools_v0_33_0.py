@@ -33,13 +33,35 @@ from openai.types.responses import (
     ToolChoiceCustom,
     ToolChoiceFunction,
 )
+from openai.types.responses.response import ToolChoice as ResponsesToolChoice
+from openai.types.responses.tool import Tool as ResponsesTool
+from openai.types.responses.tool_choice_allowed import ToolChoiceAllowed
+from xgrammar import StructuralTag, normalize_tool_choice
+from xgrammar import get_model_structural_tag as get_xgrammar_model_structural_tag
+from xgrammar.openai_tool_call_schema import BuiltinToolParam, FunctionToolParam
+from xgrammar.structural_tag import (
+    AnyTextFormat,
+    JSONSchemaFormat,
+    OrFormat,
+    TagFormat,
+    TagsWithSeparatorFormat,
+    TokenTriggeredTagsFormat,
+    TriggeredTagsFormat,
+)
+import enum
 from dataclasses import MISSING, field, fields, is_dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
-logger = logging.getLogger("vllm_v0_33_0")
+class _Logger(logging.LoggerAdapter):
+    """vLLM's logger: a logging.Logger with `warning_once` (here, a plain warning)."""
+    def warning_once(self, msg, *args, scope=None):
+        self.warning(msg, *args)
+
+
+logger = _Logger(logging.getLogger("vllm_v0_33_0"))
 
 
 class VLLMValidationError(ValueError):
@@ -643,10 +665,435 @@ def structured_outputs_from_response_format(
 
 
 
+# ---- vLLM: vllm/tool_parsers/tool_strict_level.py (file sha256 87a07d7ed5274e760e35ccb6b1d9c186d1c2982508b7cdca5121fe96a6446586)
+class ToolStrictLevel(enum.IntEnum):
+    """Server-side floor for tool-call structural tags (``--tool-strict-level``).
+
+    AUTO:      derive call constraints from ``tool_choice`` and argument-schema
+               enforcement from each tool's explicit ``strict`` field.
+    FUNCTION:  constrain the tool-call envelope for every request with tools.
+    PARAMETER: additionally pin argument schemas, as if every tool were
+               ``strict: true``.
+    """
+
+    AUTO = 0
+    FUNCTION = 1
+    PARAMETER = 2
+
+    @classmethod
+    def from_name(cls, name: str) -> "ToolStrictLevel":
+        try:
+            return cls[name.strip().upper()]
+        except KeyError:
+            expected = ", ".join(level.name.lower() for level in cls)
+            raise ValueError(
+                f"Unknown tool strict level {name!r}; expected one of {expected}."
+            ) from None
+
+
+
+
+# ---- vLLM: vllm/tool_parsers/structural_tag_registry.py (file sha256 89cba76c81d5976a7b3fa7403817bf369b8bb244cc5c424d04ba6da6ef36e47f)
+ToolChoice: TypeAlias = (
+    Literal["none", "auto", "required"]
+    | ChatCompletionNamedToolChoiceParam
+    | ResponsesToolChoice
+    | None
+)
+
+
+AllowedToolRef: TypeAlias = dict[str, object]
+
+
+SimplifiedToolChoice: TypeAlias = Literal["auto", "required", "forced"]
+
+
+StructuralTagBuilder: TypeAlias = Callable[
+    [
+        list[FunctionToolParam],
+        list[BuiltinToolParam],
+        SimplifiedToolChoice,
+        bool,
+        str,
+    ],
+    StructuralTag,
+]
+
+
+XGRAMMAR_BUILTIN_STRUCTURAL_TAG_MODELS = frozenset(
+    {
+        "llama",
+        "kimi",
+        "deepseek_r1",
+        "deepseek_v3_1",
+        "qwen_3_5",
+        "qwen_3_coder",
+        "mimo",
+        "qwen_3",
+        "deepseek_v3_2",
+        "deepseek_v4",
+        "deepseek_v4_1",
+    }
+)
+
+
+VLLM_BUILTIN_STRUCTURAL_TAG_MODELS = frozenset(
+    {"glm_4_7", "hermes", "hy_v4", "kimi_k3", "longcat", "plamo3"}
+)
+
+
+SUPPORTED_STRUCTURAL_TAG_MODELS = (
+    XGRAMMAR_BUILTIN_STRUCTURAL_TAG_MODELS | VLLM_BUILTIN_STRUCTURAL_TAG_MODELS
+)
+
+
+_VLLM_STRUCTURAL_TAG_REGISTRY: dict[str, StructuralTagBuilder] = {}
+
+
+_BUILTIN_TOOL_STRUCTURAL_TAG_MODELS: set[str] = set()
+
+
+def register_vllm_structural_tag(
+    model: str,
+    *,
+    builtin_tools: bool = False,
+) -> Callable[[StructuralTagBuilder], StructuralTagBuilder]:
+    """Register a vLLM-owned structural tag builder.
+
+    Args:
+        model: Structural tag model key.
+        builtin_tools: Whether the model can call non-function tools, so its
+            builder receives every request tool instead of only the function
+            tools from ``get_function_tools``.
+
+    """
+
+    def decorator(func: StructuralTagBuilder) -> StructuralTagBuilder:
+        _VLLM_STRUCTURAL_TAG_REGISTRY[model] = func
+        if builtin_tools:
+            _BUILTIN_TOOL_STRUCTURAL_TAG_MODELS.add(model)
+        return func
+
+    return decorator
+
+
+def get_structural_tag_tools(
+    model: str,
+    tools: Sequence[ChatCompletionToolsParam | ResponsesTool],
+    tool_choice: ToolChoice,
+) -> Sequence[ChatCompletionToolsParam | ResponsesTool]:
+    """Return the tools a structural tag for ``model`` lets the model call.
+
+    Most models are only shown function tools, so their grammar must cover
+    exactly those: a tool missing from the prompt cannot be called, and one
+    missing from the grammar is shown but blocked.
+
+    Raises:
+        VLLMValidationError: ``tool_choice`` requires a call, but the model
+            has no tool it can call.
+
+    """
+    if model in _BUILTIN_TOOL_STRUCTURAL_TAG_MODELS:
+        return tools
+    if (
+        tool_choice is None
+        or tool_choice == "auto"
+        or getattr(tool_choice, "mode", None) == "auto"
+    ):
+        return get_function_tools(tools)
+    return require_function_tools(tools)
+
+
+def _tool_is_strict(tool: ChatCompletionToolsParam | ResponsesTool) -> bool:
+    if isinstance(tool, FunctionTool):
+        return tool.strict is True
+    if isinstance(tool, ChatCompletionToolsParam):
+        return tool.function.strict is True
+    return False
+
+
+def _any_tool_strict(
+    tools: Sequence[ChatCompletionToolsParam | ResponsesTool],
+) -> bool:
+    return any(_tool_is_strict(tool) for tool in tools)
+
+
+def _with_tool_strict(
+    tool: ChatCompletionToolsParam | ResponsesTool,
+    strict: bool,
+) -> ChatCompletionToolsParam | ResponsesTool:
+    """Return a copy of ``tool`` with ``strict`` set, leaving the request's alone."""
+    if isinstance(tool, FunctionTool):
+        return tool.model_copy(update={"strict": strict})
+    if isinstance(tool, ChatCompletionToolsParam):
+        return tool.model_copy(
+            update={"function": tool.function.model_copy(update={"strict": strict})}
+        )
+    return tool
+
+
+def resolve_tool_strictness(
+    tools: Sequence[ChatCompletionToolsParam | ResponsesTool],
+    tool_choice: ToolChoice,
+    strict_level: ToolStrictLevel,
+) -> Sequence[ChatCompletionToolsParam | ResponsesTool] | None:
+    """Decide whether a structural tag applies and pin each tool's ``strict``.
+
+    A tool without an explicit ``strict`` is treated as non-strict: its call
+    envelope is still constrained, but its arguments stay free unless the
+    server level is PARAMETER. ``None`` means no structural tag.
+    """
+    if (
+        tool_choice == "auto"
+        and strict_level == ToolStrictLevel.AUTO
+        and not _any_tool_strict(tools)
+    ):
+        return None
+    return [
+        _with_tool_strict(
+            tool, strict_level >= ToolStrictLevel.PARAMETER or _tool_is_strict(tool)
+        )
+        for tool in tools
+    ]
+
+
+def get_model_structural_tag(
+    model: str,
+    tools: Sequence[ChatCompletionToolsParam | ResponsesTool] | None,
+    tool_choice: ToolChoice,
+    reasoning: bool,
+    token_suffix: str = "",
+    strict_level: ToolStrictLevel = ToolStrictLevel.AUTO,
+) -> StructuralTag | None:
+    """Build a structural tag with xgrammar's builtin model templates."""
+    if not tools or tool_choice == "none":
+        return None
+
+    tools = get_structural_tag_tools(model, tools, tool_choice)
+    if not tools:
+        return None
+    tools = resolve_tool_strictness(tools, tool_choice, strict_level)
+    if tools is None:
+        return None
+
+    dumped_tools = [_dump_tool_for_xgrammar(tool) for tool in tools]
+    dumped_tool_choice = _dump_tool_choice_for_xgrammar(tool_choice)
+
+    if model in _VLLM_STRUCTURAL_TAG_REGISTRY:
+        function_tools, builtin_tools, simplified_tool_choice = normalize_tool_choice(
+            dumped_tools,
+            dumped_tool_choice,
+        )
+        return _VLLM_STRUCTURAL_TAG_REGISTRY[model](
+            function_tools,
+            builtin_tools,
+            simplified_tool_choice,
+            reasoning,
+            token_suffix,
+        )
+
+    if model not in XGRAMMAR_BUILTIN_STRUCTURAL_TAG_MODELS:
+        supported = sorted(SUPPORTED_STRUCTURAL_TAG_MODELS)
+        raise ValueError(f"Unknown format type: {model}, supported types: {supported}")
+
+    if token_suffix:
+        raise ValueError(
+            f"Structural tag model {model!r} is an xgrammar builtin with fixed "
+            f"tokens and cannot apply token_suffix={token_suffix!r}"
+        )
+
+    return get_xgrammar_model_structural_tag(
+        model=model,
+        tools=dumped_tools,
+        tool_choice=dumped_tool_choice,
+        reasoning=reasoning,
+    )
+
+
+_TOOL_CALL_LIST_FORMATS = (
+    TriggeredTagsFormat,
+    TokenTriggeredTagsFormat,
+    TagsWithSeparatorFormat,
+)
+
+
+def limit_to_single_tool_call(tag: StructuralTag) -> StructuralTag:
+    """Stop every tool-call list in ``tag`` after its first call, in place.
+
+    Enforces ``parallel_tool_calls=false`` in the grammar. In every registered
+    tag, ``_TOOL_CALL_LIST_FORMATS`` repeat tool calls, never arguments.
+    """
+
+    def visit(node: Any) -> None:
+        if isinstance(node, BaseModel):
+            if isinstance(node, _TOOL_CALL_LIST_FORMATS):
+                node.stop_after_first = True
+            for name in type(node).model_fields:
+                visit(getattr(node, name))
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                visit(item)
+
+    visit(tag.format)
+    return tag
+
+
+def _dump_tool_for_xgrammar(
+    tool: ChatCompletionToolsParam | ResponsesTool,
+) -> dict[str, Any]:
+    """Convert tool objects to xgrammar's Chat Completions tool protocol."""
+    if isinstance(tool, FunctionTool):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.parameters is not None:
+            function["parameters"] = tool.parameters
+        if tool.strict is not None:
+            function["strict"] = tool.strict
+        return {"type": "function", "function": function}
+    if isinstance(tool, CustomTool):
+        function = {"name": tool.name, "parameters": custom_tool_parameters()}
+        if tool.description is not None:
+            function["description"] = tool.description
+        return {"type": "function", "function": function}
+    dumped_tool = tool.model_dump(mode="json", exclude_none=True)
+    if isinstance(tool, ChatCompletionToolsParam):
+        return dumped_tool
+    return dict(dumped_tool)
+
+
+def _dump_tool_choice_for_xgrammar(
+    tool_choice: ToolChoice,
+) -> dict[str, Any] | str | None:
+    """Convert tool_choice objects to xgrammar's expected protocol."""
+    if tool_choice is None:
+        return None
+
+    if isinstance(tool_choice, str):
+        return tool_choice
+
+    if isinstance(tool_choice, ChatCompletionNamedToolChoiceParam):
+        return tool_choice.model_dump(mode="json", exclude_none=True)
+
+    if isinstance(tool_choice, (ToolChoiceFunction, ToolChoiceCustom)):
+        return {
+            "type": "function",
+            "function": {"name": tool_choice.name},
+        }
+
+    if isinstance(tool_choice, ToolChoiceAllowed):
+        return {
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": tool_choice.mode,
+                "tools": [
+                    _dump_allowed_tool_ref_for_xgrammar(tool)
+                    for tool in tool_choice.tools
+                ],
+            },
+        }
+
+    return tool_choice.model_dump(mode="json", exclude_none=True)
+
+
+def _dump_allowed_tool_ref_for_xgrammar(tool_ref: AllowedToolRef) -> AllowedToolRef:
+    if (
+        tool_ref.get("type") == "function"
+        and "function" not in tool_ref
+        and "name" in tool_ref
+    ):
+        return {
+            "type": "function",
+            "function": {"name": tool_ref["name"]},
+        }
+    return tool_ref
+
+
+def get_function_parameters(function) -> dict[str, Any] | bool:
+    if getattr(function, "strict", None) is False:
+        return True
+    return function.parameters if function.parameters is not None else True
+
+
+def _hermes_tool_tags(
+    tools: list[FunctionToolParam],
+    start_tag: str,
+    end_tag: str,
+) -> list[TagFormat]:
+    arguments_field_prefix = '", "arguments": '
+    formats = [
+        # <tool_call>
+        # {"name": "t1", "arguments": {"q": "v"}}
+        # </tool_call>
+        (start_tag + '\n{"name": "', "}\n" + end_tag),
+        # <tool_call>{"name": "t1", "arguments": {"q": "v"}}</tool_call>
+        (start_tag + '{"name": "', "}" + end_tag),
+    ]
+
+    return [
+        TagFormat(
+            begin=begin + tool.function.name + arguments_field_prefix,
+            content=JSONSchemaFormat(
+                json_schema=get_function_parameters(tool.function)
+            ),
+            end=end,
+        )
+        for tool in tools
+        for begin, end in formats
+    ]
+
+
+def _hermes_style_structural_tag(
+    tools: list[FunctionToolParam],
+    tool_choice: SimplifiedToolChoice,
+    start_tag: str,
+    end_tag: str,
+) -> StructuralTag:
+    tags = _hermes_tool_tags(tools, start_tag, end_tag)
+    if tool_choice == "auto":
+        suffix_tag = (
+            TriggeredTagsFormat(triggers=[start_tag], tags=tags)
+            if tags
+            else AnyTextFormat()
+        )
+    elif tool_choice == "forced":
+        suffix_tag = TagsWithSeparatorFormat(
+            tags=tags,
+            separator="",
+            at_least_one=True,
+            stop_after_first=True,
+        )
+    else:
+        suffix_tag = TagsWithSeparatorFormat(
+            tags=tags,
+            separator="",
+            at_least_one=True,
+        )
+
+    return StructuralTag(format=suffix_tag)
+
+
+@register_vllm_structural_tag("hermes")  # ours: vLLM's decorator
+def get_hermes_structural_tag(
+    tools: list[FunctionToolParam],
+    builtin_tools: list[BuiltinToolParam],
+    tool_choice: SimplifiedToolChoice,
+    reasoning: bool,
+    token_suffix: str = "",
+) -> StructuralTag:
+    del builtin_tools, reasoning, token_suffix
+    return _hermes_style_structural_tag(
+        tools, tool_choice, "<tool_call>", "</tool_call>"
+    )
+
+
+
+
 # ---- vLLM: vllm/tool_parsers/abstract_tool_parser.py (file sha256 261e477a170acb0eb1b71a3254daecf733367e92049f59ccf93a2d7f357b4a8d), class ToolParser
 class ToolParser:  # ours: the class line only
     supports_required_and_named: bool = True
     structural_tag_model: str | None = None
+    default_tool_strict_level: ToolStrictLevel = ToolStrictLevel.AUTO
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if (
@@ -749,6 +1196,26 @@ class ToolParser:  # ours: the class line only
                 )
 
         return request
+    def get_structural_tag(
+        self,
+        request: ChatCompletionRequest | ResponsesRequest,
+        *,
+        reasoning: bool = False,
+        strict_level: ToolStrictLevel = ToolStrictLevel.AUTO,
+    ):
+        if self.structural_tag_model is None:
+            return None
+        if not envs.VLLM_ENFORCE_STRICT_TOOL_CALLING:
+            return None
+        from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+
+        return get_model_structural_tag(
+            model=self.structural_tag_model,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            reasoning=reasoning,
+            strict_level=strict_level,
+        )
 
 
 # ---- vLLM: vllm/tool_parsers/hermes_tool_parser.py (file sha256 2176dce9d3147b549bafab5ef76bc92e12a9614eeb0b61138dadfdc5959e21ef), class Hermes2ProToolParser
@@ -987,6 +1454,121 @@ class Hermes2ProToolParser(ToolParser):  # ours: the class line only
 
 # ---- vLLM: vllm/parser/abstract_parser.py (file sha256 050234f75f7406e2368b54ecbad95c5efe79fc8437afb2b0e515e571f5d6e311), class DelegatingParser
 class DelegatingParser:  # ours: the class line only
+    def adjust_request(
+        self, request: ChatCompletionRequest | ResponsesRequest
+    ) -> ChatCompletionRequest | ResponsesRequest:
+        if self._reasoning_parser is not None:
+            request = self._reasoning_parser.adjust_request(request)
+        if self._tool_parser is not None:
+            request = self._apply_structural_tag(request)
+            request = self._tool_parser.adjust_request(request)
+        return request
+    def _apply_structural_tag(
+        self, request: ChatCompletionRequest | ResponsesRequest
+    ) -> ChatCompletionRequest | ResponsesRequest:
+        tool_parser = self._tool_parser
+        if tool_parser is None or not request.tools:
+            return request
+
+        need_tool_calling = (
+            request.tool_choice == "auto"
+            or request.tool_choice == "required"
+            or isinstance(
+                request.tool_choice,
+                (
+                    ChatCompletionNamedToolChoiceParam,
+                    ToolChoiceFunction,
+                    ToolChoiceCustom,
+                ),
+            )
+        )
+        if not need_tool_calling:
+            return request
+
+        structured_outputs = request.extract_structured_outputs()
+        is_auto = request.tool_choice == "auto"
+        single_call = request.parallel_tool_calls is False
+        strict_level = self.tool_strict_level
+        if strict_level is None:
+            strict_level = tool_parser.default_tool_strict_level
+        if single_call and not (is_auto and structured_outputs is not None):
+            # Limiting the call count needs the call envelope in the grammar.
+            # Auto with structured outputs keeps its format-only grammar, so the
+            # flag never makes calls possible that are impossible without it.
+            strict_level = max(strict_level, ToolStrictLevel.FUNCTION)
+
+        resolved_tools = None
+        if tool_parser.structural_tag_model is not None:
+            resolved_tools = resolve_tool_strictness(
+                get_structural_tag_tools(
+                    tool_parser.structural_tag_model,
+                    request.tools,
+                    request.tool_choice,
+                ),
+                request.tool_choice,
+                strict_level,
+            )
+
+        output_format = None
+        if resolved_tools and is_auto and structured_outputs:
+            if not _xgrammar_supports(structured_outputs):
+                logger.warning_once(
+                    "Tool calls are not constrained for tool_choice=auto with "
+                    "structured outputs because xgrammar does not support the "
+                    "structured output constraint; the structured output "
+                    "constraint applies.",
+                    scope="local",
+                )
+                return request
+            output_format = structured_outputs_to_format(structured_outputs)
+
+        if resolved_tools is not None:
+            tag_request = request
+            if output_format is not None:
+                # IMPORTANT(arpera):
+                # The "auto" tag allows plain text in response.
+                # Use tag "required" here to ensure structured-output branch
+                # remains meaningful.
+                tag_request = request.model_copy(update={"tool_choice": "required"})
+            tools_structural_tag = tool_parser.get_structural_tag(
+                tag_request,
+                reasoning=False,
+                strict_level=strict_level,
+            )
+        else:
+            tools_structural_tag = None
+
+        if tools_structural_tag is None:
+            if is_auto and structured_outputs is not None:
+                logger.warning_once(
+                    "Tool calls are not constrained for tool_choice=auto with "
+                    "structured outputs because structural tags are unavailable; "
+                    "the structured output constraint applies.",
+                    scope="local",
+                )
+            return request
+
+        if single_call:
+            limit_to_single_tool_call(tools_structural_tag)
+        structural_tag = tools_structural_tag
+        if output_format is not None:
+            structural_tag = StructuralTag(
+                format=OrFormat(elements=[tools_structural_tag.format, output_format])
+            )
+        elif structured_outputs is not None and not is_auto:
+            logger.warning_once(
+                "structured outputs are ignored because tool_choice forces tool call.",
+                scope="local",
+            )
+
+        request.structured_outputs = StructuredOutputsParams(
+            structural_tag=json.dumps(structural_tag.model_dump()),
+        )
+        if isinstance(request, ResponsesRequest):
+            request.text = None
+        else:
+            request.response_format = None
+        return request
     def _append_unstreamed_tool_args(
         self,
         delta_message: DeltaMessage | None,
@@ -1399,12 +1981,40 @@ VENDORED_SHA256 = {
     'is_init_field': '1d255f369cccf091d0131a22528fed3ac88493a2ca962f9334a5587fc052cdf9',
     'replace': 'fe35b2411d2e3e35a6ea4d21909411c94cd67c6922b824796f61946bbf683c27',
     'structured_outputs_from_response_format': '0276e18123ee6087ff18543605d53f8a191f7325f692f5569950a2ef825be03a',
+    'ToolStrictLevel': '40b6743bd65972b605411e886df447fc38172182e292b5a01835992b39d473e3',
+    'ToolChoice': 'de36b33651bc312334c04ebc974c28a1dc4a32f54ba310511e7f28d5bbc7413f',
+    'AllowedToolRef': '7f66f2905e8ebdf0d4d8198db05d3f4db1bf5c347467b2ab8f74bbcac0bc6f59',
+    'SimplifiedToolChoice': 'd97694fb1caddd13c4c0bf9fa98763c789cf4be315981c7c7d879a012c474537',
+    'StructuralTagBuilder': 'd269e56ab4dccd679316388e86c3a597e4baaa38f85129f185fcef22418ff29d',
+    'XGRAMMAR_BUILTIN_STRUCTURAL_TAG_MODELS': '31a715aedbcfd13ba8558717618cc7819c5449ba1b90946f4169231df9a397cf',
+    'VLLM_BUILTIN_STRUCTURAL_TAG_MODELS': 'fbbabaea125abe0669cc3520429fe15215f88f5d551773e4833e96ca7d3bd225',
+    'SUPPORTED_STRUCTURAL_TAG_MODELS': 'e4aa060032e5d33d0713e2d14555be900442ebcb91039cdf9a2a8fa16fe2dcee',
+    '_VLLM_STRUCTURAL_TAG_REGISTRY': '5e62f99428f66b81e1dd7592e8169eeae60740902ed5776c5e679c42a442a871',
+    '_BUILTIN_TOOL_STRUCTURAL_TAG_MODELS': 'c0328454be020b119a94d3ab786753723570282e48266fda82dca3152daf6794',
+    'register_vllm_structural_tag': '54c746b25283987faecdb576e6a9f9d1aac4b75ef46e920c73a4232961ebf922',
+    'get_structural_tag_tools': '38422c1c55f013e3bb037542a61ebf1734af0a21a7843830c8cd0e66dc6c006b',
+    '_tool_is_strict': '69e59e81e9f4875fb00bbf4657a4c4b7c3144180b1e8c27ba78694623ad1ad90',
+    '_any_tool_strict': 'd7079d555a01f293293ec4978c5b2325f7cb8ea8ab6cefcf0200400fc2fa7633',
+    '_with_tool_strict': '18b53b0f569e80145093dedacf55057f55b03945a7bde35ac36faed22c6cc66d',
+    'resolve_tool_strictness': 'a62e74e6cbf69feb6bbcf664d309fe6f6b0b6301c6a45bcd0382c880effb510f',
+    'get_model_structural_tag': '6f2af3ec73ec2227674efbd79371b8a1fbf840bd5f2e21bf4cfb71b9ab7fa33a',
+    '_TOOL_CALL_LIST_FORMATS': '5c313c3ba44713f76db1597c67333aa604be5199573101f2c5bf3928309af8d2',
+    'limit_to_single_tool_call': '3aec8a7b0cda74165b02a1f5cd37c680b058f9287ee9b104d06d5f27d04f12c3',
+    '_dump_tool_for_xgrammar': '123f13034e85d29d251c68543ed7a79c29389fe6c1cf73259cbb84d2ea3a47a7',
+    '_dump_tool_choice_for_xgrammar': '33ff41b1f2486419cf973ac6e4c48225e22884ff44c2dae06d6527909df8e236',
+    '_dump_allowed_tool_ref_for_xgrammar': '6dcd334bb1e672e214f939d833ce59c83ca65647735635686ab51a6800e57a6b',
+    'get_function_parameters': '6a8026405d380eb422a0e91d1d2733bc221aa0a4ba872622b09af3dc1432ac9d',
+    '_hermes_tool_tags': '2a0dadf6c5391d3c7f5d4895c575df60fff16ce037ff3b18e025e3c6733cad4f',
+    '_hermes_style_structural_tag': '20b7ec29559e85102b3f67a0798e8034a03fa52097c6863ec87a90cca77b60c2',
+    'get_hermes_structural_tag': 'b16e087181d939930174dfa446c8165d2716875db4bde2717ffd5dde3c76af89',
     'ToolParser.supports_required_and_named': 'aba0285e12c255f1aa56b62cd81461381680d956aed01e9ba580f79bc8da88f4',
     'ToolParser.structural_tag_model': '16ecedef2338466349ac1ddae956f3027bcd4c080954724f3cd4f1377f089093',
+    'ToolParser.default_tool_strict_level': '3fb211d5de85944ea3c6d78765632f73ed416bba75627cf838ec62b85f243e88',
     'ToolParser.__init_subclass__': 'a4898c9b766ffad0e1412c6ed2f6046e957272cc860191c43cb343d83fbc99e1',
     'ToolParser.__init__': '23480b816400e6ba912ac3639c2f81677e49e2a87a28cfa9787cf05c2f444b23',
     'ToolParser.get_remaining_unstreamed_args': 'ab9f1da5cd24e46cb8e2c25beef391e78152bd46ce3c94a223947735504a31ef',
     'ToolParser.adjust_request': 'e0a6927ae7dde30784fb32495688b8e7e9d2ed4a8c3eaebf66a371cc56c6dc89',
+    'ToolParser.get_structural_tag': '95c335d9495bd883e483003cb8025326d47e1052a927095a218cd3398615b4f6',
     'Hermes2ProToolParser.structural_tag_model': '242ffcd7475aa2fe82d65005a3ae9a2d6edd1592c8a086c1a4f0cff401c55ab6',
     'Hermes2ProToolParser.tool_call_start_token': 'f5796d36019dc709e390996a4381d926f9742abca95c22cf60d5d1a9ffec35d4',
     'Hermes2ProToolParser.tool_call_end_token': '769459712fb59df5b362f0df7e0b6dcc6fb213c6b4d30160eaefb915ab960604',
@@ -1418,6 +2028,8 @@ VENDORED_SHA256 = {
     'Hermes2ProToolParser._extract_tool_args': '08e87e02cccecef43736923795ef25bf1a6905d3335603d7598cca62743428cf',
     'Hermes2ProToolParser._compute_args_diff': 'd67b0af6ddeb443431d5b2a6f748bda46e96fea02b829603be90656223dc9c48',
     'Hermes2ProToolParser.extract_tool_calls_streaming': '86bad2d70015f3d9dfdd621c89d077e3317d29ce22892188ca3ac15e0e77ab22',
+    'DelegatingParser.adjust_request': 'df97336a2c864a0819e029aa6ce085aa92f26c55999d4ca965d9a895270ca894',
+    'DelegatingParser._apply_structural_tag': 'ece2ea203721069de54a0ba49d94db67fb3c351944f60fc657c80a0ec809b3a8',
     'DelegatingParser._append_unstreamed_tool_args': 'f7e4d1ea91299e4a78ad778a224cbce1185c5784deacf9c297f6879c315facc7',
     'sanitize_message': 'c4ad34c416e144d8260982cd357e24ed24b288492262fde8ea164a8b48dfa2aa',
     'create_error_response': '86c9ad151aac6c6d0a8ed0e7bd165698f7976a2d71ce92d3601645d55ae4c503',

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
+import json
+import sys
 from types import SimpleNamespace
 
 import pydantic
 import pytest
+import xgrammar as xgr
+import xgrammar.testing
 
 from gateway.http import schemas, structured, tools
 from gateway.http.errors import ApiError
@@ -224,10 +229,10 @@ class JsonListToolParser(vllm.ToolParser):
     structural tag of its own (0.33.0's PythonicToolParser, Granite20bFCToolParser, ...)."""
 
 
-def vllm_adjusted(parser_cls, choice, constraint: dict):
+def vllm_adjusted(parser_cls, choice, constraint: dict, tool_list=TOOLS):
     """The request vLLM's parser leaves (`adjust_request`, run before sampling)."""
     request = Request()  # the vendored class: its methods only, the fields set here
-    request.tools = [vllm.ChatCompletionToolsParam(**t) for t in copy.deepcopy(TOOLS)]
+    request.tools = [vllm.ChatCompletionToolsParam(**t) for t in copy.deepcopy(tool_list)]
     request.tool_choice = vllm.ChatCompletionNamedToolChoiceParam(**choice) \
         if isinstance(choice, dict) else choice
     request.parallel_tool_calls, request.skip_special_tokens = None, None
@@ -265,19 +270,57 @@ def _ours_with_constraint(choice, constraint: dict):
     return tool_constraint(body, proxy)
 
 
+def vllm_hermes_adjusted(choice, constraint: dict, monkeypatch, tool_list=TOOLS):
+    """The request vLLM's serving layer leaves with `--tool-call-parser hermes`: its
+    DelegatingParser.adjust_request (the structural tag, then the tool parser's own step)."""
+    # get_structural_tag imports vLLM's registry module at call time: the copy stands for it
+    monkeypatch.setitem(sys.modules, "vllm.tool_parsers.structural_tag_registry", vllm)
+    parser = object.__new__(vllm.DelegatingParser)
+    parser._reasoning_parser, parser.tool_strict_level = None, None  # no --tool-strict-level
+    parser._tool_parser = vllm.Hermes2ProToolParser(object())
+    return vllm_adjusted(lambda tokenizer: parser, choice, constraint, tool_list)
+
+
 @pytest.mark.parametrize("choice, constraint", CONSTRAINTS)
-def test_vllms_hermes_parser_leaves_the_constraint_to_its_structural_tag(choice, constraint):
+def test_vllms_hermes_parser_replaces_the_constraint_by_its_structural_tag(
+        choice, constraint, monkeypatch):
     """With VLLM_ENFORCE_STRICT_TOOL_CALLING at its default (on), a parser with a structural
-    tag model, Hermes's among them, does not support the JSON `required`/named path
-    (ToolParser.__init_subclass__): its adjust_request leaves the constraint, which vLLM's
-    Parser._apply_structural_tag then replaces with a Hermes-format structural tag (read in
-    vllm/parser/abstract_parser.py, not run here: it builds xgrammar's structural tag)."""
+    tag model, Hermes's among them, does not take the JSON `required`/named path
+    (ToolParser.__init_subclass__; its adjust_request leaves the constraint): vLLM replaces the
+    constraint by an xgrammar structural tag of Hermes blocks instead, whose arguments are any
+    JSON unless the tool is `strict` (or the server's --tool-strict-level is `parameter`)."""
     assert vllm.envs.VLLM_ENFORCE_STRICT_TOOL_CALLING
     assert vllm.Hermes2ProToolParser.supports_required_and_named is False
     assert JsonListToolParser.supports_required_and_named is True
-    adjusted = vllm_adjusted(vllm.Hermes2ProToolParser, choice, constraint)
-    so, fmt = constraint.get("structured_outputs"), constraint.get("response_format")
-    assert adjusted.structured_outputs == (None if so is None
-                                           else vllm.StructuredOutputsParams(**so))
-    assert adjusted.response_format == (None if fmt is None else vllm.ResponseFormat(**fmt))
-    assert adjusted.skip_special_tokens is False  # Hermes's own step: keep <tool_call>
+    alone = vllm_adjusted(vllm.Hermes2ProToolParser, choice, constraint)
+    assert alone.structured_outputs == (vllm.StructuredOutputsParams(**constraint[
+        "structured_outputs"]) if "structured_outputs" in constraint else None)
+    adjusted = vllm_hermes_adjusted(choice, constraint, monkeypatch)
+    assert adjusted.response_format is None and adjusted.skip_special_tokens is False
+    so = adjusted.structured_outputs
+    assert [k for k in (*KINDS, "structural_tag") if getattr(so, k) is not None] == \
+        ["structural_tag"]
+    tag = json.loads(so.structural_tag)["format"]
+    assert tag["type"] == "tags_with_separator" and tag["at_least_one"] is True
+    assert tag["stop_after_first"] is (choice == NAMED)
+    names = ["noop"] if choice == NAMED else ["get_weather", "noop"]
+    assert [(t["begin"], t["end"], t["content"]["type"], t["content"]["json_schema"])
+            for t in tag["tags"]] == [
+        (begin + name + '", "arguments": ', end, "json_schema", True)  # True: any JSON
+        for name in names for begin, end in (('<tool_call>\n{"name": "', "}\n</tool_call>"),
+                                             ('<tool_call>{"name": "', "}</tool_call>"))]
+    grammar = xgr.Grammar.from_structural_tag(so.structural_tag)
+    accepts = functools.partial(xgr.testing._is_grammar_accept_string, grammar)
+    assert accepts('<tool_call>{"name": "noop", "arguments": {"any": ["json"]}}</tool_call>')
+    assert not accepts(json.dumps([{"name": "noop", "parameters": {}}]) if choice ==
+                       "required" else "{}")  # what our JSON schema makes the model write
+
+
+def test_vllms_hermes_tag_holds_a_strict_tools_arguments_to_its_parameters(monkeypatch):
+    strict = copy.deepcopy(TOOLS)
+    strict[0]["function"]["strict"] = True
+    data = {"structured_outputs": {"regex": "a+"}}
+    request = vllm_hermes_adjusted("required", data, monkeypatch, strict)
+    tags = json.loads(request.structured_outputs.structural_tag)["format"]["tags"]
+    assert [t["content"]["json_schema"] for t in tags] == \
+        [strict[0]["function"]["parameters"]] * 2 + [True] * 2
