@@ -16,7 +16,8 @@ by the test, so a hand edit of a copy cannot go unnoticed):
   `make_tool_call_id` (vllm/renderers/chat_utils/tool_call.py; `random_uuid` from
   vllm/utils/__init__.py), the delta classes (vllm/entrypoints/generate/base/protocol.py),
   and what the serving layer adds to a stream's last delta (vllm/parser/abstract_parser.py:
-  `DelegatingParser._append_unstreamed_tool_args`);
+  `DelegatingParser._append_unstreamed_tool_args`), and how it parses a whole output for a
+  tool choice (`DelegatingParser._extract_tool_calls`, `extract_tool_calls`);
 - how vLLM constrains a request with tools for a parser that has a structural tag, Hermes's:
   `DelegatingParser.adjust_request` and `_apply_structural_tag` (vllm/parser/abstract_parser.py),
   `ToolParser.get_structural_tag`, `ToolStrictLevel`, and the Hermes tag's builders in
@@ -73,8 +74,9 @@ PIECES = (
     (CHAT_MESSAGE, None, ("_postprocess_messages",)),
     (VLLM_UTILS, None, ("MASK_64_BITS", "random_uuid")),
     (TOOL_CALL, None, ("make_tool_call_id",)),
-    (BASE_PROTOCOL, None, ("JsonSchemaResponseFormat", "ResponseFormat", "DeltaFunctionCall",
-                           "DeltaToolCall", "DeltaMessage")),
+    (BASE_PROTOCOL, None, ("JsonSchemaResponseFormat", "ResponseFormat", "FunctionCall",
+                           "ToolCall", "DeltaFunctionCall", "DeltaToolCall",
+                           "ExtractedToolCallInformation", "DeltaMessage")),
     (SAMPLING, None, ("StructuredOutputsParams",)),
     (CONFIG_UTILS, None, ("get_field", "is_init_field", "replace")),
     (BASE_PROTOCOL, None, ("structured_outputs_from_response_format",)),
@@ -101,7 +103,8 @@ PIECES = (
                                       "_extract_tool_call_jsons", "_extract_tool_name",
                                       "_extract_tool_args", "_compute_args_diff",
                                       "extract_tool_calls_streaming")),
-    (PARSER, "DelegatingParser", ("adjust_request", "_apply_structural_tag",
+    (PARSER, "DelegatingParser", ("_extract_tool_calls", "adjust_request",
+                                  "_apply_structural_tag", "extract_tool_calls",
                                   "_append_unstreamed_tool_args")),
     (ERROR_UTILS, None, ("sanitize_message",)),
     (ERROR_RESPONSE, None, ("create_error_response",)),

@@ -14,6 +14,7 @@
 # OnlineRenderer.render_chat reads is set by the test). The OpenAI Responses types are the
 # `openai` package's own.
 # ruff: noqa
+import contextlib
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from xgrammar.structural_tag import (
 import enum
 from dataclasses import MISSING, field, fields, is_dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_serializer
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
@@ -91,27 +92,9 @@ class ChatCompletionNamedToolChoiceParam(BaseModel):
     type: Literal["function"] = "function"
 
 
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str = "chatcmpl-tool-vendored"
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ExtractedToolCallInformation(BaseModel):
-    tools_called: bool
-    tool_calls: list[ToolCall]
-    content: str | None = None
-
-
 Tool: TypeAlias = ChatCompletionToolsParam
 ChatCompletionRequest: TypeAlias = Any
 ConversationMessage: TypeAlias = dict[str, Any]
-ExtractedToolCallInformation.model_rebuild()
 
 
 def validate_structured_outputs_structural_tag(structured_outputs: Any) -> None:
@@ -154,6 +137,10 @@ EngineInput: TypeAlias = Any
 AnyResponseFormat: TypeAlias = Any
 ConfigType: TypeAlias = type
 ConfigT = TypeVar("ConfigT")
+
+
+def record_tool_parser_invocation(*, is_tool_called, is_streaming, request) -> None:
+    """vLLM's metrics of tool parsing (here, none)."""
 
 
 
@@ -478,6 +465,21 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaResponseFormat | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    # Internal field to preserve native tool call ID from tool parser.
+    # Excluded from serialization to maintain OpenAI API compatibility
+    # (function object should only contain 'name' and 'arguments').
+    id: str | None = Field(default=None, exclude=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=make_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class DeltaFunctionCall(BaseModel):
     name: str | None = None
     arguments: str | None = None
@@ -488,6 +490,18 @@ class DeltaToolCall(OpenAIBaseModel):
     type: Literal["function"] | None = None
     index: int
     function: DeltaFunctionCall | None = None
+
+
+class ExtractedToolCallInformation(BaseModel):
+    # indicate if tools were called
+    tools_called: bool
+
+    # extracted tool calls
+    tool_calls: list[ToolCall]
+
+    # content - per OpenAI spec, content AND tool calls can be returned rarely
+    # But some models will do this intentionally
+    content: str | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -1454,6 +1468,107 @@ class Hermes2ProToolParser(ToolParser):  # ours: the class line only
 
 # ---- vLLM: vllm/parser/abstract_parser.py (file sha256 050234f75f7406e2368b54ecbad95c5efe79fc8437afb2b0e515e571f5d6e311), class DelegatingParser
 class DelegatingParser:  # ours: the class line only
+    def _extract_tool_calls(
+        self,
+        content: str | None,
+        request: ChatCompletionRequest | ResponsesRequest,
+        enable_auto_tools: bool = False,
+    ) -> tuple[list[FunctionCall] | None, str | None]:
+        tool_parser = self._tool_parser
+        if tool_parser is None:
+            return [], content
+
+        if request.tool_choice == "none":
+            if self._engine_based:
+                result = self.extract_tool_calls(content or "", request=request)
+                return [], result.content
+            return [], content
+
+        supports_required_and_named = tool_parser.supports_required_and_named
+        is_named_tool_choice = request.tool_choice and isinstance(
+            request.tool_choice,
+            (ToolChoiceFunction, ToolChoiceCustom, ChatCompletionNamedToolChoiceParam),
+        )
+        is_required_tool_choice = request.tool_choice == "required"
+        is_auto_tool_choice = enable_auto_tools and (
+            request.tool_choice == "auto"
+            or request.tool_choice is None
+            or (
+                not supports_required_and_named
+                and (is_named_tool_choice or is_required_tool_choice)
+            )
+        )
+
+        tool_calls = list[FunctionCall]()
+        if is_named_tool_choice and supports_required_and_named:
+            if content is None or (isinstance(content, str) and not content.strip()):
+                return [], None
+            function_name = self._get_function_name(request)
+            tool_calls.append(
+                FunctionCall(
+                    id=self._make_tool_call_id(function_name),
+                    name=function_name,
+                    arguments=content,
+                )
+            )
+            content = None
+        elif is_required_tool_choice and supports_required_and_named:
+            # "required" with standard JSON-based parsing
+            parsed_calls = []
+            with contextlib.suppress(ValidationError):
+                content = content or ""
+                parsed_calls = TypeAdapter(list[FunctionDefinition]).validate_json(
+                    content
+                )
+            for tc in parsed_calls:
+                tool_calls.append(
+                    FunctionCall(
+                        id=self._make_tool_call_id(tc.name),
+                        name=tc.name,
+                        arguments=json.dumps(tc.parameters, ensure_ascii=False),
+                    )
+                )
+            content = None
+        elif is_auto_tool_choice:
+            # Automatic Tool Call Parsing (also used as fallback for
+            # required/named when supports_required_and_named=False)
+            tool_call_info = self.extract_tool_calls(
+                content if content is not None else "",
+                request=request,
+            )
+            if tool_call_info is not None and tool_call_info.tools_called:
+                tool_calls.extend(
+                    FunctionCall(
+                        id=tc.id,
+                        name=tc.function.name,
+                        arguments=tc.function.arguments,
+                    )
+                    for tc in tool_call_info.tool_calls
+                )
+                content = tool_call_info.content
+                if content and content.strip() == "":
+                    content = None
+            else:
+                # No tool calls.
+                # For required/named tool choice (when falling back to auto
+                # parsing), if content is empty or whitespace-only, return
+                # empty list with None content.
+                if (is_required_tool_choice or is_named_tool_choice) and (
+                    content is None
+                    or (isinstance(content, str) and not content.strip())
+                ):
+                    return [], None
+                # No complete tool calls: for engine-based parsers, return
+                # the tool parser's content, which drops incomplete
+                # tool-call markup (e.g. a <tool_call> opener truncated by
+                # max_tokens or a stop string), so the non-streaming path
+                # matches streaming. Legacy parsers keep their existing
+                # behavior of returning the raw content.
+                if self._engine_based and tool_call_info is not None:
+                    return None, tool_call_info.content or None
+                return None, content
+
+        return tool_calls, content
     def adjust_request(
         self, request: ChatCompletionRequest | ResponsesRequest
     ) -> ChatCompletionRequest | ResponsesRequest:
@@ -1569,6 +1684,33 @@ class DelegatingParser:  # ours: the class line only
         else:
             request.response_format = None
         return request
+    def extract_tool_calls(
+        self,
+        model_output: str,
+        request: ChatCompletionRequest | ResponsesRequest,
+    ) -> ExtractedToolCallInformation:
+        if self._tool_parser is None:
+            return ExtractedToolCallInformation(
+                tools_called=False, tool_calls=[], content=model_output
+            )
+        result = None
+        is_tool_called: bool | Exception = False
+        try:
+            result = self._tool_parser.extract_tool_calls(
+                model_output,
+                request=request,  # type: ignore[arg-type]
+            )
+            is_tool_called = bool(result.tools_called)
+        except Exception as e:
+            is_tool_called = e
+            raise
+        finally:
+            record_tool_parser_invocation(
+                is_tool_called=is_tool_called,
+                is_streaming=False,
+                request=request,
+            )
+        return result
     def _append_unstreamed_tool_args(
         self,
         delta_message: DeltaMessage | None,
@@ -1973,8 +2115,11 @@ VENDORED_SHA256 = {
     'make_tool_call_id': 'c768c7aa16c6755c1b246096e7b3744abe66a985ced44e8242fdbaafb3e7fd1a',
     'JsonSchemaResponseFormat': '3716522fee921f3f716041056ed4303c0563f46bf8d458046d3316eee558f782',
     'ResponseFormat': 'c0b0726f3930740e04ed9c417110f8cc5e9e1da7c033bd242120599dc9db5edc',
+    'FunctionCall': '958cc8c0a319dc47848feb2d763712a14374d7c4b2925dd6e5236cd20a3e4e4e',
+    'ToolCall': '723eac2f8348a969a006872a6890509026a2d3bb3c10c809149a698ced1dbe33',
     'DeltaFunctionCall': 'ba69a8f2821a0269dbf28231cef3e72a5bb330b374a651be3fed85ed68aa0e2e',
     'DeltaToolCall': 'b91fa927a6108fd6213820aba0b541555006feabd31bf1b74a8eedb2e2b9499d',
+    'ExtractedToolCallInformation': 'b4de3216e7b9af03921451b2b094adab28292b91f23ed78c9d0bdcee237b11e4',
     'DeltaMessage': '47aa4c2aa162c94c06ca0e60f75f2a092b65b5dda00e58550e34653da8e34889',
     'StructuredOutputsParams': 'd0c18be79bc23dc7d64f653b3dc4c39b54e68a5fd007cb4787490f8d27c78475',
     'get_field': '3a4bb2b8a1dc1ba23cad7cd029a7b96996a016005607d056f39f40351184ec59',
@@ -2028,8 +2173,10 @@ VENDORED_SHA256 = {
     'Hermes2ProToolParser._extract_tool_args': '08e87e02cccecef43736923795ef25bf1a6905d3335603d7598cca62743428cf',
     'Hermes2ProToolParser._compute_args_diff': 'd67b0af6ddeb443431d5b2a6f748bda46e96fea02b829603be90656223dc9c48',
     'Hermes2ProToolParser.extract_tool_calls_streaming': '86bad2d70015f3d9dfdd621c89d077e3317d29ce22892188ca3ac15e0e77ab22',
+    'DelegatingParser._extract_tool_calls': 'cf6ff06342f76b0a21a8e04f7ecbede58635079758a67ed28dcc61be3a3da822',
     'DelegatingParser.adjust_request': 'df97336a2c864a0819e029aa6ce085aa92f26c55999d4ca965d9a895270ca894',
     'DelegatingParser._apply_structural_tag': 'ece2ea203721069de54a0ba49d94db67fb3c351944f60fc657c80a0ec809b3a8',
+    'DelegatingParser.extract_tool_calls': 'fecce9bf400d7b68e727df5752521a8862a60581b2a0ace3365b2db36a4af010',
     'DelegatingParser._append_unstreamed_tool_args': 'f7e4d1ea91299e4a78ad778a224cbce1185c5784deacf9c297f6879c315facc7',
     'sanitize_message': 'c4ad34c416e144d8260982cd357e24ed24b288492262fde8ea164a8b48dfa2aa',
     'create_error_response': '86c9ad151aac6c6d0a8ed0e7bd165698f7976a2d71ce92d3601645d55ae4c503',

@@ -231,6 +231,11 @@ class JsonListToolParser(vllm.ToolParser):
 
 def vllm_adjusted(parser_cls, choice, constraint: dict, tool_list=TOOLS):
     """The request vLLM's parser leaves (`adjust_request`, run before sampling)."""
+    return parser_cls(object()).adjust_request(vllm_request(choice, constraint, tool_list))
+
+
+def vllm_request(choice, constraint: dict, tool_list=TOOLS):
+    """A vLLM ChatCompletionRequest with tools, as pydantic makes its fields."""
     request = Request()  # the vendored class: its methods only, the fields set here
     request.tools = [vllm.ChatCompletionToolsParam(**t) for t in copy.deepcopy(tool_list)]
     request.tool_choice = vllm.ChatCompletionNamedToolChoiceParam(**choice) \
@@ -239,7 +244,7 @@ def vllm_adjusted(parser_cls, choice, constraint: dict, tool_list=TOOLS):
     so, fmt = constraint.get("structured_outputs"), constraint.get("response_format")
     request.structured_outputs = None if so is None else vllm.StructuredOutputsParams(**so)
     request.response_format = None if fmt is None else vllm.ResponseFormat(**fmt)
-    return parser_cls(object()).adjust_request(request)
+    return request
 
 
 CONSTRAINTS = [("required", {"structured_outputs": {"regex": "a+"}}),
@@ -324,3 +329,24 @@ def test_vllms_hermes_tag_holds_a_strict_tools_arguments_to_its_parameters(monke
     tags = json.loads(request.structured_outputs.structural_tag)["format"]["tags"]
     assert [t["content"]["json_schema"] for t in tags] == \
         [strict[0]["function"]["parameters"]] * 2 + [True] * 2
+
+
+@pytest.mark.parametrize("enable_auto_tool_choice", [True, False])
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_vllm_reads_its_hermes_tag_output_as_auto_with_auto_tool_choice_only(
+        choice, enable_auto_tool_choice):
+    """What each side parses out of what its constraint makes the model write: vLLM a Hermes
+    block, through the Hermes parser as for `auto` (DelegatingParser._extract_tool_calls) when
+    the server has --enable-auto-tool-choice, and no call without it; we our JSON output."""
+    parser = object.__new__(vllm.DelegatingParser)
+    parser._tool_parser, parser._engine_based = vllm.Hermes2ProToolParser(object()), False
+    request = vllm_request(choice, {})
+    output = '<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
+    calls, content = parser._extract_tool_calls(output, request, enable_auto_tool_choice)
+    theirs = [(c.name, c.arguments) for c in calls]
+    assert (theirs, content) == (([("noop", "{}")], None) if enable_auto_tool_choice
+                                 else ([], output))
+    plan = tools.plan(copy.deepcopy(TOOLS), choice, None, None)
+    ours = tools.parse(plan, '[{"name": "noop", "parameters": {}}]' if choice == "required"
+                       else "{}")
+    assert [(c.name, c.arguments) for c in ours[1]] == [("noop", "{}")]
