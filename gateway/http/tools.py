@@ -9,7 +9,8 @@ with vLLM's own code in tests/gateway/test_http_tools_vllm.py).
   output parsed by the family's parser), `required` and a named function, both enforced by the
   structured-output engine: `required` by a JSON schema of a list of {name, parameters} (vLLM's
   `get_json_schema_from_tools`), a named function by its parameters' schema (the whole output is
-  the arguments).
+  the arguments). vLLM does so for parsers without a structural tag; its Hermes parser, at its
+  defaults, constrains to Hermes blocks instead (docs/structured_output.md, "Tools").
 - The parser of `auto` is chosen by the chat template: one that writes `<tool_call>` (Hermes,
   Qwen2.5/Qwen3, SmolLM3, ...) gets the Hermes parser (vLLM's `Hermes2ProToolParser`); a
   template without tool support (e.g. SmolLM2-135M-Instruct's ChatML) gets none: `auto` then
