@@ -10,6 +10,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -140,8 +141,23 @@ OUTPUTS = [
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_hermes_parser_is_vllms(output):
     theirs = vllm.Hermes2ProToolParser(NO_TOKENIZER).extract_tool_calls(output, None)
-    auto = tools.plan(TOOLSETS["plain"], "auto", None, "... <tool_call> ...")  # Hermes parser
-    content, calls = tools.parse(auto, output)
+    content, calls = tools.hermes(output)
     assert content == theirs.content
     assert [(c.name, c.arguments) for c in calls] == \
         [(c.function.name, c.function.arguments) for c in theirs.tool_calls]
+
+
+@pytest.mark.parametrize("output", [*OUTPUTS, "", " \n ",
+                                    ' \n <tool_call>{"name": "f", "arguments": {}}'])
+def test_auto_answers_as_vllms_serving_layer(output):
+    """The whole answer of `auto` with vLLM's Hermes parser: its serving layer
+    (DelegatingParser._extract_tool_calls, with --enable-auto-tool-choice) runs the parser and
+    drops content that is only whitespace before calls."""
+    parser = object.__new__(vllm.DelegatingParser)
+    parser._tool_parser, parser._engine_based = vllm.Hermes2ProToolParser(NO_TOKENIZER), False
+    request = SimpleNamespace(tool_choice="auto")
+    calls, content = parser._extract_tool_calls(output, request, enable_auto_tools=True)
+    auto = tools.plan(TOOLSETS["plain"], "auto", None, "... <tool_call> ...")  # Hermes parser
+    ours_content, ours = tools.parse(auto, output)
+    assert ours_content == content
+    assert [(c.name, c.arguments) for c in ours] == [(c.name, c.arguments) for c in calls or []]
