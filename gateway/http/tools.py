@@ -164,8 +164,9 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
 def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """vLLM's Hermes parser (`Hermes2ProToolParser.extract_tool_calls`, compared in
     tests/gateway/test_http_tools_vllm.py): the text before the first `<tool_call>` is the
-    content, as it is (None when empty; `parse` also drops whitespace, as vLLM's serving layer); each block (the last may be unclosed) is JSON with a
-    string `name` and an `arguments` value, which becomes JSON text. A block that is not such
+    content, as it is (None when empty; `parse` also drops whitespace, as vLLM's serving layer);
+    each block (the last may be unclosed) is JSON with a string `name` and an `arguments`
+    value, which becomes JSON text. A block that is not such
     JSON leaves the whole output as content (the model did not make a call we can report)."""
     if HERMES_OPEN not in text:
         return text, []
