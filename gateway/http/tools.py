@@ -9,7 +9,8 @@ with vLLM's own code in tests/gateway/test_http_tools_vllm.py).
   output parsed by the family's parser), `required` and a named function, both enforced by the
   structured-output engine: `required` by a JSON schema of a list of {name, parameters} (vLLM's
   `get_json_schema_from_tools`), a named function by its parameters' schema (the whole output is
-  the arguments).
+  the arguments). vLLM does so for parsers without a structural tag; its Hermes parser, at its
+  defaults, constrains to Hermes blocks instead (docs/structured_output.md, "Tools").
 - The parser of `auto` is chosen by the chat template: one that writes `<tool_call>` (Hermes,
   Qwen2.5/Qwen3, SmolLM3, ...) gets the Hermes parser (vLLM's `Hermes2ProToolParser`); a
   template without tool support (e.g. SmolLM2-135M-Instruct's ChatML) gets none: `auto` then
@@ -152,17 +153,23 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False),
                                call_id()) for c in calls]
-    if p.mode == "auto" and p.parser == "hermes" and HERMES_OPEN in text:
-        return hermes(text)
+    if p.mode == "auto" and p.parser == "hermes":
+        content, calls = hermes(text)
+        if calls and content is not None and not content.strip():
+            content = None  # vLLM's serving layer (DelegatingParser._extract_tool_calls) too
+        return content, calls
     return text, []
 
 
 def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """vLLM's Hermes parser (`Hermes2ProToolParser.extract_tool_calls`, compared in
     tests/gateway/test_http_tools_vllm.py): the text before the first `<tool_call>` is the
-    content, as it is (None when empty); each block (the last may be unclosed) is JSON with a
-    string `name` and an `arguments` value, which becomes JSON text. A block that is not such
+    content, as it is (None when empty; `parse` also drops whitespace, as vLLM's serving layer);
+    each block (the last may be unclosed) is JSON with a string `name` and an `arguments`
+    value, which becomes JSON text. A block that is not such
     JSON leaves the whole output as content (the model did not make a call we can report)."""
+    if HERMES_OPEN not in text:
+        return text, []
     calls = []
     for closed, unclosed in _HERMES_BLOCK.findall(text):
         try:

@@ -10,6 +10,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,8 @@ from gateway.http.errors import ApiError
 from tests.data import vllm_tools_v0_33_0 as vllm
 
 VENDORED = Path(vllm.__file__)
+# The Hermes parser only checks that it was given a tokenizer (it never reads one).
+NO_TOKENIZER = object()
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string"}}}
@@ -53,7 +56,7 @@ def _texts(tree: ast.Module, source: str) -> dict[str, str]:
 def test_the_copies_are_the_wheels_text():
     source = VENDORED.read_text()
     texts = _texts(ast.parse(source), source)
-    assert len(vllm.VENDORED_SHA256) == 17
+    assert len(vllm.VENDORED_SHA256) == 88
     for name, digest in vllm.VENDORED_SHA256.items():
         assert hashlib.sha256(texts[name].encode()).hexdigest() == digest, name
     assert "SPDX-License-Identifier: Apache-2.0" in source.splitlines()[0]
@@ -137,9 +140,24 @@ OUTPUTS = [
 
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_hermes_parser_is_vllms(output):
-    theirs = vllm.Hermes2ProToolParser().extract_tool_calls(output, None)
-    auto = tools.plan(TOOLSETS["plain"], "auto", None, "... <tool_call> ...")  # Hermes parser
-    content, calls = tools.parse(auto, output)
+    theirs = vllm.Hermes2ProToolParser(NO_TOKENIZER).extract_tool_calls(output, None)
+    content, calls = tools.hermes(output)
     assert content == theirs.content
     assert [(c.name, c.arguments) for c in calls] == \
         [(c.function.name, c.function.arguments) for c in theirs.tool_calls]
+
+
+@pytest.mark.parametrize("output", [*OUTPUTS, "", " \n ",
+                                    ' \n <tool_call>{"name": "f", "arguments": {}}'])
+def test_auto_answers_as_vllms_serving_layer(output):
+    """The whole answer of `auto` with vLLM's Hermes parser: its serving layer
+    (DelegatingParser._extract_tool_calls, with --enable-auto-tool-choice) runs the parser and
+    drops content that is only whitespace before calls."""
+    parser = object.__new__(vllm.DelegatingParser)
+    parser._tool_parser, parser._engine_based = vllm.Hermes2ProToolParser(NO_TOKENIZER), False
+    request = SimpleNamespace(tool_choice="auto")
+    calls, content = parser._extract_tool_calls(output, request, enable_auto_tools=True)
+    auto = tools.plan(TOOLSETS["plain"], "auto", None, "... <tool_call> ...")  # Hermes parser
+    ours_content, ours = tools.parse(auto, output)
+    assert ours_content == content
+    assert [(c.name, c.arguments) for c in ours] == [(c.name, c.arguments) for c in calls or []]
