@@ -49,6 +49,13 @@ def step(stub):
     return lambda req: stub.Step(req, timeout=5)
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def index_redis(request):
+    """One redis-server, or a 3-master Redis Cluster (tests/conftest.py): the index's layout
+    and writes differ between them (gateway/core/shared_index.py's module doc)."""
+    return request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+
+
 @pytest.fixture
 def cache():
     with running_server(CacheCore()) as server, stub_for(server) as stub:
@@ -57,16 +64,16 @@ def cache():
         yield f"127.0.0.1:{server.port}", stub
 
 
-def test_two_replicas_see_one_index_written_by_one_indexer(redis_server, cache):
+def test_two_replicas_see_one_index_written_by_one_indexer(index_redis, cache):
     address, stub = cache
-    st = store(redis_server)
+    st = store(index_redis)
     indexers = [Indexer(st, "pool-a", address, f"replica-{i}").start() for i in range(2)]
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
         wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
         assert sum(ix.holding for ix in indexers) == 1
         assert st.holder("pool-a") in ("replica-0", "replica-1")
-        views = [SharedIndexView(store(redis_server)) for _ in range(2)]
+        views = [SharedIndexView(store(index_redis)) for _ in range(2)]
         hashes = expected_hashes(PROMPTS[0])
         answers = [v.lookup(hashes) for v in views]
         assert answers[0] == answers[1]
@@ -77,9 +84,9 @@ def test_two_replicas_see_one_index_written_by_one_indexer(redis_server, cache):
             ix.stop()
 
 
-def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(redis_server, cache):
+def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(index_redis, cache):
     address, stub = cache
-    st = store(redis_server)
+    st = store(index_redis)
     first = Indexer(st, "pool-a", address, "first").start()
     cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
     wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
@@ -91,7 +98,7 @@ def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(redis_se
         assert st.holder("pool-a") == "second"
         assert second.counters.snapshots == 0  # resumed from the replay buffer
         assert second.counters.batches >= 1
-        view = SharedIndexView(store(redis_server))
+        view = SharedIndexView(store(index_redis))
         assert view.lookup(expected_hashes(PROMPTS[0]))["pool-a"].device_pages == 3
         assert view.lookup(expected_hashes(PROMPTS[2]))["pool-a"].device_pages == 4
         # The old holder can no longer write.
@@ -100,9 +107,9 @@ def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(redis_se
         second.stop()
 
 
-def test_lookups_equal_the_in_memory_index_on_the_same_events(redis_server, cache):
+def test_lookups_equal_the_in_memory_index_on_the_same_events(index_redis, cache):
     address, stub = cache
-    st = store(redis_server)
+    st = store(index_redis)
     indexers = [Indexer(st, p, address, "r").start() for p in ("pool-a", "pool-b")]
     memory = KvIndex()
     streams = {p: stub.Subscribe(pb.SubscribeRequest(pool_id=p, after_seq=-1, heartbeat_interval_s=0.05),
@@ -120,7 +127,7 @@ def test_lookups_equal_the_in_memory_index_on_the_same_events(redis_server, cach
                         break
         for pool in streams:
             wait_until(lambda p=pool: written_seq(st, p) == head_seq(stub, p))
-        view = SharedIndexView(store(redis_server))
+        view = SharedIndexView(store(index_redis))
         for tokens in [*PROMPTS, PROMPTS[0][:PAGE * 2], list(range(900, 920))]:
             hashes = expected_hashes(tokens)
             shared, local = view.lookup(hashes), memory.lookup(hashes)
@@ -133,9 +140,9 @@ def test_lookups_equal_the_in_memory_index_on_the_same_events(redis_server, cach
             ix.stop()
 
 
-def test_namespaces_never_leak(redis_server, cache):
+def test_namespaces_never_leak(index_redis, cache):
     address, stub = cache
-    a, b = store(redis_server, "ns-a"), store(redis_server, "ns-b")
+    a, b = store(index_redis, "ns-a"), store(index_redis, "ns-b")
     ix = Indexer(a, "pool-a", address, "r").start()
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
@@ -145,11 +152,12 @@ def test_namespaces_never_leak(redis_server, cache):
         other = SharedIndexView(b)
         assert other.lookup(hashes) == {} and other.workers() == []
         assert b.holder("pool-a") is None
-        assert all(k.startswith(b"pcx:ns-a:") for k in b.redis.keys("*"))
+        keys = b.redis.keys("*", target_nodes="all") if b.cluster else b.redis.keys("*")
+        assert keys and all(k.startswith(b"pcx:ns-a:") for k in keys)
     finally:
         ix.stop()
     with pytest.raises(ValueError, match="without ':'"):
-        store(redis_server, "a:b")
+        store(index_redis, "a:b")
 
 
 def test_redis_down_answers_no_prefix_knowledge_and_says_so(redis_server, cache):
@@ -180,13 +188,13 @@ def _ev(kind, hashes, medium):
     return events_pb2.KvEvent(**{kind: body(block_hashes=hashes, medium=medium)})
 
 
-def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(redis_server):
+def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(index_redis):
     """Random streams of 5 workers over device, host and remote, with removals, snapshots that
     replace a view, a cleared pool and a new epoch: every lookup equals KvIndex's."""
     rng = random.Random(31)
     pages = [bytes([i]) * 16 for i in range(1, 40)]
     media = (common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE)
-    st, memory = store(redis_server), KvIndex()
+    st, memory = store(index_redis), KvIndex()
     writers = {}
     for w in range(5):
         pool = f"w{w}"
@@ -217,7 +225,7 @@ def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(re
         for b in batches:
             memory.apply(b)
             writers[pool].apply(b)
-        view = SharedIndexView(store(redis_server))
+        view = SharedIndexView(store(index_redis))
         for start in (0, 0, 3, 10):
             hashes = pages[start:start + rng.randrange(1, 25)]
             shared, local = view.lookup(hashes), memory.lookup(hashes)
