@@ -32,6 +32,7 @@ import argparse
 import functools
 import logging
 import sys
+from collections.abc import Callable
 
 from gateway.assembly import GatewayConfig, GatewayServer
 from gateway.core.dataplane_tenants import DataplaneTenants
@@ -52,6 +53,29 @@ from service_shell.auth_flags import (add_identities_flag, add_token_flag, ident
                                       token_from_args)
 
 log = logging.getLogger("gateway")
+
+
+def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
+    """--index-backend and the shared index's Redis (gateway/core/index_redis.py)."""
+    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
+         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
+         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
+         "worker and the holder of the worker's Redis lease writes its events)",
+         choices=("memory", "redis"))
+    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
+         "of the shared index: redis://[user[:password]@]HOST:PORT/DB, rediss:// for TLS, "
+         "redis+cluster://HOST:PORT (rediss+cluster://) for a Redis Cluster (any node)")
+    flag("--index-redis-password-file", "INDEX_REDIS_PASSWORD_FILE", None, "file holding the "
+         "index Redis's (ACL) password; the user name is the URL's (redis://USER@HOST)")
+    flag("--index-redis-tls-ca", "INDEX_REDIS_TLS_CA", None, "PEM CA bundle the rediss:// "
+         "index Redis's certificate is verified against")
+    flag("--index-redis-tls-cert", "INDEX_REDIS_TLS_CERT", None, "PEM client certificate for "
+         "an index Redis that requires one (with --index-redis-tls-key)")
+    flag("--index-redis-tls-key", "INDEX_REDIS_TLS_KEY", None, "PEM key of "
+         "--index-redis-tls-cert")
+    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
+         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
+         "of one fleet share it, other fleets on the same Redis need their own")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,25 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
          "index may use, in MiB; past it the least useful entries are evicted, counted "
          "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
          type=finite_float(1.0, 1e9))
-    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
-         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
-         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
-         "worker and the holder of the worker's Redis lease writes its events)",
-         choices=("memory", "redis"))
-    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
-         "of the shared index: redis://[user[:password]@]HOST:PORT/DB, rediss:// for TLS, "
-         "redis+cluster://HOST:PORT (rediss+cluster://) for a Redis Cluster (any node)")
-    flag("--index-redis-password-file", "INDEX_REDIS_PASSWORD_FILE", None, "file holding the "
-         "index Redis's (ACL) password; the user name is the URL's (redis://USER@HOST)")
-    flag("--index-redis-tls-ca", "INDEX_REDIS_TLS_CA", None, "PEM CA bundle the rediss:// "
-         "index Redis's certificate is verified against")
-    flag("--index-redis-tls-cert", "INDEX_REDIS_TLS_CERT", None, "PEM client certificate for "
-         "an index Redis that requires one (with --index-redis-tls-key)")
-    flag("--index-redis-tls-key", "INDEX_REDIS_TLS_KEY", None, "PEM key of "
-         "--index-redis-tls-cert")
-    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
-         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
-         "of one fleet share it, other fleets on the same Redis need their own")
+    _add_index_flags(flag, cfg)
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
