@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
@@ -84,6 +86,9 @@ class IndexRedis:
         url = urllib.parse.urlunsplit(urllib.parse.urlsplit(self.url)._replace(scheme=self.scheme))
         if self.cluster:
             # A master that dies leaves the other slots usable (cluster-require-full-coverage
-            # no on the servers): the client must not refuse a partial slot map either.
-            return RedisCluster.from_url(url, require_full_coverage=False, **kwargs)
+            # no on the servers): the client must not refuse a partial slot map either. No
+            # retries inside redis-py (as pagestore's L3 client): a routing lookup waits on
+            # Redis, and a failure is "no prefix knowledge" now; indexers retry their turn.
+            return RedisCluster.from_url(url, require_full_coverage=False,
+                                         retry=Retry(NoBackoff(), 0), **kwargs)
         return redis.Redis.from_url(url, **kwargs)
