@@ -11,7 +11,7 @@ import pytest
 
 from cache_service.core import CacheCore
 from gateway.core.index import KvIndex
-from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView
+from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView, TableRow
 from gateway.core.shared_indexer import Indexer, StreamWriter
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import common_pb2, events_pb2
@@ -270,3 +270,20 @@ def test_routing_with_the_shared_index_equals_routing_with_the_in_memory_one(red
         if n % 3:
             for router in routers:
                 router.finish(request.request_id)
+
+
+def test_a_cluster_writer_whose_lease_expired_writes_no_page(redis_cluster):
+    """On a cluster the page commands go before the lease script (the module doc): a writer
+    past half a lease since its last renewal renews first, so one whose lease expired and went
+    to another replica sends no page command at all."""
+    a, b = store(redis_cluster), store(redis_cluster)
+    assert a.cluster
+    assert a.try_lease("pool-a", "a")
+    row = TableRow(a.new_slot(), 1, 0, time.time(), False)
+    assert a.write("a", "pool-a", row, [("+", b"page-one", row.slot * 3)])
+    a.redis.delete(a.lease_key("pool-a"))  # as if it had expired
+    assert b.try_lease("pool-a", "b")
+    a._renewed["pool-a"] -= a.config.lease_ms / 1000  # a's last renewal is a lease old
+    assert not a.write("a", "pool-a", row, [("+", b"page-two", row.slot * 3)])
+    assert a.redis.exists(a.page_key(b"page-one")) and not a.redis.exists(a.page_key(b"page-two"))
+    assert b.write("b", "pool-a", row, [("+", b"page-two", row.slot * 3)])
