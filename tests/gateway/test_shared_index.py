@@ -23,7 +23,8 @@ PROMPTS = [list(range(100, 100 + 3 * PAGE + 1)), list(range(100, 100 + 2 * PAGE)
 
 
 def store(redis_server, namespace="ns-a", **kw) -> SharedIndexStore:
-    return SharedIndexStore(SharedIndexConfig(redis_server.url, namespace, lease_ms=1500, **kw))
+    kw.setdefault("lease_ms", 1500)
+    return SharedIndexStore(SharedIndexConfig(redis_server.url, namespace, **kw))
 
 
 def wait_until(predicate, timeout_s=10.0):
@@ -194,7 +195,9 @@ def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(in
     rng = random.Random(31)
     pages = [bytes([i]) * 16 for i in range(1, 40)]
     media = (common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE)
-    st, memory = store(index_redis), KvIndex()
+    # Leases that outlast the test: a worker may go unwritten for many rounds (slow on a loaded
+    # machine, with a cluster), and this test is about the index, not the leases.
+    st, memory = store(index_redis, lease_ms=600_000), KvIndex()
     writers = {}
     for w in range(5):
         pool = f"w{w}"
