@@ -32,10 +32,12 @@ import argparse
 import functools
 import logging
 import sys
+from collections.abc import Callable
 
 from gateway.assembly import GatewayConfig, GatewayServer
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import DnsWorkers, parse_static, static_workers
+from gateway.core.index_redis import IndexRedis
 from gateway.core.policies import POLICY_NAMES
 from gateway.core.resume_peers import ModelServerWorkers
 from gateway.core.shared_index import prefix_of
@@ -51,6 +53,29 @@ from service_shell.auth_flags import (add_identities_flag, add_token_flag, ident
                                       token_from_args)
 
 log = logging.getLogger("gateway")
+
+
+def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
+    """--index-backend and the shared index's Redis (gateway/core/index_redis.py)."""
+    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
+         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
+         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
+         "worker and the holder of the worker's Redis lease writes its events)",
+         choices=("memory", "redis"))
+    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
+         "of the shared index: redis://[user[:password]@]HOST:PORT/DB, rediss:// for TLS, "
+         "redis+cluster://HOST:PORT (rediss+cluster://) for a Redis Cluster (any node)")
+    flag("--index-redis-password-file", "INDEX_REDIS_PASSWORD_FILE", None, "file holding the "
+         "index Redis's (ACL) password; the user name is the URL's (redis://USER@HOST)")
+    flag("--index-redis-tls-ca", "INDEX_REDIS_TLS_CA", None, "PEM CA bundle the rediss:// "
+         "index Redis's certificate is verified against")
+    flag("--index-redis-tls-cert", "INDEX_REDIS_TLS_CERT", None, "PEM client certificate for "
+         "an index Redis that requires one (with --index-redis-tls-key)")
+    flag("--index-redis-tls-key", "INDEX_REDIS_TLS_KEY", None, "PEM key of "
+         "--index-redis-tls-cert")
+    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
+         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
+         "of one fleet share it, other fleets on the same Redis need their own")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,16 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
          "index may use, in MiB; past it the least useful entries are evicted, counted "
          "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
          type=finite_float(1.0, 1e9))
-    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
-         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
-         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
-         "worker and the holder of the worker's Redis lease writes its events)",
-         choices=("memory", "redis"))
-    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
-         "of the shared index (redis://HOST:PORT/DB)")
-    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
-         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
-         "of one fleet share it, other fleets on the same Redis need their own")
+    _add_index_flags(flag, cfg)
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
@@ -211,6 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.index_backend == "redis" and not args.index_redis_url:
         p.error("--index-backend redis needs --index-redis-url (PREFIXCACHE_INDEX_REDIS_URL): "
                 "the Redis the gateway replicas share the index in")
+    _check_index_redis(p, args)
     if args.index_backend == "redis" and (args.tls is not None or args.service_token):
         p.error("--index-backend redis: its indexers do not yet speak TLS or send a service "
                 "token to the cache services; use --index-backend memory with TLS or a token")
@@ -262,6 +279,22 @@ def _worker_source(args: argparse.Namespace):
     return InferencePoolWorkers(args.workers_inferencepool, args.cache_port)
 
 
+def _check_index_redis(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The index Redis's flags: consistent (gateway/core/index_redis.py); a usage error naming
+    the flag."""
+    names = ("index_redis_url", "index_redis_password_file", "index_redis_tls_ca",
+             "index_redis_tls_cert", "index_redis_tls_key")
+    if not args.index_redis_url:
+        for name in names[1:]:
+            if getattr(args, name):
+                p.error(f"--{name.replace('_', '-')} needs --index-redis-url")
+        return
+    try:
+        IndexRedis(*(getattr(args, name) for name in names))
+    except ValueError as exc:
+        p.error(str(exc))
+
+
 def _check_model_server(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.epp_callers is None:
         p.error("--model-server needs --service-identities-file: only the data plane's identity "
@@ -302,6 +335,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_id=args.model_id, page_size=args.page_size, stale_after_s=args.stale_after_s,
         dead_after_s=args.dead_after_s, index_memory_mb=args.index_memory_mb,
         index_backend=args.index_backend, index_redis_url=args.index_redis_url or "",
+        index_redis_password_file=args.index_redis_password_file,
+        index_redis_tls_ca=args.index_redis_tls_ca, index_redis_tls_cert=args.index_redis_tls_cert,
+        index_redis_tls_key=args.index_redis_tls_key,
         index_namespace=args.index_namespace,
         resolve_interval_s=args.resolve_interval_s,
         worker=WorkerSettings(tls=args.tls, service_token=args.service_token,

@@ -117,6 +117,11 @@ class GatewayConfig:
     index_backend: str = "memory"
     index_redis_url: str = ""
     index_namespace: str = "default"
+    # How to reach it (gateway/core/index_redis.py): the ACL password's file, TLS files.
+    index_redis_password_file: str | None = None
+    index_redis_tls_ca: str | None = None
+    index_redis_tls_cert: str | None = None
+    index_redis_tls_key: str | None = None
     resolve_interval_s: float = 10.0
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     # Worker-call deadline when the client set none.
@@ -182,7 +187,10 @@ class GatewayServer(ShellPorts):
             # The indexers' Subscribe channels are plain (gateway/core/shared_indexer.py).
             raise ValueError("index backend redis: the indexers do not yet speak TLS or send "
                              "a service token to the cache services")
-        store = SharedIndexStore(SharedIndexConfig(cfg.index_redis_url, cfg.index_namespace))
+        store = SharedIndexStore(SharedIndexConfig(
+            cfg.index_redis_url, cfg.index_namespace,
+            password_file=cfg.index_redis_password_file, tls_ca=cfg.index_redis_tls_ca,
+            tls_cert=cfg.index_redis_tls_cert, tls_key=cfg.index_redis_tls_key))
         roles = IndexerRoles(store)
         view = None
 

@@ -12,9 +12,14 @@ and worker table carries it):
   not a bitmap of worker slots: a page is held by few workers, and a bitmap over 1,000 slots
   would cost 125 bytes whoever holds it. 8-byte keys: a collision (two pages sharing a prefix,
   ~n^2/2^65) only makes routing believe a worker holds a page it lacks, a routing miss.
-- `s` -> a HASH pool_id -> "slot epoch last_seq last_seen_unix in_snapshot": the worker table,
-  and the point the next lease holder resumes the stream from.
-- `n` -> the slot counter; `l:` + pool_id -> the indexer's lease.
+- the control keys, all under the hash tag `{namespace}` (`pcx:NS:{NS}:...`, one Redis Cluster
+  slot, so that one script may touch them): `s` -> a HASH pool_id -> "slot epoch last_seq
+  last_seen_unix in_snapshot", the worker table and the point the next lease holder resumes the
+  stream from; `n` -> the slot counter; `l:` + pool_id -> the indexer's lease.
+Page keys carry no hash tag: a Redis Cluster spreads them over its masters, and a lookup (one
+SMEMBERS per page of the prompt, whoever holds it) stays one pipelined round trip per master, in
+parallel. (One tag per worker would put a worker's pages on one master, but a lookup would then
+read every page once per worker.)
 
 Clearing a worker (a snapshot, a new epoch, the worker leaving) is O(1): it takes a fresh slot
 from the counter and readers ignore members of any slot that is not a worker's current one. A
@@ -24,10 +29,25 @@ refreshes its page key's expiry (`page_ttl_s`), so a key no live worker stores a
 The cost of that choice: a page a worker holds for longer than the TTL without storing it again
 is forgotten (a routing miss, not a wrong answer).
 
-Every write of a batch is one Lua script (one round trip): it checks that the caller still
-holds the worker's lease (a replica that lost it cannot write), renews it, applies the stores and
-removals and records the new seq with them, atomically (the next holder resumes exactly there).
-Not Redis Cluster ready: the script names page keys it was not given as KEYS.
+Writes, under the worker's lease (a replica that lost it writes nothing more than noted here):
+- one Redis (the url redis:// or rediss://): every batch is one Lua script, one round trip, with
+  every key it touches declared: it checks that the caller still holds the lease, renews it,
+  applies the stores and removals and records the new seq with them, atomically (the next holder
+  resumes exactly there).
+- a Redis Cluster (redis+cluster://): the page keys of a batch lie on several masters, so no one
+  script can hold them and the lease. A batch is a pipeline of the page commands (one round trip
+  per master, in order per key), then the lease script of the control slot, which checks and
+  renews the lease and records the seq. What stays atomic: the lease check with the seq record.
+  Kept by the order: a recorded seq means its batch's pages were written (a holder that dies
+  between the two leaves the seq behind, and the next holder writes the batch again: SADD and
+  SREM of the same members are idempotent, so the replay ends in the same sets). A writer only
+  sends page commands within half a lease of its last renewal (measured from before that renewal
+  was sent, so no other replica can hold the lease yet), else it renews first. What is lost: a
+  writer stopped (paused, not dead) for longer than the lease between that check and its
+  pipeline could still land one batch of page commands after the next holder's; the next write
+  it tries is refused (LeaseLost). Its stale members are of the worker's own slot, so the worst
+  is routing that believes the worker holds or lacks a few pages: a routing miss, never a wrong
+  answer, until they are stored again or expire.
 """
 from __future__ import annotations
 
@@ -37,7 +57,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
+from redis.cluster import RedisCluster
 
+from gateway.core.index_redis import IndexRedis
 from gateway.core.index_scan import runs
 from gateway.core.index_types import IndexConfig, IndexStats, PrefixMatch, WorkerInfo
 from service_shell import kv
@@ -47,26 +69,25 @@ log = logging.getLogger("gateway.shared_index")
 KEY_BYTES = 8
 TIERS = 3
 
-# KEYS: lease, worker table. ARGV: owner, lease_ms, page prefix, page ttl s, pool_id, table row,
-# then per operation: '+' or '-', page key suffix, member.
+# KEYS: lease, worker table, then the page key of each operation. ARGV: owner, lease_ms, page ttl
+# s, pool_id, table row, then per operation: '+' or '-', member.
 APPLY_SCRIPT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-local prefix, ttl = ARGV[3], tonumber(ARGV[4])
-for i = 7, #ARGV, 3 do
-  local key = prefix .. ARGV[i + 1]
+local ttl = tonumber(ARGV[3])
+for k = 3, #KEYS do
+  local i = 6 + (k - 3) * 2
   if ARGV[i] == '+' then
-    redis.call('SADD', key, ARGV[i + 2])
-    redis.call('EXPIRE', key, ttl)
+    redis.call('SADD', KEYS[k], ARGV[i + 1])
+    redis.call('EXPIRE', KEYS[k], ttl)
   else
-    redis.call('SREM', key, ARGV[i + 2])
+    redis.call('SREM', KEYS[k], ARGV[i + 1])
   end
 end
-if ARGV[6] == '' then redis.call('HDEL', KEYS[2], ARGV[5])
-else redis.call('HSET', KEYS[2], ARGV[5], ARGV[6]) end
+if ARGV[5] == '' then redis.call('HDEL', KEYS[2], ARGV[4])
+elseif ARGV[5] ~= '-' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return 1
 """
-
 
 @dataclass(slots=True)
 class SharedIndexConfig:
@@ -79,11 +100,19 @@ class SharedIndexConfig:
     page_ttl_s: int = 24 * 3600
     # Seconds a reader reuses the worker table before re-reading it (in the lookup's pipeline).
     table_refresh_s: float = 0.25
+    # How to reach `url` (gateway/core/index_redis.py): ACL password file, TLS files.
+    password_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def connection(self) -> IndexRedis:
+        return IndexRedis(self.url, self.password_file, self.tls_ca, self.tls_cert, self.tls_key)
 
 
 def prefix_of(namespace: str) -> str:
-    if ":" in namespace or not namespace:
-        raise ValueError(f"index namespace {namespace!r}: must be non-empty, without ':'")
+    if not namespace or any(c in namespace for c in ":{}"):
+        raise ValueError(f"index namespace {namespace!r}: must be non-empty, without ':', '{{', '}}'")
     return f"pcx:{namespace}:"
 
 
@@ -112,26 +141,40 @@ class TableRow:
 class SharedIndexStore:
     """The Redis keys of one namespace: the lease and write primitives indexers use."""
 
-    def __init__(self, config: SharedIndexConfig, client: redis.Redis | None = None) -> None:
+    def __init__(self, config: SharedIndexConfig, client: redis.Redis | RedisCluster | None = None
+                 ) -> None:
         self.config = config
         self.prefix = prefix_of(config.namespace)
-        self.redis = client or redis.Redis.from_url(config.url, socket_timeout=1.0,
-                                                    socket_connect_timeout=1.0)
+        self.page_prefix = (self.prefix + "p:").encode()
+        # The control keys share one cluster slot (the module doc).
+        self.control = f"{self.prefix}{{{config.namespace}}}:"
+        self.redis = client or config.connection().connect()
+        self.cluster = isinstance(self.redis, RedisCluster)
         self._apply = self.redis.register_script(APPLY_SCRIPT)
-        self.table_key = self.prefix + "s"
+        self.table_key = self.control + "s"
+        # When this process last sent a renewal that Redis accepted, per lease (the cluster's
+        # writes: module doc).
+        self._renewed: dict[str, float] = {}
 
     def lease_key(self, pool_id: str) -> str:
-        return f"{self.prefix}l:{pool_id}"
+        return f"{self.control}l:{pool_id}"
+
+    def page_key(self, suffix: bytes) -> bytes:
+        return self.page_prefix + suffix
 
     def try_lease(self, pool_id: str, owner: str) -> bool:
         """SET NX PX: true when `owner` now holds (or already held) the worker's lease."""
         key = self.lease_key(pool_id)
-        if self.redis.set(key, owner, nx=True, px=self.config.lease_ms):
+        sent = time.monotonic()
+        if self.redis.set(key, owner, nx=True, px=self.config.lease_ms) \
+                or self.redis.get(key) == owner.encode():
+            self._renewed[pool_id] = sent
             return True
-        return self.redis.get(key) == owner.encode()
+        return False
 
     def release(self, pool_id: str, owner: str) -> None:
         key = self.lease_key(pool_id)
+        self._renewed.pop(pool_id, None)
         if self.redis.get(key) == owner.encode():
             self.redis.delete(key)
 
@@ -144,18 +187,47 @@ class SharedIndexStore:
         return TableRow.decode(raw) if raw else None
 
     def new_slot(self) -> int:
-        return int(self.redis.incr(self.prefix + "n"))
+        return int(self.redis.incr(self.control + "n"))
 
     def write(self, owner: str, pool_id: str, row: TableRow | None,
               ops: Sequence[tuple[str, bytes, int]]) -> bool:
-        """One round trip: ops ('+'/'-', page key suffix, member) and the worker's row (None:
-        the worker is gone), if `owner` still holds the lease. False when it does not."""
-        args: list[bytes | str | int] = [owner, self.config.lease_ms, self.prefix + "p:",
-                                         self.config.page_ttl_s, pool_id,
-                                         row.encode() if row else ""]
+        """Ops ('+'/'-', page key suffix, member) and the worker's row (None: the worker is
+        gone), if `owner` still holds the lease. False when it does not. One round trip to one
+        Redis; a pipeline and the lease script on a Redis Cluster (the module doc)."""
+        if not self.cluster:
+            return self._script(owner, pool_id, row.encode() if row else "", ops)
+        if ops:
+            if time.monotonic() - self._renewed.get(pool_id, float("-inf")) \
+                    >= self.config.lease_ms / 2000 and not self._script(owner, pool_id, "-", []):
+                return False
+            pipe = self.redis.pipeline(transaction=False)
+            ttl = self.config.page_ttl_s
+            for op, suffix, member in ops:
+                key = self.page_key(suffix)
+                if op == "+":
+                    pipe.sadd(key, member)
+                    pipe.expire(key, ttl)
+                else:
+                    pipe.srem(key, member)
+            pipe.execute()
+        return self._script(owner, pool_id, row.encode() if row else "", [])
+
+    def _script(self, owner: str, pool_id: str, row: str,
+                ops: Sequence[tuple[str, bytes, int]]) -> bool:
+        """The lease script: check and renew the lease, the page ops (one Redis only), then the
+        row ('' deletes it, '-' leaves it)."""
+        keys: list[bytes | str] = [self.lease_key(pool_id), self.table_key]
+        args: list[bytes | str | int] = [owner, self.config.lease_ms, self.config.page_ttl_s,
+                                         pool_id, row]
         for op, suffix, member in ops:
-            args += (op, suffix, member)
-        return bool(self._apply(keys=[self.lease_key(pool_id), self.table_key], args=args))
+            keys.append(self.page_key(suffix))
+            args += (op, member)
+        sent = time.monotonic()
+        if not self._apply(keys=keys, args=args):
+            self._renewed.pop(pool_id, None)
+            return False
+        self._renewed[pool_id] = sent
+        return True
 
 
 @dataclass(slots=True)
@@ -187,8 +259,7 @@ class SharedIndexView:
         self.health = SharedIndexStats()
 
     def _pages(self, hashes: Sequence[bytes]) -> list[bytes]:
-        p = self.store.prefix.encode() + b"p:"
-        return [p + page_suffix(h) for h in hashes]
+        return [self.store.page_key(page_suffix(h)) for h in hashes]
 
     def refresh(self) -> None:
         """Re-reads the worker table if it is older than `table_refresh_s`; safe beside the
@@ -208,7 +279,7 @@ class SharedIndexView:
         except redis.RedisError as exc:
             self.health.lookup_failures += 1
             if not self.health.redis_down:
-                log.warning(kv("shared_index_unreachable", url=self.store.config.url, error=str(exc),
+                log.warning(kv("shared_index_unreachable", url=self.store.config.connection().redacted(), error=str(exc),
                                hint="routing by load only until Redis answers"))
             self.health.redis_down = True
             return None

@@ -13,9 +13,14 @@ Then every replica times `--requests` routing lookups (32 page hashes, half of t
 once: KvIndex.lookup vs SharedIndexView.lookup (one pipelined round trip). Memory per replica is
 the process's RSS growth over the run; Redis's own used_memory is reported beside it (paid once).
 
+With `--cluster`, the redis backend runs a second time against a throwaway 3-master Redis
+Cluster (prefixcache_bench/local_redis.py; backend `redis-cluster`): its batches are a page
+pipeline plus the lease script (two round trips), its lookups one pipelined round trip per
+master (gateway/core/shared_index.py's module doc).
+
 What this does not measure: the gRPC Subscribe path (the batches are built in process; the
 feeds' cost is the same for both backends, once per worker for redis and once per worker per
-replica for memory) nor a Redis Cluster. On this 2-core machine 4 replicas and redis-server
+replica for memory). On this 2-core machine 4 replicas and redis-server
 share 2 cores with whatever else runs (the load average is recorded): per-replica rates at 4
 replicas are lower bounds.
 """
@@ -77,6 +82,7 @@ def replica(backend: str, index: int, replicas: int, args: dict, url: str, barri
 
     pools, nb, pages = args["pools"], args["batches"], args["pages"]
     mine = range(pools) if backend == "memory" else range(index, pools, replicas)
+    store_config = dict(url=url, namespace="bench")
     work = [batches_of(p, nb, pages) for p in mine]
     requests = _requests(args["requests"], pools, nb, pages)
     rss0 = _rss()
@@ -89,14 +95,14 @@ def replica(backend: str, index: int, replicas: int, args: dict, url: str, barri
                 idx.apply(batch)
         lookup = idx.lookup
     else:
-        store = SharedIndexStore(SharedIndexConfig(url, "bench", lease_ms=60000))
+        store = SharedIndexStore(SharedIndexConfig(**store_config, lease_ms=60000))
         for p, pool_batches in zip(mine, work):
             pool = f"w{p:04d}"
             assert store.try_lease(pool, f"replica-{index}")
             writer = StreamWriter(store, pool, f"replica-{index}")
             for batch in pool_batches:
                 writer.apply(batch)
-        lookup = SharedIndexView(SharedIndexStore(SharedIndexConfig(url, "bench"))).lookup
+        lookup = SharedIndexView(SharedIndexStore(SharedIndexConfig(**store_config))).lookup
     ingest_s = time.perf_counter() - t0
     events = sum(len(b.events[0].stored.block_hashes) for w in work for b in w)
     barrier.wait()  # every replica's ingest done: lookups see the whole fleet
@@ -128,35 +134,52 @@ def _redis(port: int, tmp: str) -> subprocess.Popen:
 
 def run(args: dict) -> dict:
     import redis
+
+    from prefixcache_bench.local_redis import RedisClusterServers
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"redis://127.0.0.1:{port}/0"
-    ctx = mp.get_context("spawn")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _redis(port, tmp)
+        proc, cluster = _redis(port, tmp), None
         try:
+            if args.get("cluster"):
+                (Path(tmp) / "cluster").mkdir()
+                cluster = RedisClusterServers(Path(tmp) / "cluster")
             for replicas in (1, 4):
-                for backend in ("memory", "redis"):
-                    client = redis.Redis.from_url(url)
-                    client.flushall()
-                    barrier, out = ctx.Barrier(replicas), ctx.Queue()
-                    procs = [ctx.Process(target=replica, args=(backend, i, replicas, args, url, barrier, out))
-                             for i in range(replicas)]
-                    for p in procs:
-                        p.start()
-                    got = [out.get(timeout=600) for _ in procs]
-                    for p in procs:
-                        p.join()
-                    used = client.info("memory")["used_memory"] if backend == "redis" else 0
-                    rows.append(_row(backend, replicas, got, used, client.dbsize() if used else 0))
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+                rows.append(_backend_run("memory", replicas, args, url, None))
+                rows.append(_backend_run("redis", replicas, args, url, [redis.Redis.from_url(url)]))
+                if cluster is not None:
+                    rows.append(_backend_run("redis-cluster", replicas, args, cluster.url,
+                                             [cluster.node(p) for p in cluster.ports]))
         finally:
             proc.terminate()
             proc.wait(10)
+            if cluster is not None:
+                cluster.stop()
     return {"config": args, "load_average_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
             "rows": rows, "ratios": _ratios(rows)}
+
+
+def _backend_run(backend: str, replicas: int, args: dict, url: str, nodes) -> dict:
+    """`replicas` processes of one backend; `nodes`: a client of each Redis (cluster master)
+    whose memory and keys are counted, emptied first."""
+    for node in nodes or ():
+        node.flushall()
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(replicas), ctx.Queue()
+    procs = [ctx.Process(target=replica, args=(backend, i, replicas, args, url, barrier, out))
+             for i in range(replicas)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    used = sum(n.info("memory")["used_memory"] for n in nodes or ())
+    row = _row(backend, replicas, got, used, sum(n.dbsize() for n in nodes or ()))
+    print(json.dumps(row), file=sys.stderr)
+    return row
 
 
 def _row(backend: str, replicas: int, got: list[dict], redis_used: int, redis_keys: int) -> dict:
@@ -175,12 +198,18 @@ def _ratios(rows: list[dict]) -> dict:
     by = {(r["backend"], r["replicas"]): r for r in rows}
     out = {}
     for n in (1, 4):
-        m, r = by[("memory", n)], by[("redis", n)]
-        out[f"replicas_{n}"] = {
-            "routing_p99_redis_over_memory": r["routing_p99_us"] / m["routing_p99_us"],
-            "events_applied_per_replica_redis_over_memory":
-                r["page_events_applied_per_replica"] / m["page_events_applied_per_replica"],
-            "rss_growth_redis_over_memory": r["rss_growth_mb_per_replica"] / max(m["rss_growth_mb_per_replica"], 1e-9)}
+        m = by[("memory", n)]
+        for backend in ("redis", "redis-cluster"):
+            r = by.get((backend, n))
+            if r is None:
+                continue
+            tag = "" if backend == "redis" else "_cluster"
+            out[f"replicas_{n}{tag}"] = {
+                f"routing_p99_{backend}_over_memory": r["routing_p99_us"] / m["routing_p99_us"],
+                f"events_applied_per_replica_{backend}_over_memory":
+                    r["page_events_applied_per_replica"] / m["page_events_applied_per_replica"],
+                f"rss_growth_{backend}_over_memory":
+                    r["rss_growth_mb_per_replica"] / max(m["rss_growth_mb_per_replica"], 1e-9)}
     return out
 
 
@@ -202,9 +231,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--pages", type=int, default=16, help="stored pages per live batch")
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--cluster", action="store_true",
+                    help="also the redis backend on a local 3-master Redis Cluster")
     ap.add_argument("--json", type=Path, help="write the result here (and a .txt table beside it)")
     a = ap.parse_args()
-    result = run({"pools": a.pools, "batches": a.batches, "pages": a.pages, "requests": a.requests})
+    command = " ".join(["python -m prefixcache_bench.gateway_fleet.shared", *sys.argv[1:]])
+    result = {"command": command, **run({"pools": a.pools, "batches": a.batches, "pages": a.pages,
+                                         "requests": a.requests, "cluster": a.cluster})}
     print(table(result), end="")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

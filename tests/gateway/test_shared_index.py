@@ -11,7 +11,7 @@ import pytest
 
 from cache_service.core import CacheCore
 from gateway.core.index import KvIndex
-from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView
+from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView, TableRow
 from gateway.core.shared_indexer import Indexer, StreamWriter
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import common_pb2, events_pb2
@@ -23,7 +23,8 @@ PROMPTS = [list(range(100, 100 + 3 * PAGE + 1)), list(range(100, 100 + 2 * PAGE)
 
 
 def store(redis_server, namespace="ns-a", **kw) -> SharedIndexStore:
-    return SharedIndexStore(SharedIndexConfig(redis_server.url, namespace, lease_ms=1500, **kw))
+    kw.setdefault("lease_ms", 1500)
+    return SharedIndexStore(SharedIndexConfig(redis_server.url, namespace, **kw))
 
 
 def wait_until(predicate, timeout_s=10.0):
@@ -49,6 +50,13 @@ def step(stub):
     return lambda req: stub.Step(req, timeout=5)
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def index_redis(request):
+    """One redis-server, or a 3-master Redis Cluster (tests/conftest.py): the index's layout
+    and writes differ between them (gateway/core/shared_index.py's module doc)."""
+    return request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+
+
 @pytest.fixture
 def cache():
     with running_server(CacheCore()) as server, stub_for(server) as stub:
@@ -57,16 +65,16 @@ def cache():
         yield f"127.0.0.1:{server.port}", stub
 
 
-def test_two_replicas_see_one_index_written_by_one_indexer(redis_server, cache):
+def test_two_replicas_see_one_index_written_by_one_indexer(index_redis, cache):
     address, stub = cache
-    st = store(redis_server)
+    st = store(index_redis)
     indexers = [Indexer(st, "pool-a", address, f"replica-{i}").start() for i in range(2)]
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
         wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
         assert sum(ix.holding for ix in indexers) == 1
         assert st.holder("pool-a") in ("replica-0", "replica-1")
-        views = [SharedIndexView(store(redis_server)) for _ in range(2)]
+        views = [SharedIndexView(store(index_redis)) for _ in range(2)]
         hashes = expected_hashes(PROMPTS[0])
         answers = [v.lookup(hashes) for v in views]
         assert answers[0] == answers[1]
@@ -77,9 +85,9 @@ def test_two_replicas_see_one_index_written_by_one_indexer(redis_server, cache):
             ix.stop()
 
 
-def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(redis_server, cache):
+def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(index_redis, cache):
     address, stub = cache
-    st = store(redis_server)
+    st = store(index_redis)
     first = Indexer(st, "pool-a", address, "first").start()
     cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
     wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
@@ -91,7 +99,7 @@ def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(redis_se
         assert st.holder("pool-a") == "second"
         assert second.counters.snapshots == 0  # resumed from the replay buffer
         assert second.counters.batches >= 1
-        view = SharedIndexView(store(redis_server))
+        view = SharedIndexView(store(index_redis))
         assert view.lookup(expected_hashes(PROMPTS[0]))["pool-a"].device_pages == 3
         assert view.lookup(expected_hashes(PROMPTS[2]))["pool-a"].device_pages == 4
         # The old holder can no longer write.
@@ -100,9 +108,9 @@ def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(redis_se
         second.stop()
 
 
-def test_lookups_equal_the_in_memory_index_on_the_same_events(redis_server, cache):
+def test_lookups_equal_the_in_memory_index_on_the_same_events(index_redis, cache):
     address, stub = cache
-    st = store(redis_server)
+    st = store(index_redis)
     indexers = [Indexer(st, p, address, "r").start() for p in ("pool-a", "pool-b")]
     memory = KvIndex()
     streams = {p: stub.Subscribe(pb.SubscribeRequest(pool_id=p, after_seq=-1, heartbeat_interval_s=0.05),
@@ -120,7 +128,7 @@ def test_lookups_equal_the_in_memory_index_on_the_same_events(redis_server, cach
                         break
         for pool in streams:
             wait_until(lambda p=pool: written_seq(st, p) == head_seq(stub, p))
-        view = SharedIndexView(store(redis_server))
+        view = SharedIndexView(store(index_redis))
         for tokens in [*PROMPTS, PROMPTS[0][:PAGE * 2], list(range(900, 920))]:
             hashes = expected_hashes(tokens)
             shared, local = view.lookup(hashes), memory.lookup(hashes)
@@ -133,9 +141,9 @@ def test_lookups_equal_the_in_memory_index_on_the_same_events(redis_server, cach
             ix.stop()
 
 
-def test_namespaces_never_leak(redis_server, cache):
+def test_namespaces_never_leak(index_redis, cache):
     address, stub = cache
-    a, b = store(redis_server, "ns-a"), store(redis_server, "ns-b")
+    a, b = store(index_redis, "ns-a"), store(index_redis, "ns-b")
     ix = Indexer(a, "pool-a", address, "r").start()
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
@@ -145,11 +153,12 @@ def test_namespaces_never_leak(redis_server, cache):
         other = SharedIndexView(b)
         assert other.lookup(hashes) == {} and other.workers() == []
         assert b.holder("pool-a") is None
-        assert all(k.startswith(b"pcx:ns-a:") for k in b.redis.keys("*"))
+        keys = b.redis.keys("*", target_nodes="all") if b.cluster else b.redis.keys("*")
+        assert keys and all(k.startswith(b"pcx:ns-a:") for k in keys)
     finally:
         ix.stop()
     with pytest.raises(ValueError, match="without ':'"):
-        store(redis_server, "a:b")
+        store(index_redis, "a:b")
 
 
 def test_redis_down_answers_no_prefix_knowledge_and_says_so(redis_server, cache):
@@ -180,13 +189,15 @@ def _ev(kind, hashes, medium):
     return events_pb2.KvEvent(**{kind: body(block_hashes=hashes, medium=medium)})
 
 
-def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(redis_server):
+def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(index_redis):
     """Random streams of 5 workers over device, host and remote, with removals, snapshots that
     replace a view, a cleared pool and a new epoch: every lookup equals KvIndex's."""
     rng = random.Random(31)
     pages = [bytes([i]) * 16 for i in range(1, 40)]
     media = (common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE)
-    st, memory = store(redis_server), KvIndex()
+    # Leases that outlast the test: a worker may go unwritten for many rounds (slow on a loaded
+    # machine, with a cluster), and this test is about the index, not the leases.
+    st, memory = store(index_redis, lease_ms=600_000), KvIndex()
     writers = {}
     for w in range(5):
         pool = f"w{w}"
@@ -217,7 +228,7 @@ def test_every_medium_removals_snapshots_and_epochs_equal_the_in_memory_index(re
         for b in batches:
             memory.apply(b)
             writers[pool].apply(b)
-        view = SharedIndexView(store(redis_server))
+        view = SharedIndexView(store(index_redis))
         for start in (0, 0, 3, 10):
             hashes = pages[start:start + rng.randrange(1, 25)]
             shared, local = view.lookup(hashes), memory.lookup(hashes)
@@ -262,3 +273,20 @@ def test_routing_with_the_shared_index_equals_routing_with_the_in_memory_one(red
         if n % 3:
             for router in routers:
                 router.finish(request.request_id)
+
+
+def test_a_cluster_writer_whose_lease_expired_writes_no_page(redis_cluster):
+    """On a cluster the page commands go before the lease script (the module doc): a writer
+    past half a lease since its last renewal renews first, so one whose lease expired and went
+    to another replica sends no page command at all."""
+    a, b = store(redis_cluster), store(redis_cluster)
+    assert a.cluster
+    assert a.try_lease("pool-a", "a")
+    row = TableRow(a.new_slot(), 1, 0, time.time(), False)
+    assert a.write("a", "pool-a", row, [("+", b"page-one", row.slot * 3)])
+    a.redis.delete(a.lease_key("pool-a"))  # as if it had expired
+    assert b.try_lease("pool-a", "b")
+    a._renewed["pool-a"] -= a.config.lease_ms / 1000  # a's last renewal is a lease old
+    assert not a.write("a", "pool-a", row, [("+", b"page-two", row.slot * 3)])
+    assert a.redis.exists(a.page_key(b"page-one")) and not a.redis.exists(a.page_key(b"page-two"))
+    assert b.write("b", "pool-a", row, [("+", b"page-two", row.slot * 3)])

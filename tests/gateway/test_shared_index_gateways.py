@@ -3,7 +3,8 @@ redis-server, one real cache service over loopback gRPC and two fake workers: pa
 publishes are seen by both replicas' routing (the same preview, the same route), each worker's
 events are written by exactly one replica (its lease holder), a replica that stops leaves the
 other routing from the index intact, writing the workers' new events itself, and Redis going
-down and coming back empty costs prefix knowledge only while it is away."""
+down and coming back empty costs prefix knowledge only while it is away; and one replica on a
+Redis Cluster."""
 from __future__ import annotations
 
 import contextlib
@@ -112,3 +113,34 @@ def test_index_backend_flags_reach_the_gateway_config():
         "redis", "redis://127.0.0.1:6379/0", "fleet-a")
     assert config_from_args(parse_args(["--workers", "localhost:50051",
                                         "--allow-anonymous"])).index_backend == "memory"
+
+
+def test_a_gateway_indexes_and_routes_on_a_redis_cluster(redis_cluster):
+    """`--index-redis-url redis+cluster://`: the same indexing and routing on a 3-master Redis
+    Cluster, whose page keys spread over the masters (gateway/core/shared_index.py)."""
+    args = parse_args(["--workers", "localhost:50051", "--allow-anonymous", "--index-backend",
+                       "redis", "--index-redis-url", redis_cluster.url])
+    assert config_from_args(args).index_redis_url.startswith("redis+cluster://")
+    with running_server() as cache:
+        worker = FakeWorker("w1")
+        register_pool(cache.core, "w1")
+        address = [WorkerAddress(worker.address, f"127.0.0.1:{cache.port}")]
+        try:
+            with running_gateway(lambda: address, index_backend="redis",
+                                 index_redis_url=redis_cluster.url) as gw:
+                assert gw.router.index.store.cluster
+                wait_until(lambda: gw.indexers.held() == 1 and gw.router.ready(),
+                           what="the gateway holds w1's lease")
+                tokens = prompt(1)
+                cache_prompt(cache.core, "w1", tokens, salt="salt-a")
+                caller = Caller(gw.address)
+                wait_until(lambda: routed_to(caller, tokens)[1].startswith("holds 60"),
+                           what="the indexed pages route")
+                assert caller.generate(tokens)[-1].stats.worker == "w1"
+                caller.close()
+                client = gw.router.index.store.redis
+                masters = {client.get_node_from_key(k).name
+                           for k in client.keys("pcx:default:p:*", target_nodes="all")}
+                assert len(masters) > 1  # the page keys spread over the masters
+        finally:
+            worker.stop()
