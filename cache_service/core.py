@@ -28,6 +28,11 @@ from prefixcache_client.errors import invalid, not_found, precondition
 
 DEFAULT_LEASE_TTL_S = 30.0
 SNAPSHOT_BATCH_PAGES = 4096
+# A packed subscriber's snapshot batches (SubscribeRequest.packed_hashes) hold pages up to about
+# this many bytes of hashes and tokens (52k pages of 16 tokens; never fewer than
+# SNAPSHOT_BATCH_PAGES): fewer messages to send and decode (the gateway cuts them into its ingest
+# slices by slicing bytes), well under the 64 MiB message limit.
+PACKED_SNAPSHOT_BATCH_BYTES = 4 << 20
 
 # The order in which a Step's operations are applied (design.md §4, "One Step per engine step"):
 # a release's final publish lands first; the write-through copies follow the checkpoints, so
@@ -250,7 +255,7 @@ class CacheCore:
         interval = req.heartbeat_interval_s or 1.0
         with self._lock:
             pool = self._pool(req.pool_id)
-        epoch, after = req.epoch, req.after_seq
+        epoch, after, packed = req.epoch, req.after_seq, req.packed_hashes
         last_sent = time.monotonic()
         while is_active() and not self._closed:
             out: list[events_pb2.EventBatch] | None = None
@@ -259,14 +264,15 @@ class CacheCore:
             with self._lock:
                 if pool.closed:
                     # Deliver the end of the retired epoch, then follow its successor, if any.
-                    out = (pool.log.since(after) if epoch == pool.cfg.epoch else None) or None
+                    out = (pool.log.since(after, packed) if epoch == pool.cfg.epoch
+                           else None) or None
                     successor = self._pools.get(req.pool_id)
                     ended = successor is None
                     pool = successor or pool
                 elif epoch == pool.cfg.epoch and after >= 0:
-                    out = pool.log.since(after)
+                    out = pool.log.since(after, packed)
                 if out is None and not pool.closed:
-                    out = self._snapshot(pool)
+                    out = self._snapshot(pool, packed)
                 if out:
                     epoch, after = out[-1].epoch, out[-1].seq
                 elif not ended:
@@ -285,13 +291,17 @@ class CacheCore:
             if ended:
                 return
 
-    def _snapshot(self, pool: Pool) -> list[events_pb2.EventBatch]:
-        evs = pool.snapshot_events()
+    def _snapshot(self, pool: Pool, packed: bool = False) -> list[events_pb2.EventBatch]:
+        evs = pool.snapshot_events(packed)
+        limit = SNAPSHOT_BATCH_PAGES
+        if packed:
+            page_bytes = 16 + 4 * pool.cfg.page_size
+            limit = max(limit, PACKED_SNAPSHOT_BATCH_BYTES // page_bytes)
         batches, chunk, size = [], [], 0
         for ev in evs:
             chunk.append(ev)
             size += events.page_count(ev)
-            if size >= SNAPSHOT_BATCH_PAGES:
+            if size >= limit:
                 batches.append(chunk)
                 chunk, size = [], 0
         if chunk or not batches:

@@ -383,8 +383,8 @@ class Pool:
                     emit_checkpoint(emit, node)
         return emit.take()
 
-    def snapshot_events(self) -> list[events_pb2.KvEvent]:
-        """`snapshot_records` as the gRPC stream's events."""
-        events = (to_event(r, self.cfg.page_size, self.cfg.model_id)
+    def snapshot_events(self, packed: bool = False) -> list[events_pb2.KvEvent]:
+        """`snapshot_records` as the gRPC stream's events (hashes packed or not)."""
+        events = (to_event(r, self.cfg.page_size, self.cfg.model_id, packed)
                   for r in self.snapshot_records())
         return [e for e in events if e is not None]

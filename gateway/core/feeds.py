@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway.core.index import ApplyStatus
+from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -152,15 +153,27 @@ class Feed:
 def _page_count(event: events_pb2.KvEvent) -> int:
     kind = event.WhichOneof("event")
     if kind == "stored":
-        return len(event.stored.block_hashes)
-    return len(event.removed.block_hashes) if kind == "removed" else 0
+        return page_count(event.stored)
+    return page_count(event.removed) if kind == "removed" else 0
 
 
-def _with_hashes(template: events_pb2.KvEvent, kind: str, hashes: list[bytes]) -> events_pb2.KvEvent:
+def _with_hashes(template: events_pb2.KvEvent, kind: str,
+                 hashes: list[bytes] | bytes) -> events_pb2.KvEvent:
     piece = events_pb2.KvEvent()
     piece.CopyFrom(template)
-    getattr(piece, kind).block_hashes.extend(hashes)
+    if isinstance(hashes, bytes):
+        getattr(piece, kind).packed_block_hashes = hashes
+    else:
+        getattr(piece, kind).block_hashes.extend(hashes)
     return piece
+
+
+def _hashes_of(body: Body) -> tuple[list[bytes] | bytes, int]:
+    """The event's hashes as it carries them, and the length of one page in that form (a
+    packed event is cut by slicing its bytes: no bytes object a page)."""
+    if body.packed_block_hashes:
+        return body.packed_block_hashes, HASH_BYTES
+    return list(body.block_hashes), 1
 
 
 def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.EventBatch]:
@@ -176,18 +189,19 @@ def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.
         if kind not in ("stored", "removed"):
             current.append(event)
             continue
-        hashes = list(getattr(event, kind).block_hashes)
+        hashes, unit = _hashes_of(getattr(event, kind))
         template = events_pb2.KvEvent()
         template.CopyFrom(event)
         getattr(template, kind).ClearField("block_hashes")
+        getattr(template, kind).ClearField("packed_block_hashes")
         i = 0
         while i < len(hashes):
             if room == 0:
                 parts.append(current)
                 current, room = [], limit
-            chunk = hashes[i:i + room]
+            chunk = hashes[i:i + room * unit]
             current.append(_with_hashes(template, kind, chunk))
-            room -= len(chunk)
+            room -= len(chunk) // unit
             i += len(chunk)
     parts.append(current)
     return [events_pb2.EventBatch(pool_id=batch.pool_id, epoch=batch.epoch, seq=batch.seq,
@@ -275,6 +289,8 @@ class StreamSettings:
     heartbeat_interval_s: float
     backoff: RetryPolicy
     metadata: tuple[tuple[str, str], ...] = ()
+    # Ask for the packed encoding (SubscribeRequest.packed_hashes; the index takes either).
+    packed_hashes: bool = True
 
     @property
     def stall_timeout_s(self) -> float:
@@ -294,7 +310,8 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
             feed.resync, feed.stalled = None, False
             feed.call = call = stub.Subscribe(cpb.SubscribeRequest(
                 pool_id=feed.name, epoch=feed.point[0], after_seq=feed.point[1],
-                heartbeat_interval_s=settings.heartbeat_interval_s), metadata=settings.metadata)
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+                packed_hashes=settings.packed_hashes), metadata=settings.metadata)
             why: str | None
             try:
                 why = await _read(applier, feed, call)

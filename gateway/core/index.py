@@ -37,11 +37,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_scan import bit_positions, runs
 from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
                                       WorkerInfo)
+from gateway.core.packed import packed_hashes
 from prefixcache.v1 import common_pb2, events_pb2
 from service_shell import kv
 
@@ -99,8 +102,8 @@ class KvIndex:
         self.evicted_entries = 0
         self.resyncs = 0
         self._warned_at: float | None = None
-        # Inside `bulk()`: page events per medium waiting for one `apply_ops` run
-        # (hashes, worker slots, store or not); None outside.
+        # Inside `bulk()`: runs of page events per medium waiting for one `apply_ops` run
+        # (packed hashes, worker slot, store or not, per run); None outside.
         self._deferred: tuple[tuple[list[bytes], list[int], list[bool]], ...] | None = None
         if self.capacity() < 1:
             raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
@@ -239,7 +242,7 @@ class KvIndex:
         live batch of many small events takes the numpy path as a snapshot does; the order of
         stores and removals is kept (a run ends where the kind or the medium changes)."""
         n = 0
-        run: list[bytes] = []
+        run: list[bytes] = []  # packed hashes of the run's events
         run_key: tuple[str, int] | None = None
         for ev in events:
             kind = ev.WhichOneof("event")
@@ -255,7 +258,7 @@ class KvIndex:
             if run_key != (kind, tier):
                 n += self._apply_run(w, run_key, run)
                 run, run_key = [], (kind, tier)
-            run.extend(body.block_hashes)
+            run.append(packed_hashes(body))
         return n + self._apply_run(w, run_key, run)
 
     @contextmanager
@@ -280,25 +283,33 @@ class KvIndex:
     def _flush(self) -> None:
         if self._deferred is None:
             return
-        for tier, (hashes, slots, stores) in enumerate(self._deferred):
-            if not hashes:
+        for tier, (runs, slots, stores) in enumerate(self._deferred):
+            if not runs:
                 continue
-            for slot, change in apply_ops(self._tables[tier], hashes, slots, stores).items():
+            keys = np.frombuffer(b"".join(runs), dtype="V16")
+            sizes = [len(r) >> 4 for r in runs]
+            for slot, change in apply_ops(self._tables[tier], keys, np.repeat(slots, sizes),
+                                          np.repeat(stores, sizes)).items():
                 self._by_slot[slot].held[tier] += change
-            hashes.clear()
+            runs.clear()
             slots.clear()
             stores.clear()
 
-    def _apply_run(self, w: _Worker, key: tuple[str, int] | None, hashes: list[bytes]) -> int:
-        if key is None or not hashes:
+    def _apply_run(self, w: _Worker, key: tuple[str, int] | None, run: list[bytes]) -> int:
+        """Applies (or, inside `bulk()`, queues) a run of packed hashes; its page events."""
+        packed = run[0] if len(run) == 1 else b"".join(run)
+        if key is None or not packed:
             return 0
         kind, tier = key
         if self._deferred is not None:
-            pending_hashes, pending_slots, pending_stores = self._deferred[tier]
-            pending_hashes.extend(hashes)
-            pending_slots.extend([w.slot] * len(hashes))
-            pending_stores.extend([kind == "stored"] * len(hashes))
-            return len(hashes)
+            pending_runs, pending_slots, pending_stores = self._deferred[tier]
+            pending_runs.append(packed)
+            pending_slots.append(w.slot)
+            pending_stores.append(kind == "stored")
+            return len(packed) >> 4
+        hashes = np.frombuffer(packed, dtype="V16")
+        if len(hashes) < _BULK_PAGES:
+            hashes = hashes.tolist()
         table = self._tables[tier]
         if kind == "stored":
             # add() restamps a page already held: its eviction order is the last store.

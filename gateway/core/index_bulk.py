@@ -18,33 +18,36 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gateway.core.index_table import _STAMP_LIMIT, MULTI, TOMB, PageTable, _keys, _words
+from gateway.core.index_table import _STAMP_LIMIT, MULTI, TOMB, Hashes, PageTable, _keys, _words
 
 # Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
 SCALAR_OPS = 24
 
 
-def apply_ops(table: PageTable, hashes: Sequence[bytes], slots: Sequence[int],
-              stores: Sequence[bool]) -> dict[int, int]:
+def apply_ops(table: PageTable, hashes: Hashes, slots: Sequence[int] | np.ndarray,
+              stores: Sequence[bool] | np.ndarray) -> dict[int, int]:
     """Applies event i (store or removal of hashes[i] by worker slots[i]) in order; returns the
-    change of each worker slot's page count."""
-    n = len(hashes)
+    change of each worker slot's page count. `hashes` may come packed (`index_table.Hashes`: the
+    stream's packed encoding goes from the message to these arrays without a bytes object a
+    page)."""
+    keys = _keys(hashes)
+    n = len(keys)
     delta: dict[int, int] = {}
     if n < SCALAR_OPS:
-        for h, s, store in zip(hashes, slots, stores):
+        for h, s, store in zip(keys.tolist(), _ints(slots), _ints(stores)):
             changed = table.add(h, s) if store else table.discard(h, s)
             if changed:
                 delta[s] = delta.get(s, 0) + (1 if store else -1)
         return delta
-    if len(set(slots)) == 1 and len(set(stores)) == 1:
-        # One worker's stores (a snapshot slice) or removals only: the table's own bulk calls.
-        s = slots[0]
-        change = table.add_many(hashes, s) if stores[0] else -table.discard_many(hashes, s)
-        return {s: change} if change else {}
-    lo, hi = _words(_keys(hashes))
-    table._touch_many(lo, hi)  # while the table grows: every position below is the new table's
     slot = np.asarray(slots, dtype=np.int64)
     store = np.asarray(stores, dtype=bool)
+    if slot.min() == slot.max() and store.min() == store.max():
+        # One worker's stores (a snapshot slice) or removals only: the table's own bulk calls.
+        s = int(slot[0])
+        change = table.add_many(keys, s) if store[0] else -table.discard_many(keys, s)
+        return {s: change} if change else {}
+    lo, hi = _words(keys)
+    table._touch_many(lo, hi)  # while the table grows: every position below is the new table's
     # The last event of each (page, worker) pair: sort by pair, the latest first within it.
     idx = np.arange(n)
     order = np.lexsort((-idx, slot, hi, lo))
@@ -61,6 +64,10 @@ def apply_ops(table: PageTable, hashes: Sequence[bytes], slots: Sequence[int],
         _store(table, lo[add], hi[add], slot[add], delta)
     _stamp(table, lo, hi, store)
     return delta
+
+
+def _ints(values: Sequence[int] | np.ndarray) -> list:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def _count(delta: dict[int, int], slots: np.ndarray, sign: int) -> None:

@@ -59,8 +59,17 @@ def split(h: bytes) -> tuple[int, int]:
     return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")
 
 
-def _keys(hashes: Sequence[bytes]) -> np.ndarray:
+# Page hashes as the bulk calls take them: a sequence of hashes, or already packed (16 bytes each,
+# concatenated: the gateway's stream encoding, design.md §6) as bytes or a "V16" array.
+Hashes = Sequence[bytes] | bytes | np.ndarray
+
+
+def _keys(hashes: Hashes) -> np.ndarray:
     """The hashes as 16-byte keys (cut or zero-padded when not 16 bytes long)."""
+    if isinstance(hashes, np.ndarray):
+        return hashes
+    if isinstance(hashes, bytes):
+        return np.frombuffer(hashes, dtype="V16", count=len(hashes) // 16)
     buf = b"".join(hashes)
     if len(buf) != 16 * len(hashes):
         buf = b"".join(h[:16].ljust(16, b"\0") for h in hashes)
@@ -288,7 +297,7 @@ class PageTable:
             at += len(live)
         self._clock = len(every)
 
-    def add_many(self, hashes: Sequence[bytes], slot: int) -> int:
+    def add_many(self, hashes: Hashes, slot: int) -> int:
         """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
         the worker did not hold."""
         keys = _keys(hashes)
@@ -334,7 +343,7 @@ class PageTable:
                 out[i] = m
         return out
 
-    def discard_many(self, hashes: Sequence[bytes], slot: int) -> int:
+    def discard_many(self, hashes: Hashes, slot: int) -> int:
         """`discard` of every hash, in numpy; how many the worker held."""
         lo, hi = _words(np.unique(_keys(hashes)))
         self._touch_many(lo, hi)

@@ -365,16 +365,18 @@ class GetStatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("pool_id", "epoch", "after_seq", "heartbeat_interval_s")
+    __slots__ = ("pool_id", "epoch", "after_seq", "heartbeat_interval_s", "packed_hashes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     after_seq: int
     heartbeat_interval_s: float
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    packed_hashes: bool
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., packed_hashes: _Optional[bool] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
     __slots__ = ("batch", "heartbeat")

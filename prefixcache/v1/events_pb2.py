@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from prefixcache.v1 import common_pb2 as prefixcache_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprefixcache/v1/events.proto\x12\x0eprefixcache.v1\x1a\x1bprefixcache/v1/common.proto\"\xb0\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12&\n\x06medium\x18\x07 \x01(\x0e\x32\x16.prefixcache.v1.Medium\"L\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12&\n\x06medium\x18\x02 \x01(\x0e\x32\x16.prefixcache.v1.Medium\"\x12\n\x10\x41llBlocksCleared\"\xa7\x01\n\x07KvEvent\x12-\n\x06stored\x18\x01 \x01(\x0b\x32\x1b.prefixcache.v1.BlockStoredH\x00\x12/\n\x07removed\x18\x02 \x01(\x0b\x32\x1c.prefixcache.v1.BlockRemovedH\x00\x12\x33\n\x07\x63leared\x18\x03 \x01(\x0b\x32 .prefixcache.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x9d\x01\n\nEventBatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.prefixcache.v1.KvEvent\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x12\x14\n\x0csnapshot_end\x18\x07 \x01(\x08\"z\n\tHeartbeat\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08head_seq\x18\x03 \x01(\x03\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12(\n\x04load\x18\x05 \x01(\x0b\x32\x1a.prefixcache.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprefixcache/v1/events.proto\x12\x0eprefixcache.v1\x1a\x1bprefixcache/v1/common.proto\"\xcd\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12&\n\x06medium\x18\x07 \x01(\x0e\x32\x16.prefixcache.v1.Medium\x12\x1b\n\x13packed_block_hashes\x18\x08 \x01(\x0c\"i\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12&\n\x06medium\x18\x02 \x01(\x0e\x32\x16.prefixcache.v1.Medium\x12\x1b\n\x13packed_block_hashes\x18\x03 \x01(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa7\x01\n\x07KvEvent\x12-\n\x06stored\x18\x01 \x01(\x0b\x32\x1b.prefixcache.v1.BlockStoredH\x00\x12/\n\x07removed\x18\x02 \x01(\x0b\x32\x1c.prefixcache.v1.BlockRemovedH\x00\x12\x33\n\x07\x63leared\x18\x03 \x01(\x0b\x32 .prefixcache.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x9d\x01\n\nEventBatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.prefixcache.v1.KvEvent\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x12\x14\n\x0csnapshot_end\x18\x07 \x01(\x08\"z\n\tHeartbeat\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08head_seq\x18\x03 \x01(\x03\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12(\n\x04load\x18\x05 \x01(\x0b\x32\x1a.prefixcache.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixcache.v1.events_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BLOCKSTORED']._serialized_start=77
-  _globals['_BLOCKSTORED']._serialized_end=253
-  _globals['_BLOCKREMOVED']._serialized_start=255
-  _globals['_BLOCKREMOVED']._serialized_end=331
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=333
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=351
-  _globals['_KVEVENT']._serialized_start=354
-  _globals['_KVEVENT']._serialized_end=521
-  _globals['_EVENTBATCH']._serialized_start=524
-  _globals['_EVENTBATCH']._serialized_end=681
-  _globals['_HEARTBEAT']._serialized_start=683
-  _globals['_HEARTBEAT']._serialized_end=805
+  _globals['_BLOCKSTORED']._serialized_end=282
+  _globals['_BLOCKREMOVED']._serialized_start=284
+  _globals['_BLOCKREMOVED']._serialized_end=389
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=391
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=409
+  _globals['_KVEVENT']._serialized_start=412
+  _globals['_KVEVENT']._serialized_end=579
+  _globals['_EVENTBATCH']._serialized_start=582
+  _globals['_EVENTBATCH']._serialized_end=739
+  _globals['_HEARTBEAT']._serialized_start=741
+  _globals['_HEARTBEAT']._serialized_end=863
 # @@protoc_insertion_point(module_scope)

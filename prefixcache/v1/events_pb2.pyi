@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "model_id", "adapter", "medium")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "model_id", "adapter", "medium", "packed_block_hashes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class BlockStored(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,15 +24,18 @@ class BlockStored(_message.Message):
     model_id: str
     adapter: str
     medium: _common_pb2.Medium
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., adapter: _Optional[str] = ..., medium: _Optional[_Union[_common_pb2.Medium, str]] = ...) -> None: ...
+    packed_block_hashes: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., adapter: _Optional[str] = ..., medium: _Optional[_Union[_common_pb2.Medium, str]] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "medium")
+    __slots__ = ("block_hashes", "medium", "packed_block_hashes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     medium: _common_pb2.Medium
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[_Union[_common_pb2.Medium, str]] = ...) -> None: ...
+    packed_block_hashes: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[_Union[_common_pb2.Medium, str]] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only time routing decisions with ingest idle (snapshots applied directly)")
     p.add_argument("--decisions", type=int, default=5000, help="timed decisions of --routing-only")
     p.add_argument("--no-pin", action="store_true", help="leave both processes on any core")
+    p.add_argument("--unpacked", action="store_true",
+                   help="the feeds ask for the per-page hash encoding, not the packed one")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.routing_only:
         results = routing_only(args.pools, per_pool, args.decisions, live)
     else:
-        results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1)))
+        results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
+                                      packed=not args.unpacked))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])

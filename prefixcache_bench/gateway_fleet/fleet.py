@@ -5,7 +5,8 @@ Content, deterministic so that both processes know it without sharing it: each p
 `pages_per_pool` private pages (conversations of CONVERSATION_PAGES pages) and the system prompts
 (SHARED_PROMPTS prompts of CONVERSATION_PAGES pages) its (pool, prompt) draw gives it (~1 in 10).
 Its stream is a snapshot of that (batches of SNAPSHOT_BATCH_PAGES pages, as the cache service
-sends it), then `live_batches` live batches that each store LIVE_PAGES new private pages and
+sends it; PACKED_SNAPSHOT_BATCH_PAGES with the hashes packed to a subscriber that asks for it,
+SubscribeRequest.packed_hashes), then `live_batches` live batches that each store LIVE_PAGES new private pages and
 remove the oldest LIVE_PAGES. Page hashes are distinct 16-byte strings (the index hashes them
 again, so their bit pattern does not matter).
 """
@@ -21,6 +22,8 @@ CONVERSATION_PAGES = 32
 SHARED_PROMPTS = 16
 LIVE_PAGES = 64
 SNAPSHOT_BATCH_PAGES = 4096  # cache_service/core.py's
+# cache_service/core.py's PACKED_SNAPSHOT_BATCH_BYTES over a page of 16 hashed bytes and 16 tokens.
+PACKED_SNAPSHOT_BATCH_PAGES = (4 << 20) // (16 + 4 * 16)
 EPOCH = 1
 _DEVICE = common_pb2.MEDIUM_DEVICE
 
@@ -47,26 +50,35 @@ def snapshot_pages(pool: int, pages_per_pool: int) -> list[bytes]:
     return shared + [private_page(pool, j) for j in range(pages_per_pool)]
 
 
-def _stored(hashes: list[bytes]) -> events_pb2.KvEvent:
-    return events_pb2.KvEvent(stored=events_pb2.BlockStored(block_hashes=hashes, block_size=16,
+def _hashes(hashes: list[bytes], packed: bool) -> dict:
+    return {"packed_block_hashes": b"".join(hashes)} if packed else {"block_hashes": hashes}
+
+
+def _stored(hashes: list[bytes], packed: bool = False) -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(stored=events_pb2.BlockStored(**_hashes(hashes, packed), block_size=16,
                                                             medium=_DEVICE))
 
 
-def recorded_stream(pool: int, pages_per_pool: int, live_batches: int) -> list[bytes]:
-    """The pool's stream as serialized SubscribeResponses: snapshot (seq 0), then live 1..K."""
+def recorded_stream(pool: int, pages_per_pool: int, live_batches: int,
+                    packed: bool = False) -> list[bytes]:
+    """The pool's stream as serialized SubscribeResponses: snapshot (seq 0), then live 1..K; the
+    hashes packed or a bytes field each, as the cache service sends them."""
     name, pages = pool_name(pool), snapshot_pages(pool, pages_per_pool)
-    chunks = [pages[i:i + SNAPSHOT_BATCH_PAGES] for i in range(0, len(pages), SNAPSHOT_BATCH_PAGES)]
+    size = PACKED_SNAPSHOT_BATCH_PAGES if packed else SNAPSHOT_BATCH_PAGES
+    chunks = [pages[i:i + size] for i in range(0, len(pages), size)]
     out = []
     for k, chunk in enumerate(chunks):
         events = ([events_pb2.KvEvent(cleared=events_pb2.AllBlocksCleared())] if k == 0 else [])
         out.append(events_pb2.EventBatch(pool_id=name, epoch=EPOCH, seq=0, snapshot=True,
                                          snapshot_end=k == len(chunks) - 1,
-                                         events=[*events, _stored(chunk)]))
+                                         events=[*events, _stored(chunk, packed)]))
     for seq in range(1, live_batches + 1):
         new = [private_page(pool, pages_per_pool + (seq - 1) * LIVE_PAGES + j) for j in range(LIVE_PAGES)]
         old = [private_page(pool, (seq - 1) * LIVE_PAGES + j) for j in range(LIVE_PAGES)]
-        gone = events_pb2.KvEvent(removed=events_pb2.BlockRemoved(block_hashes=old, medium=_DEVICE))
-        out.append(events_pb2.EventBatch(pool_id=name, epoch=EPOCH, seq=seq, events=[_stored(new), gone]))
+        gone = events_pb2.KvEvent(removed=events_pb2.BlockRemoved(**_hashes(old, packed),
+                                                                  medium=_DEVICE))
+        out.append(events_pb2.EventBatch(pool_id=name, epoch=EPOCH, seq=seq,
+                                         events=[_stored(new, packed), gone]))
     return [cpb.SubscribeResponse(batch=b).SerializeToString() for b in out]
 
 
@@ -79,15 +91,17 @@ class ReplayCache:
     """Subscribe: the pool's recorded stream from the request's point (after_seq -1: from the
     snapshot; its live part once `go` is set, so that warm-up and live ingest are timed apart),
     then heartbeats at the asked interval until cancelled. Messages go out pre-serialized (the
-    server's work is the transport, not building messages)."""
+    server's work is the transport, not building messages), in the encoding the request asks for
+    (`packed` False: only the per-page one is recorded, for every request)."""
 
-    def __init__(self, pools: int, pages_per_pool: int, live_batches: int, go):
+    def __init__(self, pools: int, pages_per_pool: int, live_batches: int, go, packed: bool = True):
         self.live_batches, self.go = live_batches, go
-        self.streams = {pool_name(i): recorded_stream(i, pages_per_pool, live_batches)
-                        for i in range(pools)}
+        self.streams = {(pool_name(i), p): recorded_stream(i, pages_per_pool, live_batches, p)
+                        for i in range(pools) for p in ({False, packed})}
 
     def Subscribe(self, request: cpb.SubscribeRequest, context) -> Iterator[bytes]:
-        stream = self.streams[request.pool_id]
+        stream = self.streams.get((request.pool_id, request.packed_hashes),
+                                  self.streams[request.pool_id, False])
         live_start = len(stream) - self.live_batches  # live seq k sits at live_start + k - 1
         if request.after_seq < 0 or request.epoch != EPOCH:
             yield from stream[:live_start]
@@ -104,7 +118,8 @@ class ReplayCache:
                 pool_id=request.pool_id, epoch=EPOCH, head_seq=self.live_batches)).SerializeToString()
 
 
-def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu: int | None) -> None:
+def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu: int | None,
+          packed: bool = True) -> None:
     """The load generator's process: builds the recording, serves it, reports its port."""
     import os
 
@@ -112,7 +127,7 @@ def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu:
     from concurrent import futures
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    servicer = ReplayCache(pools, pages_per_pool, live_batches, go)
+    servicer = ReplayCache(pools, pages_per_pool, live_batches, go, packed)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=pools + 8),
                          options=[("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.max_concurrent_streams", pools + 8)])

@@ -12,6 +12,7 @@ import random
 import threading
 import time
 import tracemalloc
+from dataclasses import replace
 
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.index import IndexConfig, KvIndex
@@ -113,34 +114,38 @@ def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
 
 
 def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
-               cpus: tuple[int, int] | None = (0, 1)) -> dict:
-    """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned."""
+               cpus: tuple[int, int] | None = (0, 1), packed: bool = True) -> dict:
+    """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
+    `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
+    they do in the gateway, or not (the per-page encoding an older cache service sends)."""
     ctx = multiprocessing.get_context("spawn")
     ports, go = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
-                                               cpus[1] if cpus else None), daemon=True)
+                                               cpus[1] if cpus else None, packed), daemon=True)
     server.start()
     try:
         address = f"127.0.0.1:{ports.get(timeout=1800)}"
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
-        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go)
+        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go, packed)
     finally:
         server.kill()
         server.join(10)
 
 
-async def _follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSettings) -> None:
+async def _follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSettings,
+                  packed: bool) -> None:
     """What WorkerHandle does for a pool's events: its own grpc.aio channel, one feed."""
     channel = aio_channel(address, channel_options(settings.max_message_mb), None)
     try:
-        await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed(name), settings.stream_settings())
+        await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed(name),
+                           replace(settings.stream_settings(), packed_hashes=packed))
     finally:
         await channel.close()
 
 
 def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
-             go) -> dict:
+             go, packed: bool) -> dict:
     router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
     names = [F.pool_name(i) for i in range(pools)]
     for name in names:
@@ -152,7 +157,7 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
     t0 = time.perf_counter()
     feeds = FeedLoop(router)
     for name in names:
-        feeds.submit(_follow(feeds, address, name, settings))
+        feeds.submit(_follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     threads = threading.active_count()
     go.set()  # the load generator streams the live batches now
@@ -178,4 +183,5 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
         "routed_to_holder": timed.to_holder / max(timed.private, 1),
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
+        "packed_hashes": packed,
     }

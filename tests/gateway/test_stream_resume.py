@@ -24,10 +24,11 @@ from tests.gateway.gateway_harness import FakeWorker, cache_prompt, register_poo
 class BreakableCache(cpb_grpc.CacheServiceServicer):
     """Serves CacheCore.subscribe; `drop` ends the current stream with UNAVAILABLE at its next item,
     and a subscription waits for `open` before it is served (the pool moves on meanwhile).
-    `sent[n]`: the batches (seq, snapshot) subscription n delivered."""
+    `sent[n]`: the batches (seq, snapshot) subscription n delivered; `packed[n]`: whether it
+    asked for packed hashes and every event it delivered came packed."""
 
     def __init__(self, core: CacheCore, code: grpc.StatusCode):
-        self.core, self.code, self.requests, self.sent = core, code, [], []
+        self.core, self.code, self.requests, self.sent, self.packed = core, code, [], [], []
         self.drop, self.open = threading.Event(), threading.Event()
         self.open.set()
         self.server = new_server(8, "breakable-cache", [])
@@ -39,6 +40,7 @@ class BreakableCache(cpb_grpc.CacheServiceServicer):
         self.requests.append((request.epoch, request.after_seq))
         sent = []
         self.sent.append(sent)
+        self.packed.append(request.packed_hashes)
         self.open.wait(10)
         for item in self.core.subscribe(request, context.is_active):
             if self.drop.is_set():
@@ -46,6 +48,8 @@ class BreakableCache(cpb_grpc.CacheServiceServicer):
                 context.abort(self.code, "stream dropped by the test")
             if item.WhichOneof("item") == "batch":
                 sent.append((item.batch.seq, item.batch.snapshot))
+                if any(e.stored.block_hashes or e.removed.block_hashes for e in item.batch.events):
+                    self.packed[-1] = False
             yield item
 
 
@@ -92,6 +96,7 @@ def test_a_dropped_stream_resumes_from_its_last_seq_without_a_snapshot(code):
     assert last_applied >= 0 and cache.requests[1] == (1, last_applied)
     assert cache.sent[1] and not any(snap for _, snap in cache.sent[1])  # replayed, no snapshot
     assert [seq for seq, _ in cache.sent[1]] == list(range(last_applied + 1, cache.sent[1][-1][0] + 1))
+    assert cache.packed == [True, True]  # the gateway's feeds ask for packed hashes, and get them
 
 
 @CODES
