@@ -75,6 +75,7 @@ class AffinityPolicy:
         self.config = config or AffinityConfig()
         self._rr = 0
         self.recent = RoutedPrefixes(self.config.recent_pages_per_worker)
+        self._positions_of: tuple[tuple[str, ...], dict[str, int]] | None = None
 
     def remove_worker(self, worker: str) -> None:
         self.recent.remove_worker(worker)
@@ -159,7 +160,7 @@ class AffinityPolicy:
         n = len(candidates)
         prefill = np.full(n, max(total - 0.0, 0.0))
         if matches:  # only the holders' prefill differs from the whole prompt's
-            position = dict(zip(candidates, range(n)))
+            position = self._positions(candidates)
             for worker, m in matches.items():
                 if worker in position:
                     prefill[position[worker]] = max(total - self._saved(m, page), 0.0)
@@ -198,6 +199,17 @@ class AffinityPolicy:
         chosen.overload, chosen.score = float(overload[pick]), float(score[pick])
         decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
         return decision, matches.get(worker), rotated
+
+    def _positions(self, candidates: Sequence[str]) -> dict[str, int]:
+        """worker -> its index in `candidates`; kept for a tuple (the router's candidate set,
+        the same object decision after decision)."""
+        kept = self._positions_of
+        if kept is not None and kept[0] is candidates:
+            return kept[1]
+        position = dict(zip(candidates, range(len(candidates))))
+        if type(candidates) is tuple:
+            self._positions_of = (candidates, position)
+        return position
 
     def _saved(self, m: PrefixMatch, page: int) -> float:
         """Prompt tokens a worker with this match does not compute (confidence-weighted)."""
