@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
          "index may use, in MiB; past it the least useful entries are evicted, counted "
          "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
          type=finite_float(1.0, 1e9))
+    add_bool_flag(p, "--gc-freeze-after-warmup", "GC_FREEZE_AFTER_WARMUP", "once every "
+                  "worker that is up has delivered its snapshot, freeze the objects alive then "
+                  "out of the garbage collector's walks (gc.freeze): full collections no longer "
+                  "pause routing decisions for the whole warm state (gateway/core/gc_tuning.py)",
+                  "on")
     flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
          "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
          "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
@@ -310,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                               heartbeat_interval_s=args.heartbeat_interval_s),
         generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
         drain_delay_s=args.drain_delay_s,
+        gc_freeze_after_warmup=args.gc_freeze_after_warmup is not False,
         http_access_log=args.http_access_log is not False, **_http_limits(args))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
 from gateway.core.cache_keys import CacheKeyAffinity
+from gateway.core.candidates import CandidateSets
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.shared_index import SharedIndexView
 from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
@@ -81,7 +82,7 @@ class Router:
         # pop across threads); bulk ingest steps aside while it is not empty.
         self._deciding: deque[None] = deque()
         # The candidate sets of recent decisions, kept between them (`_candidates`).
-        self._eligible_cache = _EligibleCache()
+        self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)
 
     # ----- workers -----------------------------------------------------------------------------
@@ -90,7 +91,7 @@ class Router:
         with self.lock:
             self.index.add_worker(worker.name)
             self._workers[worker.name] = worker
-            self._eligible_cache.clear()
+            self._candidate_sets.clear()
 
     def remove(self, name: str) -> None:
         """Forgets a worker: its index entries, its policy state, its load. Its client is
@@ -101,7 +102,7 @@ class Router:
             self.policy.remove_worker(name)
             self.cache_keys.remove_worker(name)
             self.load.remove_worker(name)
-            self._eligible_cache.clear()
+            self._candidate_sets.clear()
             if worker is not None:
                 worker.removed = True
             idle = worker is not None and worker.calls == 0
@@ -119,7 +120,7 @@ class Router:
             if worker is None or worker.up == up:
                 return False
             worker.up = up
-            self._eligible_cache.clear()
+            self._candidate_sets.clear()
             return True
 
     def ready(self, address: str | None = None) -> bool:
@@ -129,6 +130,14 @@ class Router:
             now = self._clock()
             return any(self._eligible(w, now) for w in self._workers.values()
                        if address is None or w.address == address)
+
+    def warm(self) -> bool:
+        """Every worker that is up delivered a complete view (its snapshot), and there is one:
+        the index holds what the fleet had when this process started (gateway/core/gc_tuning.py
+        freezes the heap then)."""
+        with self.lock:
+            up = [w for w in self._workers.values() if w.up]
+            return bool(up) and all(w.synced for w in up)
 
     def names_elsewhere(self, address: str) -> list[str]:
         """The workers not at `address` (a model server's peers)."""
@@ -183,9 +192,7 @@ class Router:
         elif result.status is ApplyStatus.APPLIED:
             info = self.index.info(name)
             worker.synced = info is not None and not info.in_snapshot
-        if worker.synced != was or name not in self._eligible_cache.names:
-            # Its eligibility may have changed (a stale worker's stream came back, say).
-            self._eligible_cache.clear()
+        self._candidate_sets.on_item(name, synced_changed=worker.synced != was)
         return result
 
     def _apply_load_only(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
@@ -214,7 +221,7 @@ class Router:
             for name, worker in self._workers.items():
                 info = self.index.info(name)
                 worker.synced = info is not None and not info.in_snapshot
-            self._eligible_cache.clear()
+            self._candidate_sets.clear()
 
     def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
         """Bulk ingest calls this between two holds of the lock: while a routing decision waits
@@ -243,47 +250,9 @@ class Router:
 
     def _candidates(self, exclude: Collection[str],
                     tokenizer_fingerprint: str = "") -> tuple[Sequence[str], bool]:
-        """Workers the request may go to: not excluded, and with the tokenizer its ids came
-        from when it names one (gateway/core/tokenize.py); sorted by name.
-
-        The set without exclusions is kept between decisions (the same tuple object, which the
-        load tracker and the policy key their per-candidate arrays on) until a worker joins,
-        leaves, changes state, or the least recently seen one may have gone stale: a decision
-        then costs no loop over all workers (issue 31)."""
-        now = self._clock()
-        dead_after = self.index.config.dead_after_s
-        cached = (None if self.shared
-                  else self._eligible_cache.get(tokenizer_fingerprint, now, dead_after))
-        if cached is None:
-            cached = self._eligible_now(tokenizer_fingerprint, now)
-            if not self.shared:
-                self._eligible_cache.put(tokenizer_fingerprint, cached)
-        names, blind = cached[0], cached[1]
-        if exclude:
-            excluded = [n for n in names if n not in exclude]
-            if excluded or blind:
-                return excluded, blind
-            return self._eligible_now(tokenizer_fingerprint, now, exclude)[:2]
-        return names, blind
-
-    def _eligible_now(self, tokenizer_fingerprint: str, now: float,
-                      exclude: Collection[str] = ()) -> tuple[tuple[str, ...], bool, float]:
-        """(the candidates, blind, the least recently seen one's last event: they stay eligible
-        until that one turns stale, unless an event says otherwise)."""
-        usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
-            not tokenizer_fingerprint or w.info.tokenizer_fingerprint == tokenizer_fingerprint)]
-        # `_eligible` inlined: this runs over every worker.
-        seen, dead_after = self.index.last_seen, self.index.config.dead_after_s
-        eligible, oldest = [], float("inf")
-        for w in usable:
-            if w.up and w.synced and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after:
-                eligible.append(w.name)
-                oldest = min(oldest, t)
-        if eligible:
-            return tuple(eligible), False, oldest
-        # No worker has a live stream (the cache services are unreachable, say): route without
-        # cache knowledge rather than refuse work the workers may still do.
-        return tuple(w.name for w in usable if w.up), True, float("inf")
+        """Workers the request may go to (gateway/core/candidates.py): eligible, not excluded,
+        with the tokenizer its ids came from when it names one; sorted by name."""
+        return self._candidate_sets.get(exclude, tokenizer_fingerprint, self._clock())
 
     @contextmanager
     def _decision_lock(self) -> Iterator[None]:
@@ -436,38 +405,6 @@ class Router:
     def names(self) -> Sequence[str]:
         with self.lock:
             return sorted(self._workers)
-
-
-class _EligibleCache:
-    """`Router._candidates`' sets per tokenizer fingerprint, each valid while its least recently
-    seen worker is not stale (fresher events only make that later); `clear` on any change of a
-    worker's membership, state or eligibility."""
-
-    def __init__(self) -> None:
-        self._sets: dict[str, tuple[tuple[str, ...], bool, float]] = {}
-        # Every worker in a kept set: an event from any other may make it eligible.
-        self.names: set[str] = set()
-
-    def get(self, fingerprint: str, now: float,
-            dead_after_s: float) -> tuple[tuple[str, ...], bool, float] | None:
-        entry = self._sets.get(fingerprint)
-        if entry is None:
-            return None
-        # `_eligible_now`'s test on the oldest: every other worker's is then true as well.
-        if max(0.0, now - entry[2]) <= dead_after_s:
-            return entry
-        self.clear()  # a worker went stale: `names` must not hold it (its next event clears)
-        return None
-
-    def put(self, fingerprint: str, entry: tuple[tuple[str, ...], bool, float]) -> None:
-        if not entry[1]:  # blind sets are not kept: any event may end them
-            self._sets[fingerprint] = entry
-            self.names.update(entry[0])
-
-    def clear(self) -> None:
-        if self._sets:
-            self._sets.clear()
-            self.names.clear()
 
 
 def log_resync(name: str, result: ApplyResult) -> None:

@@ -8,13 +8,16 @@ through Router.on_stream_item on parsed messages. The policy's decision alone is
 interleaved, on each request (a same-minute ratio on a loaded machine): the router's array path
 (`_decide_fast`) and the exhaustive one (`preview`: a WorkerScore per candidate, what
 RoutePreview shows); and the garbage collector's pauses during the decisions are
-counted (gc.callbacks)."""
+counted (gc.callbacks): all of them, and those inside Router.route. Before the decisions the warm
+heap is frozen as the gateway does once its workers' snapshots are in (gateway/core/gc_tuning.py,
+`--gc-freeze-after-warmup`); `--no-gc-freeze` leaves it to the collector."""
 from __future__ import annotations
 
 import gc
 import random
 import time
 
+from gateway.core.gc_tuning import freeze_warm_heap
 from gateway.core.index import IndexConfig
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
@@ -26,7 +29,8 @@ from prefixcache_bench.gateway_fleet.run import _Router
 from prefixcache_bench.harness import percentile
 
 
-def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2) -> dict:
+def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2,
+                 gc_freeze: bool = True) -> dict:
     # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
     # reproducible (the time it takes is measured with perf_counter).
     frozen = time.monotonic()
@@ -51,14 +55,17 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     snap_events, live_events = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches)
                                                 for i in range(pools))))
     requests = _Router(router, pools, pages_per_pool, live_batches)
+    frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, to_holder, private = random.Random(1), [], 0, 0
-    fast, exhaustive, pauses, gc_start = [], [], [], [0.0]
+    fast, exhaustive, pauses, in_route, gc_start, routing = [], [], [], [], [0.0], [False]
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             gc_start[0] = time.perf_counter()
         else:
             pauses.append(time.perf_counter() - gc_start[0])
+            if routing[0]:
+                in_route.append(pauses[-1])
 
     gc.callbacks.append(on_gc)
     for n in range(decisions):
@@ -68,14 +75,17 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             start = time.perf_counter()
             way(req, candidates, router.index, router.load)
             times.append((time.perf_counter() - start) * 1e6)
-        start = time.perf_counter()
+        routing[0], start = True, time.perf_counter()
         route = router.route(req)
         lat.append((time.perf_counter() - start) * 1e6)
+        routing[0] = False
         router.finish(req.request_id)
         if holder is not None:
             private += 1
             to_holder += route.worker.name == holder
     gc.callbacks.remove(on_gc)
+    if gc_freeze:
+        gc.unfreeze()
     st = router.index.stats()
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
             "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
@@ -86,6 +96,8 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
             "gc_pauses_during_decisions": len(pauses),
             "gc_max_pause_us": max(pauses, default=0.0) * 1e6,
+            "gc_frozen_objects": frozen_objects, "gc_pauses_in_routing": len(in_route),
+            "gc_max_pause_in_routing_us": max(in_route, default=0.0) * 1e6,
             # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
             "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
             "live_apply_page_events_per_s": live_events / live_s}

@@ -48,7 +48,8 @@ class _Fleet:
         policy.array_min_candidates = 1  # the array path, whose per-candidate arrays are kept
         self.router = Router(policy, GatewayMetrics(), clock=clock)
         if not keep:  # the twin that scans every worker on every decision
-            self.router._eligible_cache.get = lambda *args: None
+            sets = self.router._candidate_sets
+            sets._kept = lambda *args: None  # type: ignore[method-assign]
         self.seq: dict[str, int] = {}
 
     def step(self, rng: random.Random, op: str, name: str) -> None:

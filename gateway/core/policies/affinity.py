@@ -166,7 +166,7 @@ class AffinityPolicy:
                     prefill[position[worker]] = max(total - self._saved(m, page), 0.0)
         new = float(prefill.min())
         overload_weight = cfg.overload_weight if total - new < new else 0.0
-        mean_recent = sum(recent.tolist()) / n
+        mean_recent = _sum_in_order(recent) / n
         overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
                     else np.zeros(n))
         balance = (cfg.prefill_weight * prefill * (1.0 + overload_weight * overload)
@@ -194,9 +194,16 @@ class AffinityPolicy:
                 reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
                           f"{total - new:.0f} tokens")
         worker = candidates[pick]
-        chosen = self._score(request, [worker], {worker: matches[worker]} if worker in matches
-                             else {}, load)[0]
-        chosen.overload, chosen.score = float(overload[pick]), float(score[pick])
+        # `_score`'s WorkerScore, from the arrays (`get_many`'s conversions of the same columns)
+        chosen = WorkerScore(worker, queued_prefill_tokens=int(queued[pick]),
+                             inflight_requests=int(running[pick]),
+                             recent_prefill_tokens=float(recent[pick]),
+                             prefill_tokens=float(prefill[pick]), overload=float(overload[pick]),
+                             score=float(score[pick]))
+        m = matches.get(worker)
+        if m is not None:
+            chosen.device_tokens, chosen.host_tokens = m.device_pages * page, m.host_pages * page
+            chosen.remote_tokens, chosen.confidence = m.remote_pages * page, m.confidence
         decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
         return decision, matches.get(worker), rotated
 
@@ -223,7 +230,7 @@ class AffinityPolicy:
         by `_weigh`)."""
         page = request.page_size
         loads = load.get_many(candidates)
-        mean_recent = sum(wl.recent_prefill_tokens for wl in loads) / len(loads)
+        mean_recent = _sum_in_order(np.array([wl.recent_prefill_tokens for wl in loads])) / len(loads)
         scores = []
         for worker, wl in zip(candidates, loads, strict=True):
             s = WorkerScore(worker, queued_prefill_tokens=wl.queued_prefill_tokens,
@@ -288,6 +295,12 @@ class AffinityPolicy:
         if self.config.recent_pages_per_worker:
             held = match.device_pages if match is not None else 0
             self.recent.record(worker, request.page_hashes[held:])
+
+
+def _sum_in_order(values: np.ndarray) -> float:
+    """The sum of the values added first to last (what `sum` of a list of floats does before
+    Python 3.12), in numpy: both scoring paths use it, so they agree to the last bit."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
 
 
 class ApproxPolicy(AffinityPolicy):
