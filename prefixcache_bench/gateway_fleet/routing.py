@@ -8,7 +8,9 @@ through Router.on_stream_item on parsed messages. The policy's decision alone is
 interleaved, on each request (a same-minute ratio on a loaded machine): the router's array path
 (`_decide_fast`) and the exhaustive one (`preview`: a WorkerScore per candidate, what
 RoutePreview shows); and the garbage collector's pauses during the decisions are
-counted (gc.callbacks): all of them, and those inside Router.route. Before the decisions the warm
+counted (gc.callbacks): all of them, and those inside Router.route. Each decision's wall time is
+timed and its thread's CPU time (time.thread_time: on a machine shared with other jobs, the wall
+time's tail is their scheduling). Before the decisions the warm
 heap is frozen as the gateway does once its workers' snapshots are in (gateway/core/gc_tuning.py,
 `--gc-freeze-after-warmup`); `--no-gc-freeze` leaves it to the collector."""
 from __future__ import annotations
@@ -56,7 +58,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
                                                 for i in range(pools))))
     requests = _Router(router, pools, pages_per_pool, live_batches)
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
-    rng, lat, to_holder, private = random.Random(1), [], 0, 0
+    rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
     fast, exhaustive, pauses, in_route, gc_start, routing = [], [], [], [], [0.0], [False]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -75,9 +77,10 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             start = time.perf_counter()
             way(req, candidates, router.index, router.load)
             times.append((time.perf_counter() - start) * 1e6)
-        routing[0], start = True, time.perf_counter()
+        routing[0], cpu_start, start = True, time.thread_time(), time.perf_counter()
         route = router.route(req)
         lat.append((time.perf_counter() - start) * 1e6)
+        cpu.append((time.thread_time() - cpu_start) * 1e6)
         routing[0] = False
         router.finish(req.request_id)
         if holder is not None:
@@ -90,6 +93,9 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
             "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
             "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
+            # The routing thread's own CPU time per decision: what other processes' use of the
+            # cores (the load average) adds to the wall time above is not in it.
+            "routing_cpu_p50_us": percentile(cpu, 0.5), "routing_cpu_p99_us": percentile(cpu, 0.99),
             "routed_to_holder": to_holder / max(private, 1), "build_s": load_s,
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
             "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),
