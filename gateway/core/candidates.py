@@ -43,6 +43,7 @@ class CandidateSets:
         self._sets: dict[str, _Set] = {}  # tokenizer fingerprint -> its set
         # Every worker in a kept set: an event from any other may make it eligible.
         self._names: set[str] = set()
+        self._members: tuple[tuple[str, ...], frozenset[str]] | None = None
 
     def get(self, exclude: Collection[str], fingerprint: str,
             now: float) -> tuple[Sequence[str], bool]:
@@ -87,6 +88,17 @@ class CandidateSets:
         # No worker has a live stream (the cache services are unreachable, say): route without
         # cache knowledge rather than refuse work the workers may still do.
         return tuple(w.name for w in usable if w.up), True, float("inf")
+
+    def members(self, candidates: Sequence[str]) -> Collection[str]:
+        """`candidates` as a set; kept for the last tuple asked (a kept set, decision after
+        decision)."""
+        kept = self._members
+        if kept is not None and kept[0] is candidates:
+            return kept[1]
+        members = frozenset(candidates)
+        if type(candidates) is tuple:
+            self._members = (candidates, members)
+        return members
 
     def on_item(self, name: str, synced_changed: bool) -> None:
         """A worker's stream delivered an item (its last event is now)."""

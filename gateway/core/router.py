@@ -307,7 +307,7 @@ class Router:
         if pinned is None:
             return None
         matches = self.index.lookup(request.page_hashes)
-        allowed = set(candidates)
+        allowed = self._candidate_sets.members(candidates)
         best = max((m.device_pages for w, m in matches.items() if w in allowed), default=0)
         mine = matches.get(pinned)
         return pinned if (mine.device_pages if mine else 0) >= best else None

@@ -87,7 +87,7 @@ class AffinityPolicy:
         if self.config.recent_pages_per_worker and hashes:
             # Only a worker the index matches, or one remembering the first page, can extend:
             # O(those workers), not O(candidates).
-            allowed = set(candidates)
+            allowed = self._positions(candidates)
             extendable = [w for w in dict.fromkeys([*matches, *self.recent.holders(hashes[0])])
                           if w in allowed]
             for worker in extendable:
