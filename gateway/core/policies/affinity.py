@@ -161,9 +161,10 @@ class AffinityPolicy:
         prefill = np.full(n, max(total - 0.0, 0.0))
         if matches:  # only the holders' prefill differs from the whole prompt's
             position = self._positions(candidates)
-            for worker, m in matches.items():
-                if worker in position:
-                    prefill[position[worker]] = max(total - self._saved(m, page), 0.0)
+            held = [(position[w], m) for w, m in matches.items() if w in position]
+            if held:
+                at, saved = self._saved_many(held, page)
+                prefill[at] = np.maximum(total - saved, 0.0)
         new = float(prefill.min())
         overload_weight = cfg.overload_weight if total - new < new else 0.0
         mean_recent = _sum_in_order(recent) / n
@@ -223,6 +224,18 @@ class AffinityPolicy:
         cfg = self.config
         return m.confidence * (m.device_pages * page + m.host_pages * page * (1.0 - cfg.host_cost)
                                + m.remote_pages * page * (1.0 - cfg.remote_cost))
+
+    def _saved_many(self, held: list[tuple[int, PrefixMatch]],
+                    page: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the positions, `_saved` of each match) for (position, match) pairs, in numpy: the
+        same operations in the same order, so the same floats."""
+        cfg, k = self.config, len(held)
+        at = np.fromiter((p for p, _ in held), np.intp, k)
+        pages = np.array([(m.device_pages, m.host_pages, m.remote_pages) for _, m in held],
+                         dtype=np.int64).reshape(k, 3) * page
+        confidence = np.fromiter((m.confidence for _, m in held), np.float64, k)
+        return at, confidence * (pages[:, 0] + pages[:, 1] * (1.0 - cfg.host_cost)
+                                 + pages[:, 2] * (1.0 - cfg.remote_cost))
 
     def _score(self, request: RouteRequest, candidates: Sequence[str],
                matches: dict[str, PrefixMatch], load: LoadTracker) -> list[WorkerScore]:
