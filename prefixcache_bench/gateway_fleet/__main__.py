@@ -27,7 +27,8 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "routing_p50_idle_us", "routing_p99
                    "routing_max_idle_us", "routing_cpu_p50_us", "routing_cpu_p99_us", "routed_to_holder", "index_bytes_per_page",
                    "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s",
                    "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
-                   "gc_max_pause_us", "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
+                   "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms", "gc_pauses_in_routing",
+                   "gc_max_pause_in_routing_us")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")

@@ -59,13 +59,15 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     requests = _Router(router, pools, pages_per_pool, live_batches)
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
-    fast, exhaustive, pauses, in_route, gc_start, routing = [], [], [], [], [0.0], [False]
+    fast, exhaustive, pauses, pauses_cpu, in_route, routing = [], [], [], [], [], [False]
+    gc_start = [0.0, 0.0]
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
-            gc_start[0] = time.perf_counter()
+            gc_start[:] = time.perf_counter(), time.thread_time()
         else:
             pauses.append(time.perf_counter() - gc_start[0])
+            pauses_cpu.append(time.thread_time() - gc_start[1])  # preemption not counted
             if routing[0]:
                 in_route.append(pauses[-1])
 
@@ -102,6 +104,8 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
             "gc_pauses_during_decisions": len(pauses),
             "gc_max_pause_us": max(pauses, default=0.0) * 1e6,
+            "gc_max_pause_cpu_us": max(pauses_cpu, default=0.0) * 1e6,
+            "gc_total_cpu_ms": sum(pauses_cpu) * 1e3,
             "gc_frozen_objects": frozen_objects, "gc_pauses_in_routing": len(in_route),
             "gc_max_pause_in_routing_us": max(in_route, default=0.0) * 1e6,
             # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
