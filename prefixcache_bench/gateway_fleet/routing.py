@@ -27,12 +27,12 @@ from gateway.core.router import Router, Worker
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
-from prefixcache_bench.gateway_fleet.run import _Router
+from prefixcache_bench.gateway_fleet.run import REQUEST_PAGES, _Router
 from prefixcache_bench.harness import percentile
 
 
 def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2,
-                 gc_freeze: bool = True) -> dict:
+                 gc_freeze: bool = True, prompt_pages: int = REQUEST_PAGES) -> dict:
     # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
     # reproducible (the time it takes is measured with perf_counter).
     frozen = time.monotonic()
@@ -56,7 +56,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     live_s = time.perf_counter() - start
     snap_events, live_events = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches)
                                                 for i in range(pools))))
-    requests = _Router(router, pools, pages_per_pool, live_batches)
+    requests = _Router(router, pools, pages_per_pool, live_batches, prompt_pages)
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
     fast, exhaustive, pauses, pauses_cpu, in_route, routing = [], [], [], [], [], [False]
@@ -93,6 +93,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
         gc.unfreeze()
     st = router.index.stats()
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
+            "prompt_pages": prompt_pages,
             "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
             "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
             # The routing thread's own CPU time per decision: what other processes' use of the
