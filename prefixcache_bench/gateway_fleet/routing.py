@@ -31,6 +31,35 @@ from prefixcache_bench.gateway_fleet.run import REQUEST_PAGES, _Router
 from prefixcache_bench.harness import percentile
 
 
+class _GcPauses:
+    """The collector's pauses (gc.callbacks), in wall and thread CPU time, and those that fell
+    inside Router.route (`routing` set around it)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.in_route: list[float] = []
+        self.routing = False
+        self._start = (0.0, 0.0)
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter(), time.thread_time()
+            return
+        self.wall.append(time.perf_counter() - self._start[0])
+        self.cpu.append(time.thread_time() - self._start[1])  # preemption not counted
+        if self.routing:
+            self.in_route.append(self.wall[-1])
+
+    def summary(self) -> dict:
+        return {"gc_pauses_during_decisions": len(self.wall),
+                "gc_max_pause_us": max(self.wall, default=0.0) * 1e6,
+                "gc_max_pause_cpu_us": max(self.cpu, default=0.0) * 1e6,
+                "gc_total_cpu_ms": sum(self.cpu) * 1e3,
+                "gc_pauses_in_routing": len(self.in_route),
+                "gc_max_pause_in_routing_us": max(self.in_route, default=0.0) * 1e6}
+
+
 def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2,
                  gc_freeze: bool = True, prompt_pages: int = REQUEST_PAGES) -> dict:
     # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
@@ -59,19 +88,8 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     requests = _Router(router, pools, pages_per_pool, live_batches, prompt_pages)
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
-    fast, exhaustive, pauses, pauses_cpu, in_route, routing = [], [], [], [], [], [False]
-    gc_start = [0.0, 0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_start[:] = time.perf_counter(), time.thread_time()
-        else:
-            pauses.append(time.perf_counter() - gc_start[0])
-            pauses_cpu.append(time.thread_time() - gc_start[1])  # preemption not counted
-            if routing[0]:
-                in_route.append(pauses[-1])
-
-    gc.callbacks.append(on_gc)
+    fast, exhaustive, collector = [], [], _GcPauses()
+    gc.callbacks.append(collector.on_gc)
     for n in range(decisions):
         req, holder = requests._request(rng, n)
         candidates, policy = router._candidates(())[0], router.policy
@@ -79,16 +97,16 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             start = time.perf_counter()
             way(req, candidates, router.index, router.load)
             times.append((time.perf_counter() - start) * 1e6)
-        routing[0], cpu_start, start = True, time.thread_time(), time.perf_counter()
+        collector.routing, cpu_start, start = True, time.thread_time(), time.perf_counter()
         route = router.route(req)
         lat.append((time.perf_counter() - start) * 1e6)
         cpu.append((time.thread_time() - cpu_start) * 1e6)
-        routing[0] = False
+        collector.routing = False
         router.finish(req.request_id)
         if holder is not None:
             private += 1
             to_holder += route.worker.name == holder
-    gc.callbacks.remove(on_gc)
+    gc.callbacks.remove(collector.on_gc)
     if gc_freeze:
         gc.unfreeze()
     st = router.index.stats()
@@ -103,12 +121,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
             "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),
             "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
-            "gc_pauses_during_decisions": len(pauses),
-            "gc_max_pause_us": max(pauses, default=0.0) * 1e6,
-            "gc_max_pause_cpu_us": max(pauses_cpu, default=0.0) * 1e6,
-            "gc_total_cpu_ms": sum(pauses_cpu) * 1e3,
-            "gc_frozen_objects": frozen_objects, "gc_pauses_in_routing": len(in_route),
-            "gc_max_pause_in_routing_us": max(in_route, default=0.0) * 1e6,
+            **collector.summary(), "gc_frozen_objects": frozen_objects,
             # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
             "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
             "live_apply_page_events_per_s": live_events / live_s}
