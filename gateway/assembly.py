@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import WorkerAddress
+from gateway.core.gc_tuning import FreezeAfterWarmup
 from gateway.core.index import IndexConfig
 from gateway.core.indexer_roles import IndexerRoles
 from gateway.core.metrics import GatewayMetrics
@@ -131,6 +132,11 @@ class GatewayConfig:
     grace_s: float = 20.0
     drain_delay_s: float = 0.0
     abort_wait_s: float = 5.0
+    # Once every worker that is up delivered its snapshot, freeze the objects alive then out of
+    # the garbage collector's walks (gateway/core/gc_tuning.py): full collections then no longer
+    # pause routing decisions for the whole warm state. Process-wide, so off for a gateway
+    # embedded in another program (tests); `python -m gateway` turns it on by default.
+    gc_freeze_after_warmup: bool = False
 
     @property
     def max_workers(self) -> int:
@@ -149,6 +155,7 @@ class GatewayServer(ShellPorts):
                                    memory_budget_mb=cfg.index_memory_mb)
         shared, self.indexers = self._shared_index(index_config)
         self.router = Router(make_policy(cfg.policy), self.metrics, index_config, index=shared)
+        self._gc_freeze = FreezeAfterWarmup(cfg.gc_freeze_after_warmup, self.router.warm)
         self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer)
         self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker,
                                  indexers=self.indexers)
@@ -272,6 +279,7 @@ class GatewayServer(ShellPorts):
                 except Exception:  # a bad answer must not end discovery for good
                     log.exception(kv("discovery_failed"))
             self.router.refresh_shared_index()
+            self._gc_freeze.poll()
             now_ready = (self.router.ready(self.config.home_worker) and not self._draining.is_set()
                          and (self.http is None or self.http.serving))
             if now_ready != ready and not self._drain_started:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_scan import bit_positions, runs
+from gateway.core.index_scan import bit_positions, held_masks, runs
 from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
                                       WorkerInfo)
@@ -88,6 +88,11 @@ class _Worker:
 
 class KvIndex:
     """Not thread-safe: the gateway serialises apply/heartbeat/lookup/remove_worker (one lock)."""
+
+    # A lookup probes this many of the request's pages first, then twice as many per round, and
+    # stops at the first page no medium holds (`index_scan.held_masks`): one numpy round for a
+    # typical prompt, a few for a long one whatever its uncached tail.
+    lookup_chunk_pages = 64
 
     def __init__(self, config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -379,14 +384,17 @@ class KvIndex:
         everyone = self._all
         if not everyone or not hashes:
             return {}
-        # Every page's holders in one vectorised probe per medium; ends past 0 only (see `runs`):
-        # workers holding none of the first page cost nothing.
-        devm = dev.masks(hashes)
+        # The pages' holders in vectorised probes per medium, up to the first page held nowhere;
+        # ends past 0 only (see `runs`): workers holding none of the first page cost nothing.
+        devm, hostm, remm = held_masks(dev, host if len(host) else None, rem if len(rem) else None,
+                                       hashes, self.lookup_chunk_pages)
+        if not devm:  # the first page is held nowhere
+            return {}
         dev_end = runs(devm, {}, first=everyone)
-        anym = devm if not len(host) else [d | h for d, h in zip(devm, host.masks(hashes))]
-        host_end = dev_end if anym is devm else runs(anym, dev_end, first=_others(everyone, dev_end))
-        rem_end = host_end if not len(rem) else runs(
-            [everyone if r else a for r, a in zip(rem.masks(hashes), anym)], host_end,
+        anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
+        host_end = dev_end if hostm is None else runs(anym, dev_end, first=_others(everyone, dev_end))
+        rem_end = host_end if remm is None else runs(
+            [everyone if r else a for r, a in zip(remm, anym)], host_end,
             first=_others(everyone, host_end))
         now = self._clock() if now is None else now
         out: dict[str, PrefixMatch] = {}

@@ -3,6 +3,7 @@ per worker."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 
 def bit_positions(mask: int) -> Iterator[int]:
@@ -44,3 +45,40 @@ def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[i
     for slot in bit_positions(alive):
         ends[slot] = n
     return ends
+
+
+class _Masks(Protocol):
+    def masks(self, hashes: Sequence[bytes]) -> list[int]: ...
+
+
+def held_masks(dev: _Masks, host: _Masks | None, rem: _Masks | None, hashes: Sequence[bytes],
+               first_chunk: int = 64) -> tuple[list[int], list[int] | None, list[int] | None]:
+    """The masks of a request's pages on each medium (None for a medium left out: an empty
+    table), up to the first page that no medium holds.
+
+    No worker's run, on any medium, goes past a page nobody holds (see `runs`), so the pages
+    after it need no probe: a 2,048-page prompt of which 32 pages are cached anywhere costs a
+    probe of its first chunk, not of every page. Probed in chunks of `first_chunk` pages, then
+    twice as many each time."""
+    out_dev: list[int] = []
+    out_host: list[int] | None = None if host is None else []
+    out_rem: list[int] | None = None if rem is None else []
+    start, size, n = 0, first_chunk, len(hashes)
+    while start < n:
+        chunk = hashes[start:start + size]
+        d = dev.masks(chunk)
+        h = host.masks(chunk) if host is not None else None
+        r = rem.masks(chunk) if rem is not None else None
+        held = d if h is None else [a | b for a, b in zip(d, h)]
+        if r is not None:
+            held = [a | b for a, b in zip(held, r)]
+        end = next((i for i, m in enumerate(held) if not m), len(chunk))
+        out_dev += d[:end]
+        if out_host is not None:
+            out_host += h[:end]
+        if out_rem is not None:
+            out_rem += r[:end]
+        if end < len(chunk):
+            break
+        start, size = start + size, size * 2
+    return out_dev, out_host, out_rem

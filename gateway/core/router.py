@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
 from gateway.core.cache_keys import CacheKeyAffinity
+from gateway.core.candidates import CandidateSets
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.shared_index import SharedIndexView
 from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
@@ -80,6 +81,8 @@ class Router:
         # One entry per routing call waiting for or holding the lock (deque: atomic append and
         # pop across threads); bulk ingest steps aside while it is not empty.
         self._deciding: deque[None] = deque()
+        # The candidate sets of recent decisions, kept between them (`_candidates`).
+        self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)
 
     # ----- workers -----------------------------------------------------------------------------
@@ -88,6 +91,7 @@ class Router:
         with self.lock:
             self.index.add_worker(worker.name)
             self._workers[worker.name] = worker
+            self._candidate_sets.clear()
 
     def remove(self, name: str) -> None:
         """Forgets a worker: its index entries, its policy state, its load. Its client is
@@ -98,6 +102,7 @@ class Router:
             self.policy.remove_worker(name)
             self.cache_keys.remove_worker(name)
             self.load.remove_worker(name)
+            self._candidate_sets.clear()
             if worker is not None:
                 worker.removed = True
             idle = worker is not None and worker.calls == 0
@@ -115,6 +120,7 @@ class Router:
             if worker is None or worker.up == up:
                 return False
             worker.up = up
+            self._candidate_sets.clear()
             return True
 
     def ready(self, address: str | None = None) -> bool:
@@ -124,6 +130,14 @@ class Router:
             now = self._clock()
             return any(self._eligible(w, now) for w in self._workers.values()
                        if address is None or w.address == address)
+
+    def warm(self) -> bool:
+        """Every worker that is up delivered a complete view (its snapshot), and there is one:
+        the index holds what the fleet had when this process started (gateway/core/gc_tuning.py
+        freezes the heap then)."""
+        with self.lock:
+            up = [w for w in self._workers.values() if w.up]
+            return bool(up) and all(w.synced for w in up)
 
     def names_elsewhere(self, address: str) -> list[str]:
         """The workers not at `address` (a model server's peers)."""
@@ -172,11 +186,13 @@ class Router:
         else:
             result = self.index.heartbeat(item.heartbeat)
             self.load.report(name, item.heartbeat.load)
+        was = worker.synced
         if result.status is ApplyStatus.RESYNC:
             worker.synced = False
         elif result.status is ApplyStatus.APPLIED:
             info = self.index.info(name)
             worker.synced = info is not None and not info.in_snapshot
+        self._candidate_sets.on_item(name, synced_changed=worker.synced != was)
         return result
 
     def _apply_load_only(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
@@ -205,6 +221,7 @@ class Router:
             for name, worker in self._workers.items():
                 info = self.index.info(name)
                 worker.synced = info is not None and not info.in_snapshot
+            self._candidate_sets.clear()
 
     def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
         """Bulk ingest calls this between two holds of the lock: while a routing decision waits
@@ -232,21 +249,10 @@ class Router:
     # ----- routing -----------------------------------------------------------------------------
 
     def _candidates(self, exclude: Collection[str],
-                    tokenizer_fingerprint: str = "") -> tuple[list[str], bool]:
-        """Workers the request may go to: not excluded, and with the tokenizer its ids came
-        from when it names one (gateway/core/tokenize.py)."""
-        now = self._clock()
-        usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
-            not tokenizer_fingerprint or w.info.tokenizer_fingerprint == tokenizer_fingerprint)]
-        # `_eligible` inlined: this runs over every worker on each decision.
-        seen, dead_after = self.index.last_seen, self.index.config.dead_after_s
-        eligible = [w.name for w in usable if w.up and w.synced
-                    and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after]
-        if eligible:
-            return eligible, False
-        # No worker has a live stream (the cache services are unreachable, say): route without
-        # cache knowledge rather than refuse work the workers may still do.
-        return [w.name for w in usable if w.up], True
+                    tokenizer_fingerprint: str = "") -> tuple[Sequence[str], bool]:
+        """Workers the request may go to (gateway/core/candidates.py): eligible, not excluded,
+        with the tokenizer its ids came from when it names one; sorted by name."""
+        return self._candidate_sets.get(exclude, tokenizer_fingerprint, self._clock())
 
     @contextmanager
     def _decision_lock(self) -> Iterator[None]:
@@ -301,7 +307,7 @@ class Router:
         if pinned is None:
             return None
         matches = self.index.lookup(request.page_hashes)
-        allowed = set(candidates)
+        allowed = self._candidate_sets.members(candidates)
         best = max((m.device_pages for w, m in matches.items() if w in allowed), default=0)
         mine = matches.get(pinned)
         return pinned if (mine.device_pages if mine else 0) >= best else None
@@ -338,7 +344,7 @@ class Router:
                     decision.reason = f"{CACHE_KEY_REASON}: {decision.reason}"
             matches = self.index.lookup(request.page_hashes, now)
             scores = {s.worker: s for s in decision.scores} if decision else {}
-            rows = []
+            eligible, rows = set(candidates), []
             for name, w in sorted(self._workers.items()):
                 m, s, wl = matches.get(name), scores.get(name), self.load.get(name, now)
                 page = request.page_size
@@ -351,7 +357,7 @@ class Router:
                     remote_tokens=remote, in_flight=wl.inflight_requests,
                     queued_prefill_tokens=wl.queued_prefill_tokens,
                     score=s.score if s is not None else 0.0,
-                    staleness_s=self._staleness(name, now), eligible=name in candidates))
+                    staleness_s=self._staleness(name, now), eligible=name in eligible))
         out = gpb.RoutePreviewResponse(policy=self.policy.name, prompt_tokens=request.prompt_tokens,
                                        candidates=rows)
         if decision is None:

@@ -23,11 +23,13 @@ GOALS = {
 }
 # --routing-only: the decision's own cost with ingest idle, and the index's size.
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
-ROUTING_COLUMNS = ("pools", "indexed_pages", "routing_p50_idle_us", "routing_p99_idle_us",
-                   "routing_max_idle_us", "routed_to_holder", "index_bytes_per_page",
+ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_us",
+                   "routing_p99_idle_us", "routing_max_idle_us", "routing_cpu_p50_us",
+                   "routing_cpu_p99_us", "routed_to_holder", "index_bytes_per_page",
                    "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s",
                    "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
-                   "gc_max_pause_us")
+                   "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",
+                   "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
@@ -62,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing-only", action="store_true",
                    help="only time routing decisions with ingest idle (snapshots applied directly)")
     p.add_argument("--decisions", type=int, default=5000, help="timed decisions of --routing-only")
+    p.add_argument("--prompt-pages", type=int, default=64,
+                   help="--routing-only: pages per request (32 held by a pool or a system prompt, "
+                        "the rest new)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="--routing-only: leave the warm heap to the garbage collector (the gateway's "
+                        "--no-gc-freeze-after-warmup)")
     p.add_argument("--no-pin", action="store_true", help="leave both processes on any core")
     p.add_argument("--unpacked", action="store_true",
                    help="the feeds ask for the per-page hash encoding, not the packed one")
@@ -78,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     per_pool = args.total_pages // args.pools
     live = max(1, args.live_page_events // (128 * args.pools))
     if args.routing_only:
-        results = routing_only(args.pools, per_pool, args.decisions, live)
+        results = routing_only(args.pools, per_pool, args.decisions, live,
+                               gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages)
     else:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
                                       packed=not args.unpacked))

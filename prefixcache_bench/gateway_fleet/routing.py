@@ -8,13 +8,18 @@ through Router.on_stream_item on parsed messages. The policy's decision alone is
 interleaved, on each request (a same-minute ratio on a loaded machine): the router's array path
 (`_decide_fast`) and the exhaustive one (`preview`: a WorkerScore per candidate, what
 RoutePreview shows); and the garbage collector's pauses during the decisions are
-counted (gc.callbacks)."""
+counted (gc.callbacks): all of them, and those inside Router.route. Each decision's wall time is
+timed and its thread's CPU time (time.thread_time: on a machine shared with other jobs, the wall
+time's tail is their scheduling). Before the decisions the warm
+heap is frozen as the gateway does once its workers' snapshots are in (gateway/core/gc_tuning.py,
+`--gc-freeze-after-warmup`); `--no-gc-freeze` leaves it to the collector."""
 from __future__ import annotations
 
 import gc
 import random
 import time
 
+from gateway.core.gc_tuning import freeze_warm_heap
 from gateway.core.index import IndexConfig
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
@@ -22,11 +27,41 @@ from gateway.core.router import Router, Worker
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
-from prefixcache_bench.gateway_fleet.run import _Router
+from prefixcache_bench.gateway_fleet.run import REQUEST_PAGES, _Router
 from prefixcache_bench.harness import percentile
 
 
-def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2) -> dict:
+class _GcPauses:
+    """The collector's pauses (gc.callbacks), in wall and thread CPU time, and those that fell
+    inside Router.route (`routing` set around it)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.in_route: list[float] = []
+        self.routing = False
+        self._start = (0.0, 0.0)
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter(), time.thread_time()
+            return
+        self.wall.append(time.perf_counter() - self._start[0])
+        self.cpu.append(time.thread_time() - self._start[1])  # preemption not counted
+        if self.routing:
+            self.in_route.append(self.wall[-1])
+
+    def summary(self) -> dict:
+        return {"gc_pauses_during_decisions": len(self.wall),
+                "gc_max_pause_us": max(self.wall, default=0.0) * 1e6,
+                "gc_max_pause_cpu_us": max(self.cpu, default=0.0) * 1e6,
+                "gc_total_cpu_ms": sum(self.cpu) * 1e3,
+                "gc_pauses_in_routing": len(self.in_route),
+                "gc_max_pause_in_routing_us": max(self.in_route, default=0.0) * 1e6}
+
+
+def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2,
+                 gc_freeze: bool = True, prompt_pages: int = REQUEST_PAGES) -> dict:
     # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
     # reproducible (the time it takes is measured with perf_counter).
     frozen = time.monotonic()
@@ -50,17 +85,11 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     live_s = time.perf_counter() - start
     snap_events, live_events = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches)
                                                 for i in range(pools))))
-    requests = _Router(router, pools, pages_per_pool, live_batches)
-    rng, lat, to_holder, private = random.Random(1), [], 0, 0
-    fast, exhaustive, pauses, gc_start = [], [], [], [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_start[0] = time.perf_counter()
-        else:
-            pauses.append(time.perf_counter() - gc_start[0])
-
-    gc.callbacks.append(on_gc)
+    requests = _Router(router, pools, pages_per_pool, live_batches, prompt_pages)
+    frozen_objects = freeze_warm_heap() if gc_freeze else 0
+    rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
+    fast, exhaustive, collector = [], [], _GcPauses()
+    gc.callbacks.append(collector.on_gc)
     for n in range(decisions):
         req, holder = requests._request(rng, n)
         candidates, policy = router._candidates(())[0], router.policy
@@ -68,24 +97,31 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             start = time.perf_counter()
             way(req, candidates, router.index, router.load)
             times.append((time.perf_counter() - start) * 1e6)
-        start = time.perf_counter()
+        collector.routing, cpu_start, start = True, time.thread_time(), time.perf_counter()
         route = router.route(req)
         lat.append((time.perf_counter() - start) * 1e6)
+        cpu.append((time.thread_time() - cpu_start) * 1e6)
+        collector.routing = False
         router.finish(req.request_id)
         if holder is not None:
             private += 1
             to_holder += route.worker.name == holder
-    gc.callbacks.remove(on_gc)
+    gc.callbacks.remove(collector.on_gc)
+    if gc_freeze:
+        gc.unfreeze()
     st = router.index.stats()
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
+            "prompt_pages": prompt_pages,
             "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
             "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
+            # The routing thread's own CPU time per decision: what other processes' use of the
+            # cores (the load average) adds to the wall time above is not in it.
+            "routing_cpu_p50_us": percentile(cpu, 0.5), "routing_cpu_p99_us": percentile(cpu, 0.99),
             "routed_to_holder": to_holder / max(private, 1), "build_s": load_s,
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
             "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),
             "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
-            "gc_pauses_during_decisions": len(pauses),
-            "gc_max_pause_us": max(pauses, default=0.0) * 1e6,
+            **collector.summary(), "gc_frozen_objects": frozen_objects,
             # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
             "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
             "live_apply_page_events_per_s": live_events / live_s}

@@ -55,8 +55,10 @@ class _Router:
     """The timed routing thread: requests for a pool's conversation (routed to it when the index
     knows it) or a system prompt, each followed by new pages."""
 
-    def __init__(self, router: Router, pools: int, pages_per_pool: int, live_batches: int):
+    def __init__(self, router: Router, pools: int, pages_per_pool: int, live_batches: int,
+                 request_pages: int = REQUEST_PAGES):
         self.router, self.pools, self.pages = router, pools, pages_per_pool
+        self.request_pages = request_pages  # of which CONVERSATION_PAGES held, the rest new
         # Conversations the live batches do not remove (those go oldest first).
         self.first_conv = (live_batches * F.LIVE_PAGES) // F.CONVERSATION_PAGES + 1
         self.samples: list[tuple[float, float]] = []  # (start, seconds)
@@ -65,7 +67,8 @@ class _Router:
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
 
     def _request(self, rng: random.Random, n: int) -> tuple[RouteRequest, str | None]:
-        fresh = [(n * 131 + j).to_bytes(16, "big") for j in range(REQUEST_PAGES - F.CONVERSATION_PAGES)]
+        fresh = [(n * 131 + j).to_bytes(16, "big")
+                 for j in range(self.request_pages - F.CONVERSATION_PAGES)]
         if rng.random() < 0.3:
             held, holder = [F.shared_page(rng.randrange(F.SHARED_PROMPTS), j)
                             for j in range(F.CONVERSATION_PAGES)], None
@@ -75,7 +78,7 @@ class _Router:
             c = rng.randrange(min(self.first_conv, convs - 1), convs)
             held = [F.private_page(pool, c * F.CONVERSATION_PAGES + j) for j in range(F.CONVERSATION_PAGES)]
             holder = F.pool_name(pool)
-        return RouteRequest(f"r{n}", held + fresh, REQUEST_PAGES * PAGE_SIZE + 1, PAGE_SIZE), holder
+        return RouteRequest(f"r{n}", held + fresh, self.request_pages * PAGE_SIZE + 1, PAGE_SIZE), holder
 
     def _run(self) -> None:
         rng, n = random.Random(1), 0

@@ -205,3 +205,18 @@ def test_routed_prefixes_is_an_lru_of_prefixes():
     assert routed.size("a") == 10
     routed.remove_worker("a")
     assert routed.match(pages(0, 8)) == {"b": 3} and routed.size("a") == 0
+
+
+def test_a_lookup_stops_probing_at_the_first_page_held_nowhere():
+    """A long prompt whose cached prefix is short costs a probe of its first round of pages
+    (64), not of every page: no run goes past a page that no medium holds."""
+    index = KvIndex()
+    index.apply(batch("a", 0, stored(pages(0, 40))))
+    index.apply(batch("b", 0, stored(pages(0, 20)), stored(pages(20, 30), HOST)))
+    probed = []
+    table = index._tables[0]
+    masks = table.masks
+    table.masks = lambda hashes: probed.append(len(hashes)) or masks(hashes)  # type: ignore[method-assign]
+    result = index.lookup(pages(0, 2048))
+    assert sum(probed) == 64
+    assert (result["a"].device_pages, result["b"].device_pages, result["b"].host_pages) == (40, 20, 10)

@@ -69,3 +69,26 @@ def test_matches_and_loads_equal_the_full_scan(seed):
     assert load.get_many(candidates) == [load.get(w) for w in candidates]
     decision = policy.preview(request, candidates, index, load)
     assert decision.worker in candidates and len(decision.scores) == len(candidates)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32))
+def test_the_loads_of_a_kept_candidate_tuple_follow_workers_that_join_and_leave(seed):
+    """LoadTracker keeps the rows of the tuple it was last asked for (the router's candidate
+    set): a worker given its first row, or removed, must show in the next read."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    load = LoadTracker(clock)
+    workers = tuple(f"w{i}" for i in range(rng.randrange(1, 20)))
+    for n in range(40):
+        worker, op = rng.choice(workers), rng.random()
+        if op < 0.4:
+            load.on_route(worker, f"r{n}", rng.randrange(2000))
+        elif op < 0.6:
+            load.report(worker, common_pb2.LoadReport(queued_prefill_tokens=rng.randrange(5000)))
+        elif op < 0.75:
+            load.remove_worker(worker)
+        else:
+            load.on_finish(f"r{rng.randrange(n + 1)}")
+        clock.now += rng.random() * 3
+        assert load.get_many(workers) == [load.get(w) for w in workers]

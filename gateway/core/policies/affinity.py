@@ -75,6 +75,7 @@ class AffinityPolicy:
         self.config = config or AffinityConfig()
         self._rr = 0
         self.recent = RoutedPrefixes(self.config.recent_pages_per_worker)
+        self._positions_of: tuple[tuple[str, ...], dict[str, int]] | None = None
 
     def remove_worker(self, worker: str) -> None:
         self.recent.remove_worker(worker)
@@ -86,7 +87,7 @@ class AffinityPolicy:
         if self.config.recent_pages_per_worker and hashes:
             # Only a worker the index matches, or one remembering the first page, can extend:
             # O(those workers), not O(candidates).
-            allowed = set(candidates)
+            allowed = self._positions(candidates)
             extendable = [w for w in dict.fromkeys([*matches, *self.recent.holders(hashes[0])])
                           if w in allowed]
             for worker in extendable:
@@ -159,13 +160,14 @@ class AffinityPolicy:
         n = len(candidates)
         prefill = np.full(n, max(total - 0.0, 0.0))
         if matches:  # only the holders' prefill differs from the whole prompt's
-            position = dict(zip(candidates, range(n)))
-            for worker, m in matches.items():
-                if worker in position:
-                    prefill[position[worker]] = max(total - self._saved(m, page), 0.0)
+            position = self._positions(candidates)
+            held = [(position[w], m) for w, m in matches.items() if w in position]
+            if held:
+                at, saved = self._saved_many(held, page)
+                prefill[at] = np.maximum(total - saved, 0.0)
         new = float(prefill.min())
         overload_weight = cfg.overload_weight if total - new < new else 0.0
-        mean_recent = sum(recent.tolist()) / n
+        mean_recent = _sum_in_order(recent) / n
         overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
                     else np.zeros(n))
         balance = (cfg.prefill_weight * prefill * (1.0 + overload_weight * overload)
@@ -193,11 +195,29 @@ class AffinityPolicy:
                 reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
                           f"{total - new:.0f} tokens")
         worker = candidates[pick]
-        chosen = self._score(request, [worker], {worker: matches[worker]} if worker in matches
-                             else {}, load)[0]
-        chosen.overload, chosen.score = float(overload[pick]), float(score[pick])
+        # `_score`'s WorkerScore, from the arrays (`get_many`'s conversions of the same columns)
+        chosen = WorkerScore(worker, queued_prefill_tokens=int(queued[pick]),
+                             inflight_requests=int(running[pick]),
+                             recent_prefill_tokens=float(recent[pick]),
+                             prefill_tokens=float(prefill[pick]), overload=float(overload[pick]),
+                             score=float(score[pick]))
+        m = matches.get(worker)
+        if m is not None:
+            chosen.device_tokens, chosen.host_tokens = m.device_pages * page, m.host_pages * page
+            chosen.remote_tokens, chosen.confidence = m.remote_pages * page, m.confidence
         decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
         return decision, matches.get(worker), rotated
+
+    def _positions(self, candidates: Sequence[str]) -> dict[str, int]:
+        """worker -> its index in `candidates`; kept for a tuple (the router's candidate set,
+        the same object decision after decision)."""
+        kept = self._positions_of
+        if kept is not None and kept[0] is candidates:
+            return kept[1]
+        position = dict(zip(candidates, range(len(candidates))))
+        if type(candidates) is tuple:
+            self._positions_of = (candidates, position)
+        return position
 
     def _saved(self, m: PrefixMatch, page: int) -> float:
         """Prompt tokens a worker with this match does not compute (confidence-weighted)."""
@@ -205,13 +225,25 @@ class AffinityPolicy:
         return m.confidence * (m.device_pages * page + m.host_pages * page * (1.0 - cfg.host_cost)
                                + m.remote_pages * page * (1.0 - cfg.remote_cost))
 
+    def _saved_many(self, held: list[tuple[int, PrefixMatch]],
+                    page: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the positions, `_saved` of each match) for (position, match) pairs, in numpy: the
+        same operations in the same order, so the same floats."""
+        cfg, k = self.config, len(held)
+        at = np.fromiter((p for p, _ in held), np.intp, k)
+        pages = np.array([(m.device_pages, m.host_pages, m.remote_pages) for _, m in held],
+                         dtype=np.int64).reshape(k, 3) * page
+        confidence = np.fromiter((m.confidence for _, m in held), np.float64, k)
+        return at, confidence * (pages[:, 0] + pages[:, 1] * (1.0 - cfg.host_cost)
+                                 + pages[:, 2] * (1.0 - cfg.remote_cost))
+
     def _score(self, request: RouteRequest, candidates: Sequence[str],
                matches: dict[str, PrefixMatch], load: LoadTracker) -> list[WorkerScore]:
         """Each worker's load, overload and the prefill it would still do (its `score` is set
         by `_weigh`)."""
         page = request.page_size
         loads = load.get_many(candidates)
-        mean_recent = sum(wl.recent_prefill_tokens for wl in loads) / len(loads)
+        mean_recent = _sum_in_order(np.array([wl.recent_prefill_tokens for wl in loads])) / len(loads)
         scores = []
         for worker, wl in zip(candidates, loads, strict=True):
             s = WorkerScore(worker, queued_prefill_tokens=wl.queued_prefill_tokens,
@@ -276,6 +308,12 @@ class AffinityPolicy:
         if self.config.recent_pages_per_worker:
             held = match.device_pages if match is not None else 0
             self.recent.record(worker, request.page_hashes[held:])
+
+
+def _sum_in_order(values: np.ndarray) -> float:
+    """The sum of the values added first to last (what `sum` of a list of floats does before
+    Python 3.12), in numpy: both scoring paths use it, so they agree to the last bit."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
 
 
 class ApproxPolicy(AffinityPolicy):

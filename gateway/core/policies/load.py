@@ -48,6 +48,10 @@ class LoadTracker:
         self._rows = _Rows()
         self._free = list(range(7, 0, -1))  # rows not in use, the next one last
         self._table = np.array([_EMPTY_ROW] * 8, dtype=np.float64)
+        # The rows of the last tuple of workers `columns` was asked for (the router's candidate
+        # set, the same object decision after decision): (that tuple, its rows, the index in it
+        # of each worker that has no row yet), or None.
+        self._rows_of: tuple[tuple[str, ...], np.ndarray, dict[str, int]] | None = None
 
     def _row(self, worker: str) -> int:
         row = self._rows.get(worker)
@@ -57,6 +61,9 @@ class LoadTracker:
                 self._table = np.concatenate([self._table, np.array([_EMPTY_ROW] * used)])
                 self._free = list(range(len(self._table) - 1, used - 1, -1))
             row = self._rows[worker] = self._free.pop()
+            kept = self._rows_of
+            if kept is not None and worker in kept[2]:
+                kept[1][kept[2].pop(worker)] = row
         return row
 
     def report(self, worker: str, load: common_pb2.LoadReport, now: float | None = None) -> None:
@@ -98,6 +105,7 @@ class LoadTracker:
         for rid in [r for r, (w, _) in self._routed.items() if w == worker]:
             del self._routed[rid]
         row = self._rows.pop(worker, None)
+        self._rows_of = None
         if row is not None:
             self._table[row] = _EMPTY_ROW
             self._free.append(row)
@@ -107,7 +115,7 @@ class LoadTracker:
         """(queued prefill tokens, requests in flight, recent prefill tokens) of each worker, as
         float arrays in the order given, at one instant (a routing decision's candidates)."""
         now = self._clock() if now is None else now
-        rows = self._table[np.fromiter(map(self._rows.__getitem__, workers), np.intp, len(workers))]
+        rows = self._table[self._row_numbers(workers)]
         fresh = now - rows[:, _REPORT_WHEN] <= self.report_ttl_s
         queued = np.where(fresh, np.maximum(rows[:, _PENDING], rows[:, _REPORT_QUEUED]), rows[:, _PENDING])
         running = np.where(fresh, np.maximum(rows[:, _INFLIGHT], rows[:, _REPORT_REQUESTS]),
@@ -116,6 +124,16 @@ class LoadTracker:
         decay = np.power(0.5, (now - rows[:, _RECENT_WHEN]) / self.recent_halflife_s)
         recent = np.where(value == 0.0, 0.0, value * decay)
         return queued, running, recent
+
+    def _row_numbers(self, workers: Sequence[str]) -> np.ndarray:
+        kept = self._rows_of
+        if kept is not None and kept[0] is workers:
+            return kept[1]
+        numbers = np.fromiter(map(self._rows.__getitem__, workers), np.intp, len(workers))
+        if type(workers) is tuple:  # immutable: the same object has the same workers
+            rowless = {w: i for i, w in enumerate(workers) if w not in self._rows}
+            self._rows_of = (workers, numbers, rowless)
+        return numbers
 
     def get_many(self, workers: Sequence[str], now: float | None = None) -> list[WorkerLoad]:
         """`get` for each worker, at one instant."""

@@ -1,0 +1,111 @@
+"""The workers a routing decision may choose from, kept between decisions (issue 31).
+
+A worker is eligible when it is up, its event stream delivered a complete view (`synced`), and
+its last event is at most `dead_after_s` old. Scanning every worker for that on each decision was
+the largest part of a decision at 1,000 workers; `CandidateSets` keeps each tokenizer's set (a
+tuple: the load tracker and the affinity policy key their per-candidate arrays on that object)
+and answers from it while it is known to be right:
+
+- the `Router` clears it on any change of membership or state: a worker joins or leaves, is
+  marked up or down, gains or loses `synced`, and on any event of a worker outside the kept sets
+  (a stale worker whose stream came back is eligible again);
+- events of workers in the sets only make them fresher, so a set stays right until its least
+  recently seen worker turns stale; it is recomputed then.
+
+The shared index (gateway/core/shared_index.py) reads `last_seen` from Redis, refreshed
+periodically: there nothing is kept, each decision scans.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.core.index_types import IndexConfig
+    from gateway.core.router import Worker
+
+
+class _Index(Protocol):
+    config: IndexConfig
+
+    def last_seen(self, pool_id: str) -> float | None: ...
+
+
+# (the candidates sorted by name, blind, the least recently seen one's last event)
+_Set = tuple[tuple[str, ...], bool, float]
+
+
+class CandidateSets:
+    def __init__(self, workers: dict[str, Worker], index: _Index, keep: bool = True) -> None:
+        self._workers = workers  # the router's own dict: read, never changed here
+        self._index = index
+        self._keep = keep
+        self._sets: dict[str, _Set] = {}  # tokenizer fingerprint -> its set
+        # Every worker in a kept set: an event from any other may make it eligible.
+        self._names: set[str] = set()
+        self._members: tuple[tuple[str, ...], frozenset[str]] | None = None
+
+    def get(self, exclude: Collection[str], fingerprint: str,
+            now: float) -> tuple[Sequence[str], bool]:
+        """(the candidates, blind: no worker has a live stream, so the candidates are the
+        workers up, to be routed to without cache knowledge)."""
+        kept = self._kept(fingerprint, now)
+        if kept is None:
+            kept = self.scan(fingerprint, now)
+            if self._keep and not kept[1]:  # a blind set is not kept: any event may end it
+                self._sets[fingerprint] = kept
+                self._names.update(kept[0])
+        names, blind = kept[0], kept[1]
+        if not exclude:
+            return names, blind
+        rest = [n for n in names if n not in exclude]
+        if rest or blind:
+            return rest, blind
+        return self.scan(fingerprint, now, exclude)[:2]  # the blind set without them
+
+    def _kept(self, fingerprint: str, now: float) -> _Set | None:
+        kept = self._sets.get(fingerprint)
+        if kept is None:
+            return None
+        # `scan`'s test on the least recently seen worker: every other one passes it too.
+        if max(0.0, now - kept[2]) <= self._index.config.dead_after_s:
+            return kept
+        self.clear()  # a worker went stale: the names must not hold it (its next event clears)
+        return None
+
+    def scan(self, fingerprint: str, now: float, exclude: Collection[str] = ()) -> _Set:
+        """The set from every worker's state (what each decision computed before it was kept)."""
+        usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
+            not fingerprint or w.info.tokenizer_fingerprint == fingerprint)]
+        seen, dead_after = self._index.last_seen, self._index.config.dead_after_s
+        eligible, oldest = [], float("inf")
+        for w in usable:
+            if w.up and w.synced and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after:
+                eligible.append(w.name)
+                oldest = min(oldest, t)
+        if eligible:
+            return tuple(eligible), False, oldest
+        # No worker has a live stream (the cache services are unreachable, say): route without
+        # cache knowledge rather than refuse work the workers may still do.
+        return tuple(w.name for w in usable if w.up), True, float("inf")
+
+    def members(self, candidates: Sequence[str]) -> Collection[str]:
+        """`candidates` as a set; kept for the last tuple asked (a kept set, decision after
+        decision)."""
+        kept = self._members
+        if kept is not None and kept[0] is candidates:
+            return kept[1]
+        members = frozenset(candidates)
+        if type(candidates) is tuple:
+            self._members = (candidates, members)
+        return members
+
+    def on_item(self, name: str, synced_changed: bool) -> None:
+        """A worker's stream delivered an item (its last event is now)."""
+        if synced_changed or name not in self._names:
+            self.clear()
+
+    def clear(self) -> None:
+        if self._sets:
+            self._sets.clear()
+            self._names.clear()
