@@ -124,25 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
          "index may use, in MiB; past it the least useful entries are evicted, counted "
          "(prefixcache_gateway_index_evictions_total) and warned about (event=kv_index_full)",
          type=finite_float(1.0, 1e9))
-<<<<<<< HEAD
-    _add_index_flags(flag, cfg)
-=======
     add_bool_flag(p, "--gc-freeze-after-warmup", "GC_FREEZE_AFTER_WARMUP", "once every "
                   "worker that is up has delivered its snapshot, freeze the objects alive then "
                   "out of the garbage collector's walks (gc.freeze): full collections no longer "
                   "pause routing decisions for the whole warm state (gateway/core/gc_tuning.py)",
                   "on")
-    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
-         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
-         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
-         "worker and the holder of the worker's Redis lease writes its events)",
-         choices=("memory", "redis"))
-    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
-         "of the shared index (redis://HOST:PORT/DB)")
-    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
-         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
-         "of one fleet share it, other fleets on the same Redis need their own")
->>>>>>> route
+    _add_index_flags(flag, cfg)
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
