@@ -29,7 +29,7 @@ T can be combined as max(rank, T) without the policies knowing of it.
 """
 from __future__ import annotations
 
-import heapq
+from heapq import heapify, heappop, heappush
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -120,7 +120,10 @@ class Shadow:
     def __init__(self, capacity: int, frequency: bool):
         """`frequency`: rank by last use + b * log2(1 + uses), else by last use (LRU)."""
         self.capacity, self.frequency = capacity, frequency
-        self.entries: dict[bytes, tuple[float, int, int]] = {}  # key -> (rank, -depth, uses)
+        # key -> (its heap item, uses). The heap holds (rank, -depth, key) items, stale ones
+        # too (a page used again pushes a new item): an item is live while its entry holds
+        # that very tuple (an identity test, no comparison of ranks).
+        self.entries: dict[bytes, tuple[tuple[float, int, bytes], int]] = {}
         self._heap: list[tuple[float, int, bytes]] = []
 
     def access(self, key: bytes, depth: int, now: float, weight: float) -> bool:
@@ -128,21 +131,22 @@ class Shadow:
         policy's b): whether it was held (if not, it is held from now on)."""
         entries = self.entries
         held = entries.get(key)
-        uses = held[2] + 1 if held else 1
-        rank = now + weight * _LOG2[uses if uses < 1024 else 1024] if self.frequency else now
-        entries[key] = (rank, -depth, uses)
+        uses = held[1] + 1 if held is not None else 1
+        item = (now + weight * _LOG2[uses if uses < 1024 else 1024] if self.frequency else now,
+                -depth, key)
+        entries[key] = (item, uses)
         heap = self._heap
-        heapq.heappush(heap, (rank, -depth, key))
+        heappush(heap, item)
         if len(entries) > self.capacity:
             while True:
-                old, neg_depth, victim = heapq.heappop(heap)
-                entry = entries.get(victim)
-                if entry is not None and entry[0] == old and entry[1] == neg_depth:
-                    del entries[victim]
+                old = heappop(heap)
+                entry = entries.get(old[2])
+                if entry is not None and entry[0] is old:
+                    del entries[old[2]]
                     break  # else stale: used again since
         elif len(heap) > 2 * len(entries) + 64:  # mostly stale entries: keep it O(entries)
-            heap[:] = [(r, d, k) for k, (r, d, _) in entries.items()]
-            heapq.heapify(heap)
+            heap[:] = [item for item, _ in entries.values()]
+            heapify(heap)
         return held is not None
 
 
