@@ -8,6 +8,7 @@ over the timed cache calls only, by wall clock and by this thread's CPU time, wi
 sent as the engine sends it (packed tokens, page hashes left out)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from prefixcache_bench.cache.workloads import (BlockCache, CoreSteps, ideal_hit_
                                                load_arrivals, load_trace)
 from cache_service.core import CacheCore
 from prefixcache.v1 import cache_service_pb2 as pb
-from prefixcache_bench.harness import Progress
+from prefixcache_bench.harness import Progress, load_average
 
 POLICIES = ("lru", "frequency", "adaptive")  # the default first: the others' ratios are to it
 
@@ -26,20 +27,56 @@ def bench_trace(p: Params) -> dict:
     """Replays the trace one request at a time through CacheCore.step: match, allocate the
     uncached pages, publish every full prompt page with the release. Only the three steps are
     timed (building the prompts is not). Once per eviction policy (cache_service/eviction.py):
-    the default's figures are `trace_*`, the others' `trace_<policy>_*`, from the same run."""
+    the default's figures are `trace_*`, the others' `trace_<policy>_*`, from the same run.
+
+    With `p.trace_rounds` > 1 every policy replays the trace once per round, the order
+    reversed every other round (lru, frequency, adaptive, then adaptive, frequency, lru, ...)
+    so that a drift of the machine's load weighs on each alike; a policy's speed over LRU's
+    (`trace_<policy>_ops_over_lru`) is then the median of the rounds' ratios, each taken
+    between replays minutes apart at most, and its ops/s figures the median of its rounds.
+    The rounds' ratios and the load average before each round are in the JSON too."""
     trace = load_trace(p.trace_path, p.trace_requests)
     arrivals = load_arrivals(p.trace_path, p.trace_requests)
+    block = BlockCache(p.vocab)  # shared: the prompts are the same in every replay
+    rounds: list[dict[str, dict]] = []
+    loads: list[list[float]] = []
+    for r in range(max(1, p.trace_rounds)):
+        loads.append(load_average())
+        order = POLICIES if r % 2 == 0 else POLICIES[::-1]
+        rounds.append({policy: _replay(p, trace, arrivals, policy, block) for policy in order})
     out: dict = {}
     for policy in POLICIES:
-        figures = _replay(p, trace, arrivals, policy)
+        figures = _median_round(rounds, policy)
         prefix = "trace_" if policy == "lru" else f"trace_{policy}_"
         out.update({prefix + k: v for k, v in figures.items()})
     for policy in POLICIES[1:]:
-        out[f"trace_{policy}_ops_over_lru"] = round(
-            out[f"trace_{policy}_cpu_ops_per_s"] / out["trace_cpu_ops_per_s"], 3)
+        ratios = [round(f[policy]["cpu_ops_per_s"] / f["lru"]["cpu_ops_per_s"], 3)
+                  for f in rounds]
+        out[f"trace_{policy}_ops_over_lru"] = round(statistics.median(ratios), 3)
         out[f"trace_{policy}_hit_over_lru"] = round(
             out[f"trace_{policy}_hit_ratio"] / out["trace_hit_ratio"], 3)
+        if len(rounds) > 1:
+            out[f"trace_{policy}_ops_over_lru_rounds"] = ratios
+    if len(rounds) > 1:
+        out["trace_rounds"] = len(rounds)
+        out["trace_round_load_avg"] = loads
     return out
+
+
+SPEED = ("ops_per_s", "cpu_ops_per_s", "ms_per_request", "cpu_ms_per_request")
+
+
+def _median_round(rounds: list[dict[str, dict]], policy: str) -> dict:
+    """One policy's figures over the rounds: the speeds their median, the rest (the same in
+    every round: the replay is deterministic, which this checks) as measured."""
+    figures = dict(rounds[0][policy])
+    for key, value in figures.items():
+        values = [r[policy][key] for r in rounds]
+        if key in SPEED:
+            figures[key] = statistics.median(values)
+        elif any(v != value for v in values):
+            raise RuntimeError(f"trace replay ({policy}): {key} differs between rounds: {values}")
+    return figures
 
 
 class TraceClock:
@@ -50,13 +87,13 @@ class TraceClock:
         return self.now
 
 
-def _replay(p: Params, trace, arrivals: list[float], policy: str) -> dict:
+def _replay(p: Params, trace, arrivals: list[float], policy: str,
+            block: BlockCache) -> dict:
     clock = TraceClock()
     core = CacheCore(clock=clock, eviction=policy)
     device_pages = p.trace_device_tokens // p.page_size
     core.register_pool(register("trace", p, device_pages, p.trace_host_tokens // p.page_size))
     steps = CoreSteps(core.step, "trace", p.page_size)
-    block = BlockCache(p.vocab)
     busy, cpu, failed = 0.0, 0.0, 0
     progress = Progress(f"trace ({policy})", len(trace))
     for i, (n, ids) in enumerate(trace):
