@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -111,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"trace {p.trace_path} not found: pass --trace PATH or leave 'trace' out of --only")
         return 2
     results = run(p)
-    write_json(args.json, results)
+    # The command, for the results pages (prefixcache_bench.pages); not a table row.
+    command = shlex.join(["python", "-m", "prefixcache_bench.cache",
+                          *(sys.argv[1:] if argv is None else argv)])
+    write_json(args.json, {**results, "command": command})
     print(metric_table(results, results["goals"]))
     print(f"\nwritten to {args.json}")
     # A missed goal is a result, not a failure of the tool; --check turns it into exit status 1.

@@ -118,6 +118,7 @@ def test_trace_rounds_report_the_median_ratio_and_each_round(tmp_path, trace, mo
     assert bench.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["trace_rounds"] == 3 and len(r["trace_round_load_avg"]) == 3
+    assert r["command"].startswith("python -m prefixcache_bench.cache --json ")
     for policy in ("frequency", "adaptive"):
         ratios = r[f"trace_{policy}_ops_over_lru_rounds"]
         assert len(ratios) == 3 and r[f"trace_{policy}_ops_over_lru"] == sorted(ratios)[1]
