@@ -29,9 +29,8 @@ T can be combined as max(rank, T) without the policies knowing of it.
 """
 from __future__ import annotations
 
-import heapq
+from heapq import heapify, heappop, heappush
 import math
-import re
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -121,7 +120,10 @@ class Shadow:
     def __init__(self, capacity: int, frequency: bool):
         """`frequency`: rank by last use + b * log2(1 + uses), else by last use (LRU)."""
         self.capacity, self.frequency = capacity, frequency
-        self.entries: dict[bytes, tuple[float, int, int]] = {}  # key -> (rank, -depth, uses)
+        # key -> (its heap item, uses). The heap holds (rank, -depth, key) items, stale ones
+        # too (a page used again pushes a new item): an item is live while its entry holds
+        # that very tuple (an identity test, no comparison of ranks).
+        self.entries: dict[bytes, tuple[tuple[float, int, bytes], int]] = {}
         self._heap: list[tuple[float, int, bytes]] = []
 
     def access(self, key: bytes, depth: int, now: float, weight: float) -> bool:
@@ -129,21 +131,22 @@ class Shadow:
         policy's b): whether it was held (if not, it is held from now on)."""
         entries = self.entries
         held = entries.get(key)
-        uses = held[2] + 1 if held else 1
-        rank = now + weight * _LOG2[uses if uses < 1024 else 1024] if self.frequency else now
-        entries[key] = (rank, -depth, uses)
+        uses = held[1] + 1 if held is not None else 1
+        item = (now + weight * _LOG2[uses if uses < 1024 else 1024] if self.frequency else now,
+                -depth, key)
+        entries[key] = (item, uses)
         heap = self._heap
-        heapq.heappush(heap, (rank, -depth, key))
+        heappush(heap, item)
         if len(entries) > self.capacity:
             while True:
-                old, neg_depth, victim = heapq.heappop(heap)
-                entry = entries.get(victim)
-                if entry is not None and entry[0] == old and entry[1] == neg_depth:
-                    del entries[victim]
+                old = heappop(heap)
+                entry = entries.get(old[2])
+                if entry is not None and entry[0] is old:
+                    del entries[old[2]]
                     break  # else stale: used again since
         elif len(heap) > 2 * len(entries) + 64:  # mostly stale entries: keep it O(entries)
-            heap[:] = [(r, d, k) for k, (r, d, _) in entries.items()]
-            heapq.heapify(heap)
+            heap[:] = [item for item, _ in entries.values()]
+            heapify(heap)
         return held is not None
 
 
@@ -173,8 +176,8 @@ class Adaptive(Frequency):
     publish inserts or walks), and the live tree ranks by the one that held more of them
     recently (an exponential average over about WINDOW pages; the other takes over only when
     5% ahead). Large pools shadow a sample of the pages (those whose hash's first byte falls
-    in 1/sample of its range, found by a regular expression over the run's hashes' first
-    bytes) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
+    in 1/sample of its range, found by a byte table over the run's hashes' first bytes: see
+    _sampled_pages) in 1/sample of the pages, as sampled set dueling does (sample: the largest power of
     two up to SAMPLE_MAX that leaves each shadow SHADOW_MIN pages), so the shadows cost a
     fraction of the tree's own work. Each page a request passes through is one access, so a
     shadow sees the whole chain the live tree saw, evicted or not. A use that samples no page
@@ -198,7 +201,10 @@ class Adaptive(Frequency):
         self.choice = "lru"
         self.superseded = self.superseded_reused = 0  # dead-run candidates, and those used again
         self._decay = 1.0 - 1.0 / self.WINDOW
-        self._sampled = re.compile(b"[\\x00-%s]" % re.escape(bytes([256 // sample - 1])))
+        # A page is sampled when its hash's first byte is below 256 / sample: this table maps
+        # those first bytes to 0 and the others to 1 (bytes.translate), so a run's sampled
+        # pages are the zeros of its hashes' first bytes, translated (found by bytes.rfind).
+        self._marks = bytes(0 if b < 256 // sample else 1 for b in range(256))
 
     # Dead runs (a prompt's tail the next turn did not extend): once DEAD_AFTER were seen and
     # fewer than DEAD_BELOW of them used again, such a run ranks below every live one.
@@ -254,26 +260,34 @@ class Adaptive(Frequency):
 
     def _sampled_pages(self, node: Node, whole_path: bool) -> list[tuple[bytes, int]]:
         """The sampled pages of `node`'s run, and of the runs above it if `whole_path`, deepest
-        first, as (hash, depth) (a regular expression over each run's hashes' first bytes finds
-        them: no per-page Python work)."""
-        finditer = self._sampled.finditer
+        first, as (hash, depth). Per run, two C calls tell whether it holds any (its hashes'
+        first bytes, sliced and translated by the sample's table; then a byte search): most
+        runs hold none, and cost no per-page Python work."""
+        table = self._marks
         hashes = node.hashes
-        sampled = [m.start() for m in finditer(hashes[::HASH])]
+        marks = hashes[::HASH].translate(table)
+        sampled = 0 in marks
         if not sampled and not whole_path:
             return []  # a new run with no sampled page: no need to find its depth
-        runs, length, run = [(hashes, sampled)], len(hashes), node.parent
+        # The runs holding sampled pages, deepest first: (hashes, marks, pages below its end).
+        runs = [(hashes, marks, 0)] if sampled else []
+        below = len(marks)  # pages from the top of the run just seen to the path's end
+        run = node.parent
         while type(run) is Node:
             hashes = run.hashes
-            length += len(hashes)
             if whole_path:
-                runs.append((hashes, [m.start() for m in finditer(hashes[::HASH])]))
+                marks = hashes[::HASH].translate(table)
+                if 0 in marks:
+                    runs.append((hashes, marks, below))
+            below += len(hashes) // HASH
             run = run.parent
-        end = length // HASH
         pages: list[tuple[bytes, int]] = []
-        for hashes, sampled in runs:
-            start = end - len(hashes) // HASH
-            pages += [(hashes[i * HASH:(i + 1) * HASH], start + i) for i in reversed(sampled)]
-            end = start
+        for hashes, marks, under in runs:
+            start = below - under - len(marks)  # the depth of the run's first page
+            i = marks.rfind(0)
+            while i >= 0:
+                pages.append((hashes[i * HASH:(i + 1) * HASH], start + i))
+                i = marks.rfind(0, 0, i)
         return pages
 
     def _replay(self, pages: list[tuple[bytes, int]], now: float) -> None:

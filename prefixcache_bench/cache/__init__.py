@@ -16,7 +16,9 @@ Parts (each a function returning a flat dict of metrics; `run` merges them):
 - memory: tracemalloc bytes per cached page of the index (Pool filled with multi-turn chats)
           (parts_memory).
 - trace:  replay of a Mooncake conversation trace through CacheCore (match, allocate, publish,
-          release per request): requests per second and hit ratio (parts_trace).
+          release per request): requests per second and hit ratio, every eviction policy
+          replaying side by side; --trace-rounds N repeats it and reports the median of the
+          rounds' speed ratios to LRU (parts_trace).
 
 The sizes of each part are `Params` (params.py); the goals are `GOALS` there. It prints a table
 (metric, value, goal, pass/fail) and writes every metric, the parameters and the machine to

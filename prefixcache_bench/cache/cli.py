@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -79,13 +81,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Params, argparse.Namespac
     ap.add_argument("--profile", action="store_true",
                     help="cProfile each part (this process's main thread) to stderr")
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--trace-rounds", type=int, metavar="N",
+                    help="replay the trace N times per eviction policy, alternating the policies, "
+                         "and report the median of the rounds' speed ratios to LRU (default 1)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     # Sizes, mainly so that tests can run everything in seconds.
     for name in SIZE_FLAGS:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
     args = ap.parse_args(argv)
     p = Params.quick() if args.quick else Params()
-    overrides = {name: getattr(args, name) for name in ("seed", "server", *SIZE_FLAGS)
+    overrides = {name: getattr(args, name) for name in ("seed", "server", "trace_rounds", *SIZE_FLAGS)
                  if getattr(args, name) is not None}
     if args.trace:
         overrides["trace_path"] = args.trace
@@ -108,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"trace {p.trace_path} not found: pass --trace PATH or leave 'trace' out of --only")
         return 2
     results = run(p)
-    write_json(args.json, results)
+    # The command, for the results pages (prefixcache_bench.pages); not a table row.
+    command = shlex.join(["python", "-m", "prefixcache_bench.cache",
+                          *(sys.argv[1:] if argv is None else argv)])
+    write_json(args.json, {**results, "command": command})
     print(metric_table(results, results["goals"]))
     print(f"\nwritten to {args.json}")
     # A missed goal is a result, not a failure of the tool; --check turns it into exit status 1.

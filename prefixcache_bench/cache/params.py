@@ -48,6 +48,7 @@ class Params:
     trace_requests: int | None = None  # None = the whole trace
     trace_device_tokens: int = 1_000_000
     trace_host_tokens: int = 0
+    trace_rounds: int = 1  # replays per policy, alternated (parts_trace.bench_trace)
     warmup: int = 50
     parts: tuple[str, ...] = PARTS
     profile: bool = False

@@ -104,6 +104,28 @@ def test_trace_replay_with_unbounded_cache_reaches_the_ideal_hit_ratio(tmp_path,
         assert r[f"trace_{policy}hit_ratio"] == r["trace_ideal_hit_ratio"] > 0
 
 
+def test_trace_rounds_report_the_median_ratio_and_each_round(tmp_path, trace, monkeypatch):
+    """--trace-rounds 3: every policy replays the trace three times (side by side, in chunks of
+    fewer requests than the trace has, so the order alternates); the ratio to LRU is the
+    median of the rounds' ratios, each round's ratio and load average are recorded, and the
+    hit ratios (deterministic) are the same in every round, as the run checks."""
+    out = tmp_path / "rounds.json"
+    argv = ["--json", str(out), "--trace", str(trace), "--only", "trace", "--trace-rounds", "3",
+            "--trace-device-tokens", "8000"]
+    from prefixcache_bench.cache import parts_trace
+    # The 36-request trace in 8 chunks: the policies' order reversed in turn.
+    monkeypatch.setattr(parts_trace, "CHUNK", 5)
+    assert bench.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["trace_rounds"] == 3 and len(r["trace_round_load_avg"]) == 3
+    assert r["command"].startswith("python -m prefixcache_bench.cache --json ")
+    for policy in ("frequency", "adaptive"):
+        ratios = r[f"trace_{policy}_ops_over_lru_rounds"]
+        assert len(ratios) == 3 and r[f"trace_{policy}_ops_over_lru"] == sorted(ratios)[1]
+    assert r["trace_requests"] == r["trace_adaptive_requests"] == 36
+    assert r["trace_evictions"] > 0  # a pool small enough that the policies differ in work
+
+
 def test_ideal_hit_tokens_counts_whole_pages_of_earlier_prefixes():
     page, block = 16, bench.TRACE_BLOCK_TOKENS
     trace = [(block + 100, [1, 2]),       # nothing cached yet; publishes 32 + 6 pages
