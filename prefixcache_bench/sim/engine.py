@@ -145,7 +145,7 @@ class _Job:
     output: int
     arrival: float
     estimate: int  # prefill tokens the worker counts as queued for it
-    # Equal for prompts with the same tokens: (input_length, the trace's block ids).
+    # Equal for prompts with the same tokens: (trace copy, input_length, the trace's block ids).
     prompt_key: tuple = ()
     first_token: bool = False  # already sampled from a twin's logits (see the module docstring)
     cached: int = 0
@@ -305,7 +305,7 @@ class _Replay:
         # What the worker itself counts as queued: its device misses, not the policy's estimate.
         estimate = req.input_length - w.cache.match(hashes)[0] * page
         w.queue.append(_Job(route.request_id, hashes, req.input_length, req.output_length,
-                            req.arrival_s, estimate, (req.input_length, req.hash_ids)))
+                            req.arrival_s, estimate, (req.copy, req.input_length, req.hash_ids)))
         w.queued_prefill += estimate
         if not w.current:
             self.start(w)
