@@ -134,6 +134,8 @@ class PolicyResult:
     l3_evictions: int = 0
     # The Router's index at the end of the replay: (page hash, medium) keys and their bytes.
     index_keys: int = 0
+    # Time in the gateway's KvIndex.apply (the workers' event batches), beside decision_ns.
+    index_apply_ns: int = 0
     index_bytes: int = 0
 
 
@@ -236,6 +238,7 @@ class _Replay:
         self.prompt_tokens = self.cached_tokens = self.host_tokens = self.l3_tokens = 0
         self.ttft: list[float] = []
         self.decision_ns: list[int] = []
+        self.index_apply_ns = 0
 
     def push(self, t: float, kind: int, item: object) -> None:
         self.order += 1
@@ -249,16 +252,21 @@ class _Replay:
         for i, req in enumerate(self.requests):
             self.push(req.arrival_s, _ARRIVE, i)
         self.push(0.0, _TICK, None)
-        clock, index = self.clock, self.index
+        clock = self.clock
         handlers: dict[int, Callable[[object], None]] = {
             _ARRIVE: self.arrive, _PREFILL_DONE: self.prefill_done, _DECODE_DONE: self.decode_done,
-            _BATCH: lambda batch: index.apply(batch, clock.now),  # type: ignore[arg-type]
+            _BATCH: self.apply_batch,
             _REPORT: lambda item: self.load.report(*item, clock.now),  # type: ignore[misc]
             _TICK: lambda _: self.tick(), _HEARTBEAT: self.heartbeat}
         while self.heap:
             clock.now, _, kind, item = heapq.heappop(self.heap)
             handlers[kind](item)
         return self.result()
+
+    def apply_batch(self, batch: events_pb2.EventBatch) -> None:
+        t0 = time.perf_counter_ns()
+        self.index.apply(batch, self.clock.now)
+        self.index_apply_ns += time.perf_counter_ns() - t0
 
     def start(self, w: _Worker) -> None:
         """Start `w`'s next prefill step: take queued prompts in order while they fit the budget."""
@@ -408,7 +416,7 @@ class _Replay:
                             l3_hit_tokens=self.l3_tokens,
                             l3_page_writes=l3.writes if l3 else 0, l3_new_pages=l3.new_pages if l3 else 0,
                             l3_evictions=l3.evictions if l3 else 0, index_keys=len(self.index),
-                            index_bytes=index_bytes(self.index))
+                            index_bytes=index_bytes(self.index), index_apply_ns=self.index_apply_ns)
 
 
 def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy: Policy, cfg: SimConfig,
