@@ -15,15 +15,12 @@ Per worker, as in an engine with continuous batching:
 - a decode batch that runs beside it: each request then decodes for `tpot_s` per output token,
   and while it does it takes `decode_s_per_token / tpot_s` of the worker's compute, so a worker
   with R requests decoding prefills 1 / (1 - R * that share) times slower (share capped).
-Workers report their queue (LoadReport) after every change, also after the delay, and send a
-Heartbeat every `heartbeat_s`.
+Workers report their queue (LoadReport) after every change (after the delay), a Heartbeat every `heartbeat_s`.
 
-The gateway side is the gateway's own `Router` (gateway/core/router.py): each request is routed
-by `Router.route` (candidates, the policy's choice, the load accounting; timed per call as
-`decision_ns`), first tokens and finishes go to `Router.first_token` / `Router.finish`, and
-heartbeats go through `Router.on_stream_item` as a cache service's stream delivers them. Event
-batches are applied to the Router's `KvIndex` directly (`Router._apply_item` adds only the
-per-worker "synced" flag, which the first heartbeat sets), sparing a protobuf copy per batch.
+The gateway side is the gateway's own `Router`: `Router.route` routes each request (timed per
+call as `decision_ns`), `first_token` / `finish` / `on_stream_item` take first tokens, finishes
+and heartbeats; event batches go to its `KvIndex.apply` directly (timed as `index_apply_ns`;
+`Router._apply_item` adds only the "synced" flag the first heartbeat sets).
 
 Shared L3 (`SimConfig.l3_capacity_tokens` > 0), as compute_service's Redis tier works:
 - writes: write-back (default) sends the pages a worker drops altogether (evicted from device
@@ -134,8 +131,7 @@ class PolicyResult:
     l3_evictions: int = 0
     # The Router's index at the end of the replay: (page hash, medium) keys and their bytes.
     index_keys: int = 0
-    # Time in the gateway's KvIndex.apply (the workers' event batches), beside decision_ns.
-    index_apply_ns: int = 0
+    index_apply_ns: int = 0  # time in the gateway's KvIndex.apply (the workers' event batches)
     index_bytes: int = 0
 
 
@@ -196,7 +192,6 @@ def split_hashes(blob: bytes) -> list[bytes]:
 
 class _Clock:
     __slots__ = ("now",)
-
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -263,7 +258,7 @@ class _Replay:
             handlers[kind](item)
         return self.result()
 
-    def apply_batch(self, batch: events_pb2.EventBatch) -> None:
+    def apply_batch(self, batch: events_pb2.EventBatch) -> None:  # timed: the gateway's share
         t0 = time.perf_counter_ns()
         self.index.apply(batch, self.clock.now)
         self.index_apply_ns += time.perf_counter_ns() - t0
