@@ -157,7 +157,10 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
                     l3_capacity_tokens=args.l3_capacity_tokens, l3_write_through=args.l3_write_through,
                     l3_events=not args.no_l3_events, recent_halflife_s=args.recent_halflife_s)
     blobs, source_blobs = _page_hashes(requests, cfg, BlockTokens(args.vocab_size, args.seed), progress)
+    t0 = time.perf_counter()
     bound = bound_hit_ratio(requests, blobs, cfg)
+    if progress:
+        progress(f"pooled LRU bound over {len(requests)} requests: {time.perf_counter() - t0:.0f}s")
     l3_bound = l3_bound_hit_ratio(requests, blobs, cfg) if cfg.l3_capacity_tokens else None
     unbounded = unbounded_hit_ratio(requests, source_blobs, cfg.page_size)
     affinity = AffinityConfig(queue_weight=args.queue_weight, overload_weight=args.overload_weight,
