@@ -22,7 +22,8 @@ the end of its replay (`index_keys`, `index_bytes`, `index_bytes_per_key`).
 With --scale-copies N the trace is N disjoint copies on one timeline, copy k `k x
 --copy-spacing-s` late (prefixcache_bench.sim.trace.scale_copies says why): 125 copies over
 1,000 workers load each worker as one copy loads 8. --max-requests then keeps the first N of
-the merged timeline.
+the merged timeline. Only the original prompts are hashed; each copy's page hashes are the
+original's under the copy's mask, derived when a request is replayed (trace.CopyHashes).
 
 With --l3-capacity-tokens, the workers share an L3 tier of that many tokens (LRU over pages;
 write-back by default, write-through with --l3-write-through; hits past a worker's device and
