@@ -21,18 +21,25 @@ def l3_bound_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes],
     return pooled_lru_hit_ratio(requests, blobs, total, cfg.page_size)
 
 
-def unbounded_hit_ratio(requests: Sequence[TraceRequest], blobs: Sequence[bytes], page: int) -> float:
-    """Prompt tokens whose page was seen before (leading run): the ceiling of any cache."""
+def unbounded_hit_ratio(requests: Sequence[TraceRequest], source_blobs: Sequence[bytes], page: int) -> float:
+    """Prompt tokens whose page was seen before (leading run): the ceiling of any cache.
+
+    `source_blobs[r.source]` are the original requests' page hashes. Copies of a scaled trace
+    share no page, and the requests of a copy present are the first of the original's, in its
+    order, so a copy's hits are the original's: counted once per original request, not over a
+    set of every copy's pages (125 copies of the conversation trace: ~730M pages)."""
+    originals = max((r.source for r in requests), default=-1) + 1
     seen: set[bytes] = set()
-    hit = total = 0
-    for req, blob in zip(requests, blobs):
+    hits = []
+    for blob in source_blobs[:originals]:
         hashes = split_hashes(blob)
         d = 0
         while d < len(hashes) and hashes[d] in seen:
             d += 1
         seen.update(hashes[d:])
-        hit += d * page
-        total += req.input_length
+        hits.append(d * page)
+    hit = sum(hits[r.source] for r in requests)
+    total = sum(r.input_length for r in requests)
     return hit / total if total else 0.0
 
 

@@ -15,15 +15,12 @@ Per worker, as in an engine with continuous batching:
 - a decode batch that runs beside it: each request then decodes for `tpot_s` per output token,
   and while it does it takes `decode_s_per_token / tpot_s` of the worker's compute, so a worker
   with R requests decoding prefills 1 / (1 - R * that share) times slower (share capped).
-Workers report their queue (LoadReport) after every change, also after the delay, and send a
-Heartbeat every `heartbeat_s`.
+Workers report their queue (LoadReport) after every change (after the delay), a Heartbeat every `heartbeat_s`.
 
-The gateway side is the gateway's own `Router` (gateway/core/router.py): each request is routed
-by `Router.route` (candidates, the policy's choice, the load accounting; timed per call as
-`decision_ns`), first tokens and finishes go to `Router.first_token` / `Router.finish`, and
-heartbeats go through `Router.on_stream_item` as a cache service's stream delivers them. Event
-batches are applied to the Router's `KvIndex` directly (`Router._apply_item` adds only the
-per-worker "synced" flag, which the first heartbeat sets), sparing a protobuf copy per batch.
+The gateway side is the gateway's own `Router`: `Router.route` routes each request (timed per
+call as `decision_ns`), `first_token` / `finish` / `on_stream_item` take first tokens, finishes
+and heartbeats; event batches go to its `KvIndex.apply` directly (timed as `index_apply_ns`;
+`Router._apply_item` adds only the "synced" flag the first heartbeat sets).
 
 Shared L3 (`SimConfig.l3_capacity_tokens` > 0), as compute_service's Redis tier works:
 - writes: write-back (default) sends the pages a worker drops altogether (evicted from device
@@ -134,6 +131,7 @@ class PolicyResult:
     l3_evictions: int = 0
     # The Router's index at the end of the replay: (page hash, medium) keys and their bytes.
     index_keys: int = 0
+    index_apply_ns: int = 0  # time in the gateway's KvIndex.apply (the workers' event batches)
     index_bytes: int = 0
 
 
@@ -145,7 +143,7 @@ class _Job:
     output: int
     arrival: float
     estimate: int  # prefill tokens the worker counts as queued for it
-    # Equal for prompts with the same tokens: (input_length, the trace's block ids).
+    # Equal for prompts with the same tokens: (trace copy, input_length, the trace's block ids).
     prompt_key: tuple = ()
     first_token: bool = False  # already sampled from a twin's logits (see the module docstring)
     cached: int = 0
@@ -194,7 +192,6 @@ def split_hashes(blob: bytes) -> list[bytes]:
 
 class _Clock:
     __slots__ = ("now",)
-
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -236,6 +233,7 @@ class _Replay:
         self.prompt_tokens = self.cached_tokens = self.host_tokens = self.l3_tokens = 0
         self.ttft: list[float] = []
         self.decision_ns: list[int] = []
+        self.index_apply_ns = 0
 
     def push(self, t: float, kind: int, item: object) -> None:
         self.order += 1
@@ -249,16 +247,21 @@ class _Replay:
         for i, req in enumerate(self.requests):
             self.push(req.arrival_s, _ARRIVE, i)
         self.push(0.0, _TICK, None)
-        clock, index = self.clock, self.index
+        clock = self.clock
         handlers: dict[int, Callable[[object], None]] = {
             _ARRIVE: self.arrive, _PREFILL_DONE: self.prefill_done, _DECODE_DONE: self.decode_done,
-            _BATCH: lambda batch: index.apply(batch, clock.now),  # type: ignore[arg-type]
+            _BATCH: self.apply_batch,
             _REPORT: lambda item: self.load.report(*item, clock.now),  # type: ignore[misc]
             _TICK: lambda _: self.tick(), _HEARTBEAT: self.heartbeat}
         while self.heap:
             clock.now, _, kind, item = heapq.heappop(self.heap)
             handlers[kind](item)
         return self.result()
+
+    def apply_batch(self, batch: events_pb2.EventBatch) -> None:  # timed: the gateway's share
+        t0 = time.perf_counter_ns()
+        self.index.apply(batch, self.clock.now)
+        self.index_apply_ns += time.perf_counter_ns() - t0
 
     def start(self, w: _Worker) -> None:
         """Start `w`'s next prefill step: take queued prompts in order while they fit the budget."""
@@ -305,7 +308,7 @@ class _Replay:
         # What the worker itself counts as queued: its device misses, not the policy's estimate.
         estimate = req.input_length - w.cache.match(hashes)[0] * page
         w.queue.append(_Job(route.request_id, hashes, req.input_length, req.output_length,
-                            req.arrival_s, estimate, (req.input_length, req.hash_ids)))
+                            req.arrival_s, estimate, (req.copy, req.input_length, req.hash_ids)))
         w.queued_prefill += estimate
         if not w.current:
             self.start(w)
@@ -408,7 +411,7 @@ class _Replay:
                             l3_hit_tokens=self.l3_tokens,
                             l3_page_writes=l3.writes if l3 else 0, l3_new_pages=l3.new_pages if l3 else 0,
                             l3_evictions=l3.evictions if l3 else 0, index_keys=len(self.index),
-                            index_bytes=index_bytes(self.index))
+                            index_bytes=index_bytes(self.index), index_apply_ns=self.index_apply_ns)
 
 
 def run_policy(requests: Sequence[TraceRequest], blobs: Sequence[bytes], policy: Policy, cfg: SimConfig,

@@ -5,8 +5,9 @@ trace at 8 workers and, scaled up with --scale-copies, at 1,000).
 
 One row per (file, policy): workers, trace copies, requests, hit ratio and its pooled bound,
 imbalance (max / mean prefill computed per worker), Router.route p50 / p99, the index's keys and
-bytes per key at the end of the replay, and the load average the run started under; then each
-file's command.
+bytes per key at the end of the replay, the replay's wall time and the seconds of it spent in
+Router.route and KvIndex.apply (the gateway's own code; "-" in runs from before they were
+timed), and the load average the run started under; then each file's command.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 from prefixcache_bench.harness import columns_table
 
 COLUMNS = ("file", "policy", "workers", "copies", "requests", "hit_ratio", "bound_hit_ratio", "imbalance",
-           "route_p50_us", "route_p99_us", "index_keys", "index_bytes_per_key", "index_mib", "load_avg")
+           "route_p50_us", "route_p99_us", "index_keys", "index_bytes_per_key", "index_mib", "wall_s", "route_s",
+           "apply_s", "load_avg")
 
 
 def rows(paths: list[str]) -> list[dict]:
@@ -32,8 +34,14 @@ def rows(paths: list[str]) -> list[dict]:
                         "imbalance": round(p["imbalance"], 3), "route_p50_us": round(p["decision_p50_us"]),
                         "route_p99_us": round(p["decision_p99_us"]), "index_keys": p["index_keys"],
                         "index_bytes_per_key": round(p["index_bytes_per_key"], 1),
-                        "index_mib": round(p["index_bytes"] / 2**20, 1), "load_avg": data.get("load_avg_start")})
+                        "index_mib": round(p["index_bytes"] / 2**20, 1), "wall_s": round(p["wall_s"]),
+                        "route_s": _seconds(p.get("route_total_s")), "apply_s": _seconds(p.get("index_apply_s")),
+                        "load_avg": data.get("load_avg_start")})
     return out
+
+
+def _seconds(value: float | None) -> int | str:
+    return "-" if value is None else round(value)
 
 
 def main(argv: list[str] | None = None) -> int:

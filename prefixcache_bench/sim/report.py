@@ -51,6 +51,9 @@ def summarize(result: PolicyResult, bound_hit_ratio: float, l3_bound_hit_ratio: 
         "index_bytes": result.index_bytes,
         "index_bytes_per_key": result.index_bytes / result.index_keys if result.index_keys else 0.0,
         "wall_s": result.wall_s,
+        # The replay's wall time spent in the gateway's own code: Router.route, KvIndex.apply.
+        "route_total_s": sum(result.decision_ns) / 1e9,
+        "index_apply_s": result.index_apply_ns / 1e9,
     }
     if l3_bound_hit_ratio is not None:
         out["l3_bound_hit_ratio"] = l3_bound_hit_ratio

@@ -22,7 +22,8 @@ the end of its replay (`index_keys`, `index_bytes`, `index_bytes_per_key`).
 With --scale-copies N the trace is N disjoint copies on one timeline, copy k `k x
 --copy-spacing-s` late (prefixcache_bench.sim.trace.scale_copies says why): 125 copies over
 1,000 workers load each worker as one copy loads 8. --max-requests then keeps the first N of
-the merged timeline.
+the merged timeline. Only the original prompts are hashed; each copy's page hashes are the
+original's under the copy's mask, derived when a request is replayed (trace.CopyHashes).
 
 With --l3-capacity-tokens, the workers share an L3 tier of that many tokens (LRU over pages;
 write-back by default, write-through with --l3-write-through; hits past a worker's device and
@@ -42,13 +43,14 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 from gateway.core.policies import POLICY_NAMES, RECENT_HALFLIFE_S, AffinityConfig, make_policy
 from prefixcache_bench.sim.bench import run_bench
 from prefixcache_bench.sim.bounds import bound_hit_ratio, l3_bound_hit_ratio, unbounded_hit_ratio
 from prefixcache_bench.sim.engine import CostModel, SimConfig, run_policy
 from prefixcache_bench.sim.report import goals, plot, summarize, table
-from prefixcache_bench.sim.trace import BlockTokens, load_trace, scale_copies
+from prefixcache_bench.sim.trace import BlockTokens, CopyHashes, TraceRequest, load_trace, scale_copies
 from prefixcache_bench.harness import log, write_json
 
 
@@ -155,16 +157,13 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
                                    l3_load_s_per_token=args.l3_load_s_per_token),
                     l3_capacity_tokens=args.l3_capacity_tokens, l3_write_through=args.l3_write_through,
                     l3_events=not args.no_l3_events, recent_halflife_s=args.recent_halflife_s)
-    blocks = BlockTokens(args.vocab_size, args.seed)
+    blobs, source_blobs = _page_hashes(requests, cfg, BlockTokens(args.vocab_size, args.seed), progress)
     t0 = time.perf_counter()
-    blobs = []
-    for i, req in enumerate(requests):
-        blobs.append(b"".join(blocks.page_hashes(req, cfg.page_size, cfg.model_id)))
-        if progress and i % 2000 == 1999:
-            progress(f"hashing prompts: {i + 1}/{len(requests)}, {time.perf_counter() - t0:.0f}s")
     bound = bound_hit_ratio(requests, blobs, cfg)
+    if progress:
+        progress(f"pooled LRU bound over {len(requests)} requests: {time.perf_counter() - t0:.0f}s")
     l3_bound = l3_bound_hit_ratio(requests, blobs, cfg) if cfg.l3_capacity_tokens else None
-    unbounded = unbounded_hit_ratio(requests, blobs, cfg.page_size)
+    unbounded = unbounded_hit_ratio(requests, source_blobs, cfg.page_size)
     affinity = AffinityConfig(queue_weight=args.queue_weight, overload_weight=args.overload_weight,
                               balance_weight=args.balance_weight,
                               inflight_weight_tokens=args.inflight_weight_tokens,
@@ -199,6 +198,25 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
         plot(policies, bound, args.png, f"{args.trace.rsplit('/', 1)[-1]}: {cfg.workers} workers x "
              f"{cfg.capacity_tokens:,} tokens{tiers}{speed}", l3_bound)
     return result
+
+
+def _page_hashes(requests: list[TraceRequest], cfg: SimConfig, blocks: BlockTokens,
+                 progress) -> tuple[Sequence[bytes], list[bytes]]:
+    """(each request's page hashes concatenated, the original requests' by `source`). Each
+    original prompt is hashed once; a scaled trace's copies derive theirs from it on access
+    (prefixcache_bench.sim.trace.CopyHashes)."""
+    originals: dict[int, TraceRequest] = {}
+    for r in requests:
+        originals.setdefault(r.source, r)
+    t0 = time.perf_counter()
+    source_blobs = []
+    for i in range(max(originals, default=-1) + 1):
+        source_blobs.append(b"".join(blocks.page_hashes(originals[i], cfg.page_size, cfg.model_id)))
+        if progress and i % 2000 == 1999:
+            progress(f"hashing prompts: {i + 1}/{len(originals)}, {time.perf_counter() - t0:.0f}s")
+    if all(r.copy == 0 for r in requests):
+        return source_blobs, source_blobs
+    return CopyHashes(requests, source_blobs), source_blobs
 
 
 def _l3_mode(cfg: SimConfig) -> str:

@@ -8,18 +8,26 @@ reduced modulo the vocabulary, so equal ids give equal tokens in any process and
     python -m prefixcache_bench.sim.trace --synth chat|rollout --out PATH [--requests N] [--seed S]
 
 `scale_copies` scales a trace up to a fleet (issue 31: 1,000 workers): N copies of it, each a
-tenant of its own, on one timeline. Copy k's hash ids are shifted by k x (largest id + 1), so
-copies share no block, not even the system prompt every request of the conversation trace
-opens with (id 0): a fleet of that size serves many applications, each with its own system
-prompt, rather than one prompt cached by all; within a copy every sharing of the original is
-kept. Copy k arrives `k x spacing_s` later than the original (0.5 s by default: 125 copies
-spread over ~1 min of an hour-long trace), so that copies do not send their simultaneous
-requests (several at t=0) as one N-fold burst, while the load per worker of N copies over
-N x W workers stays that of one copy over W workers.
+tenant of its own, on one timeline. A copy keeps the original's requests (`source`: the
+original's position) and block ids; what makes it a tenant of its own is its pages: copy k's page
+hashes are the original's XORed with a 16-byte mask of k (`copy_mask`, zero for copy 0), as a
+tenant salt gives another namespace seed and so other hashes for the same tokens
+(prefixcache_client.hash.namespace_seed). The mask is a bijection, so within a copy every
+sharing of the original is kept, and copies share no page, not even the system prompt every
+request of the conversation trace opens with (id 0): a fleet of that size serves many
+applications, each with its own system prompt, rather than one prompt cached by all. Two copies
+meet only where two original pages differ by exactly the XOR of two masks (odds ~2^-128 a pair,
+those of two salted hashes colliding). Each original prompt is then hashed once, and a copy's
+hashes cost one numpy XOR (`CopyHashes`) instead of SHA-256 over every page of every copy,
+which was most of a scaled run's time outside the gateway. Copy k arrives `k x spacing_s`
+later than the original (0.5 s by default: 125 copies spread over ~1 min of an hour-long trace),
+so that copies do not send their simultaneous requests (several at t=0) as one N-fold burst,
+while the load per worker of N copies over N x W workers stays that of one copy over W workers.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import heapq
 import json
@@ -46,6 +54,7 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     copy: int = 0  # which copy of the trace (scale_copies), 0 when not scaled
+    source: int = 0  # the original request's position in arrival order (its own when not scaled)
 
 
 def load_trace(path: str | Path, max_requests: int | None = None, time_scale: float = 1.0,
@@ -67,6 +76,8 @@ def load_trace(path: str | Path, max_requests: int | None = None, time_scale: fl
             out.append(TraceRequest(len(out), float(rec["timestamp"]) / 1000.0 / time_scale, n,
                                     min(max(int(rec["output_length"]), 1), max_output_tokens), ids))
     out.sort(key=lambda r: (r.arrival_s, r.index))
+    for i, r in enumerate(out):
+        r.source = i
     return out
 
 
@@ -76,7 +87,6 @@ def scale_copies(requests: Sequence[TraceRequest], copies: int, spacing_s: float
     ties in copy order, re-indexed from 0; the first `max_requests` of the merged timeline."""
     if copies < 1 or spacing_s < 0:
         raise ValueError(f"copies must be >= 1 and spacing_s >= 0, got {copies}, {spacing_s}")
-    stride = max((max(r.hash_ids, default=0) for r in requests), default=0) + 1
 
     def copy_of(k: int) -> Iterator[tuple[float, int, int, TraceRequest]]:
         delay = k * spacing_s
@@ -84,13 +94,45 @@ def scale_copies(requests: Sequence[TraceRequest], copies: int, spacing_s: float
             yield r.arrival_s + delay, k, i, r
 
     out: list[TraceRequest] = []
-    for arrival, k, _, r in heapq.merge(*(copy_of(k) for k in range(copies))):
+    for arrival, k, i, r in heapq.merge(*(copy_of(k) for k in range(copies))):
         if max_requests is not None and len(out) >= max_requests:
             break
-        shift = k * stride
-        out.append(TraceRequest(len(out), arrival, r.input_length, r.output_length,
-                                tuple(h + shift for h in r.hash_ids), k))
+        out.append(TraceRequest(len(out), arrival, r.input_length, r.output_length, r.hash_ids, k, i))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def copy_mask(copy: int) -> np.ndarray:
+    """The 16-byte mask of copy `copy`'s page hashes as two little-endian u64 (zero for copy 0,
+    the trace itself): SHAKE-256 of the copy number, like a tenant's salt."""
+    if copy == 0:
+        return np.zeros(2, dtype="<u8")
+    return np.frombuffer(hashlib.shake_256(struct.pack("<q", copy) + b"sim-copy").digest(16), dtype="<u8")
+
+
+def copy_page_hashes(blob: bytes, copy: int) -> bytes:
+    """The original's page hashes (concatenated 16-byte hashes) as copy `copy` has them."""
+    if copy == 0:
+        return blob
+    return (np.frombuffer(blob, dtype="<u8").reshape(-1, 2) ^ copy_mask(copy)).tobytes()
+
+
+class CopyHashes(Sequence[bytes]):
+    """The page hashes of a scaled trace's requests, derived on access from the originals'
+    (`blobs[r.source]`, hashed once): holding every copy's at once would take ~18 GB for 125
+    copies of the conversation trace."""
+
+    def __init__(self, requests: Sequence[TraceRequest], blobs: Sequence[bytes]) -> None:
+        self.requests, self.blobs = requests, blobs
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        r = self.requests[i]
+        return copy_page_hashes(self.blobs[r.source], r.copy)
 
 
 class BlockTokens:

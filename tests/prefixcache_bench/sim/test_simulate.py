@@ -5,13 +5,14 @@ import json
 import pytest
 
 from gateway.core.index import KvIndex
-from gateway.core.policies import RoundRobinPolicy
+from gateway.core.policies import RoundRobinPolicy, make_policy
 from prefixcache_bench.sim import fleet_summary
 from prefixcache_bench.sim.bench import run_bench
 from prefixcache_bench.sim.cache import PageCache, SharedL3
-from prefixcache_bench.sim.engine import SimConfig, run_policy
+from prefixcache_bench.sim.bounds import unbounded_hit_ratio
+from prefixcache_bench.sim.engine import SimConfig, run_policy, split_hashes
 from prefixcache_bench.sim.simulate import main
-from prefixcache_bench.sim.trace import TraceRequest
+from prefixcache_bench.sim.trace import BlockTokens, CopyHashes, TraceRequest, load_trace, scale_copies
 from prefixcache_bench import CONVERSATION_TRACE
 from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, pages
 
@@ -75,6 +76,32 @@ def test_simulator_on_a_scaled_trace_routes_through_the_router_and_sizes_the_ind
     assert table[2].split()[:5] == ["scaled.json", "affinity", "24", "3", "87"]
     assert table[3].split()[:5] == ["sim.json", "affinity", "24", "1", "29"]
     assert table[-1] == one["command"]
+
+
+def test_a_copy_alone_replays_as_the_original_and_copies_together_share_no_page():
+    # Copy 2 of the trace's first 60 requests, alone on 4 workers: its masked hashes give the
+    # same hits, the same prefill per worker and the same index size as the original's own.
+    original = load_trace(CONVERSATION_TRACE, 60)
+    blocks = BlockTokens()
+    blobs = [b"".join(blocks.page_hashes(r, 16, "sim-model")) for r in original]
+    cfg = SimConfig(workers=4, capacity_tokens=100_000)
+    base = run_policy(original, blobs, make_policy("affinity"), cfg)
+    scaled = scale_copies(original, 3, 0.0)
+    alone = [r for r in scaled if r.copy == 2]
+    copy = run_policy(alone, CopyHashes(alone, blobs), make_policy("affinity"), cfg)
+    assert base.cached_tokens > 0 and copy.prompt_tokens == base.prompt_tokens
+    assert (copy.cached_tokens, copy.computed_per_worker, copy.index_keys) == (
+        base.cached_tokens, base.computed_per_worker, base.index_keys)
+    # All three copies on 12 workers: no copy's page is another's, so the index holds three
+    # times the pages one copy left, and the unbounded ceiling is the original's.
+    hashes = CopyHashes(scaled, blobs)
+    per_copy = [set().union(*(split_hashes(hashes[i]) for i, r in enumerate(scaled) if r.copy == k))
+                for k in range(3)]
+    assert len(set().union(*per_copy)) == 3 * len(per_copy[0]) > 0
+    assert unbounded_hit_ratio(scaled, blobs, 16) == pytest.approx(unbounded_hit_ratio(original, blobs, 16))
+    big = run_policy(scaled, hashes, make_policy("affinity"), SimConfig(workers=12, capacity_tokens=10**7))
+    small = run_policy(original, blobs, make_policy("affinity"), SimConfig(workers=4, capacity_tokens=10**7))
+    assert big.index_keys == 3 * small.index_keys
 
 
 def test_simulator_rejects_bad_arguments(capsys):

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from prefixcache_bench.sim.trace import BlockTokens, load_trace, main, scale_copies, write_synthetic
+from prefixcache_bench.sim.engine import split_hashes
+from prefixcache_bench.sim.trace import (BlockTokens, CopyHashes, copy_page_hashes, load_trace, main, scale_copies,
+                                        write_synthetic)
 from prefixcache_client.hash import prompt_hashes, token_bytes
 
 
@@ -75,19 +77,27 @@ def test_scaled_trace_keeps_each_copy_and_shares_nothing_across_copies(tmp_path)
     assert all(a.arrival_s <= b.arrival_s for a, b in zip(scaled, scaled[1:]))
     for k in range(3):
         copy = [r for r in scaled if r.copy == k]
-        # Same requests in the same order, `k x spacing` late, ids shifted by k x (max id + 1).
-        assert [(r.arrival_s, r.input_length, r.output_length) for r in copy] == [
-            (o.arrival_s + 0.25 * k, o.input_length, o.output_length) for o in original]
-        assert [r.hash_ids for r in copy] == [tuple(h + 4 * k for h in o.hash_ids) for o in original]
-    ids = [{h for r in scaled if r.copy == k for h in r.hash_ids} for k in range(3)]
-    assert all(not (ids[a] & ids[b]) for a in range(3) for b in range(a + 1, 3))
-    # Disjoint ids are disjoint pages: no page hash of one copy is in another.
+        # Same requests in the same order, `k x spacing` late, naming their original.
+        assert [(r.arrival_s, r.input_length, r.output_length, r.hash_ids, r.source) for r in copy] == [
+            (o.arrival_s + 0.25 * k, o.input_length, o.output_length, o.hash_ids, i)
+            for i, o in enumerate(original)]
+    # Copies share no page: copy k's hashes are the original's under copy k's mask (copy 0's
+    # are the original's), and each copy keeps every page the original's requests share.
     blocks = BlockTokens(vocab_size=1000)
-    pages = [{h for r in scaled if r.copy == k for h in blocks.page_hashes(r, 16, "m")} for k in range(3)]
-    assert all(pages[k] for k in range(3)) and not (pages[0] & pages[1]) and not (pages[1] & pages[2])
+    blobs = [b"".join(blocks.page_hashes(o, 16, "m")) for o in original]
+    hashes = CopyHashes(scaled, blobs)
+    pages = [[split_hashes(hashes[i]) for i, r in enumerate(scaled) if r.copy == k] for k in range(3)]
+    assert [b"".join(p) for p in pages[0]] == blobs
+    sets = [{h for p in pages[k] for h in p} for k in range(3)]
+    assert all(len(s) == len(sets[0]) > 0 for s in sets)
+    assert not (sets[0] & sets[1]) and not (sets[0] & sets[2]) and not (sets[1] & sets[2])
+    for k in range(3):  # the same pages in the same places: page j of request i is page j' of i'
+        where = {h: (i, j) for i, p in enumerate(pages[k]) for j, h in enumerate(p)}
+        assert where == {h: (i, j) for i, p in enumerate(pages[0]) for j, h in enumerate(p)
+                         for h in [split_hashes(copy_page_hashes(h, k))[0]]}
     # The first N of the merged timeline; one copy is the trace itself.
-    assert [r.hash_ids for r in scale_copies(original, 3, 0.25, max_requests=4)] == [
-        (0, 1), (0, 2), (4, 5), (4, 6)]
+    assert [(r.copy, r.source) for r in scale_copies(original, 3, 0.25, max_requests=4)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
     assert [(r.arrival_s, r.hash_ids) for r in scale_copies(original, 1)] == [
         (o.arrival_s, o.hash_ids) for o in original]
     with pytest.raises(ValueError):
