@@ -234,8 +234,9 @@ def best_offsets(requests: Sequence[TraceRequest], capacity: int, offsets: dict,
     return best, offsets, runs
 
 
-def measure(requests: Sequence[TraceRequest], cap_text: str) -> list[dict]:
-    """The rows at one pooled capacity: belady, lru, frequency, the oracles, the class searches."""
+def measure(requests: Sequence[TraceRequest], cap_text: str, search: bool = True) -> list[dict]:
+    """The rows at one pooled capacity: belady, lru, frequency, the oracles, the learned
+    ranking, and the class searches if `search` (minutes each)."""
     blocks = max(1, parse_tokens(cap_text) // BLOCK_TOKENS)
     rows: list[dict] = []
 
@@ -266,7 +267,7 @@ def measure(requests: Sequence[TraceRequest], cap_text: str) -> list[dict]:
     start = time.perf_counter()
     row("learned_turn_size", run_classes(requests, blocks, LearnedOffsets(),
                                          by_uses_and_turn_size(requests)), start)
-    for name, (start_offsets, classify) in searches.items():
+    for name, (start_offsets, classify) in (searches.items() if search else ()):
         start = time.perf_counter()
         hit, offsets, runs = best_offsets(requests, blocks, start_offsets, classify)
         row(name, hit, start, offsets={str(k): v for k, v in offsets.items()}, runs=runs)
@@ -316,10 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--capacities", default="8M", help="pooled tokens, comma separated")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-search", action="store_true", help="leave out the fitted rankings "
+                   "(the offset searches: minutes each)")
     args = p.parse_args(argv)
     machine = machine_info()
     requests = load_trace(args.trace)
-    rows = [r for cap in args.capacities.split(",") for r in measure(requests, cap)]
+    rows = [r for cap in args.capacities.split(",")
+            for r in measure(requests, cap, not args.no_search)]
     print(columns_table(["capacity", "policy", "hit ratio", "of Belady", "s"],
                         [[r["capacity"], r["policy"], r["hit_ratio"], r["of_belady"],
                           r["seconds"]] for r in rows]))

@@ -44,3 +44,24 @@ def test_turn_gaps():
     trace = [req(0, 1, 2), req(30, 1, 2, 3), req(130, 1, 2, 3, 4), req(400, 1, 2, 3, 4, 5),
              req(401, 1, 9)]  # a new conversation sharing only the first block
     assert turn_gaps(trace) == [0, 1, 2, 3, 0]
+
+
+def test_turn_size_classes():
+    from prefixcache_bench.sim.eviction_limits import by_uses_and_turn_size
+    first = TraceRequest(0, 0, 8 * BLOCK_TOKENS - 100, 1, tuple(range(8)))  # 8 new, partial
+    nxt = TraceRequest(1, 60, 9 * BLOCK_TOKENS, 1, (*range(7), 100, 101))  # 2 new, full
+    classify = by_uses_and_turn_size([first, nxt])
+    assert classify(1, 0, 3) == (1, "long first")
+    assert classify(1, 0, 7) == (1, "partial tail")
+    assert classify(1, 1, 8) == (1, "short")  # the second turn's last block is full
+    assert classify(2, 1, 3) == (2, "short") and classify(5, 0, 0) == (4, "long")
+
+
+def test_learned_offsets_rank_a_class_used_again_above_one_that_is_not():
+    from prefixcache_bench.sim.eviction_limits import LearnedOffsets
+    learned = LearnedOffsets(kappa=4.0)
+    for _ in range(10):
+        learned.used("often", None, 0.0)
+        learned.used("often", "often", 100.0)  # used again 100 s later
+        learned.used("once", None, 0.0)
+    assert learned["once"] == 0.0 < learned["often"] == 4.0 * 100.0 * 0.5
