@@ -1,7 +1,8 @@
-"""What limits an eviction policy on the conversation trace (issue 30): two experiments beside
-prefixcache_bench/sim/eviction.py's policies, on the same pooled cache of 512-token blocks.
+"""What limits an eviction policy on the conversation trace (issue 30): an oracle and rankings
+by block classes beside prefixcache_bench/sim/eviction.py's policies, on the same pooled cache
+of 512-token blocks.
 
-    python -m prefixcache_bench.sim.eviction_limits [--json PATH] [--capacities 8M]
+    python -m prefixcache_bench.sim.eviction_limits [--json PATH] [--capacities 8M] [--no-search]
 
 - `oracle_dead_<X>s`: LRU that is told, X seconds after a block's last use, that the block is
   dead (never used again; known from the future): from then it goes before every live block.
@@ -14,6 +15,13 @@ prefixcache_bench/sim/eviction.py's policies, on the same pooled cache of 512-to
 - `use_classes_turn_gap`: the same with a block first seen in a request split further by that
   request's turn gap (seconds since its conversation's previous turn: none, < 60, 60-180,
   180+), to test whether the conversation's pace tells a dead tail from a live one.
+- `use_classes_turn_size`: the same with classes by uses and by the size of the turn that last
+  used the block (by_uses_and_turn_size: a turn adding at most 5 new blocks is a chat's next
+  turn, and its blocks are used again about twice as often as a long turn's), a prompt's
+  partial last block apart. The best ranking found.
+- `learned_turn_size`: those classes with offsets learned online (LearnedOffsets: kappa x the
+  mean reuse gap x the class's observed share of uses followed by another), nothing fitted to
+  the trace but kappa; also run on eviction.py's other workloads beside LRU.
 
 A request's hit is its leading run of cached blocks, as in eviction.py; ties (the blocks of one
 request) leave deepest first.
@@ -151,8 +159,8 @@ def run_classes(requests: Sequence[TraceRequest], capacity: int, offsets,
             uses[b] = uses.get(b, 0) + 1
             cls = classify(uses[b], i, depth)
             if learn:
-                before = last.get(b)
-                learn(cls, before and before[1], before and now - before[0])
+                at, was = last.get(b, (now, None))
+                learn(cls, was, now - at)
             last[b] = (now, cls)
             lists.setdefault(cls, OrderedDict())[b] = now
             where[b] = cls
