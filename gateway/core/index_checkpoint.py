@@ -50,24 +50,40 @@ class Captured:
     lock_held_s: float = 0.0
 
 
-def _table_arrays(t: PageTable, prefix: str, out: dict[str, np.ndarray], meta: dict) -> None:
-    """Copies of one table's arrays (and its old table's, while a growth migrates)."""
-    out[prefix + "lo"] = np.frombuffer(t._lo, dtype=np.uint64).copy()
-    out[prefix + "hi"] = np.frombuffer(t._hi, dtype=np.uint64).copy()
-    out[prefix + "holder"] = np.frombuffer(t._holder, dtype=np.int32).copy()
-    out[prefix + "stamp"] = np.frombuffer(t._stamp, dtype=np.uint32).copy()
-    # Masks of 2+ holders: up to as many bits as slots (1,000 workers), stored as bytes.
-    width = max((m.bit_length() + 7) // 8 for m in t.multi.values()) if t.multi else 1
-    out[prefix + "multi_pos"] = np.fromiter(t.multi.keys(), dtype=np.int64, count=len(t.multi))
-    out[prefix + "multi_mask"] = np.frombuffer(
-        b"".join(m.to_bytes(width, "little") for m in t.multi.values()),
-        dtype=np.uint8).reshape(len(t.multi), width)
+def _views(t: PageTable, prefix: str) -> dict[str, np.ndarray]:
+    """numpy views of one table's arrays and its old table's (while a growth migrates)."""
+    views = {prefix + "lo": np.frombuffer(t._lo, dtype=np.uint64),
+             prefix + "hi": np.frombuffer(t._hi, dtype=np.uint64),
+             prefix + "holder": np.frombuffer(t._holder, dtype=np.int32),
+             prefix + "stamp": np.frombuffer(t._stamp, dtype=np.uint32)}
+    return views if t._old is None else views | _views(t._old, prefix + "old.")
+
+
+def sizes(index: KvIndex) -> dict[str, tuple[np.dtype, int]]:
+    """(dtype, length) of every array `capture` copies; under the router's lock (microseconds)."""
+    return {name: (v.dtype, len(v)) for tier, t in enumerate(index._tables)
+            for name, v in _views(t, f"t{tier}.").items()}
+
+
+def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
+                  into: dict[str, np.ndarray]) -> None:
+    """Copies of one table's arrays (into `into`'s where the sizes still match) and `multi`."""
+    for name, view in _views(t, prefix).items():
+        if name.startswith(prefix + "old.") or name in out:
+            continue
+        buf = into.get(name)
+        if buf is not None and buf.shape == view.shape:
+            np.copyto(buf, view)
+            out[name] = buf
+        else:
+            out[name] = view.copy()
+    out[prefix + "multi"] = t.multi.copy()  # encoded by `write`, without the lock
     # A growth's old table (PageTable._grow) has no clock, cursor or rate of its own.
     meta[prefix] = {"used": t._used, "live": t.live, "clock": getattr(t, "_clock", 0),
                     "cursor": getattr(t, "_cursor", 0), "rate": getattr(t, "rate", 0),
                     "old": t._old is not None}
     if t._old is not None:
-        _table_arrays(t._old, prefix + "old.", out, meta)
+        _table_arrays(t._old, prefix + "old.", out, meta, into)
 
 
 def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageTable:
@@ -89,16 +105,17 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     return t
 
 
-def capture(index: KvIndex, addresses: dict[str, str], namespace: str, hash_spec: str
-            ) -> Captured:
-    """The index's state as copies; call it holding `Router.lock` (outside `bulk()`)."""
+def capture(index: KvIndex, addresses: dict[str, str], namespace: str, hash_spec: str,
+            into: dict[str, np.ndarray] | None = None) -> Captured:
+    """The index's state as copies; call it holding `Router.lock` (outside `bulk()`). `into`:
+    arrays of `sizes`' shapes to copy into (any that no longer fit are allocated afresh)."""
     start = time.perf_counter()
     if index._deferred is not None:
         raise RuntimeError("index checkpoint inside a bulk() block")
     arrays: dict[str, np.ndarray] = {}
     tables: dict = {}
     for tier, table in enumerate(index._tables):
-        _table_arrays(table, f"t{tier}.", arrays, tables)
+        _table_arrays(table, f"t{tier}.", arrays, tables, into or {})
     workers = [{"pool_id": w.pool_id, "address": addresses.get(w.pool_id, ""), "slot": w.slot,
                 "epoch": w.epoch, "last_seq": w.last_seq, "started": w.started,
                 "in_snapshot": w.in_snapshot or w.needs_resync, "held": list(w.held)}
@@ -112,15 +129,30 @@ def capture(index: KvIndex, addresses: dict[str, str], namespace: str, hash_spec
 def write(captured: Captured, path: str) -> None:
     """Writes the checkpoint atomically: a temporary file beside `path`, fsynced, renamed."""
     tmp = f"{path}.tmp{os.getpid()}"
+    arrays = {}
+    for name, value in captured.arrays.items():
+        if isinstance(value, dict):
+            arrays.update(_masks(name, value))
+        else:
+            arrays[name] = value
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, meta=np.array(json.dumps(captured.meta)), **captured.arrays)
+            np.savez(f, meta=np.array(json.dumps(captured.meta)), **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _masks(name: str, multi: dict[int, int]) -> dict[str, np.ndarray]:
+    """A table's `multi` as arrays: positions, and masks of 2+ holders (up to as many bits as
+    slots: 1,000 workers) as rows of bytes."""
+    width = max((m.bit_length() + 7) // 8 for m in multi.values()) if multi else 1
+    return {name + "_pos": np.fromiter(multi.keys(), dtype=np.int64, count=len(multi)),
+            name + "_mask": np.frombuffer(b"".join(m.to_bytes(width, "little") for m in multi.values()),
+                                          dtype=np.uint8).reshape(len(multi), width)}
 
 
 def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]:
@@ -214,8 +246,16 @@ class IndexCheckpointer:
         """One checkpoint now; the seconds `Router.lock` was held for the copy."""
         router = self.router
         with router.lock:
+            shapes = sizes(router.index)
+        into = {name: np.empty(n, dtype=dt) for name, (dt, n) in shapes.items()}
+        for buf in into.values():
+            # np.empty maps lazily: fault the pages in here, not under the lock (at 10M pages,
+            # allocating and faulting in ~0.85 GB under it held the lock ~2 s).
+            buf.fill(0)
+        with router.lock:
             addresses = {n: w.address for n, w in router._workers.items()}
-            captured = capture(router.index, addresses, self.namespace, self.hash_spec)
+            captured = capture(router.index, addresses, self.namespace, self.hash_spec, into)
+        del into
         start = time.perf_counter()
         write(captured, self.path)
         self.last_lock_held_s, self.writes = captured.lock_held_s, self.writes + 1
