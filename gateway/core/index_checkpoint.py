@@ -172,13 +172,55 @@ def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]
                 return []
             arrays = {k: z[k] for k in z.files if k != "meta"}
         tables = tuple(_table_from(arrays, f"t{tier}.", meta["tables"]) for tier in range(_MEDIA))
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError) as exc:
+        workers = _workers(meta, index._clock())
+        _check_holders(tables, {w.slot for w in workers})
+        free_slots = [int(s) for s in meta["free_slots"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, zipfile.BadZipFile,
+            EOFError) as exc:
         log.warning(kv("index_checkpoint_ignored", path=path, reason=f"{type(exc).__name__}: {exc}"))
         return []
-    _install(index, tables, meta)
-    log.info(kv("index_checkpoint_loaded", path=path, workers=len(meta["workers"]),
-                keys=len(index), written_at=meta["written_at"]))
-    return [w["pool_id"] for w in meta["workers"]]
+    index._tables, index._free_slots = tables, free_slots
+    for w in workers:
+        index._workers[w.pool_id] = index._by_slot[w.slot] = w
+        index._all |= w.bit
+    log.info(kv("index_checkpoint_loaded", path=path, workers=len(workers), keys=len(index),
+                written_at=meta["written_at"]))
+    return [w.pool_id for w in workers]
+
+
+def _workers(meta: dict, now: float) -> list[_Worker]:
+    """The checkpoint's workers. A restored worker counts as seen now (the staleness clock
+    starts at the restart) and resumes where it was, or from a snapshot when it was inside one
+    or waiting for a resync."""
+    workers = []
+    for entry in meta["workers"]:
+        slot = int(entry["slot"])
+        if slot < 0:
+            raise ValueError(f"worker slot {slot}")
+        workers.append(_Worker(str(entry["pool_id"]), slot, 1 << slot, epoch=int(entry["epoch"]),
+                               last_seq=int(entry["last_seq"]), started=bool(entry["started"]),
+                               in_snapshot=bool(entry["in_snapshot"]), last_seen=now,
+                               held=[int(h) for h in entry["held"]][:_MEDIA]))
+    if len({w.slot for w in workers}) != len(workers) or len({w.pool_id for w in workers}) != len(workers):
+        raise ValueError("two workers share a slot or a pool id")
+    return workers
+
+
+def _check_holders(tables: tuple[PageTable, ...], slots: set[int]) -> None:
+    """Every holder a table names is a restored worker's slot: routing looks them up."""
+    known = np.zeros(max(slots, default=-1) + 2, dtype=bool)
+    known[list(slots)] = True
+    every = 0
+    for table in tables:
+        for t in (table, table._old) if table._old is not None else (table,):
+            holder = np.frombuffer(t._holder, dtype=np.int32)
+            single = holder[holder >= 0]
+            if len(single) and (single.max() >= len(known) or not known[single].all()):
+                raise ValueError("a page held by a slot no worker has")
+            for m in t.multi.values():
+                every |= m
+    if every >> len(known) or any(every >> s & 1 and not known[s] for s in range(len(known))):
+        raise ValueError("a shared page held by a slot no worker has")
 
 
 def _incompatible(meta: dict, namespace: str, hash_spec: str) -> str:
@@ -189,23 +231,6 @@ def _incompatible(meta: dict, namespace: str, hash_spec: str) -> str:
     if meta.get("hash_spec") != hash_spec:
         return f"hash spec {meta.get('hash_spec')!r}, this gateway's is {hash_spec!r}"
     return ""
-
-
-def _install(index: KvIndex, tables: tuple[PageTable, ...], meta: dict) -> None:
-    """The loaded tables and workers into the index. A restored worker counts as seen now (the
-    staleness clock starts at the restart) and resumes where it was, or from a snapshot when
-    it was inside one or waiting for a resync."""
-    index._tables = tables
-    now = index._clock()
-    for entry in meta["workers"]:
-        slot = int(entry["slot"])
-        w = _Worker(entry["pool_id"], slot, 1 << slot, epoch=int(entry["epoch"]),
-                    last_seq=int(entry["last_seq"]), started=bool(entry["started"]),
-                    in_snapshot=bool(entry["in_snapshot"]), last_seen=now,
-                    held=[int(h) for h in entry["held"]])
-        index._workers[w.pool_id] = index._by_slot[slot] = w
-        index._all |= w.bit
-    index._free_slots = [int(s) for s in meta["free_slots"]]
 
 
 class IndexCheckpointer:

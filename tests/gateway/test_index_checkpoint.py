@@ -156,3 +156,35 @@ def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
     assert isinstance(again._tables[0], PageTable) and again._tables[0]._old is not None
     again._tables[0].add_many(keys[:10], 5)  # still a working table
     assert again._tables[0].mask(hashes[0]) == (1 << 0) | (1 << 69) | (1 << 5)
+
+
+def test_a_checkpoint_naming_unknown_holders_is_ignored(tmp_path):
+    index = KvIndex()
+    index.add_worker("w")
+    index._tables[0].add_many([bytes(16)], 5)  # slot 5: no worker has it
+    path = str(tmp_path / "ckpt")
+    write(capture(index, {}, "default", SPEC), path)
+    fresh = KvIndex()
+    assert load(fresh, path, "default", SPEC) == [] and len(fresh) == 0
+
+
+def test_restored_workers_not_admitted_again_are_dropped_and_checkpoints_are_periodic(tmp_path):
+    core = CacheCore()
+    pools = ["da", "db"]
+    for p in pools:
+        register_pool(core, p)
+    caches, workers, source = _fleet(core, pools)
+    path = tmp_path / "index.ckpt"
+    try:
+        _first_run(tmp_path, core, pools, source)
+        only_da = lambda: [a for a in source() if a.compute == workers["da"].address]  # noqa: E731
+        written = path.stat().st_mtime_ns
+        with running_gateway(only_da, index_checkpoint=str(path), dead_after_s=0.5,
+                             index_checkpoint_interval_s=0.2) as gw:
+            with gw.router.lock:
+                assert sorted(gw.router.index.workers()) == pools  # both restored
+            wait_until(lambda: gw.router.index.workers() == ["da"], what="db dropped")
+            wait_until(lambda: path.stat().st_mtime_ns != written, what="a periodic checkpoint")
+            assert _held(gw, "db") == set()
+    finally:
+        _stop(caches, workers)
