@@ -86,13 +86,21 @@ def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
         _table_arrays(t._old, prefix + "old.", out, meta, into)
 
 
+def _array(code: str, values: np.ndarray) -> array:
+    """The table's `array.array` of the loaded values: one copy (not via bytes: two)."""
+    out = array(code)
+    if np.dtype(values.dtype).itemsize != out.itemsize:
+        raise ValueError(f"array of {values.dtype} where the table keeps {code!r}")
+    out.frombytes(memoryview(np.ascontiguousarray(values)).cast("B"))
+    return out
+
+
 def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageTable:
     m = meta[prefix]
     t = PageTable.__new__(PageTable)
     t.cap = len(arrays[prefix + "holder"])
-    t._lo, t._hi = array("Q", arrays[prefix + "lo"].tobytes()), array("Q", arrays[prefix + "hi"].tobytes())
-    t._holder = array("i", arrays[prefix + "holder"].tobytes())
-    t._stamp = array("I", arrays[prefix + "stamp"].tobytes())
+    t._lo, t._hi = _array("Q", arrays[prefix + "lo"]), _array("Q", arrays[prefix + "hi"])
+    t._holder, t._stamp = _array("i", arrays[prefix + "holder"]), _array("I", arrays[prefix + "stamp"])
     if not len(t._lo) == len(t._hi) == len(t._stamp) == t.cap:
         raise ValueError(f"table {prefix}: arrays of different lengths")
     masks = arrays[prefix + "multi_mask"]
