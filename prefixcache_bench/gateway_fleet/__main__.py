@@ -1,7 +1,8 @@
 """`python -m prefixcache_bench.gateway_fleet --pools 1000 --total-pages 1000000 --json PATH`:
 one configuration (run each in its own process: the index's memory is measured by growth);
 `--summary DIR` tabulates the JSONs of a folder (w*.json); `--routing-only` times routing
-decisions alone (routing.py; its JSONs are routing_w*.json). See run.py for what is measured and how the two
+decisions alone (routing.py; its JSONs are routing_w*.json). `--checkpoint` times a restart
+from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json). See run.py for what is measured and how the two
 cores are split (gateway on core 0, load generator on core 1)."""
 from __future__ import annotations
 
