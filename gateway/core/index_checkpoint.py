@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.core.index import KvIndex, _Worker
-from gateway.core.index_table import PageTable
+from gateway.core.index_table import MULTI, PageTable
 from service_shell import kv
 
 log = logging.getLogger("gateway.checkpoint")
@@ -45,7 +45,7 @@ _MEDIA = 3
 @dataclass(slots=True)
 class Captured:
     """A consistent copy of the index, ready to write."""
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray | dict[int, int]]  # the tables' `multi` dicts, copied
     meta: dict
     lock_held_s: float = 0.0
 
@@ -225,6 +225,9 @@ def _check_holders(tables: tuple[PageTable, ...], slots: set[int]) -> None:
             single = holder[holder >= 0]
             if len(single) and (single.max() >= len(known) or not known[single].all()):
                 raise ValueError("a page held by a slot no worker has")
+            shared = np.flatnonzero(holder == MULTI)
+            if len(shared) != len(t.multi) or not all(p in t.multi for p in shared.tolist()):
+                raise ValueError("shared pages and their masks do not match")
             for m in t.multi.values():
                 every |= m
     if every >> len(known) or any(every >> s & 1 and not known[s] for s in range(len(known))):
