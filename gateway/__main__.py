@@ -76,6 +76,14 @@ def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
     flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
          "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
          "of one fleet share it, other fleets on the same Redis need their own")
+    flag("--index-checkpoint", "INDEX_CHECKPOINT", None, "with --index-backend memory: a file "
+         "the routing index is written to (periodically and at a clean shutdown) and loaded "
+         "from at start, so that a restart resumes each worker's event stream instead of "
+         "rebuilding the index from snapshots; one of another namespace, version or hash spec, "
+         "or a corrupt one, is ignored with a warning")
+    flag("--index-checkpoint-interval-s", "INDEX_CHECKPOINT_INTERVAL_S",
+         cfg.index_checkpoint_interval_s, "seconds between two index checkpoints",
+         type=finite_float(1.0, 86400.0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,6 +352,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         index_redis_tls_ca=args.index_redis_tls_ca, index_redis_tls_cert=args.index_redis_tls_cert,
         index_redis_tls_key=args.index_redis_tls_key,
         index_namespace=args.index_namespace,
+        index_checkpoint=args.index_checkpoint or "",
+        index_checkpoint_interval_s=args.index_checkpoint_interval_s,
         resolve_interval_s=args.resolve_interval_s,
         worker=WorkerSettings(tls=args.tls, service_token=args.service_token,
                               max_message_mb=args.max_message_mb,

@@ -27,6 +27,7 @@ from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import WorkerAddress
 from gateway.core.gc_tuning import FreezeAfterWarmup
 from gateway.core.index import IndexConfig
+from gateway.core.index_checkpoint import IndexCheckpointer
 from gateway.core.indexer_roles import IndexerRoles
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
@@ -38,6 +39,7 @@ from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO, load_tokenizer
 from gateway.core.workers import Fleet, WorkerSet, WorkerSettings
 from gateway.grpc_api.servicer import GATEWAY_SERVICE_NAME, register
+from prefixcache_client.hash import NS_DOMAIN
 from service_shell import ServiceShell, ShellPorts, TlsConfig, kv, server_options, tls_mode
 from service_shell.auth import ServiceIdentities
 
@@ -123,6 +125,10 @@ class GatewayConfig:
     index_redis_tls_ca: str | None = None
     index_redis_tls_cert: str | None = None
     index_redis_tls_key: str | None = None
+    # `memory` backend: the index written to this file every `index_checkpoint_interval_s` and
+    # at a clean shutdown, and loaded at start (gateway/core/index_checkpoint.py); "" for none.
+    index_checkpoint: str = ""
+    index_checkpoint_interval_s: float = 30.0
     resolve_interval_s: float = 10.0
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     # Worker-call deadline when the client set none.
@@ -156,6 +162,7 @@ class GatewayServer(ShellPorts):
         shared, self.indexers = self._shared_index(index_config)
         self.router = Router(make_policy(cfg.policy), self.metrics, index_config, index=shared)
         self._gc_freeze = FreezeAfterWarmup(cfg.gc_freeze_after_warmup, self.router.warm)
+        self.checkpointer = self._index_checkpointer()
         self.fleet = Fleet(cfg.model_id, cfg.page_size, tokenizer)
         self.workers = WorkerSet(cfg.workers, self.router, self.fleet, cfg.worker,
                                  indexers=self.indexers)
@@ -209,6 +216,18 @@ class GatewayServer(ShellPorts):
         view = SharedIndexView(store, index_config, on_round_trip=observe)
         return view, roles
 
+    def _index_checkpointer(self) -> IndexCheckpointer | None:
+        """--index-checkpoint with the in-process index: loaded now, before any worker is
+        admitted (their feeds then resume from it); written from `start()` on."""
+        cfg = self.config
+        if not cfg.index_checkpoint or self.router.shared:
+            return None
+        checkpointer = IndexCheckpointer(self.router, cfg.index_checkpoint,
+                                         cfg.index_checkpoint_interval_s, cfg.index_namespace,
+                                         NS_DOMAIN.decode(), cfg.dead_after_s)
+        checkpointer.restore()
+        return checkpointer
+
     @property
     def http_port(self) -> int | None:
         return self.http.port if self.http is not None else None
@@ -234,6 +253,8 @@ class GatewayServer(ShellPorts):
                 raise
         self.workers.refresh()
         self._loop.start()
+        if self.checkpointer is not None:
+            self.checkpointer.start()
         log.info(kv("server_started", address=self.address, metrics_port=self.metrics_port,
                     health_port=self.health_port, http_port=self.http_port,
                     tls=tls_mode(cfg.tls), policy=cfg.policy,
@@ -322,6 +343,11 @@ class GatewayServer(ShellPorts):
         self._shell.stop(1.0).wait()
         self._stop.set()
         self._loop.join(5)
+        if self.checkpointer is not None:  # before the feeds stop: the workers are still known
+            try:
+                self.checkpointer.stop()
+            except Exception:
+                log.exception(kv("index_checkpoint_failed", path=cfg.index_checkpoint))
         self.workers.close()
         close_source = getattr(cfg.workers, "close", None)  # an InferencePool's watch
         if close_source is not None:

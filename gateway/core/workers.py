@@ -204,7 +204,9 @@ class WorkerHandle:
         log.info(kv("worker_added", worker=name, address=self.address.compute,
                     cache=self.address.cache, model=info.model_id, page_size=info.page_size,
                     device_pages=info.device_pages, host_pages=info.host_pages))
-        feed = Feed(name)
+        # Where its stream picks up: a fresh worker from a snapshot, one restored from an index
+        # checkpoint (gateway/core/index_checkpoint.py) right after its last applied batch.
+        feed = Feed(name, point=self._router.resume_point(name))
         tasks = [asyncio.create_task(self._feeds.follow(cache, feed, s.stream_settings())),
                  asyncio.create_task(self._watch(name, health))]
         try:

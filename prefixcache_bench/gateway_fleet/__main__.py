@@ -1,7 +1,8 @@
 """`python -m prefixcache_bench.gateway_fleet --pools 1000 --total-pages 1000000 --json PATH`:
 one configuration (run each in its own process: the index's memory is measured by growth);
 `--summary DIR` tabulates the JSONs of a folder (w*.json); `--routing-only` times routing
-decisions alone (routing.py; its JSONs are routing_w*.json). See run.py for what is measured and how the two
+decisions alone (routing.py; its JSONs are routing_w*.json). `--checkpoint` times a restart
+from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json). See run.py for what is measured and how the two
 cores are split (gateway on core 0, load generator on core 1)."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
@@ -22,6 +24,11 @@ GOALS = {
     "restart_to_warm_s": Goal("<=", 5),
 }
 # --routing-only: the decision's own cost with ingest idle, and the index's size.
+# --checkpoint: a restart from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json).
+CHECKPOINT_GOALS = {"restart_to_warm_s": Goal("<=", 5)}
+CHECKPOINT_COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "cold_restart_to_warm_s",
+                      "checkpoint_load_s", "checkpoint_lock_held_s", "checkpoint_save_s",
+                      "checkpoint_bytes", "downtime_page_events", "resumed_from_seq")
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
 ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_us",
                    "routing_p99_idle_us", "routing_max_idle_us", "routing_cpu_p50_us",
@@ -73,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pin", action="store_true", help="leave both processes on any core")
     p.add_argument("--unpacked", action="store_true",
                    help="the feeds ask for the per-page hash encoding, not the packed one")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="restart the gateway from an index checkpoint written after the warm-up "
+                        "(restart.py) and time that restart")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
     if args.summary:
-        for pattern, columns in (("w*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS)):
+        for pattern, columns in (("w*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
+                                 ("checkpoint_w*.json", CHECKPOINT_COLUMNS)):
             rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
             rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
             if rows:
@@ -85,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     per_pool = args.total_pages // args.pools
     live = max(1, args.live_page_events // (128 * args.pools))
+    if args.checkpoint:
+        results = run_checkpoint(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1))
+        command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
+        report(results, CHECKPOINT_GOALS, f"gateway restart from a checkpoint, {args.pools} pools",
+               command, machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
+               args.json)
+        return 0
     if args.routing_only:
         results = routing_only(args.pools, per_pool, args.decisions, live,
                                gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages)

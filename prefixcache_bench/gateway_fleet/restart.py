@@ -1,0 +1,115 @@
+"""`--checkpoint`: a gateway restart from an index checkpoint (gateway/core/index_checkpoint.py),
+against the cold restart that re-learns every pool from snapshots.
+
+One process plays both gateway lives, on the gateway core: the first warms up from every pool's
+snapshot (the cold restart-to-warm), writes a checkpoint (the time `Router.lock` is held for the
+copy, and the write) and stops its feeds. While it is down each pool's live batches happen (the
+load generator replays them to a resumed stream). The second life is a new Router: it loads the
+checkpoint, re-admits the pools, and each feed resumes from the checkpoint's seq: warm once every
+pool's downtime batches are applied (its last seq is the last live batch) and no pool asked for a
+snapshot."""
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import tempfile
+import time
+
+from gateway.core.feeds import Feed, FeedLoop, aio_channel
+from gateway.core.index import IndexConfig
+from gateway.core.index_checkpoint import IndexCheckpointer
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router, Worker
+from gateway.core.workers import WorkerSettings
+from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
+from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.gateway_fleet.run import _wait
+from service_shell import channel_options
+
+_SPEC = "bench"
+
+
+def run_checkpoint(pools: int, pages_per_pool: int, live_batches: int,
+                   cpus: tuple[int, int] | None = (0, 1)) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    ports, go = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
+                                               cpus[1] if cpus else None, True), daemon=True)
+    server.start()
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=1800)}"
+        if cpus:
+            os.sched_setaffinity(0, {cpus[0]})
+        with tempfile.TemporaryDirectory() as tmp:
+            return _measure(address, pools, pages_per_pool, live_batches,
+                            os.path.join(tmp, "index.ckpt"))
+    finally:
+        server.kill()
+        server.join(10)
+
+
+def _router() -> Router:
+    return Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
+
+
+def _admit(router: Router, names: list[str], address: str) -> None:
+    for name in names:
+        router.add(Worker(name, "bench", address, None, pb.GetModelInfoResponse(worker=name)))
+
+
+def _start_feeds(router: Router, names: list[str], address: str) -> tuple[FeedLoop, list[tuple]]:
+    """Every pool's feed from where the router's index says (WorkerHandle's rule); the points."""
+    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0).stream_settings()
+    feeds, points = FeedLoop(router), []
+
+    async def follow(name: str, point: tuple[int, int]) -> None:
+        channel = aio_channel(address, channel_options(64), None)
+        try:
+            await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed(name, point=point), settings)
+        finally:
+            await channel.close()
+
+    for name in names:
+        points.append(router.resume_point(name))
+        feeds.submit(follow(name, points[-1]))
+    return feeds, points
+
+
+def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, path: str) -> dict:
+    names = [F.pool_name(i) for i in range(pools)]
+    router = _router()
+    _admit(router, names, address)
+    t0 = time.perf_counter()
+    feeds, _ = _start_feeds(router, names, address)
+    t_cold = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot) - t0
+    saver = IndexCheckpointer(router, path, 3600.0, "default", _SPEC, 60.0)
+    t1 = time.perf_counter()
+    lock_held = saver.save()
+    save_s = time.perf_counter() - t1
+    pages = len(router.index)
+    feeds.close()  # the first life ends
+    del router, feeds, saver
+    gc.collect()
+    # Second life: load, admit, resume.
+    t0 = time.perf_counter()
+    router = _router()
+    restored = IndexCheckpointer(router, path, 3600.0, "default", _SPEC, 60.0).restore()
+    t_loaded = time.perf_counter() - t0
+    _admit(router, names, address)
+    feeds, points = _start_feeds(router, names, address)
+    t_warm = _wait(router, names, lambda i: i.last_seq == live_batches and not i.in_snapshot) - t0
+    feeds.close()
+    snap, live = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches) for i in range(pools))))
+    return {
+        "pools": pools, "pages_per_pool": pages_per_pool, "live_batches_per_pool": live_batches,
+        "indexed_pages": pages, "snapshot_page_events": snap, "downtime_page_events": live,
+        "cold_restart_to_warm_s": t_cold, "restart_to_warm_s": t_warm,
+        "checkpoint_load_s": t_loaded, "checkpoint_lock_held_s": lock_held,
+        "checkpoint_save_s": save_s, "checkpoint_bytes": os.path.getsize(path),
+        "restored_workers": len(restored),
+        "resumed_from_seq": sum(1 for _, seq in points if seq >= 0),
+        "indexed_pages_after_restart": len(router.index),
+    }

@@ -1,0 +1,190 @@
+"""The index checkpoint (gateway/core/index_checkpoint.py): a restarted gateway loads the index it
+wrote and resumes each worker's stream from its last applied seq (no snapshot); a worker whose
+epoch changed meanwhile gets a snapshot, alone; a corrupt or foreign checkpoint is ignored.
+Real gRPC over loopback and the real CacheCore, as tests/gateway/test_stream_resume.py."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from cache_service.core import CacheCore
+from gateway.core.discovery import WorkerAddress
+from gateway.core.index import KvIndex
+from gateway.core.index_checkpoint import capture, load, write
+from gateway.core.index_table import PageTable
+from prefixcache.v1 import common_pb2
+from tests.gateway.gateway_harness import FakeWorker, cache_prompt, register_pool, running_gateway, wait_until
+from tests.gateway.test_stream_resume import BreakableCache
+
+DEVICE = common_pb2.MEDIUM_DEVICE
+SPEC = "spec"
+
+
+def _prompt(i: int) -> list[int]:
+    return list(range(1000 * i, 1000 * i + 9))  # 2 full pages of 4
+
+
+def _held(gw, pool: str) -> set:
+    with gw.router.lock:
+        return set(gw.router.index.pages(pool, DEVICE))
+
+
+def _fleet(core: CacheCore, pools: list[str]):
+    caches = {p: BreakableCache(core, None) for p in pools}
+    workers = {p: FakeWorker(p) for p in pools}
+    return caches, workers, lambda: [WorkerAddress(workers[p].address, caches[p].address) for p in pools]
+
+
+def _stop(caches, workers) -> None:
+    for w in workers.values():
+        w.stop()
+    for c in caches.values():
+        c.server.stop(0)
+
+
+def _first_run(tmp_path, core, pools, source) -> dict:
+    """A gateway indexes one prompt per pool and shuts down cleanly (writing the checkpoint)."""
+    path = str(tmp_path / "index.ckpt")
+    with running_gateway(source, index_checkpoint=path) as gw:
+        for p in pools:
+            cache_prompt(core, p, _prompt(0))
+        for p in pools:
+            wait_until(lambda p=p: len(_held(gw, p)) == 2, what="first pages indexed")
+        return {p: _held(gw, p) for p in pools}
+
+
+def test_a_restart_loads_the_index_and_resumes_every_stream_from_its_seq(tmp_path):
+    core = CacheCore()
+    pools = ["ca", "cb"]
+    for p in pools:
+        register_pool(core, p)
+    caches, workers, source = _fleet(core, pools)
+    try:
+        before = _first_run(tmp_path, core, pools, source)
+        last = {p: max(seq for seq, _ in caches[p].sent[0]) for p in pools}
+        restored = KvIndex()
+        assert sorted(load(restored, str(tmp_path / "index.ckpt"), "default", _spec())) == pools
+        assert {p: set(restored.pages(p, DEVICE)) for p in pools} == before
+        for i in (1, 2):  # while the gateway is down
+            cache_prompt(core, "ca", _prompt(i))
+        with running_gateway(source, index_checkpoint=str(tmp_path / "index.ckpt")) as gw:
+            wait_until(lambda: len(_held(gw, "ca")) == 6, what="downtime events applied")
+            wait_until(lambda: gw.router.ready(), what="ready")
+            assert _held(gw, "cb") == before["cb"]
+        for p in pools:
+            assert caches[p].requests[1] == (1, last[p])  # resumed from the checkpoint's seq
+            assert not any(snap for _, snap in caches[p].sent[1])  # no snapshot
+        assert [seq for seq, _ in caches["ca"].sent[1]][:2] == [last["ca"] + 1, last["ca"] + 2]
+    finally:
+        _stop(caches, workers)
+
+
+def test_an_epoch_change_while_down_snapshots_that_worker_only(tmp_path):
+    core = CacheCore()
+    pools = ["ea", "eb"]
+    for p in pools:
+        register_pool(core, p)
+    caches, workers, source = _fleet(core, pools)
+    try:
+        before = _first_run(tmp_path, core, pools, source)
+        register_pool(core, "ea", epoch=2)  # its worker restarted: a new, empty pool
+        cache_prompt(core, "ea", _prompt(5), epoch=2)
+        with running_gateway(source, index_checkpoint=str(tmp_path / "index.ckpt")) as gw:
+            wait_until(lambda: len(_held(gw, "ea")) == 2 and _held(gw, "ea") != before["ea"],
+                       what="new epoch's snapshot applied")
+            assert _held(gw, "eb") == before["eb"]
+        assert caches["ea"].sent[1][0][1] is True  # a snapshot for the worker whose epoch changed
+        assert not any(snap for _, snap in caches["eb"].sent[1])  # the other one resumed
+    finally:
+        _stop(caches, workers)
+
+
+def _spec() -> str:
+    from prefixcache_client.hash import NS_DOMAIN
+    return NS_DOMAIN.decode()
+
+
+def test_a_corrupt_or_foreign_checkpoint_is_ignored_with_a_warning(tmp_path, caplog):
+    path = str(tmp_path / "bad.ckpt")
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 not a checkpoint")
+    index = KvIndex()
+    with caplog.at_level(logging.WARNING, logger="gateway.checkpoint"):
+        assert load(index, path, "default", SPEC) == []
+    assert "index_checkpoint_ignored" in caplog.text and len(index) == 0 and not index.workers()
+    good = str(tmp_path / "good.ckpt")
+    index.add_worker("w")
+    write(capture(index, {}, "other", SPEC), good)
+    for ns, spec in (("default", SPEC), ("other", "another spec")):
+        fresh = KvIndex()
+        assert load(fresh, good, ns, spec) == [] and not fresh.workers()
+    # A gateway started on a corrupt checkpoint starts empty, and its feeds from a snapshot.
+    core = CacheCore()
+    register_pool(core, "cz")
+    caches, workers, source = _fleet(core, ["cz"])
+    try:
+        cache_prompt(core, "cz", _prompt(0))
+        with running_gateway(source, index_checkpoint=path) as gw:
+            wait_until(lambda: len(_held(gw, "cz")) == 2, what="indexed from a snapshot")
+        assert caches["cz"].requests[0] == (0, -1)
+    finally:
+        _stop(caches, workers)
+
+
+def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
+    """Arrays, an old table still migrating and masks of slots past 64 come back equal."""
+    index = KvIndex()
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 2**63, size=(3000, 2), dtype=np.uint64).view("V16").ravel()
+    for slot in range(70):
+        index.add_worker(f"w{slot}")
+    table = index._tables[0]
+    for slot in (0, 69):
+        table.add_many(keys[:2000], slot)
+    table.add_many(keys[2000:2500], 3)
+    table._grow(0)  # a growth just begun: every page still in the old table
+    table.migrate_step = table.rate = 0  # and migrating only the pages calls touch
+    table.add_many(keys[2500:], 3)  # some migrated, most not
+    assert table._old is not None
+    path = str(tmp_path / "ckpt")
+    write(capture(index, {}, "default", SPEC), path)
+    again = KvIndex()
+    assert len(load(again, path, "default", SPEC)) == 70
+    hashes = [k.tobytes() for k in keys]
+    assert again._tables[0].masks(hashes) == table.masks(hashes)
+    assert isinstance(again._tables[0], PageTable) and again._tables[0]._old is not None
+    again._tables[0].add_many(keys[:10], 5)  # still a working table
+    assert again._tables[0].mask(hashes[0]) == (1 << 0) | (1 << 69) | (1 << 5)
+
+
+def test_a_checkpoint_naming_unknown_holders_is_ignored(tmp_path):
+    index = KvIndex()
+    index.add_worker("w")
+    index._tables[0].add_many([bytes(16)], 5)  # slot 5: no worker has it
+    path = str(tmp_path / "ckpt")
+    write(capture(index, {}, "default", SPEC), path)
+    fresh = KvIndex()
+    assert load(fresh, path, "default", SPEC) == [] and len(fresh) == 0
+
+
+def test_restored_workers_not_admitted_again_are_dropped_and_checkpoints_are_periodic(tmp_path):
+    core = CacheCore()
+    pools = ["da", "db"]
+    for p in pools:
+        register_pool(core, p)
+    caches, workers, source = _fleet(core, pools)
+    path = tmp_path / "index.ckpt"
+    try:
+        _first_run(tmp_path, core, pools, source)
+        only_da = lambda: [a for a in source() if a.compute == workers["da"].address]  # noqa: E731
+        written = path.stat().st_mtime_ns
+        with running_gateway(only_da, index_checkpoint=str(path), dead_after_s=0.5,
+                             index_checkpoint_interval_s=0.2) as gw:
+            with gw.router.lock:
+                assert sorted(gw.router.index.workers()) == pools  # both restored
+            wait_until(lambda: gw.router.index.workers() == ["da"], what="db dropped")
+            wait_until(lambda: path.stat().st_mtime_ns != written, what="a periodic checkpoint")
+            assert _held(gw, "db") == set()
+    finally:
+        _stop(caches, workers)
