@@ -19,7 +19,7 @@ behind them are the committed results of `prefixcache_bench.sim.simulate` (docs/
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,17 +85,9 @@ class AffinityPolicy:
         matches = index.lookup(request.page_hashes)
         hashes = request.page_hashes
         if self.config.recent_pages_per_worker and hashes:
-            # Only a worker the index matches, or one remembering the first page, can extend:
-            # O(those workers), not O(candidates).
-            allowed = self._positions(candidates)
-            extendable = [w for w in dict.fromkeys([*matches, *self.recent.holders(hashes[0])])
-                          if w in allowed]
-            for worker in extendable:
-                m = matches.get(worker)
-                start = m.device_pages if m is not None else 0
-                end = self.recent.extend(worker, hashes, start)
-                if end == start:
-                    continue
+            # Only a worker remembering the page its run stops at can extend it (`_extenders`).
+            for worker, start in self._extenders(matches, hashes, self._positions(candidates)):
+                end, m = self.recent.extend(worker, hashes, start), matches.get(worker)
                 if m is None:
                     matches[worker] = PrefixMatch(end, 0, 0, 1.0)
                 else:  # recent pages extend the device run; host/remote cover what is left
@@ -103,6 +95,26 @@ class AffinityPolicy:
                     rem_end = max(m.device_pages + m.host_pages + m.remote_pages, host_end)
                     matches[worker] = PrefixMatch(end, host_end - end, rem_end - host_end, m.confidence)
         return matches
+
+    def _extenders(self, matches: dict[str, PrefixMatch], hashes: Sequence[bytes],
+                   allowed: Collection[str]) -> list[tuple[str, int]]:
+        """(worker, where its device run stops) for each allowed worker that remembers the page
+        its run stops at, the only ones a remembered page can extend (a worker the index does
+        not match starts at page 0). Grouped by that page: O(matches + such workers), not a
+        remembered-pages walk per match (a shared prompt's ~100 holders all stop at one page
+        nobody remembers). Matched workers come first, in the index's order, as before."""
+        n, stops = len(hashes), {0: None}
+        for m in matches.values():
+            stops[m.device_pages] = None
+        found: dict[str, int] = {}
+        for stop in stops:
+            if stop < n:
+                for worker in self.recent.holders(hashes[stop]):
+                    m = matches.get(worker)
+                    if (m.device_pages if m is not None else 0) == stop and worker in allowed:
+                        found[worker] = stop
+        ordered = [(w, found[w]) for w in matches if w in found]
+        return ordered + [(w, s) for w, s in found.items() if w not in matches]
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
