@@ -31,29 +31,30 @@ def phase_of(synced_share: float) -> int:
     return next(i for i, top in enumerate(PHASES) if i and (synced_share < top or top == PHASES[-1]))
 
 
+POLICIES = ("affinity", "load_only", "affinity_all")
+
+
 class WarmupTally:
-    """Each policy's choices per phase: the share routed to the known holder, and the load
-    spread (max over mean of decisions per worker, over every worker of the fleet: 1.0 is even),
-    and the most requests one worker had in flight."""
+    """Each policy's choices per phase: the share routed to the known holder, the load spread
+    (max over mean of decisions per worker, over every worker of the fleet: 1.0 is even), and
+    the most requests one worker had in flight."""
 
-    def __init__(self, workers: list[str]):
-        self.workers = workers
-        self.counts = [{"affinity": Counter(), "load_only": Counter()} for _ in PHASES]
-        self.held = [[0, 0, 0] for _ in PHASES]  # requests with a holder; to it: affinity, load-only
-        self.peak = [[0, 0] for _ in PHASES]  # most in flight on one worker: affinity, load-only
+    def __init__(self, workers: list[str], policies: tuple[str, ...] = POLICIES):
+        self.workers, self.policies = workers, policies
+        self.counts = [{k: Counter() for k in policies} for _ in PHASES]
+        self.held = [0 for _ in PHASES]  # requests whose holder is known
+        self.to_holder = [Counter() for _ in PHASES]  # of those, routed to it, per policy
+        self.peak = [Counter() for _ in PHASES]  # most in flight on one worker, per policy
 
-    def record(self, synced_share: float, affinity: str, load_only: str, holder: str | None,
-               inflight: tuple[int, int] = (0, 0)) -> None:
-        """One decision; `inflight`: what each policy's chosen worker has in flight with it."""
+    def record(self, synced_share: float, chosen: dict[str, str], holder: str | None,
+               inflight: dict[str, int] | None = None) -> None:
+        """One decision: each policy's worker; `inflight`: what that worker then has in flight."""
         p = phase_of(synced_share)
-        self.counts[p]["affinity"][affinity] += 1
-        self.counts[p]["load_only"][load_only] += 1
-        self.peak[p] = [max(a, b) for a, b in zip(self.peak[p], inflight)]
-        if holder is not None:
-            held = self.held[p]
-            held[0] += 1
-            held[1] += affinity == holder
-            held[2] += load_only == holder
+        for policy, worker in chosen.items():
+            self.counts[p][policy][worker] += 1
+            self.peak[p][policy] = max(self.peak[p][policy], (inflight or {}).get(policy, 0))
+            self.to_holder[p][policy] += worker == holder
+        self.held[p] += holder is not None
 
     def _spread(self, counts: Counter) -> float:
         total = sum(counts.values())
@@ -62,50 +63,71 @@ class WarmupTally:
     def summary(self) -> list[dict]:
         rows = []
         for p, name in enumerate(PHASE_NAMES):
-            c, (held, aff, lo) = self.counts[p], self.held[p]
-            decisions = sum(c["affinity"].values())
-            rows.append({
-                "synced_share": name, "decisions": decisions,
-                "affinity_to_holder": aff / held if held else None,
-                "load_only_to_holder": lo / held if held else None,
-                "affinity_load_spread": self._spread(c["affinity"]),
-                "load_only_load_spread": self._spread(c["load_only"]),
-                "affinity_max_inflight": self.peak[p][0], "load_only_max_inflight": self.peak[p][1],
-                "affinity_workers_used": len(c["affinity"]), "load_only_workers_used": len(c["load_only"]),
-            })
+            held = self.held[p]
+            row = {"synced_share": name, "decisions": sum(self.counts[p][self.policies[0]].values())}
+            for k in self.policies:
+                row[f"{k}_to_holder"] = self.to_holder[p][k] / held if held else None
+            for k in self.policies:
+                row[f"{k}_load_spread"] = self._spread(self.counts[p][k])
+            for k in self.policies:
+                row[f"{k}_max_inflight"] = self.peak[p][k]
+            for k in self.policies:
+                row[f"{k}_workers_used"] = len(self.counts[p][k])
+            rows.append(row)
         return rows
+
+
+class _Shadow:
+    """A policy deciding beside the router on a load tracker of its own (its choices change
+    neither the router's load nor its policy's state)."""
+
+    def __init__(self, policy: str):
+        self.policy, self.load = make_policy(policy), LoadTracker()
+
+    def choose(self, req, workers: list[str], router: Router) -> str:
+        worker = self.policy.choose(req, workers, router.index, self.load).worker
+        self.load.on_route(worker, req.request_id, req.prompt_tokens)
+        return worker
 
 
 def compare_run(timed, router: Router, workers: list[str], stop_after_warm) -> None:
     """The routing thread's loop of `--warmup-compare` (it replaces `_Router._run`): until
-    `stop_after_warm` is set. `timed` is the `_Router` whose requests and samples it uses."""
+    `stop_after_warm` is set. `timed` is the `_Router` whose requests and samples it uses.
+    `affinity`: the gateway's `Router.route`; `load_only`: least_loaded over every worker;
+    `affinity_all`: the affinity policy over every worker (the fix design.md describes: a worker
+    still in its snapshot a candidate, scored by what the index holds of it so far)."""
     rng, n = random.Random(1), 0
-    shadow, load_only = LoadTracker(), make_policy("least_loaded")
-    inflight: deque[tuple[str, str, str]] = deque()  # (request, affinity's worker, load-only's)
-    on = {"affinity": Counter(), "load_only": Counter()}  # requests in flight per worker
+    shadows = {"load_only": _Shadow("least_loaded"), "affinity_all": _Shadow("affinity")}
+    inflight: deque[tuple[str, dict[str, str]]] = deque()
+    on = {k: Counter() for k in POLICIES}  # requests in flight per worker, per policy
     tally = timed.tally = WarmupTally(workers)
     while not timed.stop.is_set() and not stop_after_warm.is_set():
         req, holder = timed._request(rng, n)
-        with router.lock:  # the synced share and (b)'s choice on the state (a) sees
+        n += 1
+        with router.lock:  # the synced share and the shadows' choices on the state route sees
             synced = sum(w.synced for w in router._workers.values()) / len(workers)
-            other = load_only.choose(req, workers, router.index, shadow).worker
+            chosen = {k: s.choose(req, workers, router) for k, s in shadows.items()}
         start = time.perf_counter()
         route = router.route(req)
         timed.samples.append((start, time.perf_counter() - start))
-        if route is not None:
-            chosen = route.worker.name
-            shadow.on_route(other, req.request_id, req.prompt_tokens)
-            inflight.append((req.request_id, chosen, other))
-            on["affinity"][chosen] += 1
-            on["load_only"][other] += 1
-            tally.record(synced, chosen, other, holder, (on["affinity"][chosen], on["load_only"][other]))
-            if len(inflight) > len(workers):
-                done, a, b = inflight.popleft()
-                router.finish(done)
-                shadow.on_finish(done)
-                on["affinity"][a] -= 1
-                on["load_only"][b] -= 1
-        n += 1
         time.sleep(0.001)
-    for rid, _, _ in inflight:
-        router.finish(rid)
+        if route is None:
+            continue
+        chosen["affinity"] = route.worker.name
+        inflight.append((req.request_id, chosen))
+        for k, w in chosen.items():
+            on[k][w] += 1
+        tally.record(synced, chosen, holder, {k: on[k][w] for k, w in chosen.items()})
+        if len(inflight) > len(workers):
+            _finish(router, shadows, on, *inflight.popleft())
+    for rid, chosen in inflight:
+        _finish(router, shadows, on, rid, chosen)
+
+
+def _finish(router: Router, shadows: dict[str, _Shadow], on: dict[str, Counter], rid: str,
+            chosen: dict[str, str]) -> None:
+    router.finish(rid)
+    for s in shadows.values():
+        s.load.on_finish(rid)
+    for k, w in chosen.items():
+        on[k][w] -= 1

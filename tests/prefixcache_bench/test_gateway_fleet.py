@@ -9,7 +9,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
 from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
-from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, WarmupTally, phase_of
+from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
 
 
@@ -48,12 +48,13 @@ def test_help():
 
 
 def test_the_warmup_tally_splits_decisions_by_synced_share_and_measures_spread():
-    tally = WarmupTally(["a", "b", "c", "d"])
+    tally = WarmupTally(["a", "b", "c", "d"], ("affinity", "load_only"))
     assert [phase_of(s) for s in (0.0, 0.1, 0.25, 0.5, 0.99, 1.0)] == [0, 1, 2, 3, 4, 4]
     # 0-25% warm: affinity sends all four to the one warm worker, load-only spreads them.
     for i, worker in enumerate("abcd"):
-        tally.record(0.2, "a", worker, holder="b" if i < 2 else None, inflight=(i + 1, 1))
-    tally.record(1.0, "c", "d", holder="c")
+        tally.record(0.2, {"affinity": "a", "load_only": worker}, holder="b" if i < 2 else None,
+                     inflight={"affinity": i + 1, "load_only": 1})
+    tally.record(1.0, {"affinity": "c", "load_only": "d"}, holder="c")
     rows = tally.summary()
     assert [r["synced_share"] for r in rows] == list(PHASE_NAMES)
     early = rows[1]
@@ -72,4 +73,4 @@ def test_a_tiny_warmup_compare_run_tallies_every_decision_during_the_warmup():
     assert r["indexed_pages"] >= 4 * 20000 and r["inflight_requests"] == 4
     tallied = sum(row["decisions"] for row in rows)  # the thread starts just before t0, ends just after
     assert tallied > 0 and abs(tallied - r["routing_during_warmup"]["decisions"]) <= 3
-    assert all(row["load_only_workers_used"] <= 4 for row in rows)
+    assert all(row[f"{k}_workers_used"] <= 4 for row in rows for k in POLICIES)
