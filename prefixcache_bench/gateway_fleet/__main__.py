@@ -2,7 +2,8 @@
 one configuration (run each in its own process: the index's memory is measured by growth);
 `--summary DIR` tabulates the JSONs of a folder (w*.json); `--routing-only` times routing
 decisions alone (routing.py; its JSONs are routing_w*.json). `--checkpoint` times a restart
-from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json). See run.py for what is measured and how the two
+from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json). `--warmup-compare`
+compares routing during a cold warm-up with load-only routing (warmup.py; warmup_w*.json). See run.py for what is measured and how the two
 cores are split (gateway on core 0, load generator on core 1)."""
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def _cores(args: argparse.Namespace) -> str:
     return "gateway process pinned to core 0, load generator to core 1" if not args.no_pin else "unpinned"
 
 
+def _command(argv: list[str] | None) -> str:
+    return "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixcache_bench.gateway_fleet", description=__doc__)
     p.add_argument("--pools", type=int, default=100)
@@ -83,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", action="store_true",
                    help="restart the gateway from an index checkpoint written after the warm-up "
                         "(restart.py) and time that restart")
+    p.add_argument("--warmup-compare", action="store_true",
+                   help="only the cold warm-up: each decision of the gateway's affinity routing "
+                        "compared with load-only routing (least_loaded over every worker), per "
+                        "share of pools warm (warmup.py; its JSONs are warmup_w*.json)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
     if args.summary:
-        for pattern, columns in (("w*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
+        for pattern, columns in (("w[0-9]*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
                                  ("checkpoint_w*.json", CHECKPOINT_COLUMNS)):
             rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
             rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
@@ -102,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         report(results, CHECKPOINT_GOALS, f"gateway restart from a checkpoint, {args.pools} pools",
                command, machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
                args.json)
+        return 0
+    if args.warmup_compare:
+        results = run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
+                             packed=not args.unpacked, warmup_compare=True)
+        report(results, {}, f"routing during warm-up, {args.pools} pools", _command(argv),
+               machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
+               args.json)
+        rows = results["warmup_compare"]
+        print(columns_table(tuple(rows[0]), [list(r.values()) for r in rows]))
         return 0
     if args.routing_only:
         results = routing_only(args.pools, per_pool, args.decisions, live,

@@ -24,6 +24,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
 from service_shell import channel_options
 
@@ -117,10 +118,13 @@ def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
 
 
 def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
-               cpus: tuple[int, int] | None = (0, 1), packed: bool = True) -> dict:
+               cpus: tuple[int, int] | None = (0, 1), packed: bool = True,
+               warmup_compare: bool = False) -> dict:
     """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
     `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
-    they do in the gateway, or not (the per-page encoding an older cache service sends)."""
+    they do in the gateway, or not (the per-page encoding an older cache service sends);
+    `warmup_compare`: only the warm-up, its decisions compared with load-only routing
+    (warmup.py)."""
     ctx = multiprocessing.get_context("spawn")
     ports, go = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
@@ -130,6 +134,8 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
         address = f"127.0.0.1:{ports.get(timeout=1800)}"
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
+        if warmup_compare:
+            return _measure_warmup(address, pools, pages_per_pool, live_batches, packed)
         return _measure(address, pools, pages_per_pool, live_batches, idle_s, go, packed)
     finally:
         server.kill()
@@ -147,12 +153,40 @@ async def _follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSett
         await channel.close()
 
 
-def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
-             go, packed: bool) -> dict:
+def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
     router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
     names = [F.pool_name(i) for i in range(pools)]
     for name in names:
         router.add(Worker(name, "bench", address, None, pb.GetModelInfoResponse(worker=name)))
+    return router, names
+
+
+def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches: int,
+                    packed: bool) -> dict:
+    """The cold warm-up alone, routed by both policies (warmup.py)."""
+    router, names = _fleet_router(address, pools)
+    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
+    timed, warm = _Router(router, pools, pages_per_pool, live_batches), threading.Event()
+    timed.thread = threading.Thread(target=compare_run, args=(timed, router, names, warm),
+                                    name="bench-router", daemon=True)
+    timed.thread.start()
+    t0 = time.perf_counter()
+    feeds = FeedLoop(router)
+    for name in names:
+        feeds.submit(_follow(feeds, address, name, settings, packed))
+    t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot, poll_s=0.01)
+    warm.set()
+    timed.thread.join(10)
+    feeds.close()
+    return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": len(router.index),
+            "restart_to_warm_s": t_warm - t0, "routing_during_warmup": timed.summary(t0, t_warm),
+            "inflight_requests": pools, "warmup_compare": timed.tally.summary(),
+            "packed_hashes": packed}
+
+
+def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
+             go, packed: bool) -> dict:
+    router, names = _fleet_router(address, pools)
     settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
     rss0 = _rss_bytes()
     timed = _Router(router, pools, pages_per_pool, live_batches)

@@ -9,6 +9,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
 from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
+from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
 
 
@@ -44,3 +45,32 @@ def test_help():
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+
+
+def test_the_warmup_tally_splits_decisions_by_synced_share_and_measures_spread():
+    tally = WarmupTally(["a", "b", "c", "d"], ("affinity", "load_only"))
+    assert [phase_of(s) for s in (0.0, 0.1, 0.25, 0.5, 0.99, 1.0)] == [0, 1, 2, 3, 4, 4]
+    # 0-25% warm: affinity sends all four to the one warm worker, load-only spreads them.
+    for i, worker in enumerate("abcd"):
+        tally.record(0.2, {"affinity": "a", "load_only": worker}, holder="b" if i < 2 else None,
+                     inflight={"affinity": i + 1, "load_only": 1})
+    tally.record(1.0, {"affinity": "c", "load_only": "d"}, holder="c")
+    rows = tally.summary()
+    assert [r["synced_share"] for r in rows] == list(PHASE_NAMES)
+    early = rows[1]
+    assert early["decisions"] == 4 and early["affinity_to_holder"] == 0.0
+    assert early["load_only_to_holder"] == 0.5  # two held requests, one went to b
+    assert early["affinity_load_spread"] == 4.0 and early["load_only_load_spread"] == 1.0
+    assert (early["affinity_max_inflight"], early["load_only_max_inflight"]) == (4, 1)
+    assert (early["affinity_workers_used"], early["load_only_workers_used"]) == (1, 4)
+    assert rows[4]["affinity_to_holder"] == 1.0 and rows[4]["load_only_to_holder"] == 0.0
+    assert rows[0]["decisions"] == 0 and rows[0]["affinity_to_holder"] is None
+
+
+def test_a_tiny_warmup_compare_run_tallies_every_decision_during_the_warmup():
+    r = run_config(pools=4, pages_per_pool=20000, live_batches=1, cpus=None, warmup_compare=True)
+    rows = r["warmup_compare"]
+    assert r["indexed_pages"] >= 4 * 20000 and r["inflight_requests"] == 4
+    tallied = sum(row["decisions"] for row in rows)  # the thread starts just before t0, ends just after
+    assert tallied > 0 and abs(tallied - r["routing_during_warmup"]["decisions"]) <= 3
+    assert all(row[f"{k}_workers_used"] <= 4 for row in rows for k in POLICIES)
