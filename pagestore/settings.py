@@ -10,17 +10,20 @@ no environment variable, only the password file it is given.
 """
 from __future__ import annotations
 
-import urllib.parse
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+# The URL forms, checks and redaction shared with the gateway's index Redis (which may not
+# import pagestore); `redact` stays importable from here.
+from prefixcache_client.redis_target import (CLUSTER_SCHEMES, auth_kwargs, base_scheme,
+                                             check_scheme, checked_password, plain_url, redact,
+                                             url_scheme)
+
+__all__ = ["RedisSettings", "redact"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,52 +40,31 @@ class RedisSettings:
     password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        scheme = urllib.parse.urlsplit(self.url).scheme
-        if scheme not in SCHEMES:
-            raise ValueError(f"--redis-url: scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+        check_scheme(self.url, "--redis-url")
+        scheme = url_scheme(self.url)
         if scheme in CLUSTER_SCHEMES:
             object.__setattr__(self, "cluster", True)
         if self.cluster and scheme == "unix":
             raise ValueError("--redis-url: a Redis Cluster is reached over TCP, not a unix socket")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--redis-tls-cert and --redis-tls-key go together")
-        if (self.tls_ca or self.tls_cert) and self.scheme != "rediss":
-            raise ValueError("--redis-tls-ca/--redis-tls-cert need a rediss:// (TLS) --redis-url")
-        if self.password_file and urllib.parse.urlsplit(self.url).password:
-            raise ValueError("--redis-password-file: the --redis-url holds a password already; "
-                             "give it in one place")
-        if self.password_file and self.password is None:
-            path = Path(self.password_file)
-            if not path.is_file():
-                raise ValueError(f"--redis-password-file {self.password_file}: no such file")
-            object.__setattr__(self, "password", path.read_text().strip())
+        object.__setattr__(self, "password", checked_password(
+            self.url, self.password_file, self.password, self.tls_ca, self.tls_cert, self.tls_key,
+            "--redis"))
 
     @property
     def scheme(self) -> str:
         """redis, rediss or unix (the +cluster suffix dropped)."""
-        scheme = urllib.parse.urlsplit(self.url).scheme
-        return CLUSTER_SCHEMES.get(scheme, scheme)
+        return base_scheme(self.url)
 
     def plain_url(self) -> str:
         """The URL redis-py parses: the scheme without +cluster."""
-        parts = urllib.parse.urlsplit(self.url)
-        return urllib.parse.urlunsplit(parts._replace(scheme=self.scheme))
+        return plain_url(self.url)
 
     def redacted(self) -> str:
         """The URL with any password replaced by ***: what logs and metrics may show."""
         return redact(self.url)
 
     def client_kwargs(self) -> dict:
-        out: dict = {}
-        if self.password is not None:
-            out["password"] = self.password
-        if self.scheme == "rediss":
-            out["ssl_cert_reqs"] = "required"
-            if self.tls_ca:
-                out["ssl_ca_certs"] = self.tls_ca
-            if self.tls_cert:
-                out["ssl_certfile"], out["ssl_keyfile"] = self.tls_cert, self.tls_key
-        return out
+        return auth_kwargs(self.url, self.password, self.tls_ca, self.tls_cert, self.tls_key)
 
     def connect(self, *, socket_timeout: float, connect_timeout: float,
                 max_connections: int) -> redis.Redis | RedisCluster:
@@ -121,12 +103,3 @@ class RedisSettings:
             if client is not None:
                 client.close()
 
-
-def redact(url: str) -> str:
-    """`url` with its password (if any) replaced by ***."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
