@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.core.index import KvIndex, _Worker
-from gateway.core.index_table import MULTI, PageTable
+from gateway.core.index_table import MIGRATE_STEP, MULTI, PageTable
 from service_shell import kv
 
 log = logging.getLogger("gateway.checkpoint")
@@ -50,12 +50,17 @@ class Captured:
     lock_held_s: float = 0.0
 
 
+def _own_views(t: PageTable, prefix: str) -> dict[str, np.ndarray]:
+    """numpy views of one table's own arrays."""
+    return {prefix + "lo": np.frombuffer(t._lo, dtype=np.uint64),
+            prefix + "hi": np.frombuffer(t._hi, dtype=np.uint64),
+            prefix + "holder": np.frombuffer(t._holder, dtype=np.int32),
+            prefix + "stamp": np.frombuffer(t._stamp, dtype=np.uint32)}
+
+
 def _views(t: PageTable, prefix: str) -> dict[str, np.ndarray]:
     """numpy views of one table's arrays and its old table's (while a growth migrates)."""
-    views = {prefix + "lo": np.frombuffer(t._lo, dtype=np.uint64),
-             prefix + "hi": np.frombuffer(t._hi, dtype=np.uint64),
-             prefix + "holder": np.frombuffer(t._holder, dtype=np.int32),
-             prefix + "stamp": np.frombuffer(t._stamp, dtype=np.uint32)}
+    views = _own_views(t, prefix)
     return views if t._old is None else views | _views(t._old, prefix + "old.")
 
 
@@ -68,9 +73,7 @@ def sizes(index: KvIndex) -> dict[str, tuple[np.dtype, int]]:
 def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
                   into: dict[str, np.ndarray]) -> None:
     """Copies of one table's arrays (into `into`'s where the sizes still match) and `multi`."""
-    for name, view in _views(t, prefix).items():
-        if name.startswith(prefix + "old.") or name in out:
-            continue
+    for name, view in _own_views(t, prefix).items():
         buf = into.get(name)
         if buf is not None and buf.shape == view.shape:
             np.copyto(buf, view)
@@ -108,7 +111,7 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
                for p, row in zip(arrays[prefix + "multi_pos"].tolist(), masks)}
     t._used, t.live, t._clock = int(m["used"]), int(m["live"]), int(m["clock"])
     t._cursor, t.rate = int(m["cursor"]), int(m["rate"])
-    t.migrate_step, t.migrated_slots = PageTable().migrate_step, 0
+    t.migrate_step, t.migrated_slots = MIGRATE_STEP, 0
     t._old = _table_from(arrays, prefix + "old.", meta) if m["old"] else None
     return t
 

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gateway.core.packed import pack
+
 EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
 _MIX_HI = 0xC2B2AE3D27D4EB4F
@@ -70,10 +72,7 @@ def _keys(hashes: Hashes) -> np.ndarray:
         return hashes
     if isinstance(hashes, bytes):
         return np.frombuffer(hashes, dtype="V16", count=len(hashes) // 16)
-    buf = b"".join(hashes)
-    if len(buf) != 16 * len(hashes):
-        buf = b"".join(h[:16].ljust(16, b"\0") for h in hashes)
-    return np.frombuffer(buf, dtype="V16")
+    return np.frombuffer(pack(hashes), dtype="V16")
 
 
 def _words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

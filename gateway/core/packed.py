@@ -7,6 +7,8 @@ here into the same form. Both give the same index state.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefixcache.v1 import events_pb2
 
 HASH_BYTES = 16
@@ -22,7 +24,11 @@ def packed_hashes(body: Body) -> bytes:
     if packed:
         extra = len(packed) % HASH_BYTES
         return packed[:len(packed) - extra] if extra else packed
-    hashes = body.block_hashes
+    return pack(body.block_hashes)
+
+
+def pack(hashes: Sequence[bytes]) -> bytes:
+    """Hashes, 16 bytes each, concatenated (one of another length cut or zero-padded to 16)."""
     joined = b"".join(hashes)
     if len(joined) != HASH_BYTES * len(hashes):
         joined = b"".join(h[:HASH_BYTES].ljust(HASH_BYTES, b"\0") for h in hashes)
