@@ -11,77 +11,42 @@ snapshot."""
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import tempfile
 import time
 
-from gateway.core.feeds import Feed, FeedLoop, aio_channel
-from gateway.core.index import IndexConfig
+from gateway.core.feeds import FeedLoop
 from gateway.core.index_checkpoint import IndexCheckpointer
-from gateway.core.metrics import GatewayMetrics
-from gateway.core.policies import make_policy
-from gateway.core.router import Router, Worker
+from gateway.core.router import Router
 from gateway.core.workers import WorkerSettings
-from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
-from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
-from prefixcache_bench.gateway_fleet.run import _wait
-from service_shell import channel_options
+from prefixcache_bench.gateway_fleet.run import _wait, admit, bench_router, follow, load_generator
 
 _SPEC = "bench"
 
 
 def run_checkpoint(pools: int, pages_per_pool: int, live_batches: int,
                    cpus: tuple[int, int] | None = (0, 1)) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    ports, go = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
-                                               cpus[1] if cpus else None, True), daemon=True)
-    server.start()
-    try:
-        address = f"127.0.0.1:{ports.get(timeout=1800)}"
-        if cpus:
-            os.sched_setaffinity(0, {cpus[0]})
+    with load_generator(pools, pages_per_pool, live_batches, cpus, True) as (address, _):
         with tempfile.TemporaryDirectory() as tmp:
             return _measure(address, pools, pages_per_pool, live_batches,
                             os.path.join(tmp, "index.ckpt"))
-    finally:
-        server.kill()
-        server.join(10)
-
-
-def _router() -> Router:
-    return Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
-
-
-def _admit(router: Router, names: list[str], address: str) -> None:
-    for name in names:
-        router.add(Worker(name, "bench", address, None, pb.GetModelInfoResponse(worker=name)))
 
 
 def _start_feeds(router: Router, names: list[str], address: str) -> tuple[FeedLoop, list[tuple]]:
     """Every pool's feed from where the router's index says (WorkerHandle's rule); the points."""
-    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0).stream_settings()
+    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
     feeds, points = FeedLoop(router), []
-
-    async def follow(name: str, point: tuple[int, int]) -> None:
-        channel = aio_channel(address, channel_options(64), None)
-        try:
-            await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed(name, point=point), settings)
-        finally:
-            await channel.close()
-
     for name in names:
         points.append(router.resume_point(name))
-        feeds.submit(follow(name, points[-1]))
+        feeds.submit(follow(feeds, address, name, settings, True, points[-1]))
     return feeds, points
 
 
 def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, path: str) -> dict:
     names = [F.pool_name(i) for i in range(pools)]
-    router = _router()
-    _admit(router, names, address)
+    router = bench_router()
+    admit(router, names, address)
     t0 = time.perf_counter()
     feeds, _ = _start_feeds(router, names, address)
     t_cold = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot) - t0
@@ -95,10 +60,10 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, p
     gc.collect()
     # Second life: load, admit, resume.
     t0 = time.perf_counter()
-    router = _router()
+    router = bench_router()
     restored = IndexCheckpointer(router, path, 3600.0, "default", _SPEC, 60.0).restore()
     t_loaded = time.perf_counter() - t0
-    _admit(router, names, address)
+    admit(router, names, address)
     feeds, points = _start_feeds(router, names, address)
     t_warm = _wait(router, names, lambda i: i.last_seq == live_batches and not i.in_snapshot) - t0
     feeds.close()

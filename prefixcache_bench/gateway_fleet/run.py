@@ -12,7 +12,10 @@ import random
 import threading
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.index import IndexConfig, KvIndex
@@ -125,6 +128,17 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
     they do in the gateway, or not (the per-page encoding an older cache service sends);
     `warmup_compare`: only the warm-up, its decisions compared with load-only routing
     (warmup.py)."""
+    with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as (address, go):
+        if warmup_compare:
+            return _measure_warmup(address, pools, pages_per_pool, live_batches, packed)
+        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go, packed)
+
+
+@contextmanager
+def load_generator(pools: int, pages_per_pool: int, live_batches: int,
+                   cpus: tuple[int, int] | None, packed: bool) -> Iterator[tuple[str, Any]]:
+    """The simulated pools' cache service in a process of its own (on `cpus[1]`, this process
+    moved to `cpus[0]`): (its address, the event that releases its live batches)."""
     ctx = multiprocessing.get_context("spawn")
     ports, go = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
@@ -134,30 +148,39 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
         address = f"127.0.0.1:{ports.get(timeout=1800)}"
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
-        if warmup_compare:
-            return _measure_warmup(address, pools, pages_per_pool, live_batches, packed)
-        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go, packed)
+        yield address, go
     finally:
         server.kill()
         server.join(10)
 
 
-async def _follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSettings,
-                  packed: bool) -> None:
-    """What WorkerHandle does for a pool's events: its own grpc.aio channel, one feed."""
+async def follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSettings,
+                 packed: bool, point: tuple[int, int] | None = None) -> None:
+    """What WorkerHandle does for a pool's events: its own grpc.aio channel, one feed (from
+    `point` when given, else from a snapshot)."""
     channel = aio_channel(address, channel_options(settings.max_message_mb), None)
+    feed = Feed(name) if point is None else Feed(name, point=point)
     try:
-        await feeds.follow(cpb_grpc.CacheServiceStub(channel), Feed(name),
+        await feeds.follow(cpb_grpc.CacheServiceStub(channel), feed,
                            replace(settings.stream_settings(), packed_hashes=packed))
     finally:
         await channel.close()
 
 
-def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
-    router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
-    names = [F.pool_name(i) for i in range(pools)]
+def bench_router() -> Router:
+    """The gateway's router as the bench runs it: affinity, an index bounded by nothing here."""
+    return Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
+
+
+def admit(router: Router, names: list[str], address: str) -> None:
+    """The pools as workers, their cache service at `address`."""
     for name in names:
         router.add(Worker(name, "bench", address, None, pb.GetModelInfoResponse(worker=name)))
+
+
+def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
+    router, names = bench_router(), [F.pool_name(i) for i in range(pools)]
+    admit(router, names, address)
     return router, names
 
 
@@ -173,7 +196,7 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
     t0 = time.perf_counter()
     feeds = FeedLoop(router)
     for name in names:
-        feeds.submit(_follow(feeds, address, name, settings, packed))
+        feeds.submit(follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot, poll_s=0.01)
     warm.set()
     timed.thread.join(10)
@@ -194,7 +217,7 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
     t0 = time.perf_counter()
     feeds = FeedLoop(router)
     for name in names:
-        feeds.submit(_follow(feeds, address, name, settings, packed))
+        feeds.submit(follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     threads = threading.active_count()
     go.set()  # the load generator streams the live batches now
