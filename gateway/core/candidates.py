@@ -1,13 +1,15 @@
 """The workers a routing decision may choose from, kept between decisions (issue 31).
 
-A worker is eligible when it is up, its event stream delivered a complete view (`synced`), and
-its last event is at most `dead_after_s` old. Scanning every worker for that on each decision was
+A worker is eligible when it is up, its event stream delivered a complete view (`synced`) or is
+delivering a snapshot (`in_snapshot`: during a warm-up it is scored by the part applied so far,
+which only under-reports), and its last event is at most `dead_after_s` old (`Worker.routable`
+and the staleness test: a stream that broke off goes stale and leaves the set). Scanning every worker for that on each decision was
 the largest part of a decision at 1,000 workers; `CandidateSets` keeps each tokenizer's set (a
 tuple: the load tracker and the affinity policy key their per-candidate arrays on that object)
 and answers from it while it is known to be right:
 
 - the `Router` clears it on any change of membership or state: a worker joins or leaves, is
-  marked up or down, gains or loses `synced`, and on any event of a worker outside the kept sets
+  marked up or down, gains or loses `synced` or `in_snapshot`, and on any event of a worker outside the kept sets
   (a stale worker whose stream came back is eligible again);
 - events of workers in the sets only make them fresher, so a set stays right until its least
   recently seen worker turns stale; it is recomputed then.
@@ -80,7 +82,7 @@ class CandidateSets:
         seen, dead_after = self._index.last_seen, self._index.config.dead_after_s
         eligible, oldest = [], float("inf")
         for w in usable:
-            if w.up and w.synced and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after:
+            if w.routable and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after:
                 eligible.append(w.name)
                 oldest = min(oldest, t)
         if eligible:
@@ -100,9 +102,10 @@ class CandidateSets:
             self._members = (candidates, members)
         return members
 
-    def on_item(self, name: str, synced_changed: bool) -> None:
-        """A worker's stream delivered an item (its last event is now)."""
-        if synced_changed or name not in self._names:
+    def on_item(self, name: str, view_changed: bool) -> None:
+        """A worker's stream delivered an item (its last event is now); `view_changed`: it
+        gained or lost `synced` or `in_snapshot`."""
+        if view_changed or name not in self._names:
             self.clear()
 
     def clear(self) -> None:

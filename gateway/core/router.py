@@ -45,10 +45,20 @@ class Worker:
     up: bool = True
     # Its event stream delivered a complete view (a snapshot, or an epoch from seq 0).
     synced: bool = False
+    # Its event stream is delivering a snapshot: begun, not yet ended (the index holds part of it).
+    in_snapshot: bool = False
     # Calls routed to it and not finished. A worker that left keeps its client open for them
     # (a pod draining after its DNS record went); the last one closes it.
     calls: int = 0
     removed: bool = False
+
+    @property
+    def routable(self) -> bool:
+        """Up, and its stream delivered a complete view or is delivering a snapshot: routed to
+        (if fresh), scored by what the index holds of it so far (design.md "Routing during
+        warm-up"). A stream that never delivered a snapshot's start, or whose last one broke
+        off into a resync, is not."""
+        return self.up and (self.synced or self.in_snapshot)
 
 
 @dataclass(slots=True)
@@ -153,8 +163,7 @@ class Router:
         return max(0.0, now - seen) if seen is not None else float("inf")
 
     def _eligible(self, w: Worker, now: float) -> bool:
-        return (w.up and w.synced
-                and self._staleness(w.name, now) <= self.index.config.dead_after_s)
+        return w.routable and self._staleness(w.name, now) <= self.index.config.dead_after_s
 
     # ----- event streams -----------------------------------------------------------------------
 
@@ -186,13 +195,15 @@ class Router:
         else:
             result = self.index.heartbeat(item.heartbeat)
             self.load.report(name, item.heartbeat.load)
-        was = worker.synced
+        was = worker.synced, worker.in_snapshot
         if result.status is ApplyStatus.RESYNC:
-            worker.synced = False
+            worker.synced = worker.in_snapshot = False
         elif result.status is ApplyStatus.APPLIED:
             info = self.index.info(name)
             worker.synced = info is not None and not info.in_snapshot
-        self._candidate_sets.on_item(name, synced_changed=worker.synced != was)
+            worker.in_snapshot = info is not None and info.in_snapshot
+        self._candidate_sets.on_item(
+            name, view_changed=(worker.synced, worker.in_snapshot) != was)
         return result
 
     def _apply_load_only(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
@@ -221,6 +232,7 @@ class Router:
             for name, worker in self._workers.items():
                 info = self.index.info(name)
                 worker.synced = info is not None and not info.in_snapshot
+                worker.in_snapshot = info is not None and info.in_snapshot
             self._candidate_sets.clear()
 
     def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
