@@ -45,8 +45,9 @@ class Worker:
     up: bool = True
     # Its event stream delivered a complete view (a snapshot, or an epoch from seq 0).
     synced: bool = False
-    # Its event stream is delivering a snapshot: begun, not yet ended (the index holds part of it).
-    in_snapshot: bool = False
+    # Its feed's current Subscribe call has delivered an item and not ended (gateway/core/
+    # feeds.py): what it sends is arriving, perhaps not yet applied (a snapshot in progress).
+    streaming: bool = False
     # Calls routed to it and not finished. A worker that left keeps its client open for them
     # (a pod draining after its DNS record went); the last one closes it.
     calls: int = 0
@@ -54,18 +55,18 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        """Up, and its stream delivered a complete view or is delivering a snapshot: routed to
-        (if fresh), scored by what the index holds of it so far (design.md "Routing during
-        warm-up"). A stream that never delivered a snapshot's start, or whose last one broke
-        off into a resync, is not."""
-        return self.up and (self.synced or self.in_snapshot)
+        """Up, and the index holds its complete view or its stream is live (its snapshot in
+        progress: scored by what the index holds of it so far, which only under-reports;
+        design.md "Routing during warm-up"). A worker whose stream never delivered, or broke
+        off before its view was complete, is not."""
+        return self.up and (self.synced or self.streaming)
 
 
 @dataclass(slots=True)
 class Route:
     worker: Worker
     decision: RouteDecision
-    # True when no worker was eligible and the choice ignored the event streams.
+    # True when no eligible worker's view was complete and every worker up was a candidate.
     blind: bool = False
 
 
@@ -133,6 +134,16 @@ class Router:
             self._candidate_sets.clear()
             return True
 
+    def set_streaming(self, name: str, streaming: bool) -> None:
+        """A worker's feed read the first item of a Subscribe call, or that call ended (failed,
+        stalled, resynced, or the worker left)."""
+        with self.lock:
+            worker = self._workers.get(name)
+            if worker is None or worker.streaming == streaming:
+                return
+            worker.streaming = streaming
+            self._candidate_sets.clear()
+
     def ready(self, address: str | None = None) -> bool:
         """At least one worker may be routed to; with `address`, the worker there may (a model
         server is ready when its own worker is, whatever its peers)."""
@@ -195,15 +206,13 @@ class Router:
         else:
             result = self.index.heartbeat(item.heartbeat)
             self.load.report(name, item.heartbeat.load)
-        was = worker.synced, worker.in_snapshot
+        was = worker.synced
         if result.status is ApplyStatus.RESYNC:
-            worker.synced = worker.in_snapshot = False
+            worker.synced = False
         elif result.status is ApplyStatus.APPLIED:
             info = self.index.info(name)
             worker.synced = info is not None and not info.in_snapshot
-            worker.in_snapshot = info is not None and info.in_snapshot
-        self._candidate_sets.on_item(
-            name, view_changed=(worker.synced, worker.in_snapshot) != was)
+        self._candidate_sets.on_item(name, synced_changed=worker.synced != was)
         return result
 
     def _apply_load_only(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
@@ -232,7 +241,6 @@ class Router:
             for name, worker in self._workers.items():
                 info = self.index.info(name)
                 worker.synced = info is not None and not info.in_snapshot
-                worker.in_snapshot = info is not None and info.in_snapshot
             self._candidate_sets.clear()
 
     def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
@@ -382,7 +390,8 @@ class Router:
                       f"{row.device_tokens}, host {row.host_tokens}, remote {row.remote_tokens}); "
                       f"{decision.reason}")
         if blind:
-            out.reason += "; no worker has a live event stream: routed without cache knowledge"
+            out.reason += ("; no worker's event stream has delivered a complete view: routed "
+                           "over every worker up, by what the index holds so far")
         return out
 
     def list_workers(self) -> gpb.ListWorkersResponse:

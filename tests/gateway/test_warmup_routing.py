@@ -1,10 +1,11 @@
-"""Routing during a cold warm-up (issue 31): a worker whose event stream is delivering its
-snapshot is routed to, balanced by load with the warm ones and scored by what the index holds of
-it so far; a worker whose stream went down mid-snapshot is not, once its stream is stale. The
-cache side is the real CacheCore over gRPC, behind a servicer that holds back the end of some
-pools' snapshots and can take a pool's stream down."""
+"""Routing during a cold warm-up (issue 31): a worker whose event stream is live but whose
+snapshot is not complete is routed to, balanced by load with the warm ones and scored by what
+the index holds of it so far; a worker whose stream went down mid-snapshot is not, nor one whose
+cache service never answered. The cache side is the real CacheCore over gRPC, behind a servicer
+that holds back the end of some pools' snapshots and can take a pool's stream down."""
 from __future__ import annotations
 
+import socket
 from collections import Counter
 
 import grpc
@@ -16,8 +17,6 @@ from service_shell import new_server
 from tests.gateway.gateway_harness import (Caller, FakeWorker, cache_prompt, register_pool,
                                            running_gateway, wait_until)
 from tests.gateway.server_helpers import preview, prompt
-
-DEAD_AFTER_S = 1.0
 
 
 class HeldSnapshotCache(cpb_grpc.CacheServiceServicer):
@@ -48,28 +47,39 @@ def _eligible(caller: Caller) -> set[str]:
     return {c.worker for c in preview(caller, prompt(99)).candidates if c.eligible}
 
 
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
 def test_a_worker_mid_snapshot_is_routed_to_and_one_whose_stream_is_down_is_not():
     core = CacheCore()
-    names = ("warm", "warming", "broken")
+    names = ("warm", "warming", "broken", "unreached")
     for name in names:
         register_pool(core, name)
     held_prompt = prompt(7)
     cache_prompt(core, "warming", held_prompt, salt="salt-a")  # in its unfinished snapshot
     cache = HeldSnapshotCache(core, held={"warming", "broken"})
     workers = {name: FakeWorker(name) for name in names}
-    addresses = [WorkerAddress(w.address, cache.address) for w in workers.values()]
+    addresses = [WorkerAddress(w.address, _closed_port() if n == "unreached" else cache.address)
+                 for n, w in workers.items()]
     try:
-        with running_gateway(lambda: addresses, stale_after_s=0.5,
-                             dead_after_s=DEAD_AFTER_S) as gw:
+        # dead_after_s as deployed (30 s): the broken stream leaves the candidates because it
+        # broke, not because it went stale.
+        with running_gateway(lambda: addresses) as gw:
             caller = Caller(gw.address)
 
             def views() -> dict[str, tuple[bool, bool]]:
                 with gw.router.lock:
                     return {n: (w.synced, gw.router.index.info(n).in_snapshot)
                             for n, w in gw.router._workers.items()}
-            want = {"warm": (True, False), "warming": (False, True), "broken": (False, True)}
+            want = {"warm": (True, False), "warming": (False, True), "broken": (False, True),
+                    "unreached": (False, False)}
             wait_until(lambda: views() == want, what="one warm worker, two mid-snapshot")
-            assert _eligible(caller) == set(names)  # live streams, snapshots under way
+            # Live streams, snapshots under way; the worker up whose stream never delivered is
+            # not a candidate.
+            assert _eligible(caller) == {"warm", "warming", "broken"}
 
             # Scored by what the index holds of it so far: the partly applied snapshot has it.
             chosen = preview(caller, held_prompt)
@@ -79,8 +89,8 @@ def test_a_worker_mid_snapshot_is_routed_to_and_one_whose_stream_is_down_is_not(
             assert caller.generate(held_prompt)[-1].stats.worker == "warming"
 
             cache.down.add("broken")
-            wait_until(lambda: _eligible(caller) == {"warm", "warming"}, timeout_s=5 * DEAD_AFTER_S,
-                       what="the broken stream goes stale")
+            wait_until(lambda: _eligible(caller) == {"warm", "warming"},
+                       what="the broken stream leaves the candidates")
 
             # New prompts, held in flight: spread by load over the warm and the warming worker.
             for w in workers.values():
