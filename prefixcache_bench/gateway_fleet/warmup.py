@@ -8,8 +8,8 @@ worker up while none was: `docs/results/gateway/fleet/before_warmup_candidates/`
 decision of the bench's routing thread (`_Router`'s requests: a pool's conversation, its holder
 known, or a system prompt) the real `Router.route` decides (a), and a `least_loaded` policy over
 every worker that is up decides (b) on a load tracker of its own, so that each policy sees the
-load its own choices made. Requests stay in flight for `inflight` decisions (one per pool: a worker's fair share is one), so that load counts.
-Decisions are tallied by phase: the share of pools synced when the decision was made.
+load its own choices made. Requests stay in flight for `inflight` decisions (one per pool: a
+worker's fair share is one), so that load counts. Decisions are tallied by phase: the share of pools synced when the decision was made.
 """
 from __future__ import annotations
 
