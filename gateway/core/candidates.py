@@ -2,12 +2,12 @@
 
 A worker is eligible when it is up, its event stream delivered a complete view (`synced`) or is
 live (`streaming`: during a warm-up, its snapshot in progress, scored by what the index holds of
-it so far), and its last event is at most `dead_after_s` old (`Worker.routable` and the
-staleness test). While no eligible worker's view is complete, the set is every worker up
-("blind", not kept). Scanning every worker for that on each decision was the largest part of a
-decision at 1,000 workers; `CandidateSets` keeps each tokenizer's set (a tuple: the load tracker
-and the affinity policy key their per-candidate arrays on that object) and answers from it while
-it is known to be right:
+it so far), and its last event is at most `dead_after_s` old (`scan`, `Router._eligible`). While
+no eligible worker's view is complete, the set is every worker up ("blind", not kept). Scanning
+every worker for that on each decision was the largest part of a decision at 1,000 workers;
+`CandidateSets` keeps each tokenizer's set (a tuple: the load tracker and the affinity policy
+key their per-candidate arrays on that object) and answers from it while it is known to be
+right:
 
 - the `Router` clears it on any change of membership or state: a worker joins or leaves, is
   marked up or down, gains or loses `synced` or `streaming`, and on any event of a worker outside
@@ -83,7 +83,8 @@ class CandidateSets:
         seen, dead_after = self._index.last_seen, self._index.config.dead_after_s
         eligible, oldest, complete = [], float("inf"), False
         for w in usable:
-            if w.routable and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after:
+            if (w.up and (w.synced or w.streaming) and (t := seen(w.name)) is not None
+                    and max(0.0, now - t) <= dead_after):
                 eligible.append(w.name)
                 oldest = min(oldest, t)
                 complete = complete or w.synced

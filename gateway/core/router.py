@@ -45,21 +45,11 @@ class Worker:
     up: bool = True
     # Its event stream delivered a complete view (a snapshot, or an epoch from seq 0).
     synced: bool = False
-    # Its feed's current Subscribe call has delivered an item and not ended (gateway/core/
-    # feeds.py): what it sends is arriving, perhaps not yet applied (a snapshot in progress).
-    streaming: bool = False
+    streaming: bool = False  # its stream is live (`set_streaming`): a candidate before `synced`
     # Calls routed to it and not finished. A worker that left keeps its client open for them
     # (a pod draining after its DNS record went); the last one closes it.
     calls: int = 0
     removed: bool = False
-
-    @property
-    def routable(self) -> bool:
-        """Up, and the index holds its complete view or its stream is live (its snapshot in
-        progress: scored by what the index holds of it so far, which only under-reports;
-        design.md "Routing during warm-up"). A worker whose stream never delivered, or broke
-        off before its view was complete, is not."""
-        return self.up and (self.synced or self.streaming)
 
 
 @dataclass(slots=True)
@@ -135,14 +125,11 @@ class Router:
             return True
 
     def set_streaming(self, name: str, streaming: bool) -> None:
-        """A worker's feed read the first item of a Subscribe call, or that call ended (failed,
-        stalled, resynced, or the worker left)."""
+        """A worker's feed read a Subscribe call's first item (True), or that call ended."""
         with self.lock:
-            worker = self._workers.get(name)
-            if worker is None or worker.streaming == streaming:
-                return
-            worker.streaming = streaming
-            self._candidate_sets.clear()
+            if (w := self._workers.get(name)) is not None and w.streaming != streaming:
+                w.streaming = streaming
+                self._candidate_sets.clear()
 
     def ready(self, address: str | None = None) -> bool:
         """At least one worker may be routed to; with `address`, the worker there may (a model
@@ -174,7 +161,8 @@ class Router:
         return max(0.0, now - seen) if seen is not None else float("inf")
 
     def _eligible(self, w: Worker, now: float) -> bool:
-        return w.routable and self._staleness(w.name, now) <= self.index.config.dead_after_s
+        return (w.up and (w.synced or w.streaming)  # design.md "Routing during warm-up"
+                and self._staleness(w.name, now) <= self.index.config.dead_after_s)
 
     # ----- event streams -----------------------------------------------------------------------
 
@@ -390,8 +378,7 @@ class Router:
                       f"{row.device_tokens}, host {row.host_tokens}, remote {row.remote_tokens}); "
                       f"{decision.reason}")
         if blind:
-            out.reason += ("; no worker's event stream has delivered a complete view: routed "
-                           "over every worker up, by what the index holds so far")
+            out.reason += "; no worker's view is complete yet: routed over every worker up"
         return out
 
     def list_workers(self) -> gpb.ListWorkersResponse:
