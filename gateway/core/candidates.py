@@ -1,14 +1,17 @@
 """The workers a routing decision may choose from, kept between decisions (issue 31).
 
-A worker is eligible when it is up, its event stream delivered a complete view (`synced`), and
-its last event is at most `dead_after_s` old. Scanning every worker for that on each decision was
-the largest part of a decision at 1,000 workers; `CandidateSets` keeps each tokenizer's set (a
-tuple: the load tracker and the affinity policy key their per-candidate arrays on that object)
-and answers from it while it is known to be right:
+A worker is eligible when it is up, its event stream delivered a complete view (`synced`) or is
+live (`streaming`: during a warm-up, its snapshot in progress, scored by what the index holds of
+it so far), and its last event is at most `dead_after_s` old (`scan`, `Router._eligible`). While
+no eligible worker's view is complete, the set is every worker up ("blind", not kept). Scanning
+every worker for that on each decision was the largest part of a decision at 1,000 workers;
+`CandidateSets` keeps each tokenizer's set (a tuple: the load tracker and the affinity policy
+key their per-candidate arrays on that object) and answers from it while it is known to be
+right:
 
 - the `Router` clears it on any change of membership or state: a worker joins or leaves, is
-  marked up or down, gains or loses `synced`, and on any event of a worker outside the kept sets
-  (a stale worker whose stream came back is eligible again);
+  marked up or down, gains or loses `synced` or `streaming`, and on any event of a worker outside
+  the kept sets (a stale worker whose stream came back is eligible again);
 - events of workers in the sets only make them fresher, so a set stays right until its least
   recently seen worker turns stale; it is recomputed then.
 
@@ -47,8 +50,8 @@ class CandidateSets:
 
     def get(self, exclude: Collection[str], fingerprint: str,
             now: float) -> tuple[Sequence[str], bool]:
-        """(the candidates, blind: no worker has a live stream, so the candidates are the
-        workers up, to be routed to without cache knowledge)."""
+        """(the candidates, blind: no eligible worker's view is complete, so the candidates are
+        the workers up, to be routed to by load and what the index holds so far)."""
         kept = self._kept(fingerprint, now)
         if kept is None:
             kept = self.scan(fingerprint, now)
@@ -59,7 +62,7 @@ class CandidateSets:
         if not exclude:
             return names, blind
         rest = [n for n in names if n not in exclude]
-        if rest or blind:
+        if blind or any(self._workers[n].synced for n in rest):  # (a retry: rare)
             return rest, blind
         return self.scan(fingerprint, now, exclude)[:2]  # the blind set without them
 
@@ -78,15 +81,19 @@ class CandidateSets:
         usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
             not fingerprint or w.info.tokenizer_fingerprint == fingerprint)]
         seen, dead_after = self._index.last_seen, self._index.config.dead_after_s
-        eligible, oldest = [], float("inf")
+        eligible, oldest, complete = [], float("inf"), False
         for w in usable:
-            if w.up and w.synced and (t := seen(w.name)) is not None and max(0.0, now - t) <= dead_after:
+            if (w.up and (w.synced or w.streaming) and (t := seen(w.name)) is not None
+                    and max(0.0, now - t) <= dead_after):
                 eligible.append(w.name)
                 oldest = min(oldest, t)
-        if eligible:
+                complete = complete or w.synced
+        if complete:
             return tuple(eligible), False, oldest
-        # No worker has a live stream (the cache services are unreachable, say): route without
-        # cache knowledge rather than refuse work the workers may still do.
+        # No eligible worker's view is complete (the cache services are unreachable, say, or a
+        # cold start has applied no snapshot yet): route over every worker up, on what the index
+        # holds so far (nothing, or parts of snapshots), rather than refuse work the workers may
+        # still do or pile it on the few streams that delivered first.
         return tuple(w.name for w in usable if w.up), True, float("inf")
 
     def members(self, candidates: Sequence[str]) -> Collection[str]:

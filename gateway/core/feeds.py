@@ -13,6 +13,10 @@ releasing it between slices and stepping aside while a routing decision waits fo
 batches (same seq, `snapshot_end` on the last only; the index applies them as one snapshot). A
 live batch is applied whole (its seq is its identity); the cache service's live batches are small.
 
+While a feed's Subscribe call delivers (its first item read, the call not ended), its worker is
+`streaming` (`Router.set_streaming`): a routing candidate during its warm-up, before its snapshot
+is applied; a call that fails, stalls or is resubscribed ends that.
+
 A feed resumes after a broken stream from the last batch it queued (every queued item is applied
 before the resubscription's), so the cache service replays its buffer and falls back to a
 snapshot only when the buffer no longer holds that point; a RESYNC result (a gap, a new epoch)
@@ -325,6 +329,7 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
             finally:
                 feed.waiting_since = None
                 call.cancel()
+                applier.router.set_streaming(feed.name, False)
             if feed.resync is not None:
                 feed.point, feed.failures = feed.resync, 0
             elif why is not None and not feed.ended:
@@ -341,10 +346,16 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
 async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
     """Reads one Subscribe call to its end, moving `feed.point` past each batch; returns why the
     stream ended (None: a RESYNC or the worker's removal asked for it, see `feed`)."""
+    first = True
     while True:
         feed.waiting_since = time.monotonic()
         item = await call.read()
         feed.waiting_since = None
+        if first and item is not grpc.aio.EOF:
+            # The stream is live: the worker is a candidate before its snapshot is applied
+            # (`Worker.streaming`), until this call ends (`follow_events`).
+            applier.router.set_streaming(feed.name, True)
+            first = False
         if item is grpc.aio.EOF:
             # The cache service ended the stream: the pool was unregistered (its worker
             # restarts, or its cache service did); the next registration starts a new epoch.

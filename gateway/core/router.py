@@ -45,6 +45,7 @@ class Worker:
     up: bool = True
     # Its event stream delivered a complete view (a snapshot, or an epoch from seq 0).
     synced: bool = False
+    streaming: bool = False  # its stream is live (`set_streaming`): a candidate before `synced`
     # Calls routed to it and not finished. A worker that left keeps its client open for them
     # (a pod draining after its DNS record went); the last one closes it.
     calls: int = 0
@@ -55,7 +56,7 @@ class Worker:
 class Route:
     worker: Worker
     decision: RouteDecision
-    # True when no worker was eligible and the choice ignored the event streams.
+    # True when no eligible worker's view was complete and every worker up was a candidate.
     blind: bool = False
 
 
@@ -123,6 +124,13 @@ class Router:
             self._candidate_sets.clear()
             return True
 
+    def set_streaming(self, name: str, streaming: bool) -> None:
+        """A worker's feed read a Subscribe call's first item (True), or that call ended."""
+        with self.lock:
+            if (w := self._workers.get(name)) is not None and w.streaming != streaming:
+                w.streaming = streaming
+                self._candidate_sets.clear()
+
     def ready(self, address: str | None = None) -> bool:
         """At least one worker may be routed to; with `address`, the worker there may (a model
         server is ready when its own worker is, whatever its peers)."""
@@ -153,7 +161,7 @@ class Router:
         return max(0.0, now - seen) if seen is not None else float("inf")
 
     def _eligible(self, w: Worker, now: float) -> bool:
-        return (w.up and w.synced
+        return (w.up and (w.synced or w.streaming)  # design.md "Routing during warm-up"
                 and self._staleness(w.name, now) <= self.index.config.dead_after_s)
 
     # ----- event streams -----------------------------------------------------------------------
@@ -370,7 +378,7 @@ class Router:
                       f"{row.device_tokens}, host {row.host_tokens}, remote {row.remote_tokens}); "
                       f"{decision.reason}")
         if blind:
-            out.reason += "; no worker has a live event stream: routed without cache knowledge"
+            out.reason += "; no worker's view is complete yet: routed over every worker up"
         return out
 
     def list_workers(self) -> gpb.ListWorkersResponse:

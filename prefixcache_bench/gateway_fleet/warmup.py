@@ -1,13 +1,15 @@
 """`--warmup-compare`: routing during a cold warm-up, the gateway's affinity routing against
 load-only routing, decision by decision on the same requests.
 
-The gateway routes only to workers whose snapshot is applied (`synced`; all of them, by load
-alone, while none is). At each decision of the bench's routing thread (`_Router`'s requests: a
-pool's conversation, its holder known, or a system prompt) the real `Router.route` decides (a),
-and a `least_loaded` policy over every worker that is up decides (b) on a load tracker of its
-own, so that each policy sees the load its own choices made. Requests stay in flight for
-`inflight` decisions (one per pool: a worker's fair share is one), so that load counts.
-Decisions are tallied by phase: the share of pools synced when the decision was made.
+The gateway routes to workers whose snapshot is applied (`synced`) or whose stream is live
+(`streaming`: the snapshot in progress, scored by what the index holds so far), and to every
+worker up while none of those is synced (it routed to `synced` workers alone before, to every
+worker up while none was: `docs/results/gateway/fleet/before_warmup_candidates/`). At each
+decision of the bench's routing thread (`_Router`'s requests: a pool's conversation, its holder
+known, or a system prompt) the real `Router.route` decides (a), and a `least_loaded` policy over
+every worker that is up decides (b) on a load tracker of its own, so that each policy sees the
+load its own choices made. Requests stay in flight for `inflight` decisions (one per pool: a
+worker's fair share is one), so that load counts. Decisions are tallied by phase: the share of pools synced when the decision was made.
 """
 from __future__ import annotations
 
@@ -94,8 +96,10 @@ def compare_run(timed, router: Router, workers: list[str], stop_after_warm) -> N
     """The routing thread's loop of `--warmup-compare` (it replaces `_Router._run`): until
     `stop_after_warm` is set. `timed` is the `_Router` whose requests and samples it uses.
     `affinity`: the gateway's `Router.route`; `load_only`: least_loaded over every worker;
-    `affinity_all`: the affinity policy over every worker (the fix design.md describes: a worker
-    still in its snapshot a candidate, scored by what the index holds of it so far)."""
+    `affinity_all`: the affinity policy over every worker (a worker still in its snapshot a
+    candidate, scored by what the index holds of it so far; what the gateway now does, on a
+    load tracker of its own that counts the whole prompt where `Router.route` counts the
+    prefill the chosen worker computes)."""
     rng, n = random.Random(1), 0
     shadows = {"load_only": _Shadow("least_loaded"), "affinity_all": _Shadow("affinity")}
     inflight: deque[tuple[str, dict[str, str]]] = deque()

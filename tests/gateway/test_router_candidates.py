@@ -1,7 +1,7 @@
 """The router keeps its candidate set between decisions (issue 31: no loop over every worker per
-decision); on random sequences of joins, departures, probes, stream items, stale streams and
-clock steps, the kept set equals the one the full scan over every worker gives, and a router
-that keeps it routes as one that scans every time."""
+decision); on random sequences of joins, departures, probes, stream items, streams going live
+and ending, stale streams and clock steps, the kept set equals the one the full scan over every
+worker gives, and a router that keeps it routes as one that scans every time."""
 from __future__ import annotations
 
 import random
@@ -32,11 +32,11 @@ def _full_scan(router: Router, exclude, fingerprint: str) -> tuple[list[str], bo
     now = router._clock()
     usable = [w for n, w in sorted(router._workers.items()) if n not in exclude and (
         not fingerprint or w.info.tokenizer_fingerprint == fingerprint)]
-    eligible = [w.name for w in usable if w.up and w.synced
+    eligible = [w for w in usable if w.up and (w.synced or w.streaming)
                 and (t := router.index.last_seen(w.name)) is not None
                 and max(0.0, now - t) <= router.index.config.dead_after_s]
-    if eligible:
-        return eligible, False
+    if any(w.synced for w in eligible):
+        return [w.name for w in eligible], False
     return [w.name for w in usable if w.up], True
 
 
@@ -68,13 +68,16 @@ class _Fleet:
             item = cpb.SubscribeResponse(batch=batch(name, seq, stored([page(rng.randrange(20))])))
             if router.on_stream_item(name, item).status.name == "APPLIED":
                 self.seq[name] = seq + 1
+        elif op == "stream" and name in self.seq:  # its feed's call delivers, or ended
+            router.set_streaming(name, rng.random() < 0.6)
         elif op == "heartbeat" and name in self.seq:
             hb = heartbeat(name, self.seq[name] - 1)
             hb.load.CopyFrom(common_pb2.LoadReport(queued_prefill_tokens=rng.randrange(3000)))
             router.on_stream_item(name, cpb.SubscribeResponse(heartbeat=hb))
 
 
-OPS = ("add", "remove", "up", "batch", "batch", "heartbeat", "heartbeat", "clock", "route")
+OPS = ("add", "remove", "up", "batch", "batch", "stream", "heartbeat", "heartbeat", "clock",
+       "route")
 
 
 @settings(max_examples=120, deadline=None)
