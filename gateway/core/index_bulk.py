@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gateway.core.index_table import _STAMP_LIMIT, MULTI, TOMB, Hashes, PageTable, _keys, _words
+from gateway.core import index_native
+from gateway.core.index_table import MULTI, TOMB, Hashes, PageTable, _keys, _words
 
 # Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
 SCALAR_OPS = 24
@@ -32,6 +33,10 @@ def apply_ops(table: PageTable, hashes: Hashes, slots: Sequence[int] | np.ndarra
     page)."""
     keys = _keys(hashes)
     n = len(keys)
+    if index_native.kernel() is not None:
+        lo, hi = _words(keys)
+        return index_native.apply(table, lo, hi, np.asarray(slots, dtype=np.int32),
+                                  np.asarray(stores, dtype=bool))
     delta: dict[int, int] = {}
     if n < SCALAR_OPS:
         for h, s, store in zip(keys.tolist(), _ints(slots), _ints(stores)):
@@ -149,8 +154,7 @@ def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) 
     k = len(stored)
     if not k:
         return
-    if table._clock + k >= _STAMP_LIMIT:
-        table._renumber()
+    table._stamps_for(k)
     number = table._clock + 1 + np.arange(k)
     table._clock += k
     keys = np.stack([lo[stored], hi[stored]], axis=1).view("V16").ravel()
