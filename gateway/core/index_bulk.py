@@ -11,6 +11,8 @@ them one by one in order:
 - the stamps (eviction order): a live page's stamp is that of the last store to it by any worker,
   numbered as `PageTable.add` would number them one by one;
 - the counts: per worker, pages it gained minus pages it lost, as the sum of `add` / `discard`.
+With the page table's C kernel loaded (gateway/core/index_native.py) the slice goes to its loop
+instead, event by event in order; this numpy run is the reference and the fallback.
 """
 from __future__ import annotations
 

@@ -115,7 +115,8 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
             if table._leave(pos, s):
                 shared[s] = shared.get(s, 0) - 1
             i += 1
-    out = {s: int(d) for s, d in enumerate(delta.tolist()) if d}
+    changed = np.flatnonzero(delta)
+    out = dict(zip(changed.tolist(), delta[changed].tolist()))
     for s, d in shared.items():
         if out.get(s, 0) + d:
             out[s] = out.get(s, 0) + d

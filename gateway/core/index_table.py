@@ -23,7 +23,11 @@ all work on the same arrays of one or two tables; split apart, each part would r
 others' arrays.
 
 Single keys are probed in Python over `array.array` (element reads ~30 ns); whole-table scans
-(a worker's clear, eviction, rehash) run in numpy over views of the same memory.
+(a worker's clear, eviction, rehash) run in numpy over views of the same memory. The bulk calls
+(`add_many`, `discard_many`, `masks`, `index_bulk.apply_ops`) and the probe rounds under them
+(`_find_many`, `_place`) run in C over the same arrays when the page table's kernel is loaded
+(gateway/core/index_native.py: --index-native, auto by default); the numpy code below is the
+reference and the fallback (--index-native off, or no compiler), with the same results.
 """
 from __future__ import annotations
 
