@@ -34,6 +34,7 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_find": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
     "pt_place": (_N, [_P, _P, _P, _N, _P, _P, _P, _N, _P]),
     "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P]),
+    "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
 }
 TABLE = NativeLibrary(
     "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table",
@@ -79,6 +80,20 @@ def place(table: PageTable, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray)
     table._used += kernel().pt_place(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data,
                                      holders.ctypes.data, len(lo), out.ctypes.data)
     return out
+
+
+def migrate(table: PageTable, start: int, end: int) -> None:
+    """The live slots [start, end) of the table's old table moved into it (`PageTable._step`)."""
+    old = table._old
+    pairs, npairs, fresh = np.empty(2 * (end - start), dtype=np.int64), _N(), _N()
+    moved = kernel().pt_migrate(*_arrays(old), old._stamp.buffer_info()[0], start, end,
+                                *_arrays(table), table._stamp.buffer_info()[0], table.cap,
+                                ctypes.byref(fresh), pairs.ctypes.data, ctypes.byref(npairs))
+    table._used += fresh.value
+    old.live -= moved
+    shared = pairs[:2 * npairs.value].tolist()
+    for j in range(0, len(shared), 2):
+        table.multi[shared[j + 1]] = old.multi.pop(shared[j])
 
 
 def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,

@@ -451,12 +451,15 @@ class PageTable:
         if slots is None:
             slots = self.migrate_step + self.rate * pages
         end = min(old.cap, self._cursor + slots)
-        seg = old._holder_np()[self._cursor:end]
-        pos = self._cursor + np.flatnonzero(seg >= MULTI)
+        if index_native.kernel() is not None:
+            index_native.migrate(self, self._cursor, end)
+        else:
+            seg = old._holder_np()[self._cursor:end]
+            pos = self._cursor + np.flatnonzero(seg >= MULTI)
+            if len(pos):
+                self._move(pos)
         self.migrated_slots += end - self._cursor
         self._cursor = end
-        if len(pos):
-            self._move(pos)
         if end == old.cap:
             self._old = None
 

@@ -124,3 +124,39 @@ int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
     *nrec = k;
     return i;
 }
+
+/* The live slots of an old table in [start, end) moved into the new one (PageTable._step): each
+   key written at the first free position of its path there, with its holder and stamp, and its
+   old slot made a tombstone (which keeps the old table's other keys reachable). Positions of
+   shared pages go to pairs[2j] (old) and pairs[2j+1] (new), *npairs of them, for Python to move
+   their masks. Returns how many moved; *fresh gets how many empty positions they took. */
+int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
+                   const uint32_t *ostamp, int64_t start, int64_t end, uint64_t *klo,
+                   uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap, int64_t *fresh,
+                   int64_t *pairs, int64_t *npairs) {
+    int64_t moved = 0, empties = 0, k = 0;
+    for (int64_t q = start; q < end; q++) {
+        int32_t hv = oholder[q];
+        if (hv < MULTI)
+            continue;
+        int64_t p = home(olo[q], ohi[q], cap);
+        while (holder[p] >= MULTI)
+            if (++p == cap)
+                p = 0;
+        empties += holder[p] == EMPTY;
+        klo[p] = olo[q];
+        khi[p] = ohi[q];
+        holder[p] = hv;
+        stamp[p] = ostamp[q];
+        oholder[q] = TOMB;
+        if (hv == MULTI) {
+            pairs[2 * k] = q;
+            pairs[2 * k + 1] = p;
+            k++;
+        }
+        moved++;
+    }
+    *fresh = empties;
+    *npairs = k;
+    return moved;
+}
