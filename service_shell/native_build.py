@@ -84,11 +84,14 @@ class NativeLibrary:
     `build_args` returns build()'s arguments but the cache directory (called at load time, so
     that a caller may import what its flags need first, e.g. torch before an OpenMP library);
     `signatures` maps each C function to (restype, argtypes); `what` names the library and
-    `flag` its mode's flag and variable in messages, `fallback` what serves without it."""
+    `flag` its mode's flag and variable in messages, `fallback` what serves without it.
+    `loader` is ctypes.CDLL (each call releases the GIL: long kernels) or ctypes.PyDLL (calls keep
+    it: short ones, which would otherwise wait for the GIL back behind other threads)."""
 
     def __init__(self, what: str, flag: tuple[str, str], fallback: str,
-                 build_args: Callable[[], dict], signatures: dict[str, tuple]) -> None:
-        self.what, self.flag, self.fallback = what, flag, fallback
+                 build_args: Callable[[], dict], signatures: dict[str, tuple],
+                 loader: type[ctypes.CDLL] = ctypes.CDLL) -> None:
+        self.what, self.flag, self.fallback, self._loader = what, flag, fallback, loader
         self._build_args, self._signatures = build_args, signatures
         self._lock = threading.Lock()
         self._state: dict[str, ctypes.CDLL | None] = {}
@@ -112,7 +115,7 @@ class NativeLibrary:
             self.reason = f"{self.flag[0]} off"
             return None
         try:
-            lib = ctypes.CDLL(str(self.path()))
+            lib = self._loader(str(self.path()))
             for fn_name, (restype, argtypes) in self._signatures.items():
                 fn = getattr(lib, fn_name)
                 fn.restype, fn.argtypes = restype, argtypes

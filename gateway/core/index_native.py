@@ -40,7 +40,9 @@ TABLE = NativeLibrary(
     "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table",
     lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
              "flags": ("-O2", "-shared", "-fPIC")},
-    SIGNATURES)
+    # Calls of µs to a few ms, under the router's lock: releasing the GIL for each would let the
+    # routing thread take it, and the ingest thread wait up to a switch interval to get it back.
+    SIGNATURES, loader=ctypes.PyDLL)
 
 
 def configure(mode: str = "auto", kernel_cache: str | Path | None = None) -> None:
@@ -111,7 +113,7 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     # Every key of the slice in the new table (or in neither), and room for every placement: a
     # growth makes the current table the old one, and the keys are pulled out of it again.
     table._touch_many(lo, hi)
-    if table._make_room(_new_keys(table, lo[stored], hi[stored])):
+    if len(stored) and table._make_room(_new_keys(table, lo[stored], hi[stored])):
         table._pull_many(lo, hi)
     delta = np.zeros(int(slot.max()) + 1, dtype=np.int64)
     rec, nrec = np.empty(3 * n, dtype=np.int64), ctypes.c_int64()
