@@ -113,7 +113,8 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     # Every key of the slice in the new table (or in neither), and room for every placement: a
     # growth makes the current table the old one, and the keys are pulled out of it again.
     table._touch_many(lo, hi)
-    if len(stored) and table._make_room(_new_keys(table, lo[stored], hi[stored])):
+    if len(stored) and not table._has_room(len(stored)) \
+            and table._make_room(_new_keys(table, lo[stored], hi[stored])):
         table._pull_many(lo, hi)
     delta = np.zeros(int(slot.max()) + 1, dtype=np.int64)
     rec, nrec = np.empty(3 * n, dtype=np.int64), ctypes.c_int64()

@@ -422,11 +422,15 @@ class PageTable:
     def _make_room(self, k: int) -> bool:
         """Before k pages are placed: grows when they would take the table past 70%, counting
         the pages still to come from an old table; True when it grew."""
-        pending = self._old.live if self._old is not None else 0
-        if self._used + pending + k <= _MAX_LOAD * self.cap:
+        if self._has_room(k):
             return False
         self._grow(k)
         return True
+
+    def _has_room(self, k: int) -> bool:
+        """Whether k more pages (and those still to come from an old table) stay within 70%."""
+        pending = self._old.live if self._old is not None else 0
+        return self._used + pending + k <= _MAX_LOAD * self.cap
 
     def _grow(self, extra: int) -> None:
         """Starts a migration into a table sized so that every live page (and `extra` more) fill
