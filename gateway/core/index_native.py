@@ -107,6 +107,8 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
         return {}
     lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
     slot = np.ascontiguousarray(slot, np.int32)
+    if slot.min() < 0:  # the C loop indexes its per-slot counts with them
+        raise ValueError(f"worker slot {int(slot.min())}")
     store = np.ascontiguousarray(store, np.bool_).view(np.uint8)
     stored = np.flatnonzero(store)
     table._stamps_for(len(stored))
