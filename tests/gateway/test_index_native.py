@@ -157,6 +157,8 @@ def test_masks_past_64_workers_and_the_leaving_of_shared_pages():
     assert table.mask(h) == sum(1 << s for s in range(60, WORKERS)) and len(table) == 1
     assert apply_ops(table, [h] * 9, list(range(60, 69)), [False] * 9) == {s: -1 for s in range(60, 69)}
     assert table.mask(h) == 1 << 69 and table._holder_np().max() == 69 and not table.multi
+    with pytest.raises(ValueError, match="worker slot -1"):  # never an index out of the counts
+        apply_ops(table, [h] * 2, [3, -1], [True, True])
 
 
 def test_the_gateway_starts_without_a_compiler_in_auto_and_refuses_in_on(tmp_path, monkeypatch,
