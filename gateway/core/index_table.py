@@ -312,8 +312,8 @@ class PageTable:
             self._renumber()
 
     def add_many(self, hashes: Hashes, slot: int) -> int:
-        """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
-        the worker did not hold."""
+        """`add` for every hash in order, in C or numpy (a snapshot's thousands of pages); how
+        many the worker did not hold."""
         keys = _keys(hashes)
         n = len(keys)
         if index_native.kernel() is not None:
@@ -361,7 +361,7 @@ class PageTable:
         return out
 
     def discard_many(self, hashes: Hashes, slot: int) -> int:
-        """`discard` of every hash, in numpy; how many the worker held."""
+        """`discard` of every hash, in C or numpy; how many the worker held."""
         lo, hi = _words(np.unique(_keys(hashes)))
         if index_native.kernel() is not None:
             return -index_native.apply(self, lo, hi, np.full(len(lo), slot, dtype=np.int32),
