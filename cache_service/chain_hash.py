@@ -12,8 +12,9 @@ hashlib before it is trusted.
 --kernel-cache / PREFIXCACHE_KERNEL_CACHE): auto (the default) uses it when it builds and passes
 the check, and otherwise hashlib (the reason is logged once); off always uses hashlib; on fails
 loudly when it cannot be used. Builds go to the kernel cache (default
-`~/.cache/prefixcache/kernels`), under a name that hashes the source, the compiler's version and
-the library's path; concurrent first builds are safe (temporary file, then rename).
+`~/.cache/prefixcache/kernels`) by service_shell/native_build.py, under a name that hashes the
+source (csrc/chain_hash.c), the compiler's version and the library's path; concurrent first
+builds are safe (temporary file, then rename).
 """
 from __future__ import annotations
 
@@ -21,63 +22,17 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from prefixcache_client.hash import HASH_BYTES, chain_hashes
+from service_shell.native_build import build, default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-/* OpenSSL's SHA256_CTX (public in openssl/sha.h since 0.9.8) and its one-block compression,
-   which runs the same CPU-specific code (SHA-NI, AVX2...) as every other SHA-256 call. */
-typedef struct {
-    unsigned int h[8];
-    unsigned int Nl, Nh;
-    unsigned int data[16];
-    unsigned int num, md_len;
-} sha256_ctx;
-void SHA256_Transform(sha256_ctx *c, const unsigned char *block);
-
-static const unsigned int IV[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-
-/* out[16*i..] = SHA-256(hash of page i-1 || page i)[:16], page -1 being `parent`. Every
-   message is 16 + stride bytes, so its padded blocks are laid out once. */
-void prefixcache_chain_hash(const unsigned char *parent, const unsigned char *data, long pages,
-                            long stride, unsigned char *out) {
-    long len = 16 + stride, blocks = (len + 9 + 63) / 64;
-    unsigned char msg[blocks * 64];
-    memset(msg, 0, sizeof msg);
-    msg[len] = 0x80;
-    uint64_t bits = (uint64_t)len * 8;
-    for (int k = 0; k < 8; k++)
-        msg[blocks * 64 - 1 - k] = (unsigned char)(bits >> (8 * k));
-    sha256_ctx ctx;
-    const unsigned char *prev = parent;
-    for (long i = 0; i < pages; i++) {
-        memcpy(msg, prev, 16);
-        memcpy(msg + 16, data + i * stride, (size_t)stride);
-        memcpy(ctx.h, IV, sizeof IV);
-        for (long b = 0; b < blocks; b++)
-            SHA256_Transform(&ctx, msg + b * 64);
-        unsigned char *hash = out + i * 16;
-        for (int k = 0; k < 4; k++) {
-            hash[4 * k] = (unsigned char)(ctx.h[k] >> 24);
-            hash[4 * k + 1] = (unsigned char)(ctx.h[k] >> 16);
-            hash[4 * k + 2] = (unsigned char)(ctx.h[k] >> 8);
-            hash[4 * k + 3] = (unsigned char)ctx.h[k];
-        }
-        prev = hash;
-    }
-}
-"""
+SOURCE = Path(__file__).with_name("csrc") / "chain_hash.c"
 
 _lock = threading.Lock()
 _state: dict[str, Callable[[bytes, bytes, int], bytes] | None] = {}
@@ -116,40 +71,13 @@ def configure(mode: str = "auto", kernel_cache: str | Path | None = None) -> Non
 
 
 def _cache_dir() -> Path:
-    if _settings["kernel_cache"]:
-        return Path(_settings["kernel_cache"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "prefixcache" / "kernels"
+    return Path(_settings["kernel_cache"]) if _settings["kernel_cache"] else default_cache_dir()
 
 
 def _build(crypto: str) -> Path:
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-    key = hashlib.sha256("\0".join((SOURCE, version, crypto)).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    target = out_dir / f"prefixcache_chain_hash-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, src = tempfile.mkstemp(dir=out_dir, prefix=".chain_hash-", suffix=".c")
-    with os.fdopen(fd, "w") as f:
-        f.write(SOURCE)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".chain_hash-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", src, "-o", tmp, crypto],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        for path in (src, tmp):
-            if os.path.exists(path):
-                os.unlink(path)
-    return target
+    """The library, linked to this process's libcrypto (service_shell/native_build.py)."""
+    return build("prefixcache_chain_hash", [SOURCE], ("-O2", "-shared", "-fPIC"), libs=[crypto],
+                 depends_on=crypto, cache_dir=_cache_dir())
 
 
 def _native() -> Callable[[bytes, bytes, int], bytes]:

@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable
 
 from gateway.assembly import GatewayConfig, GatewayServer
+from gateway.core import index_native
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import DnsWorkers, parse_static, static_workers
 from gateway.core.index_redis import IndexRedis
@@ -51,6 +52,7 @@ from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag
                            configure_logging, finite_float, kv, tls_from_args)
 from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
                                       token_from_args)
+from service_shell.config import NATIVE_MODES
 
 log = logging.getLogger("gateway")
 
@@ -81,6 +83,12 @@ def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
          "from at start, so that a restart resumes each worker's event stream instead of "
          "rebuilding the index from snapshots; one of another namespace, version or hash spec, "
          "or a corrupt one, is ignored with a warning")
+    flag("--index-native", "INDEX_NATIVE", "auto", "the routing index's page table in C "
+         "(gateway/core/index_native.py, built with the system compiler or taken from "
+         "--kernel-cache): auto = when it builds, on = refuse to start without it, off = the "
+         "numpy table (same answers, slower ingest)", choices=NATIVE_MODES)
+    flag("--kernel-cache", "KERNEL_CACHE", None, "directory of the compiled C page table; "
+         "default $XDG_CACHE_HOME/prefixcache/kernels (~/.cache/prefixcache/kernels)")
     flag("--index-checkpoint-interval-s", "INDEX_CHECKPOINT_INTERVAL_S",
          cfg.index_checkpoint_interval_s, "seconds between two index checkpoints",
          type=finite_float(1.0, 86400.0))
@@ -385,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     tracing.configure("prefixcache-gateway", args)
     shutdown = ShutdownSignal(log)
     try:
+        index_native.configure(args.index_native, args.kernel_cache)
+        reason = {"reason": index_native.TABLE.reason} if index_native.TABLE.reason else {}
+        log.info(kv("index_table", implementation=index_native.implementation(), **reason))
         server = GatewayServer(config_from_args(args)).start()
     except Exception:  # an unreadable tokenizer, a port in use, a bad certificate
         log.exception(kv("startup_failed"))

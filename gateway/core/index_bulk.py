@@ -11,6 +11,8 @@ them one by one in order:
 - the stamps (eviction order): a live page's stamp is that of the last store to it by any worker,
   numbered as `PageTable.add` would number them one by one;
 - the counts: per worker, pages it gained minus pages it lost, as the sum of `add` / `discard`.
+With the page table's C kernel loaded (gateway/core/index_native.py) the slice goes to its loop
+instead, event by event in order; this numpy run is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gateway.core.index_table import _STAMP_LIMIT, MULTI, TOMB, Hashes, PageTable, _keys, _words
+from gateway.core import index_native
+from gateway.core.index_table import MULTI, TOMB, Hashes, PageTable, _keys, _words
 
 # Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
 SCALAR_OPS = 24
@@ -32,6 +35,10 @@ def apply_ops(table: PageTable, hashes: Hashes, slots: Sequence[int] | np.ndarra
     page)."""
     keys = _keys(hashes)
     n = len(keys)
+    if index_native.kernel() is not None:
+        lo, hi = _words(keys)
+        return index_native.apply(table, lo, hi, np.asarray(slots, dtype=np.int32),
+                                  np.asarray(stores, dtype=bool))
     delta: dict[int, int] = {}
     if n < SCALAR_OPS:
         for h, s, store in zip(keys.tolist(), _ints(slots), _ints(stores)):
@@ -149,8 +156,7 @@ def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) 
     k = len(stored)
     if not k:
         return
-    if table._clock + k >= _STAMP_LIMIT:
-        table._renumber()
+    table._stamps_for(k)
     number = table._clock + 1 + np.arange(k)
     table._clock += k
     keys = np.stack([lo[stored], hi[stored]], axis=1).view("V16").ravel()

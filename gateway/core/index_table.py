@@ -23,7 +23,11 @@ all work on the same arrays of one or two tables; split apart, each part would r
 others' arrays.
 
 Single keys are probed in Python over `array.array` (element reads ~30 ns); whole-table scans
-(a worker's clear, eviction, rehash) run in numpy over views of the same memory.
+(a worker's clear, eviction, rehash) run in numpy over views of the same memory. The bulk calls
+(`add_many`, `discard_many`, `masks`, `index_bulk.apply_ops`) and the probe rounds under them
+(`_find_many`, `_place`) run in C over the same arrays when the page table's kernel is loaded
+(gateway/core/index_native.py: --index-native, auto by default); the numpy code below is the
+reference and the fallback (--index-native off, or no compiler), with the same results.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gateway.core import index_native
 from gateway.core.packed import pack
 
 EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
@@ -179,9 +184,14 @@ class PageTable:
         if hv == slot:
             self._kill(pos)
             return True
-        if hv != MULTI or not self.multi[pos] >> slot & 1:
+        return hv == MULTI and self._leave(pos, slot)
+
+    def _leave(self, pos: int, slot: int) -> bool:
+        """Drops a worker from a shared position's holders; True when it was one."""
+        m = self.multi[pos]
+        if not m >> slot & 1:
             return False
-        m = self.multi[pos] & ~(1 << slot)
+        m &= ~(1 << slot)
         if m & (m - 1):
             self.multi[pos] = m
         else:
@@ -296,13 +306,21 @@ class PageTable:
             at += len(live)
         self._clock = len(every)
 
+    def _stamps_for(self, k: int) -> None:
+        """Before k stores are stamped: renumbers the stamps when the clock would pass its limit."""
+        if self._clock + k >= _STAMP_LIMIT:
+            self._renumber()
+
     def add_many(self, hashes: Hashes, slot: int) -> int:
-        """`add` for every hash in order, in numpy (a snapshot's thousands of pages); how many
-        the worker did not hold."""
+        """`add` for every hash in order, in C or numpy (a snapshot's thousands of pages); how
+        many the worker did not hold."""
         keys = _keys(hashes)
         n = len(keys)
-        if self._clock + n >= _STAMP_LIMIT:
-            self._renumber()
+        if index_native.kernel() is not None:
+            lo, hi = _words(keys)
+            return index_native.apply(self, lo, hi, np.full(n, slot, dtype=np.int32),
+                                      np.ones(n, dtype=bool)).get(slot, 0)
+        self._stamps_for(n)
         # A page listed twice counts once, at its last position (as `add` one by one would).
         _, last = np.unique(keys[::-1], return_index=True)
         order = np.sort(n - 1 - last)
@@ -343,8 +361,11 @@ class PageTable:
         return out
 
     def discard_many(self, hashes: Hashes, slot: int) -> int:
-        """`discard` of every hash, in numpy; how many the worker held."""
+        """`discard` of every hash, in C or numpy; how many the worker held."""
         lo, hi = _words(np.unique(_keys(hashes)))
+        if index_native.kernel() is not None:
+            return -index_native.apply(self, lo, hi, np.full(len(lo), slot, dtype=np.int32),
+                                       np.zeros(len(lo), dtype=bool)).get(slot, 0)
         self._touch_many(lo, hi)
         pos = self._find_many(lo, hi)
         pos = pos[pos >= 0]
@@ -353,15 +374,8 @@ class PageTable:
         mine = pos[hv == slot]
         holder[mine] = TOMB
         self.live -= len(mine)
-        shared = [p for p in pos[hv == MULTI].tolist() if self.multi[p] >> slot & 1]
-        for p in shared:
-            m = self.multi[p] & ~(1 << slot)
-            if m & (m - 1):
-                self.multi[p] = m
-            else:
-                del self.multi[p]
-                holder[p] = m.bit_length() - 1
-        return len(mine) + len(shared)
+        shared = sum(self._leave(p, slot) for p in pos[hv == MULTI].tolist())
+        return len(mine) + shared
 
     def _join(self, pos: int, slot: int) -> bool:
         """Adds a worker to a live position's holders; False when it was one already."""
@@ -388,6 +402,8 @@ class PageTable:
 
     def _find_many(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Positions of the keys, -1 where absent: `_probe` for all of them at once."""
+        if index_native.kernel() is not None:
+            return index_native.find(self, lo, hi)
         holder, klo = self._holder_np(), np.frombuffer(self._lo, dtype=np.uint64)
         khi = np.frombuffer(self._hi, dtype=np.uint64)
         p, out = self._homes(lo, hi), np.full(len(lo), -1, dtype=np.int64)
@@ -406,11 +422,15 @@ class PageTable:
     def _make_room(self, k: int) -> bool:
         """Before k pages are placed: grows when they would take the table past 70%, counting
         the pages still to come from an old table; True when it grew."""
-        pending = self._old.live if self._old is not None else 0
-        if self._used + pending + k <= _MAX_LOAD * self.cap:
+        if self._has_room(k):
             return False
         self._grow(k)
         return True
+
+    def _has_room(self, k: int) -> bool:
+        """Whether k more pages (and those still to come from an old table) stay within 70%."""
+        pending = self._old.live if self._old is not None else 0
+        return self._used + pending + k <= _MAX_LOAD * self.cap
 
     def _grow(self, extra: int) -> None:
         """Starts a migration into a table sized so that every live page (and `extra` more) fill
@@ -435,12 +455,15 @@ class PageTable:
         if slots is None:
             slots = self.migrate_step + self.rate * pages
         end = min(old.cap, self._cursor + slots)
-        seg = old._holder_np()[self._cursor:end]
-        pos = self._cursor + np.flatnonzero(seg >= MULTI)
+        if index_native.kernel() is not None:
+            index_native.migrate(self, self._cursor, end)
+        else:
+            seg = old._holder_np()[self._cursor:end]
+            pos = self._cursor + np.flatnonzero(seg >= MULTI)
+            if len(pos):
+                self._move(pos)
         self.migrated_slots += end - self._cursor
         self._cursor = end
-        if len(pos):
-            self._move(pos)
         if end == old.cap:
             self._old = None
 
@@ -499,6 +522,8 @@ class PageTable:
         position of each one's probe path, as `add` would one by one; returns the positions.
         All keys advance together; where several reach one free position, one takes it and the
         others go on (every position they pass is taken, so each stays reachable from its home)."""
+        if index_native.kernel() is not None:
+            return index_native.place(self, lo, hi, holders)
         holder = self._holder_np()
         p = self._homes(lo, hi)
         out = np.empty(len(lo), dtype=np.int64)

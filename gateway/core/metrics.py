@@ -9,6 +9,8 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.core import index_native
+
 MEDIA = ("device", "host", "remote")
 # Routing decisions take tens of microseconds to a few milliseconds (long prompts, many workers).
 _DECISION_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -99,6 +101,13 @@ class GatewayMetrics:
             "prefixcache_gateway_tokenizer_mismatched_workers", "Admitted workers whose tokenizer "
             "fingerprint differs from the gateway's: they are sent token-id prompts only.",
             registry=r)
+        self.index_table = prometheus_client.Gauge(
+            "prefixcache_gateway_index_table", "1 for what serves the routing index's page "
+            "tables: implementation c (gateway/core/index_native.py) or numpy (--index-native).",
+            ["implementation"], registry=r)
+        native = index_native.implementation()
+        for name in ("c", "numpy"):
+            self.index_table.labels(name).set(name == native)
 
         self.routing_decisions = prometheus_client.Counter(
             "prefixcache_gateway_routing_decisions", "Workers chosen, by policy and the kind "

@@ -223,6 +223,8 @@ def test_the_build_context_builds_the_project_wheel(tmp_path, image):
     assert packages == copied_packages(image)
     for package in packages:
         assert f"{package}/__init__.py" in names, package
+    if image == "gateway":  # the page table's C source, compiled in the builder stage
+        assert "gateway/core/csrc/page_table.c" in names
     # The module the image runs must ship; a missing one is reported, not hidden.
     module = IMAGES[image][0]
     if not (REPO / module / "__main__.py").exists():

@@ -9,6 +9,7 @@ from gateway.core.index import ApplyStatus, IndexConfig, KvIndex, PrefixMatch
 from gateway.core.routed_prefixes import RoutedPrefixes
 from tests.gateway.helpers import (DEVICE, HOST, REMOTE, FakeClock, batch, cleared, heartbeat, page, pages,
                                    removed, stored)
+from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with C, then numpy)
 
 MEDIA = (DEVICE, HOST, REMOTE)
 

@@ -11,6 +11,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router
 from tests.gateway.helpers import FakeClock, batch, pages, stored
+from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with C, then numpy)
 
 
 def test_capacity_comes_from_the_memory_budget_unless_set():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from gateway.core.index import KvIndex
 from gateway.core.index_table import MULTI, PageTable
 from tests.gateway.helpers import DEVICE, HOST, batch, cleared, page, removed, stored
+from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with C, then numpy)
 
 _POOLS = ["a", "b", "c", "d"]
 _event = st.one_of(

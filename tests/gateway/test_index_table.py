@@ -14,6 +14,7 @@ from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import MULTI, PageTable
 from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, page, pages, stored
+from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with C, then numpy)
 
 _ops = st.lists(st.tuples(st.sampled_from(["add", "add_many", "discard", "clear", "evict"]),
                           st.integers(0, 4), st.lists(st.integers(0, 200), max_size=40)), max_size=60)

@@ -77,7 +77,7 @@ def test_cli_serves_until_sigterm(fleet, tmp_path):
         drain.join(timeout=10)
         log = "".join(err)
         for event in ("event=server_started", "policy=round_robin", "event=drain_started",
-                      "event=server_stopped"):
+                      "event=server_stopped", "event=index_table implementation=c"):
             assert event in log, event
     finally:
         if proc.poll() is None:
@@ -86,15 +86,23 @@ def test_cli_serves_until_sigterm(fleet, tmp_path):
 
 
 def test_cli_discovers_workers_by_dns(fleet, tmp_path):
+    """Also: without a C compiler (and no page table built before) the gateway starts with the
+    numpy table and says so; with --index-native on it refuses to start."""
     _, cache, workers, _ = fleet
     port = workers["w1"].address.rsplit(":", 1)[1]
     log_path = tmp_path / "gateway.log"
+    no_cc = {**os.environ, "CC": str(tmp_path / "no-such-cc"),
+             "PREFIXCACHE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    refused = subprocess.run([sys.executable, "-m", "gateway", "--allow-anonymous", "--workers",
+                              f"127.0.0.1:{port}", "--index-native", "on"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60, env=no_cc)
+    assert refused.returncode == 1 and "--index-native on" in refused.stderr, refused.stderr
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-X", "faulthandler", "-m", "gateway", "--host", "127.0.0.1",
              "--port", "0", "--allow-anonymous", "--resolve-interval-s", "0.2"],
             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=log_file,
-            env={**os.environ, "PREFIXCACHE_WORKERS_DNS": f"127.0.0.1:{port}",
+            env={**no_cc, "PREFIXCACHE_WORKERS_DNS": f"127.0.0.1:{port}",
                  "PREFIXCACHE_CACHE_PORT": str(cache.port)})
     try:
         caller = Caller(proc.stdout.readline().split()[-1])
@@ -111,6 +119,8 @@ def test_cli_discovers_workers_by_dns(fleet, tmp_path):
             raise AssertionError("the gateway did not exit 30 s after SIGTERM; its log:\n"
                                  + log_path.read_text()[-6000:]) from None
         assert code == 0, log_path.read_text()[-3000:]
+        log = log_path.read_text()
+        assert "event=index_table implementation=numpy" in log and "no C compiler" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -141,23 +141,30 @@ def test_cpu_gemm_reads_strided_rows_and_rejects_a_wrong_shape() -> None:
 @requires_c_kernels
 def test_kernels_build_into_a_fresh_cache_and_report_a_missing_compiler(tmp_path, monkeypatch,
                                                                       caplog) -> None:
-    """A cold cache builds (and a second build reuses the file); without a compiler `auto` falls
-    back and says why, `on` fails, `off` never builds."""
-    monkeypatch.setitem(cpu_native._settings, "kernel_cache", tmp_path / "k")
+    """A cold cache builds (and a second build reuses the file); without a compiler the built
+    copy serves, and with none built `auto` falls back and says why, `on` fails, `off` never
+    builds."""
+    kernels = cpu_native.KERNELS  # its settings and loaded library restored after the test
+    monkeypatch.setattr(kernels, "_state", dict(kernels._state))
+    for name in ("mode", "cache_dir"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))
+    cpu_native.configure("auto", tmp_path / "k")
     built = cpu_native.build()
     assert built.exists() and built.parent == tmp_path / "k"
     assert cpu_native.build() == built
     assert [p.name for p in (tmp_path / "k").iterdir()] == [built.name]  # no temporaries left
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu_native.build() == built
+    cpu_native.configure("auto", tmp_path / "empty")
     with pytest.raises(RuntimeError, match="no C compiler"):
         cpu_native.build()
-    assert cpu_native._load() is None and "no C compiler" in caplog.text
-    monkeypatch.setitem(cpu_native._settings, "mode", "on")
+    assert cpu_native.library() is None and "no C compiler" in caplog.text
+    cpu_native.configure("on", tmp_path / "empty")
     with pytest.raises(RuntimeError, match=r"--cpu-native on \(PREFIXCACHE_CPU_NATIVE\)"):
-        cpu_native._load()
-    monkeypatch.setitem(cpu_native._settings, "mode", "off")
+        cpu_native.library()
+    cpu_native.configure("off", tmp_path / "empty")
     monkeypatch.delenv("CC")
-    assert cpu_native._load() is None
+    assert cpu_native.library() is None
 
 
 def test_joined_weights_take_one_gemm_with_the_same_outputs() -> None:

@@ -1,0 +1,162 @@
+/* The gateway's page table (gateway/core/index_table.py) in C: lookups, placements and a slice
+   of page events on the arrays of one table, one event after another, with exactly the result of
+   PageTable.add / discard called one by one (gateway/core/index_native.py drives them; the numpy
+   code stays as the reference and the fallback). Holder masks of pages several workers hold stay
+   in Python (a dict of ints of any width): the C loop records what Python must do with them. */
+#include <stdint.h>
+
+#define EMPTY (-3)
+#define TOMB (-2)
+#define MULTI (-1)
+
+static const uint64_t MIX = 0x9E3779B97F4A7C15ULL, MIX_HI = 0xC2B2AE3D27D4EB4FULL;
+
+/* index_table._home: both words multiplied in, the product's high bits folded into its low. */
+static inline int64_t home(uint64_t lo, uint64_t hi, int64_t cap) {
+    uint64_t x = (lo ^ (hi * MIX_HI)) * MIX;
+    return (int64_t)((x ^ (x >> 29)) % (uint64_t)cap);
+}
+
+/* The key's position (-1: absent); *free gets the first empty or deleted position of its path. */
+static inline int64_t probe(const uint64_t *klo, const uint64_t *khi, const int32_t *holder,
+                            int64_t cap, uint64_t lo, uint64_t hi, int64_t *free) {
+    int64_t p = home(lo, hi, cap), first_free = -1;
+    for (;;) {
+        int32_t hv = holder[p];
+        if (hv == EMPTY) {
+            *free = first_free < 0 ? p : first_free;
+            return -1;
+        }
+        if (hv == TOMB) {
+            if (first_free < 0)
+                first_free = p;
+        } else if (klo[p] == lo && khi[p] == hi) {
+            *free = -1;
+            return p;
+        }
+        if (++p == cap)
+            p = 0;
+    }
+}
+
+/* out[i] = position of key i, -1 where absent (PageTable._find_many). */
+void pt_find(const uint64_t *klo, const uint64_t *khi, const int32_t *holder, int64_t cap,
+             const uint64_t *lo, const uint64_t *hi, int64_t n, int64_t *out) {
+    int64_t free;
+    for (int64_t i = 0; i < n; i++)
+        out[i] = probe(klo, khi, holder, cap, lo[i], hi[i], &free);
+}
+
+/* Keys known to be absent written with their holders at the first free position of each one's
+   path, in order (PageTable._place, and the keys too); out[i] = the position; returns how many
+   of them were empty (not deleted) positions: the table's `used` grows by that. */
+int64_t pt_place(uint64_t *klo, uint64_t *khi, int32_t *holder, int64_t cap,
+                 const uint64_t *lo, const uint64_t *hi, const int32_t *holders, int64_t n,
+                 int64_t *out) {
+    int64_t fresh = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = home(lo[i], hi[i], cap);
+        while (holder[p] >= MULTI)
+            if (++p == cap)
+                p = 0;
+        fresh += holder[p] == EMPTY;
+        klo[p] = lo[i];
+        khi[p] = hi[i];
+        holder[p] = holders[i];
+        out[i] = p;
+    }
+    return fresh;
+}
+
+/* Events start..n-1 (store[i] ? add : discard of key i by worker slot[i]), in order, on one
+   table (every key of the slice is in it, or absent from both tables: the caller pulled them out
+   of an old one and made room for every placement). state = {used, live, clock}, updated.
+   delta[slot] += pages the worker gained (stores) or lost (removals) here.
+   What only Python can do is recorded, rec[3k..3k+2] = (position, seed, slot), *nrec of them:
+   seed >= 0: a page `seed` alone held is now held by `slot` too (the holder is now MULTI; the
+   mask is Python's to make, and the count of `slot`'s delta); seed == -1: `slot` joins a page
+   several held (Python adds its bit, and counts it when new). A removal from a page several hold
+   stops the loop: the return value is its index (n when every event is done); Python applies the
+   records so far, then that removal, then calls again from the next event. */
+int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
+                 int64_t *state, const uint64_t *lo, const uint64_t *hi, const int32_t *slot,
+                 const uint8_t *store, int64_t start, int64_t n, int64_t *delta, int64_t *rec,
+                 int64_t *nrec) {
+    int64_t used = state[0], live = state[1], clock = state[2], k = 0, i = start;
+    for (; i < n; i++) {
+        int64_t free, p = probe(klo, khi, holder, cap, lo[i], hi[i], &free);
+        int32_t s = slot[i];
+        if (store[i]) {
+            clock++;
+            if (p < 0) {
+                used += holder[free] == EMPTY;
+                klo[free] = lo[i];
+                khi[free] = hi[i];
+                holder[free] = s;
+                stamp[free] = (uint32_t)clock;
+                live++;
+                delta[s]++;
+                continue;
+            }
+            stamp[p] = (uint32_t)clock;
+            int32_t hv = holder[p];
+            if (hv == s)
+                continue;
+            rec[3 * k] = p;
+            rec[3 * k + 1] = hv;  /* MULTI (-1): a join; a worker slot: the seed of a mask */
+            rec[3 * k + 2] = s;
+            k++;
+            holder[p] = MULTI;
+        } else if (p >= 0) {
+            int32_t hv = holder[p];
+            if (hv == s) {
+                holder[p] = TOMB;
+                live--;
+                delta[s]--;
+            } else if (hv == MULTI) {
+                break;
+            }
+        }
+    }
+    state[0] = used;
+    state[1] = live;
+    state[2] = clock;
+    *nrec = k;
+    return i;
+}
+
+/* The live slots of an old table in [start, end) moved into the new one (PageTable._step): each
+   key written at the first free position of its path there, with its holder and stamp, and its
+   old slot made a tombstone (which keeps the old table's other keys reachable). Positions of
+   shared pages go to pairs[2j] (old) and pairs[2j+1] (new), *npairs of them, for Python to move
+   their masks. Returns how many moved; *fresh gets how many empty positions they took. */
+int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
+                   const uint32_t *ostamp, int64_t start, int64_t end, uint64_t *klo,
+                   uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap, int64_t *fresh,
+                   int64_t *pairs, int64_t *npairs) {
+    int64_t moved = 0, empties = 0, k = 0;
+    for (int64_t q = start; q < end; q++) {
+        int32_t hv = oholder[q];
+        if (hv < MULTI)
+            continue;
+        int64_t p = home(olo[q], ohi[q], cap);
+        while (holder[p] >= MULTI)
+            if (++p == cap)
+                p = 0;
+        empties += holder[p] == EMPTY;
+        klo[p] = olo[q];
+        khi[p] = ohi[q];
+        holder[p] = hv;
+        stamp[p] = ostamp[q];
+        oholder[q] = TOMB;
+        if (hv == MULTI) {
+            pairs[2 * k] = q;
+            pairs[2 * k + 1] = p;
+            k++;
+        }
+        moved++;
+    }
+    *fresh = empties;
+    *npairs = k;
+    return moved;
+}

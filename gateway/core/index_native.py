@@ -1,0 +1,169 @@
+"""The page table's C kernel (csrc/page_table.c): `PageTable` lookups, placements and slices of
+page events run as one C loop over the table's own arrays (issue 31: each numpy call of the
+reference path costs ~10-40 us whatever its size, a C step ~50-100 ns an event).
+
+Built on first use with the system compiler into the kernel cache (service_shell/native_build.py:
+the gateway's --kernel-cache, plain -O2, no OpenMP), or taken prebuilt from the image
+(deploy/docker/Dockerfile.gateway builds it at image build time). `configure(mode)` (the
+gateway's --index-native / PREFIXCACHE_INDEX_NATIVE): auto uses it when it builds, on refuses to
+start without it, off never builds it. Without it the numpy code of index_table.py and
+index_bulk.py serves: the same results (tests/gateway/test_index_native.py compares the two
+and `add` / `discard` one by one), slower.
+
+`apply` is `PageTable.add` / `discard` of every event, in order. The holder masks of pages
+several workers hold stay Python ints in `PageTable.multi`: the C loop records each new sharer
+for Python to OR into the mask, and stops at a removal from a shared page (Python clears the
+bit, then the loop goes on at the next event).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service_shell.native_build import NativeLibrary
+
+if TYPE_CHECKING:
+    from gateway.core.index_table import PageTable
+
+CSRC = Path(__file__).with_name("csrc")
+_P, _N = ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {  # C function -> (restype, argtypes)
+    "pt_find": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
+    "pt_place": (_N, [_P, _P, _P, _N, _P, _P, _P, _N, _P]),
+    "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P]),
+    "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
+}
+TABLE = NativeLibrary(
+    "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table",
+    lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
+             "flags": ("-O2", "-shared", "-fPIC")},
+    # Calls of µs to a few ms, under the router's lock: releasing the GIL for each would let the
+    # routing thread take it, and the ingest thread wait up to a switch interval to get it back.
+    SIGNATURES, loader=ctypes.PyDLL)
+
+
+def configure(mode: str = "auto", kernel_cache: str | Path | None = None) -> None:
+    """The gateway's settings (--index-native, --kernel-cache), before the first table call."""
+    TABLE.configure(mode, kernel_cache)
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The loaded library, or None (off, or it cannot be built: the numpy table serves)."""
+    return TABLE.library()
+
+
+def implementation() -> str:
+    """What serves the page tables: "c" or "numpy" (the log line and metric at start)."""
+    return "c" if kernel() is not None else "numpy"
+
+
+def _arrays(table: PageTable) -> tuple[int, int, int]:
+    return table._lo.buffer_info()[0], table._hi.buffer_info()[0], table._holder.buffer_info()[0]
+
+
+def find(table: PageTable, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Positions of the keys (uint64 arrays) in this table alone, -1 where absent."""
+    lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
+    out = np.empty(len(lo), dtype=np.int64)
+    kernel().pt_find(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data, len(lo),
+                     out.ctypes.data)
+    return out
+
+
+def place(table: PageTable, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
+    """Keys known to be absent written (keys and holders) at the first free position of each
+    one's path, in order; their positions."""
+    lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
+    holders = np.ascontiguousarray(holders, np.int32)
+    out = np.empty(len(lo), dtype=np.int64)
+    table._used += kernel().pt_place(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data,
+                                     holders.ctypes.data, len(lo), out.ctypes.data)
+    return out
+
+
+def migrate(table: PageTable, start: int, end: int) -> None:
+    """The live slots [start, end) of the table's old table moved into it (`PageTable._step`)."""
+    old = table._old
+    pairs, npairs, fresh = np.empty(2 * (end - start), dtype=np.int64), _N(), _N()
+    moved = kernel().pt_migrate(*_arrays(old), old._stamp.buffer_info()[0], start, end,
+                                *_arrays(table), table._stamp.buffer_info()[0], table.cap,
+                                ctypes.byref(fresh), pairs.ctypes.data, ctypes.byref(npairs))
+    table._used += fresh.value
+    old.live -= moved
+    shared = pairs[:2 * npairs.value].tolist()
+    for j in range(0, len(shared), 2):
+        table.multi[shared[j + 1]] = old.multi.pop(shared[j])
+
+
+def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
+          store: np.ndarray) -> dict[int, int]:
+    """Event i (store[i]: `add`, else `discard` of key i by worker slot[i]) in order; the change
+    of each worker slot's page count."""
+    n = len(lo)
+    if not n:
+        return {}
+    lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
+    slot = np.ascontiguousarray(slot, np.int32)
+    if slot.min() < 0:  # the C loop indexes its per-slot counts with them
+        raise ValueError(f"worker slot {int(slot.min())}")
+    store = np.ascontiguousarray(store, np.bool_).view(np.uint8)
+    stored = np.flatnonzero(store)
+    table._stamps_for(len(stored))
+    # Every key of the slice in the new table (or in neither), and room for every placement: a
+    # growth makes the current table the old one, and the keys are pulled out of it again.
+    table._touch_many(lo, hi)
+    if len(stored) and not table._has_room(len(stored)) \
+            and table._make_room(_new_keys(table, lo[stored], hi[stored])):
+        table._pull_many(lo, hi)
+    delta = np.zeros(int(slot.max()) + 1, dtype=np.int64)
+    rec, nrec = np.empty(3 * n, dtype=np.int64), ctypes.c_int64()
+    shared: dict[int, int] = {}  # the deltas Python counts (masks of shared pages)
+    fn, i = kernel().pt_apply, 0
+    while i < n:
+        state = np.array([table._used, table.live, table._clock], dtype=np.int64)
+        i = fn(*_arrays(table), table._stamp.buffer_info()[0], table.cap, state.ctypes.data,
+               lo.ctypes.data, hi.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
+               delta.ctypes.data, rec.ctypes.data, ctypes.byref(nrec))
+        table._used, table.live, table._clock = state.tolist()
+        _share(table.multi, rec[:3 * nrec.value].tolist(), shared)
+        if i < n:  # a removal from a page several workers hold
+            s = int(slot[i])
+            pos = int(find(table, lo[i:i + 1], hi[i:i + 1])[0])
+            if table._leave(pos, s):
+                shared[s] = shared.get(s, 0) - 1
+            i += 1
+    changed = np.flatnonzero(delta)
+    out = dict(zip(changed.tolist(), delta[changed].tolist()))
+    for s, d in shared.items():
+        if out.get(s, 0) + d:
+            out[s] = out.get(s, 0) + d
+        else:
+            out.pop(s, None)
+    return out
+
+
+def _share(multi: dict[int, int], rec: list[int], counts: dict[int, int]) -> None:
+    """The records of one `pt_apply` call, in order: a mask begun (seed, slot) or a slot joining
+    one; each slot that newly holds a page counted."""
+    for j in range(0, len(rec), 3):
+        pos, seed, s = rec[j], rec[j + 1], rec[j + 2]
+        if seed >= 0:
+            multi[pos] = 1 << seed | 1 << s
+        else:
+            m = multi[pos]
+            if m >> s & 1:
+                continue
+            multi[pos] = m | 1 << s
+        counts[s] = counts.get(s, 0) + 1
+
+
+def _new_keys(table: PageTable, lo: np.ndarray, hi: np.ndarray) -> int:
+    """How many of the stored keys are in neither table (an upper bound of the placements: a
+    key stored twice counts twice), for `_make_room`."""
+    absent = find(table, lo, hi) < 0
+    if table._old is not None and absent.any():
+        return int(np.count_nonzero(find(table._old, lo[absent], hi[absent]) < 0))
+    return int(np.count_nonzero(absent))
