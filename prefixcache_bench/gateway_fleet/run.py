@@ -14,7 +14,7 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
@@ -27,6 +27,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.gateway_fleet.live_clock import LiveClock
 from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
 from service_shell import channel_options
@@ -128,27 +129,35 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
     they do in the gateway, or not (the per-page encoding an older cache service sends);
     `warmup_compare`: only the warm-up, its decisions compared with load-only routing
     (warmup.py)."""
-    with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as (address, go):
+    with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as generator:
         if warmup_compare:
-            return _measure_warmup(address, pools, pages_per_pool, live_batches, packed)
-        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go, packed)
+            return _measure_warmup(generator.address, pools, pages_per_pool, live_batches, packed)
+        return _measure(generator, pools, pages_per_pool, live_batches, idle_s, packed)
+
+
+@dataclass(frozen=True)
+class LoadGenerator:
+    address: str
+    go: Any  # the event that releases its live batches
+    last_sent: Any  # a shared double: its last live send (time.perf_counter)
+    pid: int
 
 
 @contextmanager
 def load_generator(pools: int, pages_per_pool: int, live_batches: int,
-                   cpus: tuple[int, int] | None, packed: bool) -> Iterator[tuple[str, Any]]:
+                   cpus: tuple[int, int] | None, packed: bool) -> Iterator[LoadGenerator]:
     """The simulated pools' cache service in a process of its own (on `cpus[1]`, this process
-    moved to `cpus[0]`): (its address, the event that releases its live batches)."""
+    moved to `cpus[0]`)."""
     ctx = multiprocessing.get_context("spawn")
-    ports, go = ctx.Queue(), ctx.Event()
+    ports, go, sent = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
-                                               cpus[1] if cpus else None, packed), daemon=True)
+                                               cpus[1] if cpus else None, packed, sent), daemon=True)
     server.start()
     try:
         address = f"127.0.0.1:{ports.get(timeout=1800)}"
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
-        yield address, go
+        yield LoadGenerator(address, go, sent, server.pid)
     finally:
         server.kill()
         server.join(10)
@@ -207,8 +216,9 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
             "packed_hashes": packed}
 
 
-def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
-             go, packed: bool) -> dict:
+def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_batches: int,
+             idle_s: float, packed: bool) -> dict:
+    address = generator.address
     router, names = _fleet_router(address, pools)
     settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
     rss0 = _rss_bytes()
@@ -220,10 +230,13 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
         feeds.submit(follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     threads = threading.active_count()
-    go.set()  # the load generator streams the live batches now
+    clock = LiveClock(router, generator.pid)
+    clock.start()
+    generator.go.set()  # the load generator streams the live batches now
     t_live = time.perf_counter()
     slices0 = feeds.applier.slices
-    t_done = _wait(router, names, lambda i: i.last_seq == live_batches)
+    t_done = _wait(router, names, lambda i: i.last_seq == live_batches, poll_s=0.01)
+    clock.stop()
     slices = feeds.applier.slices - slices0
     rss = _rss_bytes() - rss0
     time.sleep(idle_s)
@@ -236,12 +249,12 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
         "pools": pools, "pages_per_pool": pages_per_pool, "live_batches_per_pool": live_batches,
         "indexed_pages": st.entries, "snapshot_page_events": snap, "live_page_events": live,
         "restart_to_warm_s": t_warm - t0, "snapshot_page_events_per_s": snap / (t_warm - t0),
-        "live_page_events_per_s": live / max(t_done - t_live, 1e-9),
+        **clock.summary(live, generator.last_sent.value),
         "routing_during_warmup": timed.summary(t0, t_warm),
-        "routing_during_ingest": timed.summary(t_live, t_done),
+        "routing_during_ingest": timed.summary(clock.first or t_live, clock.last or t_done),
         "routing_idle": timed.summary(t_done, t_done + idle_s + 1),
         "routed_to_holder": timed.to_holder / max(timed.private, 1),
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
-        "packed_hashes": packed,
+        "packed_hashes": packed, "load_avg_end": os.getloadavg(),
     }
