@@ -6,6 +6,7 @@ run says which side was the bottleneck."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,8 +33,11 @@ class LiveClock:
     thread) to note the live batches' first and last slice; `start()` marks the moment the load
     generator is let go (its CPU time counted from there)."""
 
-    def __init__(self, router: Router, generator_pid: int | None) -> None:
+    def __init__(self, router: Router, generator_pid: int | None, live_items: int) -> None:
         self._apply = router.apply_stream_items
+        # Set once `live_items` live batches were applied: the bench waits on it instead of
+        # polling the index (a poll reads every worker under the router's lock).
+        self.expected, self.done = live_items, threading.Event()
         router.apply_stream_items = self  # type: ignore[method-assign]
         self.generator_pid = generator_pid
         self.first: float | None = None  # time.perf_counter before the first live slice
@@ -62,6 +66,8 @@ class LiveClock:
                 self.first, self.feed_cpu[0] = began, cpu
             self.last, self.feed_cpu[1] = time.perf_counter(), time.thread_time()
             self.live_items += live
+            if self.live_items >= self.expected:
+                self.done.set()
         return results
 
     def summary(self, live_page_events: int, last_sent: float) -> dict:

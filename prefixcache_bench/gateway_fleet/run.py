@@ -230,13 +230,14 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
         feeds.submit(follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     threads = threading.active_count()
-    clock = LiveClock(router, generator.pid)
+    clock = LiveClock(router, generator.pid, pools * live_batches)
     clock.start()
     generator.go.set()  # the load generator streams the live batches now
     t_live = time.perf_counter()
     slices0 = feeds.applier.slices
-    t_done = _wait(router, names, lambda i: i.last_seq == live_batches, poll_s=0.01)
+    clock.done.wait(1800)
     clock.stop()
+    t_done = _wait(router, names, lambda i: i.last_seq == live_batches)
     slices = feeds.applier.slices - slices0
     rss = _rss_bytes() - rss0
     time.sleep(idle_s)
