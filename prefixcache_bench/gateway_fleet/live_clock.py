@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.core.router import Router
 from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache_bench.harness import percentile
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -44,6 +45,7 @@ class LiveClock:
         self.last: float | None = None  # after the last live slice
         self.feed_cpu = [0.0, 0.0]  # the FeedLoop thread's thread_time at first, last
         self.live_items = 0
+        self.holds: list[float] = []  # seconds each live slice took
         self.released = 0.0
         self.generator_cpu = [0.0, 0.0]  # at start(), at stop()
 
@@ -65,6 +67,7 @@ class LiveClock:
             if self.first is None:
                 self.first, self.feed_cpu[0] = began, cpu
             self.last, self.feed_cpu[1] = time.perf_counter(), time.thread_time()
+            self.holds.append(self.last - began)
             self.live_items += live
             if self.live_items >= self.expected:
                 self.done.set()
@@ -81,6 +84,8 @@ class LiveClock:
             "live_items_applied": self.live_items,
             "live_start_delay_s": self.first - self.released,
             "feed_loop_cpu_share_live": (self.feed_cpu[1] - self.feed_cpu[0]) / span,
+            "live_slice_p50_ms": percentile(self.holds, 0.5) * 1e3,
+            "live_slice_p99_ms": percentile(self.holds, 0.99) * 1e3,
         }
         if last_sent > 0:
             sent_span = max(last_sent - self.released, 1e-9)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import sys
 import threading
 import time
 import tracemalloc
@@ -19,6 +20,7 @@ from typing import Any
 
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.ingest_slices import SLICE_S
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
@@ -66,7 +68,9 @@ class _Router:
         self.request_pages = request_pages  # of which CONVERSATION_PAGES held, the rest new
         # Conversations the live batches do not remove (those go oldest first).
         self.first_conv = (live_batches * F.LIVE_PAGES) // F.CONVERSATION_PAGES + 1
-        self.samples: list[tuple[float, float]] = []  # (start, seconds)
+        # (start, seconds in route(), seconds from the planned wake-up to route()'s end: the
+        # GIL's hand-off after the sleep too, which route()'s own time cannot see)
+        self.samples: list[tuple[float, float, float]] = []
         self.to_holder = self.private = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
@@ -87,25 +91,29 @@ class _Router:
 
     def _run(self) -> None:
         rng, n = random.Random(1), 0
+        wake = time.perf_counter()
         while not self.stop.is_set():
             req, holder = self._request(rng, n)
             start = time.perf_counter()
             route = self.router.route(req)
-            self.samples.append((start, time.perf_counter() - start))
+            end = time.perf_counter()
+            self.samples.append((start, end - start, end - wake))
             if route is not None:
                 self.router.finish(req.request_id)
                 if holder is not None and self.router.index.info(holder) is not None:
                     self.private += 1
                     self.to_holder += route.worker.name == holder
             n += 1
+            wake = time.perf_counter() + 0.001
             time.sleep(0.001)
 
     def summary(self, t0: float, t1: float) -> dict:
-        lat = [s * 1e6 for t, s in self.samples if t0 <= t < t1]
+        lat = [s * 1e6 for t, s, _ in self.samples if t0 <= t < t1]
         if not lat:
             return {"decisions": 0}
+        woken = [w * 1e6 for t, _, w in self.samples if t0 <= t < t1]
         return {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
-                "max_us": max(lat)}
+                "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99)}
 
 
 def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
@@ -123,16 +131,31 @@ def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
 
 def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
                cpus: tuple[int, int] | None = (0, 1), packed: bool = True,
-               warmup_compare: bool = False) -> dict:
+               warmup_compare: bool = False, tuning: IngestTuning | None = None) -> dict:
     """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
     `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
     they do in the gateway, or not (the per-page encoding an older cache service sends);
     `warmup_compare`: only the warm-up, its decisions compared with load-only routing
-    (warmup.py)."""
+    (warmup.py); `tuning`: the gateway's ingest settings (the defaults when None)."""
     with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as generator:
         if warmup_compare:
             return _measure_warmup(generator.address, pools, pages_per_pool, live_batches, packed)
-        return _measure(generator, pools, pages_per_pool, live_batches, idle_s, packed)
+        return _measure(generator, pools, pages_per_pool, live_batches, idle_s, packed,
+                        tuning or IngestTuning())
+
+
+@dataclass(frozen=True)
+class IngestTuning:
+    """The gateway's ingest settings a run uses: the slice's target hold of the router's lock
+    (`--ingest-slice-ms`), or a fixed number of page events a slice (the former behaviour), and
+    the interpreter's thread switch interval (sys.setswitchinterval; None: left at 5 ms)."""
+    slice_s: float = SLICE_S
+    slice_events: int | None = None
+    switch_interval_s: float | None = None
+
+    def summary(self) -> dict:
+        return {"ingest_slice_ms": self.slice_s * 1e3, "ingest_slice_events_fixed": self.slice_events,
+                "switch_interval_ms": (self.switch_interval_s or sys.getswitchinterval()) * 1e3}
 
 
 @dataclass(frozen=True)
@@ -217,7 +240,7 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
 
 
 def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_batches: int,
-             idle_s: float, packed: bool) -> dict:
+             idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
     address = generator.address
     router, names = _fleet_router(address, pools)
     settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
@@ -225,7 +248,9 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
     timed = _Router(router, pools, pages_per_pool, live_batches)
     timed.thread.start()
     t0 = time.perf_counter()
-    feeds = FeedLoop(router)
+    if tuning.switch_interval_s is not None:
+        sys.setswitchinterval(tuning.switch_interval_s)
+    feeds = FeedLoop(router, tuning.slice_s, tuning.slice_events)
     for name in names:
         feeds.submit(follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
@@ -257,5 +282,7 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
         "routed_to_holder": timed.to_holder / max(timed.private, 1),
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
+        "live_slice_events_mean": live / max(slices, 1),
+        "slice_events_at_end": feeds.applier.size.events, **tuning.summary(),
         "packed_hashes": packed, "load_avg_end": os.getloadavg(),
     }
