@@ -66,6 +66,22 @@ def _command(argv: list[str] | None) -> str:
     return "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
 
 
+def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ingest-slice-ms", type=float, default=SLICE_S * 1e3,
+                   help="the time one ingest slice may hold the router's lock (the gateway's "
+                        "--ingest-slice-ms)")
+    p.add_argument("--slice-events", type=int,
+                   help="a fixed number of page events per ingest slice instead (1024: the "
+                        "gateway before --ingest-slice-ms)")
+    p.add_argument("--switch-interval-ms", type=float,
+                   help="the gateway process's sys.setswitchinterval (default: Python's 5 ms)")
+
+
+def _tuning(args: argparse.Namespace) -> IngestTuning:
+    switch = None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3
+    return IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events, switch)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixcache_bench.gateway_fleet", description=__doc__)
     p.add_argument("--pools", type=int, default=100)
@@ -94,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the cold warm-up: each decision of the gateway's affinity routing "
                         "compared with load-only routing (least_loaded over every worker), per "
                         "share of pools warm (warmup.py; its JSONs are warmup_w*.json)")
-    p.add_argument("--ingest-slice-ms", type=float, default=SLICE_S * 1e3,
-                   help="the time one ingest slice may hold the router's lock (the gateway's "
-                        "--ingest-slice-ms)")
-    p.add_argument("--slice-events", type=int,
-                   help="a fixed number of page events per ingest slice instead (1024: the "
-                        "gateway before --ingest-slice-ms)")
-    p.add_argument("--switch-interval-ms", type=float,
-                   help="the gateway process's sys.setswitchinterval (default: Python's 5 ms)")
+    _add_tuning_flags(p)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
@@ -135,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         results = routing_only(args.pools, per_pool, args.decisions, live,
                                gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages)
     else:
-        tuning = IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events,
-                              None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3)
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
-                                      packed=not args.unpacked, tuning=tuning))
+                                      packed=not args.unpacked, tuning=_tuning(args)))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
