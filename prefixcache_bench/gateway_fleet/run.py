@@ -71,6 +71,7 @@ class _Router:
         # (start, seconds in route(), seconds from the planned wake-up to route()'s end: the
         # GIL's hand-off after the sleep too, which route()'s own time cannot see)
         self.samples: list[tuple[float, float, float]] = []
+        self.cpu: list[tuple[float, float]] = []  # (start, this thread's CPU time then)
         self.to_holder = self.private = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
@@ -95,6 +96,7 @@ class _Router:
         while not self.stop.is_set():
             req, holder = self._request(rng, n)
             start = time.perf_counter()
+            self.cpu.append((start, time.thread_time()))
             route = self.router.route(req)
             end = time.perf_counter()
             self.samples.append((start, end - start, end - wake))
@@ -112,8 +114,12 @@ class _Router:
         if not lat:
             return {"decisions": 0}
         woken = [w * 1e6 for t, _, w in self.samples if t0 <= t < t1]
-        return {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
-                "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99)}
+        out = {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
+               "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99)}
+        cpu = [(t, c) for t, c in self.cpu if t0 <= t < t1]
+        if len(cpu) > 1:  # the routing thread's share of its core over the phase
+            out["cpu_share"] = (cpu[-1][1] - cpu[0][1]) / max(cpu[-1][0] - cpu[0][0], 1e-9)
+        return out
 
 
 def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
