@@ -1,6 +1,7 @@
 """`python -m prefixcache_bench.gateway_fleet --pools 1000 --total-pages 1000000 --json PATH`:
 one configuration (run each in its own process: the index's memory is measured by growth);
-`--summary DIR` tabulates the JSONs of a folder (w*.json); `--routing-only` times routing
+`--summary DIR` tabulates the JSONs of a folder (w*.json; ingest_w*.json: ingest slice pairs);
+`--routing-only` times routing
 decisions alone (routing.py; its JSONs are routing_w*.json). `--checkpoint` times a restart
 from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json). `--warmup-compare`
 compares routing during a cold warm-up with load-only routing (warmup.py; warmup_w*.json). See run.py for what is measured and how the two
@@ -39,6 +40,13 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
                    "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",
                    "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
+# The ingest slices' runs (ingest_w*.json): before/after pairs of the same minutes.
+INGEST_COLUMNS = ("pools", "ingest_slice_events_fixed", "ingest_slice_ms", "switch_interval_ms",
+                  "live_page_events_per_s", "live_slice_p50_ms", "live_slice_p99_ms",
+                  "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
+                  "routing_p99_from_wake_during_ingest_us", "feed_loop_cpu_share_live",
+                  "routing_cpu_share_during_ingest", "generator_cpu_share_live",
+                  "generator_send_page_events_per_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
@@ -116,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.summary:
         for pattern, columns in (("w[0-9]*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
-                                 ("checkpoint_w*.json", CHECKPOINT_COLUMNS)):
+                                 ("checkpoint_w*.json", CHECKPOINT_COLUMNS),
+                                 ("ingest_w*.json", INGEST_COLUMNS)):
             rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
             rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
             if rows:
