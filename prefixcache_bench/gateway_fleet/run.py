@@ -3,7 +3,8 @@ process, pinned to one core) into one gateway's Router through the real feed cod
 (gateway/core/feeds.py: a grpc.aio channel and `follow_events` per pool on the one `FeedLoop`,
 `BatchApplier` -> `Router.apply_stream_items`), the gateway pinned to the other core, while a
 routing thread times Router.route. Phases: warm (every pool's snapshot applied:
-restart-to-warm), then live (every pool's recorded live batches applied)."""
+restart-to-warm), then live (every pool's recorded live batches applied), timed in the gateway
+from the first slice holding a live batch to the last (live_clock.py)."""
 from __future__ import annotations
 
 import multiprocessing
