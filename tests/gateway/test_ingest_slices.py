@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.__main__ import config_from_args, parse_args
 from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import (FIRST_SLICE_EVENTS, MAX_SLICE_EVENTS, MIN_SLICE_EVENTS,
-                                        SliceSize)
+                                        SLICE_S, SliceSize)
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker
+from gateway.core.workers import Fleet, WorkerSet
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from tests.gateway.gateway_harness import wait_until
@@ -103,3 +105,18 @@ def test_time_sized_slices_leave_the_index_as_one_by_one_does(slice_s):
         assert size.events < FIRST_SLICE_EVENTS and feeds.applier.slices > 2 * 35_000 * 3 // 1024
     else:  # 50 ms: far more than the first 1,024 page events a slice
         assert size.events > 4 * FIRST_SLICE_EVENTS
+
+
+def test_the_gateway_flag_sets_the_feed_loops_slice_time():
+    default = config_from_args(parse_args(["--workers", "localhost:1", "--allow-anonymous"]))
+    short = config_from_args(parse_args(["--workers", "localhost:1", "--allow-anonymous",
+                                         "--ingest-slice-ms", "0.5"]))
+    assert default.worker.ingest_slice_s == SLICE_S and short.worker.ingest_slice_s == 0.0005
+    with pytest.raises(SystemExit):
+        parse_args(["--workers", "localhost:1", "--allow-anonymous", "--ingest-slice-ms", "0"])
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    workers = WorkerSet(lambda: [], router, Fleet(None, None), short.worker)
+    try:
+        assert workers.feeds.applier.size.slice_s == 0.0005
+    finally:
+        workers.close()
