@@ -51,6 +51,8 @@ T = TypeVar("T")
 # Items queued and not yet applied before the feeds stop reading (gRPC's flow control then
 # holds the cache services back).
 MAX_PENDING_ITEMS = 4096
+# Turns of the loop the applier lets the feeds read on before a slice (BatchApplier._fill).
+FILL_TURNS = 8
 # Threads for the blocking calls (identify, tokenizer fetch): fixed, whatever the workers.
 BLOCKING_THREADS = 4
 
@@ -217,7 +219,9 @@ class BatchApplier:
 
     def __init__(self, router: Router, size: SliceSize) -> None:
         self.router, self.size = router, size
-        self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse]] = deque()
+        # (feed, its generation then, item, the item's page events)
+        self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse, int]] = deque()
+        self._queued_events = 0
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -227,20 +231,37 @@ class BatchApplier:
     async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
         if item.WhichOneof("item") == "batch" and item.batch.snapshot:
             for part in split_snapshot(item.batch, self.size.events):
-                self._pending.append((feed, feed.generation, cpb.SubscribeResponse(batch=part))
-                                     if part is not item.batch else (feed, feed.generation, item))
+                self._queue(feed, item if part is item.batch else cpb.SubscribeResponse(batch=part))
         else:
-            self._pending.append((feed, feed.generation, item))
+            self._queue(feed, item)
         self._wake.set()
         if len(self._pending) >= MAX_PENDING_ITEMS:
             self._room.clear()
             await self._room.wait()
+
+    def _queue(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
+        events = (max(1, sum(map(_page_count, item.batch.events)))
+                  if item.WhichOneof("item") == "batch" else 0)
+        self._pending.append((feed, feed.generation, item, events))
+        self._queued_events += events
+
+    async def _fill(self) -> None:
+        """A feed reads one message a turn of the loop: with few feeds, one turn queues less than
+        a slice. Lets them read on while each turn brings more, up to a slice's page events."""
+        for _ in range(FILL_TURNS):
+            queued = len(self._pending)
+            if self._queued_events >= self.size.events:
+                return
+            await asyncio.sleep(0)
+            if len(self._pending) == queued:
+                return
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                await self._fill()
                 self._apply_slice(self._take_slice())
                 self.router.yield_to_routing()
                 if len(self._pending) < MAX_PENDING_ITEMS // 2:
@@ -253,12 +274,12 @@ class BatchApplier:
         out, budget = [], self.size.events
         events = 0
         while self._pending and events < budget:
-            feed, generation, item = self._pending.popleft()
+            feed, generation, item, n = self._pending.popleft()
+            self._queued_events -= n
             if feed.ended or generation != feed.generation:
                 continue
             out.append((feed, item))
-            if item.WhichOneof("item") == "batch":
-                events += max(1, sum(map(_page_count, item.batch.events)))
+            events += n
         return out, events
 
     def _apply_slice(self, taken: tuple[list[tuple[Feed, cpb.SubscribeResponse]], int]) -> None:

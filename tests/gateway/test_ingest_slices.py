@@ -3,6 +3,8 @@ follow the apply cost measured, within bounds, and the index ends up exactly as 
 batch one by one would leave it, whatever the slices."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.__main__ import config_from_args, parse_args
@@ -120,3 +122,38 @@ def test_the_gateway_flag_sets_the_feed_loops_slice_time():
         assert workers.feeds.applier.size.slice_s == 0.0005
     finally:
         workers.close()
+
+
+def test_a_slice_waits_for_what_a_few_feeds_read_turn_by_turn():
+    """A feed reads one message a turn of the loop: with two feeds, one turn queues 256 page
+    events. The applier lets them read on until a slice's worth is queued instead of applying
+    each turn's few batches as a slice of their own."""
+    router = Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
+    names = ["a", "b"]
+    for n in names:
+        router.add(Worker(n, "w", "c", None, pb.GetModelInfoResponse(worker=n)))
+    feeds = FeedLoop(router, slice_events=1024)
+    streams = {n: _stream(n, 100_000 * i) for i, n in enumerate(names)}
+
+    async def read(name: str) -> None:  # as `_read` does: one item, then the loop's next turn
+        for item in streams[name]:
+            await feeds.applier.put(feed[name], item)
+            await asyncio.sleep(0)
+
+    feed = {n: Feed(n) for n in names}
+    try:
+        for n in names:
+            feeds.run_sync(feeds.applier.put(feed[n], streams[n][0]), 10)  # the snapshots
+        wait_until(lambda: all(not router.index.info(n).in_snapshot for n in names), timeout_s=60)
+        before = feeds.applier.slices
+        for n in names:
+            streams[n] = streams[n][1:]
+        for n in names:
+            feeds.submit(read(n))
+        wait_until(lambda: all(router.index.info(n).last_seq == 40 for n in names), timeout_s=60)
+        live_slices = feeds.applier.slices - before
+    finally:
+        feeds.close()
+    # 2 x 41 live items (40 batches, a duplicate) and a heartbeat each, 128 page events a batch:
+    # ~11 slices of 1,024 page events; a slice a turn would be ~42.
+    assert live_slices <= 16, live_slices
