@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "out of the garbage collector's walks (gc.freeze): full collections no longer "
                   "pause routing decisions for the whole warm state (gateway/core/gc_tuning.py)",
                   "on")
+    flag("--ingest-slice-ms", "INGEST_SLICE_MS", workers.ingest_slice_s * 1e3, "how long one "
+         "slice of event ingest may hold the routing lock, in [0.1, 100] ms: a routing decision "
+         "that arrives meanwhile waits for the rest of it; longer slices apply more page events "
+         "a second (gateway/core/ingest_slices.py)", type=finite_float(0.1, 100.0))
     _add_index_flags(flag, cfg)
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
@@ -366,7 +370,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         worker=WorkerSettings(tls=args.tls, service_token=args.service_token,
                               max_message_mb=args.max_message_mb,
                               probe_interval_s=args.probe_interval_s,
-                              heartbeat_interval_s=args.heartbeat_interval_s),
+                              heartbeat_interval_s=args.heartbeat_interval_s,
+                              ingest_slice_s=args.ingest_slice_ms / 1e3),
         generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
         drain_delay_s=args.drain_delay_s,
         gc_freeze_after_warmup=args.gc_freeze_after_warmup is not False,

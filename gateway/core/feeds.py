@@ -7,9 +7,10 @@ not grow with its workers (at 1,000 workers the former model ran 3-4 threads per
 
 Ingest off the routing path: a feed (`follow_events`) decodes its stream's items on the loop and
 queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to
-the router in slices of at most `slice_events` page events, each one hold of `Router.lock`,
-releasing it between slices and stepping aside while a routing decision waits for it
-(`Router.yield_to_routing`). A snapshot batch bigger than a slice is cut into several snapshot
+the router in slices, each one hold of `Router.lock`, releasing it between slices and stepping
+aside while a routing decision waits for it (`Router.yield_to_routing`). A slice's page events
+come from a target hold time and the apply cost measured on the last slices
+(gateway/core/ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot
 batches (same seq, `snapshot_end` on the last only; the index applies them as one snapshot). A
 live batch is applied whole (its seq is its identity); the cache service's live batches are small.
 
@@ -37,6 +38,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway.core.index import ApplyStatus
+from gateway.core.ingest_slices import SLICE_S, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
 from prefixcache.v1 import cache_service_pb2 as cpb
@@ -50,11 +52,11 @@ log = logging.getLogger("gateway.feeds")
 
 T = TypeVar("T")
 
-# Page events applied per hold of Router.lock: ~0.5 ms at the index's ~2M events/s.
-SLICE_EVENTS = 1024
 # Items queued and not yet applied before the feeds stop reading (gRPC's flow control then
 # holds the cache services back).
 MAX_PENDING_ITEMS = 4096
+# Turns of the loop the applier lets the feeds read on before a slice (BatchApplier._fill).
+FILL_TURNS = 8
 # Threads for the blocking calls (identify, tokenizer fetch): fixed, whatever the workers.
 BLOCKING_THREADS = 4
 
@@ -75,14 +77,17 @@ def token_metadata(service_token: str | None) -> tuple[tuple[str, str], ...]:
 class FeedLoop:
     """The loop thread and the blocking pool; `close()` ends both (from any other thread)."""
 
-    def __init__(self, router: Router, slice_events: int = SLICE_EVENTS,
+    def __init__(self, router: Router, slice_s: float = SLICE_S, slice_events: int | None = None,
                  blocking_threads: int = BLOCKING_THREADS) -> None:
+        """`slice_s`: the time one ingest slice may hold the router's lock; `slice_events`:
+        a fixed number of page events a slice instead (ingest_slices.SliceSize)."""
         self.loop = asyncio.new_event_loop()
         self._blocking = concurrent.futures.ThreadPoolExecutor(
             blocking_threads, thread_name_prefix="gateway-blocking")
         self._thread = threading.Thread(target=self._run, name="gateway-feeds", daemon=True)
         self._thread.start()
-        self.applier: BatchApplier = self.run_sync(_make_applier(router, slice_events), 10.0)
+        self.applier: BatchApplier = self.run_sync(
+            _make_applier(router, SliceSize(slice_s, slice_events)), 10.0)
         self.watchdog = StallWatchdog()
         self.submit(self.applier.run())
         self.submit(self.watchdog.run())
@@ -119,8 +124,8 @@ class FeedLoop:
         self._blocking.shutdown(wait=False, cancel_futures=True)
 
 
-async def _make_applier(router: Router, slice_events: int) -> BatchApplier:
-    return BatchApplier(router, slice_events)  # its asyncio events belong to the loop
+async def _make_applier(router: Router, size: SliceSize) -> BatchApplier:
+    return BatchApplier(router, size)  # its asyncio events belong to the loop
 
 
 async def _cancel_all() -> None:
@@ -216,9 +221,11 @@ def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.
 class BatchApplier:
     """The queue of decoded stream items of every feed, applied in bounded slices."""
 
-    def __init__(self, router: Router, slice_events: int) -> None:
-        self.router, self.slice_events = router, slice_events
-        self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse]] = deque()
+    def __init__(self, router: Router, size: SliceSize) -> None:
+        self.router, self.size = router, size
+        # (feed, its generation then, item, the item's page events)
+        self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse, int]] = deque()
+        self._queued_events = 0
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -227,21 +234,38 @@ class BatchApplier:
 
     async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
         if item.WhichOneof("item") == "batch" and item.batch.snapshot:
-            for part in split_snapshot(item.batch, self.slice_events):
-                self._pending.append((feed, feed.generation, cpb.SubscribeResponse(batch=part))
-                                     if part is not item.batch else (feed, feed.generation, item))
+            for part in split_snapshot(item.batch, self.size.events):
+                self._queue(feed, item if part is item.batch else cpb.SubscribeResponse(batch=part))
         else:
-            self._pending.append((feed, feed.generation, item))
+            self._queue(feed, item)
         self._wake.set()
         if len(self._pending) >= MAX_PENDING_ITEMS:
             self._room.clear()
             await self._room.wait()
+
+    def _queue(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
+        events = (max(1, sum(map(_page_count, item.batch.events)))
+                  if item.WhichOneof("item") == "batch" else 0)
+        self._pending.append((feed, feed.generation, item, events))
+        self._queued_events += events
+
+    async def _fill(self) -> None:
+        """A feed reads one message a turn of the loop: with few feeds, one turn queues less than
+        a slice. Lets them read on while each turn brings more, up to a slice's page events."""
+        for _ in range(FILL_TURNS):
+            queued = len(self._pending)
+            if self._queued_events >= self.size.events:
+                return
+            await asyncio.sleep(0)
+            if len(self._pending) == queued:
+                return
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                await self._fill()
                 self._apply_slice(self._take_slice())
                 self.router.yield_to_routing()
                 if len(self._pending) < MAX_PENDING_ITEMS // 2:
@@ -249,21 +273,26 @@ class BatchApplier:
                 await asyncio.sleep(0)  # let the feeds read what arrived meanwhile
             self._room.set()
 
-    def _take_slice(self) -> list[tuple[Feed, cpb.SubscribeResponse]]:
-        out, budget = [], self.slice_events
-        while self._pending and budget > 0:
-            feed, generation, item = self._pending.popleft()
+    def _take_slice(self) -> tuple[list[tuple[Feed, cpb.SubscribeResponse]], int]:
+        """The next items, up to the slice's page events; and their page events."""
+        out, budget = [], self.size.events
+        events = 0
+        while self._pending and events < budget:
+            feed, generation, item, n = self._pending.popleft()
+            self._queued_events -= n
             if feed.ended or generation != feed.generation:
                 continue
             out.append((feed, item))
-            if item.WhichOneof("item") == "batch":
-                budget -= max(1, sum(map(_page_count, item.batch.events)))
-        return out
+            events += n
+        return out, events
 
-    def _apply_slice(self, items: list[tuple[Feed, cpb.SubscribeResponse]]) -> None:
+    def _apply_slice(self, taken: tuple[list[tuple[Feed, cpb.SubscribeResponse]], int]) -> None:
+        items, events = taken
         if not items:
             return
+        start = time.perf_counter()
         results = self.router.apply_stream_items([(f.name, item) for f, item in items])
+        self.size.measured(events, time.perf_counter() - start)
         self.applied_items += len(items)
         self.slices += 1
         for (feed, _), result in zip(items, results):

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.core.discovery import WorkerAddress
 from gateway.core.feeds import Feed, FeedLoop, StreamSettings, aio_channel, token_metadata
 from gateway.core.indexer_roles import IndexerRoles
+from gateway.core.ingest_slices import SLICE_S
 from gateway.core.router import Router, Worker
 from gateway.core.tokenize import GatewayTokenizer
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -71,6 +72,8 @@ class WorkerSettings:
     backoff: RetryPolicy = WORKER_RETRY
     # Between attempts to reopen a worker's event stream.
     stream_backoff: RetryPolicy = SUBSCRIBE_RETRY
+    # How long one ingest slice may hold the router's lock (gateway/core/ingest_slices.py).
+    ingest_slice_s: float = SLICE_S
 
     def stream_settings(self) -> StreamSettings:
         return StreamSettings(self.heartbeat_interval_s, self.stream_backoff,
@@ -279,7 +282,7 @@ class WorkerSet:
         self._router, self._fleet, self._settings = router, fleet, settings
         # The shared index's mode: each admitted worker gets an indexer on this replica.
         self.indexers = indexers
-        self.feeds = feeds if feeds is not None else FeedLoop(router)
+        self.feeds = feeds if feeds is not None else FeedLoop(router, settings.ingest_slice_s)
         self._handles: dict[WorkerAddress, WorkerHandle] = {}
         self._lock = threading.Lock()
 

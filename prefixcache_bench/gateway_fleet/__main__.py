@@ -1,6 +1,7 @@
 """`python -m prefixcache_bench.gateway_fleet --pools 1000 --total-pages 1000000 --json PATH`:
 one configuration (run each in its own process: the index's memory is measured by growth);
-`--summary DIR` tabulates the JSONs of a folder (w*.json); `--routing-only` times routing
+`--summary DIR` tabulates the JSONs of a folder (w*.json; ingest_w*.json: ingest slice pairs);
+`--routing-only` times routing
 decisions alone (routing.py; its JSONs are routing_w*.json). `--checkpoint` times a restart
 from an index checkpoint (restart.py; its JSONs are checkpoint_w*.json). `--warmup-compare`
 compares routing during a cold warm-up with load-only routing (warmup.py; warmup_w*.json). See run.py for what is measured and how the two
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
-from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
+from gateway.core.ingest_slices import SLICE_S
+from prefixcache_bench.gateway_fleet.run import IngestTuning, index_bytes_per_page, run_config
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
 # The issue's goals (issue 31): judged on every configuration, so a FAIL is a gap, not a bug.
@@ -38,6 +40,13 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
                    "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",
                    "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
+# The ingest slices' runs (ingest_w*.json): before/after pairs of the same minutes.
+INGEST_COLUMNS = ("pools", "ingest_slice_events_fixed", "ingest_slice_ms", "switch_interval_ms",
+                  "live_page_events_per_s", "live_slice_p50_ms", "live_slice_p99_ms",
+                  "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
+                  "routing_p99_from_wake_during_ingest_us", "feed_loop_cpu_share_live",
+                  "routing_cpu_share_during_ingest", "generator_cpu_share_live",
+                  "generator_send_page_events_per_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
            "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
@@ -65,12 +74,29 @@ def _command(argv: list[str] | None) -> str:
     return "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
 
 
+def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ingest-slice-ms", type=float, default=SLICE_S * 1e3,
+                   help="the time one ingest slice may hold the router's lock (the gateway's "
+                        "--ingest-slice-ms)")
+    p.add_argument("--slice-events", type=int,
+                   help="a fixed number of page events per ingest slice instead (1024: the "
+                        "gateway before --ingest-slice-ms)")
+    p.add_argument("--switch-interval-ms", type=float,
+                   help="the gateway process's sys.setswitchinterval (default: Python's 5 ms)")
+
+
+def _tuning(args: argparse.Namespace) -> IngestTuning:
+    switch = None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3
+    return IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events, switch)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixcache_bench.gateway_fleet", description=__doc__)
     p.add_argument("--pools", type=int, default=100)
     p.add_argument("--total-pages", type=int, default=1_000_000, help="private pages over all pools")
-    p.add_argument("--live-page-events", type=int, default=250_000,
-                   help="live page events over all pools (batches of 64 stored + 64 removed)")
+    p.add_argument("--live-page-events", type=int, default=1_280_000,
+                   help="live page events over all pools (batches of 64 stored + 64 removed); "
+                        "the default is over a second of ingest at the 1M/s goal")
     p.add_argument("--memory-sample-pages", type=int, default=200_000,
                    help="pages of the tracemalloc measurement of bytes per indexed page")
     p.add_argument("--routing-only", action="store_true",
@@ -92,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the cold warm-up: each decision of the gateway's affinity routing "
                         "compared with load-only routing (least_loaded over every worker), per "
                         "share of pools warm (warmup.py; its JSONs are warmup_w*.json)")
+    _add_tuning_flags(p)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
     if args.summary:
         for pattern, columns in (("w[0-9]*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
-                                 ("checkpoint_w*.json", CHECKPOINT_COLUMNS)):
+                                 ("checkpoint_w*.json", CHECKPOINT_COLUMNS),
+                                 ("ingest_w*.json", INGEST_COLUMNS)):
             rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
             rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
             if rows:
@@ -126,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                                gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages)
     else:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
-                                      packed=not args.unpacked))
+                                      packed=not args.unpacked, tuning=_tuning(args)))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])

@@ -94,8 +94,12 @@ class ReplayCache:
     server's work is the transport, not building messages), in the encoding the request asks for
     (`packed` False: only the per-page one is recorded, for every request)."""
 
-    def __init__(self, pools: int, pages_per_pool: int, live_batches: int, go, packed: bool = True):
+    def __init__(self, pools: int, pages_per_pool: int, live_batches: int, go, packed: bool = True,
+                 sent=None):
         self.live_batches, self.go = live_batches, go
+        # When the last live batch of a stream was handed to gRPC (time.perf_counter: CLOCK_MONOTONIC, the latest
+        # over every stream; a shared double the bench reads): the load generator's send rate.
+        self.sent = sent
         self.streams = {(pool_name(i), p): recorded_stream(i, pages_per_pool, live_batches, p)
                         for i in range(pools) for p in ({False, packed})}
 
@@ -109,6 +113,9 @@ class ReplayCache:
                 if not context.is_active():
                     return
             yield from stream[live_start:]
+            if self.sent is not None:
+                with self.sent.get_lock():
+                    self.sent.value = max(self.sent.value, time.perf_counter())
         else:
             yield from stream[live_start + request.after_seq:]
         interval = request.heartbeat_interval_s or 1.0
@@ -119,7 +126,7 @@ class ReplayCache:
 
 
 def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu: int | None,
-          packed: bool = True) -> None:
+          packed: bool = True, sent=None) -> None:
     """The load generator's process: builds the recording, serves it, reports its port."""
     import os
 
@@ -127,7 +134,7 @@ def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu:
     from concurrent import futures
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    servicer = ReplayCache(pools, pages_per_pool, live_batches, go, packed)
+    servicer = ReplayCache(pools, pages_per_pool, live_batches, go, packed, sent)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=pools + 8),
                          options=[("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.max_concurrent_streams", pools + 8)])

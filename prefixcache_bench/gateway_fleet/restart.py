@@ -27,9 +27,9 @@ _SPEC = "bench"
 
 def run_checkpoint(pools: int, pages_per_pool: int, live_batches: int,
                    cpus: tuple[int, int] | None = (0, 1)) -> dict:
-    with load_generator(pools, pages_per_pool, live_batches, cpus, True) as (address, _):
+    with load_generator(pools, pages_per_pool, live_batches, cpus, True) as generator:
         with tempfile.TemporaryDirectory() as tmp:
-            return _measure(address, pools, pages_per_pool, live_batches,
+            return _measure(generator.address, pools, pages_per_pool, live_batches,
                             os.path.join(tmp, "index.ckpt"))
 
 

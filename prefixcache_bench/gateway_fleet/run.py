@@ -3,22 +3,25 @@ process, pinned to one core) into one gateway's Router through the real feed cod
 (gateway/core/feeds.py: a grpc.aio channel and `follow_events` per pool on the one `FeedLoop`,
 `BatchApplier` -> `Router.apply_stream_items`), the gateway pinned to the other core, while a
 routing thread times Router.route. Phases: warm (every pool's snapshot applied:
-restart-to-warm), then live (every pool's recorded live batches applied)."""
+restart-to-warm), then live (every pool's recorded live batches applied), timed in the gateway
+from the first slice holding a live batch to the last (live_clock.py)."""
 from __future__ import annotations
 
 import multiprocessing
 import os
 import random
+import sys
 import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.ingest_slices import SLICE_S
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
@@ -27,6 +30,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.gateway_fleet.live_clock import LiveClock
 from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
 from service_shell import channel_options
@@ -65,7 +69,10 @@ class _Router:
         self.request_pages = request_pages  # of which CONVERSATION_PAGES held, the rest new
         # Conversations the live batches do not remove (those go oldest first).
         self.first_conv = (live_batches * F.LIVE_PAGES) // F.CONVERSATION_PAGES + 1
-        self.samples: list[tuple[float, float]] = []  # (start, seconds)
+        # (start, seconds in route(), seconds from the planned wake-up to route()'s end: the
+        # GIL's hand-off after the sleep too, which route()'s own time cannot see)
+        self.samples: list[tuple[float, float, float]] = []
+        self.cpu: list[tuple[float, float]] = []  # (start, this thread's CPU time then)
         self.to_holder = self.private = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
@@ -86,25 +93,34 @@ class _Router:
 
     def _run(self) -> None:
         rng, n = random.Random(1), 0
+        wake = time.perf_counter()
         while not self.stop.is_set():
             req, holder = self._request(rng, n)
             start = time.perf_counter()
+            self.cpu.append((start, time.thread_time()))
             route = self.router.route(req)
-            self.samples.append((start, time.perf_counter() - start))
+            end = time.perf_counter()
+            self.samples.append((start, end - start, end - wake))
             if route is not None:
                 self.router.finish(req.request_id)
                 if holder is not None and self.router.index.info(holder) is not None:
                     self.private += 1
                     self.to_holder += route.worker.name == holder
             n += 1
+            wake = time.perf_counter() + 0.001
             time.sleep(0.001)
 
     def summary(self, t0: float, t1: float) -> dict:
-        lat = [s * 1e6 for t, s in self.samples if t0 <= t < t1]
+        lat = [s * 1e6 for t, s, _ in self.samples if t0 <= t < t1]
         if not lat:
             return {"decisions": 0}
-        return {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
-                "max_us": max(lat)}
+        woken = [w * 1e6 for t, _, w in self.samples if t0 <= t < t1]
+        out = {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
+               "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99)}
+        cpu = [(t, c) for t, c in self.cpu if t0 <= t < t1]
+        if len(cpu) > 1:  # the routing thread's share of its core over the phase
+            out["cpu_share"] = (cpu[-1][1] - cpu[0][1]) / max(cpu[-1][0] - cpu[0][0], 1e-9)
+        return out
 
 
 def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
@@ -122,33 +138,56 @@ def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
 
 def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
                cpus: tuple[int, int] | None = (0, 1), packed: bool = True,
-               warmup_compare: bool = False) -> dict:
+               warmup_compare: bool = False, tuning: IngestTuning | None = None) -> dict:
     """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
     `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
     they do in the gateway, or not (the per-page encoding an older cache service sends);
     `warmup_compare`: only the warm-up, its decisions compared with load-only routing
-    (warmup.py)."""
-    with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as (address, go):
+    (warmup.py); `tuning`: the gateway's ingest settings (the defaults when None)."""
+    with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as generator:
         if warmup_compare:
-            return _measure_warmup(address, pools, pages_per_pool, live_batches, packed)
-        return _measure(address, pools, pages_per_pool, live_batches, idle_s, go, packed)
+            return _measure_warmup(generator.address, pools, pages_per_pool, live_batches, packed)
+        return _measure(generator, pools, pages_per_pool, live_batches, idle_s, packed,
+                        tuning or IngestTuning())
+
+
+@dataclass(frozen=True)
+class IngestTuning:
+    """The gateway's ingest settings a run uses: the slice's target hold of the router's lock
+    (`--ingest-slice-ms`), or a fixed number of page events a slice (the former behaviour), and
+    the interpreter's thread switch interval (sys.setswitchinterval; None: left at 5 ms)."""
+    slice_s: float = SLICE_S
+    slice_events: int | None = None
+    switch_interval_s: float | None = None
+
+    def summary(self) -> dict:
+        return {"ingest_slice_ms": self.slice_s * 1e3, "ingest_slice_events_fixed": self.slice_events,
+                "switch_interval_ms": (self.switch_interval_s or sys.getswitchinterval()) * 1e3}
+
+
+@dataclass(frozen=True)
+class LoadGenerator:
+    address: str
+    go: Any  # the event that releases its live batches
+    last_sent: Any  # a shared double: its last live send (time.perf_counter)
+    pid: int
 
 
 @contextmanager
 def load_generator(pools: int, pages_per_pool: int, live_batches: int,
-                   cpus: tuple[int, int] | None, packed: bool) -> Iterator[tuple[str, Any]]:
+                   cpus: tuple[int, int] | None, packed: bool) -> Iterator[LoadGenerator]:
     """The simulated pools' cache service in a process of its own (on `cpus[1]`, this process
-    moved to `cpus[0]`): (its address, the event that releases its live batches)."""
+    moved to `cpus[0]`)."""
     ctx = multiprocessing.get_context("spawn")
-    ports, go = ctx.Queue(), ctx.Event()
+    ports, go, sent = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     server = ctx.Process(target=F.serve, args=(pools, pages_per_pool, live_batches, ports, go,
-                                               cpus[1] if cpus else None, packed), daemon=True)
+                                               cpus[1] if cpus else None, packed, sent), daemon=True)
     server.start()
     try:
         address = f"127.0.0.1:{ports.get(timeout=1800)}"
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
-        yield address, go
+        yield LoadGenerator(address, go, sent, server.pid)
     finally:
         server.kill()
         server.join(10)
@@ -207,22 +246,29 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
             "packed_hashes": packed}
 
 
-def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, idle_s: float,
-             go, packed: bool) -> dict:
+def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_batches: int,
+             idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
+    address = generator.address
     router, names = _fleet_router(address, pools)
     settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
     rss0 = _rss_bytes()
     timed = _Router(router, pools, pages_per_pool, live_batches)
     timed.thread.start()
     t0 = time.perf_counter()
-    feeds = FeedLoop(router)
+    if tuning.switch_interval_s is not None:
+        sys.setswitchinterval(tuning.switch_interval_s)
+    feeds = FeedLoop(router, tuning.slice_s, tuning.slice_events)
     for name in names:
         feeds.submit(follow(feeds, address, name, settings, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     threads = threading.active_count()
-    go.set()  # the load generator streams the live batches now
+    clock = LiveClock(router, generator.pid, pools * live_batches)
+    clock.start()
+    generator.go.set()  # the load generator streams the live batches now
     t_live = time.perf_counter()
     slices0 = feeds.applier.slices
+    clock.done.wait(1800)
+    clock.stop()
     t_done = _wait(router, names, lambda i: i.last_seq == live_batches)
     slices = feeds.applier.slices - slices0
     rss = _rss_bytes() - rss0
@@ -236,12 +282,14 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, i
         "pools": pools, "pages_per_pool": pages_per_pool, "live_batches_per_pool": live_batches,
         "indexed_pages": st.entries, "snapshot_page_events": snap, "live_page_events": live,
         "restart_to_warm_s": t_warm - t0, "snapshot_page_events_per_s": snap / (t_warm - t0),
-        "live_page_events_per_s": live / max(t_done - t_live, 1e-9),
+        **clock.summary(live, generator.last_sent.value),
         "routing_during_warmup": timed.summary(t0, t_warm),
-        "routing_during_ingest": timed.summary(t_live, t_done),
+        "routing_during_ingest": timed.summary(clock.first or t_live, clock.last or t_done),
         "routing_idle": timed.summary(t_done, t_done + idle_s + 1),
         "routed_to_holder": timed.to_holder / max(timed.private, 1),
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
-        "packed_hashes": packed,
+        "live_slice_events_mean": live / max(slices, 1),
+        "slice_events_at_end": feeds.applier.size.events, **tuning.summary(),
+        "packed_hashes": packed, "load_avg_end": os.getloadavg(),
     }

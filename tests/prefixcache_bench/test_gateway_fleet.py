@@ -30,6 +30,10 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
     assert r["indexed_pages"] == r["snapshot_page_events"] == want
     assert r["live_page_events"] == 4 * 3 * 2 * F.LIVE_PAGES
+    # The live phase is timed on the gateway's side: every live batch seen applied, within it.
+    assert r["live_items_applied"] == 4 * 3 and r["live_start_delay_s"] >= 0
+    assert r["live_page_events_per_s"] == r["live_page_events"] / r["live_apply_span_s"]
+    assert r["generator_send_span_s"] > 0 and r["generator_cpu_share_live"] >= 0
     assert r["restart_to_warm_s"] > 0 and r["index_evictions"] == 0
     assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
     assert 50 < index_bytes_per_page(4, 400) < 1000

@@ -1,0 +1,45 @@
+"""How many page events one ingest slice applies under `Router.lock` (design.md §6, issue 31).
+
+A routing decision that arrives while a slice holds the lock waits for the rest of it, so the
+bound that matters is the slice's time, not its count of page events: `SliceSize` turns a target
+hold time into page events from the apply cost it measured on the last full slices. A faster
+index then applies more per hold (fewer holds: less per-slice Python, asyncio and lock hand-off,
+and larger numpy runs) for the same wait of a decision; a slower one (a big table, a loaded core)
+applies fewer.
+"""
+from __future__ import annotations
+
+# The default hold. With the numpy table it is ~1,450 page events: ~20% more live page events a
+# second than the former fixed 1,024 (held p50 1.3 ms) at about the same decision p99 during
+# ingest, a longer median wait (docs/results/gateway/fleet/ingest_slices/summary.txt).
+SLICE_S = 0.002
+FIRST_SLICE_EVENTS = 1024  # until a cost was measured
+# At least a live batch of 64 stored + 64 removed pages; at most a few 4 MiB snapshot batches.
+MIN_SLICE_EVENTS = 128
+MAX_SLICE_EVENTS = 1 << 17
+# Weight of the newest full slice in the moving average of seconds per page event.
+_NEWEST = 0.3
+
+
+class SliceSize:
+    """`events`: the page events the next slice may take. `fixed`: always that many (tests, and
+    the bench's comparison with the former fixed slices); else `slice_s` over the measured cost."""
+
+    def __init__(self, slice_s: float = SLICE_S, fixed: int | None = None) -> None:
+        if slice_s <= 0 or (fixed is not None and fixed < 1):
+            raise ValueError("a slice needs a positive time and at least one page event")
+        self.slice_s, self.fixed = slice_s, fixed
+        self.events = fixed or FIRST_SLICE_EVENTS
+        self.seconds_per_event: float | None = None
+
+    def measured(self, events: int, seconds: float) -> None:
+        """A slice of `events` page events held the lock `seconds`. Only a slice at least half
+        full counts: a small one (ingest keeping up) is mostly per-slice cost, and would shrink
+        the next full slices for nothing."""
+        if self.fixed is not None or events < self.events // 2 or events <= 0:
+            return
+        cost = max(seconds, 1e-9) / events
+        old = self.seconds_per_event
+        self.seconds_per_event = cost if old is None else old + _NEWEST * (cost - old)
+        self.events = int(min(MAX_SLICE_EVENTS,
+                              max(MIN_SLICE_EVENTS, self.slice_s / self.seconds_per_event)))
