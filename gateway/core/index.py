@@ -36,19 +36,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_scan import bit_positions, held_masks, runs
+from gateway.core.index_scan import bit_positions, held_masks, run_ends, slot_array
 from gateway.core.index_table import PageTable
-from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
-                                      WorkerInfo)
+from gateway.core.index_types import (ApplyResult, ApplyStatus, Holders, IndexConfig, IndexStats,
+                                      PrefixMatch, WorkerInfo)
 from gateway.core.packed import packed_hashes
 from prefixcache.v1 import common_pb2, events_pb2
 from service_shell import kv
 
-__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "IndexConfig", "IndexStats", "KvIndex",
+__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "Holders", "IndexConfig", "IndexStats", "KvIndex",
            "PrefixMatch", "WorkerInfo", "bit_positions"]
 
 log = logging.getLogger("gateway.index")
@@ -378,36 +379,77 @@ class KvIndex:
         REMOTE (L3) is shared by every worker, so a page any worker reported on REMOTE extends
         every worker's match. A worker's host extension also counts pages it holds on device
         after its device run ended (their load cost is then overestimated, never the reverse).
-        Workers missing from the answer match nothing.
+        Workers missing from the answer match nothing. (`holders`, as PrefixMatch objects.)
         """
+        return self.holders(hashes, now).matches()
+
+    def holders(self, hashes: Sequence[bytes], now: float | None = None) -> Holders:
+        """`lookup`'s answer as arrays: the runs are found per group of slots ending together
+        (`run_ends`), and a shared prefix's hundred holders cost a few numpy calls, not a
+        PrefixMatch and a confidence call each."""
         dev, host, rem = self._tables
         everyone = self._all
         if not everyone or not hashes:
-            return {}
+            return _no_holders()
         # The pages' holders in vectorised probes per medium, up to the first page held nowhere;
         # ends past 0 only (see `runs`): workers holding none of the first page cost nothing.
         devm, hostm, remm = held_masks(dev, host if len(host) else None, rem if len(rem) else None,
                                        hashes, self.lookup_chunk_pages)
         if not devm:  # the first page is held nowhere
-            return {}
-        dev_end = runs(devm, {}, first=everyone)
+            return _no_holders()
+        dev_end = run_ends(devm, {}, first=everyone)
         anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
-        host_end = dev_end if hostm is None else runs(anym, dev_end, first=_others(everyone, dev_end))
-        rem_end = host_end if remm is None else runs(
+        host_end = dev_end if hostm is None else run_ends(anym, dev_end, first=_others(everyone, dev_end))
+        rem_end = host_end if remm is None else run_ends(
             [everyone if r else a for r, a in zip(remm, anym)], host_end,
             first=_others(everyone, host_end))
+        slots, r_end = _slots_and_ends(rem_end)
+        h_end = r_end if host_end is rem_end else _ends_of(host_end, slots)
+        d_end = h_end if dev_end is host_end else _ends_of(dev_end, slots)
+        workers = list(map(self._by_slot.__getitem__, slots.tolist()))
         now = self._clock() if now is None else now
-        out: dict[str, PrefixMatch] = {}
-        for slot, r_end in rem_end.items():
-            if r_end:
-                d_end, h_end = dev_end.get(slot, 0), host_end.get(slot, 0)
-                w = self._by_slot[slot]
-                out[w.pool_id] = PrefixMatch(d_end, h_end - d_end, r_end - h_end, self._confidence(w, now))
-        return out
+        return Holders(list(map(_POOL_ID, workers)), d_end, h_end - d_end, r_end - h_end,
+                       self._confidences(workers, now))
+
+    def _confidences(self, workers: list[_Worker], now: float) -> np.ndarray:
+        """`_confidence` of each worker: all 1 when every one is fresh and complete (the usual
+        case, checked in numpy), else worker by worker."""
+        k = len(workers)
+        seen = np.fromiter(map(_LAST_SEEN, workers), np.float64, k)
+        if (not any(map(_NEEDS_RESYNC, workers)) and not any(map(_IN_SNAPSHOT, workers))
+                and (now - seen).max(initial=0.0) <= self.config.stale_after_s):
+            return np.ones(k)
+        return np.fromiter((self._confidence(w, now) for w in workers), np.float64, k)
+
+
+_POOL_ID, _LAST_SEEN = attrgetter("pool_id"), attrgetter("last_seen")
+_NEEDS_RESYNC, _IN_SNAPSHOT = attrgetter("needs_resync"), attrgetter("in_snapshot")
+
+
+def _no_holders() -> Holders:
+    empty = np.zeros(0, np.int64)
+    return Holders([], empty, empty, empty, np.zeros(0))
 
 
 def _others(everyone: int, ends: dict[int, int]) -> int:
-    """The slots of `everyone` that have no entry in `ends` (they start the next run at 0)."""
-    for slot in ends:
-        everyone &= ~(1 << slot)
+    """The slots of `everyone` that end nowhere in `ends` (they start the next run at 0)."""
+    for mask in ends.values():
+        everyone &= ~mask
     return everyone
+
+
+def _slots_and_ends(ends: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`run_ends`' answer as (slots, their end pages), group after group."""
+    groups = [slot_array(mask) for mask in ends.values()]
+    if len(groups) == 1:
+        return groups[0], np.full(len(groups[0]), next(iter(ends)), np.int64)
+    return (np.concatenate(groups) if groups else np.zeros(0, np.intp),
+            np.repeat(np.fromiter(ends, np.int64, len(ends)), [len(g) for g in groups]))
+
+
+def _ends_of(ends: dict[int, int], slots: np.ndarray) -> np.ndarray:
+    """The end page in `ends` of each slot (0: none)."""
+    found, at = _slots_and_ends(ends)
+    out = np.zeros(max(int(slots.max(initial=-1)), int(found.max(initial=-1))) + 1, np.int64)
+    out[found] = at
+    return out[slots]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
+
 
 def bit_positions(mask: int) -> Iterator[int]:
     """Slot numbers of the set bits of `mask`."""
@@ -20,10 +22,22 @@ def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[i
 
     Slots start at starts[slot], and the slots of the mask `first` at 0. Only ends past 0 are
     returned (a slot missing from the answer ends at 0), so a request whose first page few
-    workers hold costs O(pages + those workers), not O(all workers)."""
-    joining: dict[int, int] = {0: first} if first else {}
+    workers hold costs O(pages + those workers), not O(all workers). `run_ends`, slot by slot."""
+    joining: dict[int, int] = {}
     for slot, pos in starts.items():
         joining[pos] = joining.get(pos, 0) | (1 << slot)
+    return {slot: end for end, mask in run_ends(masks, joining, first).items()
+            for slot in bit_positions(mask)}
+
+
+def run_ends(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[int, int]:
+    """`runs` by groups of slots: `starts` maps a start page to the mask of the slots whose run
+    starts there (and `first`'s slots start at 0); the answer maps each end page past 0 to the
+    mask of the slots whose run ends there, in page order. O(pages) mask operations whatever the
+    number of slots: a shared prefix's hundred holders end together, in one entry."""
+    joining = dict(starts)
+    if first:
+        joining[0] = joining.get(0, 0) | first
     ends: dict[int, int] = {}
     if not joining:
         return ends
@@ -37,14 +51,22 @@ def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[i
         m = masks[i]
         if alive & m != alive:
             if i:
-                for slot in bit_positions(alive & ~m):
-                    ends[slot] = i
+                ends[i] = alive & ~m
             alive &= m
-    for pos, mask in joining.items():  # runs that started at the very end
+    for mask in joining.values():  # runs that started at the very end
         alive |= mask
-    for slot in bit_positions(alive):
-        ends[slot] = n
+    if alive:
+        ends[n] = alive
     return ends
+
+
+def slot_array(mask: int) -> np.ndarray:
+    """`bit_positions` of the mask as an array (numpy's bit unpacking for many bits)."""
+    count = mask.bit_count()
+    if count < 16:
+        return np.fromiter(bit_positions(mask), np.intp, count)
+    bits = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(bits, bitorder="little"))
 
 
 class _Masks(Protocol):
