@@ -205,10 +205,16 @@ class AffinityPolicy:
         new = float(prefill.min())
         overload_weight = cfg.overload_weight if total - new < new else 0.0
         mean_recent = _sum_in_order(recent) / n
-        overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
-                    else np.zeros(n))
-        balance = (cfg.prefill_weight * prefill * (1.0 + overload_weight * overload)
-                   + cfg.balance_weight * (recent - recent.min()))
+        # Passes that would multiply by exactly 1 are skipped: x * 1.0 is x, and so is
+        # x * (1.0 + 0.0 * overload) (overload is finite: at most n). The overload of the chosen
+        # worker alone is needed then.
+        weighted = prefill if cfg.prefill_weight == 1.0 else cfg.prefill_weight * prefill
+        overload = None
+        if overload_weight:
+            overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
+                        else np.zeros(n))
+            weighted = weighted * (1.0 + overload_weight * overload)
+        balance = weighted + cfg.balance_weight * (recent - recent.min())
         score = balance + cfg.queue_weight * queued + cfg.inflight_weight_tokens * running
         tie = max(cfg.tie_abs_tokens, cfg.tie_rel * total)
         best = score.min()
@@ -236,7 +242,9 @@ class AffinityPolicy:
         chosen = WorkerScore(worker, queued_prefill_tokens=int(queued[pick]),
                              inflight_requests=int(running[pick]),
                              recent_prefill_tokens=float(recent[pick]),
-                             prefill_tokens=float(prefill[pick]), overload=float(overload[pick]),
+                             prefill_tokens=float(prefill[pick]),
+                             overload=float(overload[pick] if overload is not None
+                                            else _overload(recent[pick], mean_recent)),
                              score=float(score[pick]))
         m = held.match(held.workers.index(worker)) if worker in held.workers else None
         if m is not None:
@@ -341,6 +349,11 @@ class AffinityPolicy:
         if self.config.recent_pages_per_worker:
             held = match.device_pages if match is not None else 0
             self.recent.record(worker, request.page_hashes[held:])
+
+
+def _overload(recent: float, mean_recent: float) -> float:
+    """One worker's overload, as the array path computes it for all."""
+    return max(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0 else 0.0
 
 
 def _sum_in_order(values: np.ndarray) -> float:
