@@ -41,7 +41,7 @@ from operator import attrgetter
 import numpy as np
 
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_scan import bit_positions, held_masks, run_ends, slot_array
+from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, Holders, IndexConfig, IndexStats,
                                       PrefixMatch, WorkerInfo)
@@ -390,22 +390,14 @@ class KvIndex:
         dev, host, rem = self._tables
         everyone = self._all
         if not everyone or not hashes:
-            return _no_holders()
+            return Holders.empty()
         # The pages' holders in vectorised probes per medium, up to the first page held nowhere;
         # ends past 0 only (see `runs`): workers holding none of the first page cost nothing.
         devm, hostm, remm = held_masks(dev, host if len(host) else None, rem if len(rem) else None,
                                        hashes, self.lookup_chunk_pages)
         if not devm:  # the first page is held nowhere
-            return _no_holders()
-        dev_end = run_ends(devm, {}, first=everyone)
-        anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
-        host_end = dev_end if hostm is None else run_ends(anym, dev_end, first=_others(everyone, dev_end))
-        rem_end = host_end if remm is None else run_ends(
-            [everyone if r else a for r, a in zip(remm, anym)], host_end,
-            first=_others(everyone, host_end))
-        slots, r_end = _slots_and_ends(rem_end)
-        h_end = r_end if host_end is rem_end else _ends_of(host_end, slots)
-        d_end = h_end if dev_end is host_end else _ends_of(dev_end, slots)
+            return Holders.empty()
+        slots, d_end, h_end, r_end = holder_runs(devm, hostm, remm, everyone)
         workers = list(map(self._by_slot.__getitem__, slots.tolist()))
         now = self._clock() if now is None else now
         return Holders(list(map(_POOL_ID, workers)), d_end, h_end - d_end, r_end - h_end,
@@ -424,32 +416,3 @@ class KvIndex:
 
 _POOL_ID, _LAST_SEEN = attrgetter("pool_id"), attrgetter("last_seen")
 _NEEDS_RESYNC, _IN_SNAPSHOT = attrgetter("needs_resync"), attrgetter("in_snapshot")
-
-
-def _no_holders() -> Holders:
-    empty = np.zeros(0, np.int64)
-    return Holders([], empty, empty, empty, np.zeros(0))
-
-
-def _others(everyone: int, ends: dict[int, int]) -> int:
-    """The slots of `everyone` that end nowhere in `ends` (they start the next run at 0)."""
-    for mask in ends.values():
-        everyone &= ~mask
-    return everyone
-
-
-def _slots_and_ends(ends: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """`run_ends`' answer as (slots, their end pages), group after group."""
-    groups = [slot_array(mask) for mask in ends.values()]
-    if len(groups) == 1:
-        return groups[0], np.full(len(groups[0]), next(iter(ends)), np.int64)
-    return (np.concatenate(groups) if groups else np.zeros(0, np.intp),
-            np.repeat(np.fromiter(ends, np.int64, len(ends)), [len(g) for g in groups]))
-
-
-def _ends_of(ends: dict[int, int], slots: np.ndarray) -> np.ndarray:
-    """The end page in `ends` of each slot (0: none)."""
-    found, at = _slots_and_ends(ends)
-    out = np.zeros(max(int(slots.max(initial=-1)), int(found.max(initial=-1))) + 1, np.int64)
-    out[found] = at
-    return out[slots]

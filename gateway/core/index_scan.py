@@ -60,6 +60,31 @@ def run_ends(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> di
     return ends
 
 
+def holder_runs(devm: list[int], hostm: list[int] | None, remm: list[int] | None, everyone: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(slots, device run end, host extension end, remote extension end) of each slot whose run
+    on any medium goes past page 0, from the masks of a request's pages (`held_masks`; None for
+    an empty medium): REMOTE is shared, so a page any worker holds there extends every run.
+    Slots in `run_ends`' order: by end page, then slot."""
+    dev_end = run_ends(devm, {}, first=everyone)
+    anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
+    host_end = dev_end if hostm is None else run_ends(anym, dev_end, first=_others(everyone, dev_end))
+    rem_end = host_end if remm is None else run_ends(
+        [everyone if r else a for r, a in zip(remm, anym)], host_end,
+        first=_others(everyone, host_end))
+    slots, r_end = slots_and_ends(rem_end)
+    h_end = r_end if host_end is rem_end else ends_of(host_end, slots)
+    d_end = h_end if dev_end is host_end else ends_of(dev_end, slots)
+    return slots, d_end, h_end, r_end
+
+
+def _others(everyone: int, ends: dict[int, int]) -> int:
+    """The slots of `everyone` that end nowhere in `ends` (they start the next run at 0)."""
+    for mask in ends.values():
+        everyone &= ~mask
+    return everyone
+
+
 def slot_array(mask: int) -> np.ndarray:
     """`bit_positions` of the mask as an array (numpy's bit unpacking for many bits)."""
     count = mask.bit_count()
@@ -67,6 +92,23 @@ def slot_array(mask: int) -> np.ndarray:
         return np.fromiter(bit_positions(mask), np.intp, count)
     bits = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
     return np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+
+
+def slots_and_ends(ends: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`run_ends`' answer as (slots, their end pages), group after group."""
+    groups = [slot_array(mask) for mask in ends.values()]
+    if len(groups) == 1:
+        return groups[0], np.full(len(groups[0]), next(iter(ends)), np.int64)
+    return (np.concatenate(groups) if groups else np.zeros(0, np.intp),
+            np.repeat(np.fromiter(ends, np.int64, len(ends)), [len(g) for g in groups]))
+
+
+def ends_of(ends: dict[int, int], slots: np.ndarray) -> np.ndarray:
+    """The end page in `ends` of each slot (0: none)."""
+    found, at = slots_and_ends(ends)
+    out = np.zeros(max(int(slots.max(initial=-1)), int(found.max(initial=-1))) + 1, np.int64)
+    out[found] = at
+    return out[slots]
 
 
 class _Masks(Protocol):

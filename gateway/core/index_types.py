@@ -79,6 +79,11 @@ class Holders:
     confidence: np.ndarray
 
     @staticmethod
+    def empty() -> Holders:
+        none = np.zeros(0, np.int64)
+        return Holders([], none, none, none, np.zeros(0))
+
+    @staticmethod
     def from_matches(matches: dict[str, PrefixMatch]) -> Holders:
         k = len(matches)
         ms = matches.values()
