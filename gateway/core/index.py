@@ -36,19 +36,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_scan import bit_positions, held_masks, runs
+from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
-from gateway.core.index_types import (ApplyResult, ApplyStatus, IndexConfig, IndexStats, PrefixMatch,
-                                      WorkerInfo)
+from gateway.core.index_types import (ApplyResult, ApplyStatus, Holders, IndexConfig, IndexStats,
+                                      PrefixMatch, WorkerInfo)
 from gateway.core.packed import packed_hashes
 from prefixcache.v1 import common_pb2, events_pb2
 from service_shell import kv
 
-__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "IndexConfig", "IndexStats", "KvIndex",
+__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "Holders", "IndexConfig", "IndexStats", "KvIndex",
            "PrefixMatch", "WorkerInfo", "bit_positions"]
 
 log = logging.getLogger("gateway.index")
@@ -378,36 +379,40 @@ class KvIndex:
         REMOTE (L3) is shared by every worker, so a page any worker reported on REMOTE extends
         every worker's match. A worker's host extension also counts pages it holds on device
         after its device run ended (their load cost is then overestimated, never the reverse).
-        Workers missing from the answer match nothing.
+        Workers missing from the answer match nothing. (`holders`, as PrefixMatch objects.)
         """
+        return self.holders(hashes, now).matches()
+
+    def holders(self, hashes: Sequence[bytes], now: float | None = None) -> Holders:
+        """`lookup`'s answer as arrays: the runs are found per group of slots ending together
+        (`run_ends`), and a shared prefix's hundred holders cost a few numpy calls, not a
+        PrefixMatch and a confidence call each."""
         dev, host, rem = self._tables
         everyone = self._all
         if not everyone or not hashes:
-            return {}
+            return Holders.empty()
         # The pages' holders in vectorised probes per medium, up to the first page held nowhere;
         # ends past 0 only (see `runs`): workers holding none of the first page cost nothing.
         devm, hostm, remm = held_masks(dev, host if len(host) else None, rem if len(rem) else None,
                                        hashes, self.lookup_chunk_pages)
         if not devm:  # the first page is held nowhere
-            return {}
-        dev_end = runs(devm, {}, first=everyone)
-        anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
-        host_end = dev_end if hostm is None else runs(anym, dev_end, first=_others(everyone, dev_end))
-        rem_end = host_end if remm is None else runs(
-            [everyone if r else a for r, a in zip(remm, anym)], host_end,
-            first=_others(everyone, host_end))
+            return Holders.empty()
+        slots, d_end, h_end, r_end = holder_runs(devm, hostm, remm, everyone)
+        workers = list(map(self._by_slot.__getitem__, slots.tolist()))
         now = self._clock() if now is None else now
-        out: dict[str, PrefixMatch] = {}
-        for slot, r_end in rem_end.items():
-            if r_end:
-                d_end, h_end = dev_end.get(slot, 0), host_end.get(slot, 0)
-                w = self._by_slot[slot]
-                out[w.pool_id] = PrefixMatch(d_end, h_end - d_end, r_end - h_end, self._confidence(w, now))
-        return out
+        return Holders(list(map(_POOL_ID, workers)), d_end, h_end - d_end, r_end - h_end,
+                       self._confidences(workers, now))
+
+    def _confidences(self, workers: list[_Worker], now: float) -> np.ndarray:
+        """`_confidence` of each worker: all 1 when every one is fresh and complete (the usual
+        case, checked in numpy), else worker by worker."""
+        k = len(workers)
+        seen = np.fromiter(map(_LAST_SEEN, workers), np.float64, k)
+        if (not any(map(_NEEDS_RESYNC, workers)) and not any(map(_IN_SNAPSHOT, workers))
+                and (now - seen).max(initial=0.0) <= self.config.stale_after_s):
+            return np.ones(k)
+        return np.fromiter((self._confidence(w, now) for w in workers), np.float64, k)
 
 
-def _others(everyone: int, ends: dict[int, int]) -> int:
-    """The slots of `everyone` that have no entry in `ends` (they start the next run at 0)."""
-    for slot in ends:
-        everyone &= ~(1 << slot)
-    return everyone
+_POOL_ID, _LAST_SEEN = attrgetter("pool_id"), attrgetter("last_seen")
+_NEEDS_RESYNC, _IN_SNAPSHOT = attrgetter("needs_resync"), attrgetter("in_snapshot")

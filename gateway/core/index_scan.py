@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
+
 
 def bit_positions(mask: int) -> Iterator[int]:
     """Slot numbers of the set bits of `mask`."""
@@ -20,10 +22,22 @@ def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[i
 
     Slots start at starts[slot], and the slots of the mask `first` at 0. Only ends past 0 are
     returned (a slot missing from the answer ends at 0), so a request whose first page few
-    workers hold costs O(pages + those workers), not O(all workers)."""
-    joining: dict[int, int] = {0: first} if first else {}
+    workers hold costs O(pages + those workers), not O(all workers). `run_ends`, slot by slot."""
+    joining: dict[int, int] = {}
     for slot, pos in starts.items():
         joining[pos] = joining.get(pos, 0) | (1 << slot)
+    return {slot: end for end, mask in run_ends(masks, joining, first).items()
+            for slot in bit_positions(mask)}
+
+
+def run_ends(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[int, int]:
+    """`runs` by groups of slots: `starts` maps a start page to the mask of the slots whose run
+    starts there (and `first`'s slots start at 0); the answer maps each end page past 0 to the
+    mask of the slots whose run ends there, in page order. O(pages) mask operations whatever the
+    number of slots: a shared prefix's hundred holders end together, in one entry."""
+    joining = dict(starts)
+    if first:
+        joining[0] = joining.get(0, 0) | first
     ends: dict[int, int] = {}
     if not joining:
         return ends
@@ -37,14 +51,64 @@ def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[i
         m = masks[i]
         if alive & m != alive:
             if i:
-                for slot in bit_positions(alive & ~m):
-                    ends[slot] = i
+                ends[i] = alive & ~m
             alive &= m
-    for pos, mask in joining.items():  # runs that started at the very end
+    for mask in joining.values():  # runs that started at the very end
         alive |= mask
-    for slot in bit_positions(alive):
-        ends[slot] = n
+    if alive:
+        ends[n] = alive
     return ends
+
+
+def holder_runs(devm: list[int], hostm: list[int] | None, remm: list[int] | None, everyone: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(slots, device run end, host extension end, remote extension end) of each slot whose run
+    on any medium goes past page 0, from the masks of a request's pages (`held_masks`; None for
+    an empty medium): REMOTE is shared, so a page any worker holds there extends every run.
+    Slots in `run_ends`' order: by end page, then slot."""
+    dev_end = run_ends(devm, {}, first=everyone)
+    anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
+    host_end = dev_end if hostm is None else run_ends(anym, dev_end, first=_others(everyone, dev_end))
+    rem_end = host_end if remm is None else run_ends(
+        [everyone if r else a for r, a in zip(remm, anym)], host_end,
+        first=_others(everyone, host_end))
+    slots, r_end = slots_and_ends(rem_end)
+    h_end = r_end if host_end is rem_end else ends_of(host_end, slots)
+    d_end = h_end if dev_end is host_end else ends_of(dev_end, slots)
+    return slots, d_end, h_end, r_end
+
+
+def _others(everyone: int, ends: dict[int, int]) -> int:
+    """The slots of `everyone` that end nowhere in `ends` (they start the next run at 0)."""
+    for mask in ends.values():
+        everyone &= ~mask
+    return everyone
+
+
+def slot_array(mask: int) -> np.ndarray:
+    """`bit_positions` of the mask as an array (numpy's bit unpacking for many bits)."""
+    count = mask.bit_count()
+    if count < 16:
+        return np.fromiter(bit_positions(mask), np.intp, count)
+    bits = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+
+
+def slots_and_ends(ends: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`run_ends`' answer as (slots, their end pages), group after group."""
+    groups = [slot_array(mask) for mask in ends.values()]
+    if len(groups) == 1:
+        return groups[0], np.full(len(groups[0]), next(iter(ends)), np.int64)
+    return (np.concatenate(groups) if groups else np.zeros(0, np.intp),
+            np.repeat(np.fromiter(ends, np.int64, len(ends)), [len(g) for g in groups]))
+
+
+def ends_of(ends: dict[int, int], slots: np.ndarray) -> np.ndarray:
+    """The end page in `ends` of each slot (0: none)."""
+    found, at = slots_and_ends(ends)
+    out = np.zeros(max(int(slots.max(initial=-1)), int(found.max(initial=-1))) + 1, np.int64)
+    out[found] = at
+    return out[slots]
 
 
 class _Masks(Protocol):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class IndexConfig:
@@ -62,6 +64,42 @@ class PrefixMatch:
     host_pages: int
     remote_pages: int
     confidence: float
+
+
+@dataclass(slots=True)
+class Holders:
+    """`KvIndex.lookup`'s answer as columns (`KvIndex.holders`): per worker holding the request's
+    first page anywhere, in the index's order, its device run, host and remote extension (int64
+    pages) and confidence (float64). A routing decision over many holders scores them in numpy
+    instead of a PrefixMatch and a confidence call each."""
+    workers: list[str]
+    device_pages: np.ndarray
+    host_pages: np.ndarray
+    remote_pages: np.ndarray
+    confidence: np.ndarray
+
+    @staticmethod
+    def empty() -> Holders:
+        none = np.zeros(0, np.int64)
+        return Holders([], none, none, none, np.zeros(0))
+
+    @staticmethod
+    def from_matches(matches: dict[str, PrefixMatch]) -> Holders:
+        k = len(matches)
+        ms = matches.values()
+        return Holders(list(matches), np.fromiter((m.device_pages for m in ms), np.int64, k),
+                       np.fromiter((m.host_pages for m in ms), np.int64, k),
+                       np.fromiter((m.remote_pages for m in ms), np.int64, k),
+                       np.fromiter((m.confidence for m in ms), np.float64, k))
+
+    def matches(self) -> dict[str, PrefixMatch]:
+        return dict(zip(self.workers, map(PrefixMatch, self.device_pages.tolist(),
+                                          self.host_pages.tolist(), self.remote_pages.tolist(),
+                                          self.confidence.tolist())))
+
+    def match(self, i: int) -> PrefixMatch:
+        return PrefixMatch(int(self.device_pages[i]), int(self.host_pages[i]),
+                           int(self.remote_pages[i]), float(self.confidence[i]))
 
 
 @dataclass(slots=True)

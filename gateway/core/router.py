@@ -85,6 +85,9 @@ class Router:
         # The candidate sets of recent decisions, kept between them (`_candidates`).
         self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)
+        # The matched-tokens counter of each medium (a `labels` call per decision is a lock and
+        # a lookup each).
+        self._matched_tokens = [metrics.matched_tokens.labels(medium) for medium in MEDIA]
 
     # ----- workers -----------------------------------------------------------------------------
 
@@ -289,9 +292,10 @@ class Router:
         chosen = next((s for s in decision.scores if s.worker == decision.worker), None)
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         if chosen is not None:
-            for medium, tokens in zip(MEDIA, (chosen.device_tokens, chosen.host_tokens,
-                                              chosen.remote_tokens)):
-                self.metrics.matched_tokens.labels(medium).inc(tokens)
+            for counter, tokens in zip(self._matched_tokens, (chosen.device_tokens,
+                                                              chosen.host_tokens, chosen.remote_tokens)):
+                if tokens:
+                    counter.inc(tokens)
         return Route(worker, decision, blind)
 
     def _choose(self, request: RouteRequest, candidates: list[str]) -> RouteDecision:

@@ -61,7 +61,7 @@ from redis.cluster import RedisCluster
 
 from gateway.core.index_redis import IndexRedis
 from gateway.core.index_scan import runs
-from gateway.core.index_types import IndexConfig, IndexStats, PrefixMatch, WorkerInfo
+from gateway.core.index_types import Holders, IndexConfig, IndexStats, PrefixMatch, WorkerInfo
 from service_shell import kv
 
 log = logging.getLogger("gateway.shared_index")
@@ -331,6 +331,10 @@ class SharedIndexView:
 
     def _confidence(self, r: TableRow, now: float) -> float:
         return self.config.confidence(now - self._to_clock(r.last_seen), r.in_snapshot)
+
+    def holders(self, hashes: Sequence[bytes], now: float | None = None) -> Holders:
+        """`KvIndex.holders`: `lookup`'s answer as arrays (the round trip dominates here)."""
+        return Holders.from_matches(self.lookup(hashes, now))
 
     def lookup(self, hashes: Sequence[bytes], now: float | None = None) -> dict[str, PrefixMatch]:
         """`KvIndex.lookup`'s answer (the same runs over the same masks), from one round trip."""

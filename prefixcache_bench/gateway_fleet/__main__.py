@@ -35,7 +35,9 @@ CHECKPOINT_COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "cold_resta
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
 ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_us",
                    "routing_p99_idle_us", "routing_max_idle_us", "routing_cpu_p50_us",
-                   "routing_cpu_p99_us", "routed_to_holder", "index_bytes_per_page",
+                   "routing_cpu_p99_us", "routing_cpu_shared_p50_us", "routing_cpu_shared_p99_us",
+                   "routing_cpu_private_p50_us", "routing_cpu_private_p99_us", "routed_to_holder",
+                   "index_bytes_per_page",
                    "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s",
                    "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
                    "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",

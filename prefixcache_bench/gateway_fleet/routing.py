@@ -10,7 +10,8 @@ interleaved, on each request (a same-minute ratio on a loaded machine): the rout
 RoutePreview shows); and the garbage collector's pauses during the decisions are
 counted (gc.callbacks): all of them, and those inside Router.route. Each decision's wall time is
 timed and its thread's CPU time (time.thread_time: on a machine shared with other jobs, the wall
-time's tail is their scheduling). Before the decisions the warm
+time's tail is their scheduling), the CPU time also by the request's kind (shared prompt or a
+pool's conversation). Before the decisions the warm
 heap is frozen as the gateway does once its workers' snapshots are in (gateway/core/gc_tuning.py,
 `--gc-freeze-after-warmup`); `--no-gc-freeze` leaves it to the collector."""
 from __future__ import annotations
@@ -88,6 +89,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     requests = _Router(router, pools, pages_per_pool, live_batches, prompt_pages)
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
+    cpu_of: dict[str, list[float]] = {"shared": [], "private": []}  # by the request's kind
     fast, exhaustive, collector = [], [], _GcPauses()
     gc.callbacks.append(collector.on_gc)
     for n in range(decisions):
@@ -101,6 +103,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
         route = router.route(req)
         lat.append((time.perf_counter() - start) * 1e6)
         cpu.append((time.thread_time() - cpu_start) * 1e6)
+        cpu_of["shared" if holder is None else "private"].append(cpu[-1])
         collector.routing = False
         router.finish(req.request_id)
         if holder is not None:
@@ -117,6 +120,10 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             # The routing thread's own CPU time per decision: what other processes' use of the
             # cores (the load average) adds to the wall time above is not in it.
             "routing_cpu_p50_us": percentile(cpu, 0.5), "routing_cpu_p99_us": percentile(cpu, 0.99),
+            # The same by kind: a shared system prompt's request (~100 holders at 1,000 pools),
+            # where the p99 comes from, and a pool's conversation (one holder).
+            **{f"routing_cpu_{kind}_{name}_us": percentile(times, q) for kind, times in cpu_of.items()
+               for name, q in (("p50", 0.5), ("p99", 0.99)) if times},
             "routed_to_holder": to_holder / max(private, 1), "build_s": load_s,
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
             "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.core.index import PrefixMatch
+from gateway.core.index import Holders, PrefixMatch
 from gateway.core.policies import make_policy
 
 
@@ -39,7 +39,7 @@ def test_extenders_are_the_workers_the_walk_extends_in_its_order(seed):
                for w in rng.sample(workers, rng.randint(0, len(workers)))}
     allowed = set(rng.sample(workers, rng.randint(0, len(workers))))
     walk = _extended_by_walk(policy, matches, hashes, allowed)
-    found = policy._extenders(matches, hashes, allowed)
+    found = policy._extenders(Holders.from_matches(matches), hashes, allowed)
     assert [w for w, _ in found if policy.recent.extend(w, hashes, dict(found)[w]) > dict(found)[w]] \
         == [w for w, _ in found]  # every worker returned does extend
     assert [(w, s) for w, s in found] == [(w, walk[w][0]) for w in walk]

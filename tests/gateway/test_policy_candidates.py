@@ -74,8 +74,9 @@ def test_matches_and_loads_equal_the_full_scan(seed):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32))
 def test_the_loads_of_a_kept_candidate_tuple_follow_workers_that_join_and_leave(seed):
-    """LoadTracker keeps the rows of the tuple it was last asked for (the router's candidate
-    set): a worker given its first row, or removed, must show in the next read."""
+    """LoadTracker keeps a copy of the rows of the tuple it was last asked for (the router's
+    candidate set): every write (a route, a report, a first token, a finish), a worker given its
+    first row, or removed, must show in the next read."""
     rng = random.Random(seed)
     clock = FakeClock()
     load = LoadTracker(clock)
@@ -86,8 +87,10 @@ def test_the_loads_of_a_kept_candidate_tuple_follow_workers_that_join_and_leave(
             load.on_route(worker, f"r{n}", rng.randrange(2000))
         elif op < 0.6:
             load.report(worker, common_pb2.LoadReport(queued_prefill_tokens=rng.randrange(5000)))
-        elif op < 0.75:
+        elif op < 0.7:
             load.remove_worker(worker)
+        elif op < 0.85:
+            load.on_first_token(f"r{rng.randrange(n + 1)}")
         else:
             load.on_finish(f"r{rng.randrange(n + 1)}")
         clock.now += rng.random() * 3

@@ -24,7 +24,8 @@ def _fleet(seed: int):
     clock = FakeClock()
     # Wide near-tie bands and idle fleets make ties (and the rotation) common.
     config = AffinityConfig(tie_abs_tokens=rng.choice([16.0, 200.0, 5000.0]),
-                            recent_pages_per_worker=rng.choice([0, 4096]))
+                            recent_pages_per_worker=rng.choice([0, 4096]),
+                            prefill_weight=rng.choice([1.0, 1.0, 0.7]))
     workers = [f"w{i:02d}" for i in range(rng.randrange(1, 25))]
     index, load, policy = KvIndex(clock=clock), LoadTracker(clock), AffinityPolicy(config)
     policy.array_min_candidates = 1  # the array path for any fleet (the router's is 64 on)

@@ -8,6 +8,7 @@ from gateway.core.index import IndexConfig, KvIndex
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
+from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
@@ -37,6 +38,13 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     assert r["restart_to_warm_s"] > 0 and r["index_evictions"] == 0
     assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
     assert 50 < index_bytes_per_page(4, 400) < 1000
+
+
+def test_routing_only_times_decisions_by_request_kind():
+    r = routing_only(4, 400, decisions=80)
+    assert r["decisions"] == 80 and r["routed_to_holder"] > 0.5
+    for kind in ("shared", "private"):  # a shared system prompt's requests and conversations'
+        assert 0 < r[f"routing_cpu_{kind}_p50_us"] <= r[f"routing_cpu_{kind}_p99_us"]
 
 
 def test_the_summary_tabulates_the_committed_runs(capsys):

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
-from gateway.core.index import KvIndex, PrefixMatch
+from gateway.core.index import Holders, KvIndex, PrefixMatch
 from gateway.core.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
 from gateway.core.policies.load import LoadTracker
 from gateway.core.routed_prefixes import RoutedPrefixes
@@ -82,39 +83,61 @@ class AffinityPolicy:
 
     def _matches(self, request: RouteRequest, candidates: Sequence[str],
                  index: KvIndex) -> dict[str, PrefixMatch]:
-        matches = index.lookup(request.page_hashes)
-        hashes = request.page_hashes
-        if self.config.recent_pages_per_worker and hashes:
-            # Only a worker remembering the page its run stops at can extend it (`_extenders`).
-            for worker, start in self._extenders(matches, hashes, self._positions(candidates)):
-                end, m = self.recent.extend(worker, hashes, start), matches.get(worker)
-                if m is None:
-                    matches[worker] = PrefixMatch(end, 0, 0, 1.0)
-                else:  # recent pages extend the device run; host/remote cover what is left
-                    host_end = max(m.device_pages + m.host_pages, end)
-                    rem_end = max(m.device_pages + m.host_pages + m.remote_pages, host_end)
-                    matches[worker] = PrefixMatch(end, host_end - end, rem_end - host_end, m.confidence)
-        return matches
+        return self._holders(request, candidates, index).matches()
 
-    def _extenders(self, matches: dict[str, PrefixMatch], hashes: Sequence[bytes],
+    def _holders(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex) -> Holders:
+        """The index's holders of the prompt's prefix, runs extended by the pages this policy
+        routed lately (RoutedPrefixes)."""
+        holders = index.holders(request.page_hashes)
+        hashes = request.page_hashes
+        if not (self.config.recent_pages_per_worker and hashes):
+            return holders
+        # Only a worker remembering the page its run stops at can extend it (`_extenders`).
+        found = self._extenders(holders, hashes, self._positions(candidates))
+        if not found:
+            return holders
+        at = dict(zip(holders.workers, range(len(holders.workers))))
+        added: list[tuple[str, int]] = []
+        dev, host, rem = holders.device_pages, holders.host_pages, holders.remote_pages
+        for worker, start in found:
+            end, i = self.recent.extend(worker, hashes, start), at.get(worker)
+            if i is None:
+                added.append((worker, end))
+            else:  # recent pages extend the device run; host/remote cover what is left
+                d, h, r = int(dev[i]), int(host[i]), int(rem[i])
+                host_end = max(d + h, end)
+                rem_end = max(d + h + r, host_end)
+                dev[i], host[i], rem[i] = end, host_end - end, rem_end - host_end
+        if not added:
+            return holders
+        k = len(added)
+        return Holders(holders.workers + [w for w, _ in added],
+                       np.concatenate([dev, np.fromiter((e for _, e in added), np.int64, k)]),
+                       np.concatenate([host, np.zeros(k, np.int64)]),
+                       np.concatenate([rem, np.zeros(k, np.int64)]),
+                       np.concatenate([holders.confidence, np.ones(k)]))
+
+    def _extenders(self, holders: Holders, hashes: Sequence[bytes],
                    allowed: Collection[str]) -> list[tuple[str, int]]:
         """(worker, where its device run stops) for each allowed worker that remembers the page
         its run stops at, the only ones a remembered page can extend (a worker the index does
         not match starts at page 0). Grouped by that page: O(matches + such workers), not a
         remembered-pages walk per match (a shared prompt's ~100 holders all stop at one page
         nobody remembers). Matched workers come first, in the index's order, as before."""
-        n, stops = len(hashes), {0: None}
-        for m in matches.values():
-            stops[m.device_pages] = None
+        n, stops = len(hashes), dict.fromkeys([0, *holders.device_pages.tolist()])
+        device: dict[str, int] | None = None  # the holders' device runs, once one is needed
         found: dict[str, int] = {}
         for stop in stops:
             if stop < n:
                 for worker in self.recent.holders(hashes[stop]):
-                    m = matches.get(worker)
-                    if (m.device_pages if m is not None else 0) == stop and worker in allowed:
+                    if device is None:
+                        device = dict(zip(holders.workers, holders.device_pages.tolist()))
+                    if device.get(worker, 0) == stop and worker in allowed:
                         found[worker] = stop
-        ordered = [(w, found[w]) for w in matches if w in found]
-        return ordered + [(w, s) for w, s in found.items() if w not in matches]
+        if not found:
+            return []
+        ordered = [(w, found[w]) for w in holders.workers if w in found]
+        return ordered + [(w, s) for w, s in found.items() if w not in device]
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
@@ -167,23 +190,31 @@ class AffinityPolicy:
         tests/gateway/test_policy_fast.py holds the two equal."""
         require_candidates(candidates)
         cfg, total, page = self.config, request.prompt_tokens, request.page_size
-        matches = self._matches(request, candidates, index)
+        held = self._holders(request, candidates, index)
         queued, running, recent = load.columns(candidates)
         n = len(candidates)
         prefill = np.full(n, max(total - 0.0, 0.0))
-        if matches:  # only the holders' prefill differs from the whole prompt's
+        if held.workers:  # only the holders' prefill differs from the whole prompt's
             position = self._positions(candidates)
-            held = [(position[w], m) for w, m in matches.items() if w in position]
-            if held:
-                at, saved = self._saved_many(held, page)
-                prefill[at] = np.maximum(total - saved, 0.0)
+            at = np.fromiter(map(position.get, held.workers, repeat(-1)), np.intp,
+                             len(held.workers))
+            saved = self._saved_many(held, page)
+            if at.min() < 0:  # holders that are not candidates
+                saved, at = saved[at >= 0], at[at >= 0]
+            prefill[at] = np.maximum(total - saved, 0.0)
         new = float(prefill.min())
         overload_weight = cfg.overload_weight if total - new < new else 0.0
         mean_recent = _sum_in_order(recent) / n
-        overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
-                    else np.zeros(n))
-        balance = (cfg.prefill_weight * prefill * (1.0 + overload_weight * overload)
-                   + cfg.balance_weight * (recent - recent.min()))
+        # Passes that would multiply by exactly 1 are skipped: x * 1.0 is x, and so is
+        # x * (1.0 + 0.0 * overload) (overload is finite: at most n). The overload of the chosen
+        # worker alone is needed then.
+        weighted = prefill if cfg.prefill_weight == 1.0 else cfg.prefill_weight * prefill
+        overload = None
+        if overload_weight:
+            overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
+                        else np.zeros(n))
+            weighted = weighted * (1.0 + overload_weight * overload)
+        balance = weighted + cfg.balance_weight * (recent - recent.min())
         score = balance + cfg.queue_weight * queued + cfg.inflight_weight_tokens * running
         tie = max(cfg.tie_abs_tokens, cfg.tie_rel * total)
         best = score.min()
@@ -211,14 +242,16 @@ class AffinityPolicy:
         chosen = WorkerScore(worker, queued_prefill_tokens=int(queued[pick]),
                              inflight_requests=int(running[pick]),
                              recent_prefill_tokens=float(recent[pick]),
-                             prefill_tokens=float(prefill[pick]), overload=float(overload[pick]),
+                             prefill_tokens=float(prefill[pick]),
+                             overload=float(overload[pick] if overload is not None
+                                            else _overload(recent[pick], mean_recent)),
                              score=float(score[pick]))
-        m = matches.get(worker)
+        m = held.match(held.workers.index(worker)) if worker in held.workers else None
         if m is not None:
             chosen.device_tokens, chosen.host_tokens = m.device_pages * page, m.host_pages * page
             chosen.remote_tokens, chosen.confidence = m.remote_pages * page, m.confidence
         decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
-        return decision, matches.get(worker), rotated
+        return decision, m, rotated
 
     def _positions(self, candidates: Sequence[str]) -> dict[str, int]:
         """worker -> its index in `candidates`; kept for a tuple (the router's candidate set,
@@ -237,17 +270,13 @@ class AffinityPolicy:
         return m.confidence * (m.device_pages * page + m.host_pages * page * (1.0 - cfg.host_cost)
                                + m.remote_pages * page * (1.0 - cfg.remote_cost))
 
-    def _saved_many(self, held: list[tuple[int, PrefixMatch]],
-                    page: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the positions, `_saved` of each match) for (position, match) pairs, in numpy: the
-        same operations in the same order, so the same floats."""
-        cfg, k = self.config, len(held)
-        at = np.fromiter((p for p, _ in held), np.intp, k)
-        pages = np.array([(m.device_pages, m.host_pages, m.remote_pages) for _, m in held],
-                         dtype=np.int64).reshape(k, 3) * page
-        confidence = np.fromiter((m.confidence for _, m in held), np.float64, k)
-        return at, confidence * (pages[:, 0] + pages[:, 1] * (1.0 - cfg.host_cost)
-                                 + pages[:, 2] * (1.0 - cfg.remote_cost))
+    def _saved_many(self, holders: Holders, page: int) -> np.ndarray:
+        """`_saved` of each holder, in numpy: the same operations in the same order, so the
+        same floats."""
+        cfg = self.config
+        return holders.confidence * (holders.device_pages * page
+                                     + holders.host_pages * page * (1.0 - cfg.host_cost)
+                                     + holders.remote_pages * page * (1.0 - cfg.remote_cost))
 
     def _score(self, request: RouteRequest, candidates: Sequence[str],
                matches: dict[str, PrefixMatch], load: LoadTracker) -> list[WorkerScore]:
@@ -322,6 +351,11 @@ class AffinityPolicy:
             self.recent.record(worker, request.page_hashes[held:])
 
 
+def _overload(recent: float, mean_recent: float) -> float:
+    """One worker's overload, as the array path computes it for all."""
+    return max(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0 else 0.0
+
+
 def _sum_in_order(values: np.ndarray) -> float:
     """The sum of the values added first to last (what `sum` of a list of floats does before
     Python 3.12), in numpy: both scoring paths use it, so they agree to the last bit."""
@@ -344,9 +378,9 @@ class ApproxPolicy(AffinityPolicy):
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
 
-    def _matches(self, request: RouteRequest, candidates: Sequence[str],
-                 index: KvIndex) -> dict[str, PrefixMatch]:
-        return {w: PrefixMatch(n, 0, 0, 1.0) for w, n in self.routed.match(request.page_hashes).items()}
+    def _holders(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex) -> Holders:
+        return Holders.from_matches({w: PrefixMatch(n, 0, 0, 1.0)
+                                     for w, n in self.routed.match(request.page_hashes).items()})
 
     def _record(self, request: RouteRequest, worker: str, match: PrefixMatch | None) -> None:
         self.routed.record(worker, request.page_hashes)

@@ -48,10 +48,9 @@ class LoadTracker:
         self._rows = _Rows()
         self._free = list(range(7, 0, -1))  # rows not in use, the next one last
         self._table = np.array([_EMPTY_ROW] * 8, dtype=np.float64)
-        # The rows of the last tuple of workers `columns` was asked for (the router's candidate
-        # set, the same object decision after decision): (that tuple, its rows, the index in it
-        # of each worker that has no row yet), or None.
-        self._rows_of: tuple[tuple[str, ...], np.ndarray, dict[str, int]] | None = None
+        # The last tuple of workers `columns` was asked for (the router's candidate set, the same
+        # object decision after decision) and a copy of its rows, kept in step with the table.
+        self._kept: _KeptRows | None = None
 
     def _row(self, worker: str) -> int:
         row = self._rows.get(worker)
@@ -61,15 +60,20 @@ class LoadTracker:
                 self._table = np.concatenate([self._table, np.array([_EMPTY_ROW] * used)])
                 self._free = list(range(len(self._table) - 1, used - 1, -1))
             row = self._rows[worker] = self._free.pop()
-            kept = self._rows_of
-            if kept is not None and worker in kept[2]:
-                kept[1][kept[2].pop(worker)] = row
+            if self._kept is not None:
+                self._kept.given_row(worker, row)  # an empty row, as row 0 is: no copy
         return row
+
+    def _copy_row(self, row: int) -> None:
+        """After a write to the table's row: the same in the kept copy."""
+        if self._kept is not None:
+            self._kept.copy(row, self._table)
 
     def report(self, worker: str, load: common_pb2.LoadReport, now: float | None = None) -> None:
         when, row = (self._clock() if now is None else now), self._row(worker)
         self._table[row, _REPORT_WHEN:_RECENT] = (
             when, load.queued_prefill_tokens, load.waiting_requests + load.running_requests)
+        self._copy_row(row)
 
     def on_route(self, worker: str, request_id: str, prefill_tokens: int) -> None:
         self._routed[request_id] = (worker, prefill_tokens)
@@ -79,6 +83,7 @@ class LoadTracker:
         t[row, _INFLIGHT] += 1
         t[row, _RECENT] = self._decayed(row, now) + prefill_tokens
         t[row, _RECENT_WHEN] = now
+        self._copy_row(row)
 
     def _decayed(self, row: int, now: float) -> float:
         value, when = self._table[row, _RECENT], self._table[row, _RECENT_WHEN]
@@ -91,7 +96,9 @@ class LoadTracker:
         entry = self._routed.get(request_id)
         if entry is not None and entry[1]:
             worker, tokens = entry
-            self._table[self._rows[worker], _PENDING] -= tokens
+            row = self._rows[worker]
+            self._table[row, _PENDING] -= tokens
+            self._copy_row(row)
             self._routed[request_id] = (worker, 0)
 
     def on_finish(self, request_id: str) -> None:
@@ -99,13 +106,15 @@ class LoadTracker:
         self.on_first_token(request_id)
         entry = self._routed.pop(request_id, None)
         if entry is not None and entry[0] in self._rows:
-            self._table[self._rows[entry[0]], _INFLIGHT] -= 1
+            row = self._rows[entry[0]]
+            self._table[row, _INFLIGHT] -= 1
+            self._copy_row(row)
 
     def remove_worker(self, worker: str) -> None:
         for rid in [r for r, (w, _) in self._routed.items() if w == worker]:
             del self._routed[rid]
         row = self._rows.pop(worker, None)
-        self._rows_of = None
+        self._kept = None
         if row is not None:
             self._table[row] = _EMPTY_ROW
             self._free.append(row)
@@ -115,25 +124,26 @@ class LoadTracker:
         """(queued prefill tokens, requests in flight, recent prefill tokens) of each worker, as
         float arrays in the order given, at one instant (a routing decision's candidates)."""
         now = self._clock() if now is None else now
-        rows = self._table[self._row_numbers(workers)]
-        fresh = now - rows[:, _REPORT_WHEN] <= self.report_ttl_s
-        queued = np.where(fresh, np.maximum(rows[:, _PENDING], rows[:, _REPORT_QUEUED]), rows[:, _PENDING])
-        running = np.where(fresh, np.maximum(rows[:, _INFLIGHT], rows[:, _REPORT_REQUESTS]),
-                           rows[:, _INFLIGHT])
-        value = rows[:, _RECENT]
-        decay = np.power(0.5, (now - rows[:, _RECENT_WHEN]) / self.recent_halflife_s)
+        cols = self._columns_of(workers)
+        fresh = now - cols[_REPORT_WHEN] <= self.report_ttl_s
+        queued = np.where(fresh, np.maximum(cols[_PENDING], cols[_REPORT_QUEUED]), cols[_PENDING])
+        running = np.where(fresh, np.maximum(cols[_INFLIGHT], cols[_REPORT_REQUESTS]), cols[_INFLIGHT])
+        value = cols[_RECENT]
+        decay = np.power(0.5, (now - cols[_RECENT_WHEN]) / self.recent_halflife_s)
         recent = np.where(value == 0.0, 0.0, value * decay)
         return queued, running, recent
 
-    def _row_numbers(self, workers: Sequence[str]) -> np.ndarray:
-        kept = self._rows_of
-        if kept is not None and kept[0] is workers:
-            return kept[1]
+    def _columns_of(self, workers: Sequence[str]) -> np.ndarray:
+        """The workers' rows as columns (column x worker): for the kept tuple its copy, with no
+        gather of the table's rows per decision."""
+        kept = self._kept
+        if kept is not None and kept.workers is workers:
+            return kept.columns
         numbers = np.fromiter(map(self._rows.__getitem__, workers), np.intp, len(workers))
-        if type(workers) is tuple:  # immutable: the same object has the same workers
-            rowless = {w: i for i, w in enumerate(workers) if w not in self._rows}
-            self._rows_of = (workers, numbers, rowless)
-        return numbers
+        if type(workers) is not tuple:  # a tuple is immutable: the same object, the same workers
+            return self._table[numbers].T
+        self._kept = _KeptRows(workers, numbers, self._table)
+        return self._kept.columns
 
     def get_many(self, workers: Sequence[str], now: float | None = None) -> list[WorkerLoad]:
         """`get` for each worker, at one instant."""
@@ -142,3 +152,25 @@ class LoadTracker:
 
     def get(self, worker: str, now: float | None = None) -> WorkerLoad:
         return self.get_many([worker], now)[0]
+
+
+class _KeptRows:
+    """A tuple of workers' rows of LoadTracker's table, copied as contiguous columns (column x
+    worker) and kept in step with the table by LoadTracker (`copy` after each write)."""
+
+    def __init__(self, workers: tuple[str, ...], numbers: np.ndarray, table: np.ndarray) -> None:
+        self.workers = workers
+        self.columns = np.ascontiguousarray(table[numbers].T)
+        # row -> position in the tuple; the workers on row 0 (none yet) wait for theirs
+        self._position = {row: i for i, row in enumerate(numbers.tolist()) if row}
+        self._rowless = {w: i for i, (w, row) in enumerate(zip(workers, numbers.tolist())) if not row}
+
+    def given_row(self, worker: str, row: int) -> None:
+        i = self._rowless.pop(worker, None)
+        if i is not None:
+            self._position[row] = i
+
+    def copy(self, row: int, table: np.ndarray) -> None:
+        i = self._position.get(row)
+        if i is not None:
+            self.columns[:, i] = table[row]
