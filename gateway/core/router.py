@@ -4,7 +4,7 @@ index their event streams feed, the policy, and the load tracker (design.md §6)
 Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
 all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
 to them holds `Router.lock`. Ingest holds it for bounded slices (`apply_stream_items`) and lets a
-waiting routing decision go first between them (`yield_to_routing`). Hashing a prompt is done by
+waiting routing decision go first between them (gateway/core/decisions_first.py). Hashing a prompt is done by
 the caller, outside the lock.
 """
 from __future__ import annotations
@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
 from gateway.core.cache_keys import CacheKeyAffinity
 from gateway.core.candidates import CandidateSets
+from gateway.core.decisions_first import DecisionsFirst
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.shared_index import SharedIndexView
 from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
@@ -79,9 +78,7 @@ class Router:
         self._clock = clock
         self._workers: dict[str, Worker] = {}
         self._calls: dict[str, Worker] = {}  # routed request id -> its worker
-        # One entry per routing call waiting for or holding the lock (deque: atomic append and
-        # pop across threads); bulk ingest steps aside while it is not empty.
-        self._deciding: deque[None] = deque()
+        self._first = DecisionsFirst(self.lock)  # decisions take the lock before ingest slices
         # The candidate sets of recent decisions, kept between them (`_candidates`).
         self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)
@@ -234,17 +231,9 @@ class Router:
                 worker.synced = info is not None and not info.in_snapshot
             self._candidate_sets.clear()
 
-    def yield_to_routing(self, max_wait_s: float = 0.005) -> None:
-        """Bulk ingest calls this between two holds of the lock: while a routing decision waits
-        for the lock, the caller sleeps (its GIL released) so that the decision takes the lock
-        first instead of the next ingest slice (a plain Lock is not fair)."""
-        deadline = None
-        while self._deciding:
-            if deadline is None:
-                deadline = time.perf_counter() + max_wait_s
-            elif time.perf_counter() > deadline:
-                return
-            time.sleep(0.00005)
+    def yield_to_routing(self) -> None:
+        """Bulk ingest calls this between two holds of the lock: a waiting decision goes first."""
+        self._first.yield_to_decisions()
 
     def resume_point(self, name: str) -> tuple[int, int]:
         """Where a worker's broken stream picks up: SubscribeRequest(epoch, after_seq) right after
@@ -265,20 +254,10 @@ class Router:
         with the tokenizer its ids came from when it names one; sorted by name."""
         return self._candidate_sets.get(exclude, tokenizer_fingerprint, self._clock())
 
-    @contextmanager
-    def _decision_lock(self) -> Iterator[None]:
-        """`self.lock` for the calls on a request's path, which bulk ingest lets go first."""
-        self._deciding.append(None)
-        try:
-            with self.lock:
-                yield
-        finally:
-            self._deciding.pop()
-
     def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> Route | None:
         """Chooses a worker and counts the request on it (`finish` undoes that). None when no
         worker can take it."""
-        with self._decision_lock():
+        with self._first.decision():
             candidates, blind = self._candidates(exclude, request.tokenizer_fingerprint)
             if not candidates:
                 return None
@@ -325,12 +304,12 @@ class Router:
         return pinned if (mine.device_pages if mine else 0) >= best else None
 
     def first_token(self, request_id: str) -> None:
-        with self._decision_lock():
+        with self._first.decision():
             self.load.on_first_token(request_id)
 
     def finish(self, request_id: str) -> None:
         """The routed call ended (finished, failed or cancelled)."""
-        with self._decision_lock():
+        with self._first.decision():
             self.load.on_finish(request_id)
             worker = self._calls.pop(request_id, None)
             if worker is None:
