@@ -26,11 +26,11 @@ _ARRAYS = (("lo", "Q", np.uint64, 0), ("hi", "Q", np.uint64, 0), ("holder", "i",
 def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """One table's arrays (the copies `capture` made) as written: occupancy bits and the
     occupied slots' values."""
-    holder = arrays[prefix + "holder"]
-    occupied = holder != EMPTY
+    occupied = arrays[prefix + "holder"] != EMPTY
+    at = np.flatnonzero(occupied)  # once: a gather by index is ~2x one by mask, per array
     out = {prefix + "occupied": np.packbits(occupied)}
     for name, _, _, _ in _ARRAYS:
-        out[prefix + name] = arrays[prefix + name][occupied]
+        out[prefix + name] = np.take(arrays[prefix + name], at)
     held = out[prefix + "holder"]
     if not len(held) or held.max() <= np.iinfo(np.int16).max:
         out[prefix + "holder"] = held.astype(np.int16)
@@ -42,7 +42,8 @@ def expand(arrays: dict[str, np.ndarray], prefix: str, cap: int) -> tuple[array,
     occupied = np.unpackbits(arrays[prefix + "occupied"], count=cap).view(bool)
     if len(occupied) != cap:
         raise ValueError(f"table {prefix}: {len(occupied)} occupancy bits for {cap} slots")
-    n = int(np.count_nonzero(occupied))
+    at = np.flatnonzero(occupied)
+    n = len(at)
     out = []
     for name, code, dtype, empty in _ARRAYS:
         values = arrays[prefix + name]
@@ -50,7 +51,7 @@ def expand(arrays: dict[str, np.ndarray], prefix: str, cap: int) -> tuple[array,
             raise ValueError(f"table {prefix}: {name} of {values.dtype} {values.shape}, "
                              f"{n} occupied slots of {np.dtype(dtype)}")
         full = array(code, [empty]) * cap
-        np.frombuffer(full, dtype=dtype)[occupied] = values
+        np.frombuffer(full, dtype=dtype)[at] = values
         out.append(full)
     return tuple(out)
 

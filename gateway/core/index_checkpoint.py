@@ -266,7 +266,7 @@ class IndexCheckpointer:
         self._waiting: dict[str, float] = {}  # restored pool id -> when it is dropped unless admitted
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="index-checkpoint", daemon=True)
-        self.last_lock_held_s = 0.0
+        self.last_lock_held_s = self.last_write_s = 0.0  # the last write's, as logged
         self.writes = self.skipped = 0
         self._written_changes: int | None = None  # KvIndex.changes the file on disk holds
         self._last = time.monotonic()
@@ -315,9 +315,9 @@ class IndexCheckpointer:
         write(captured, self.path)
         self._written_changes = changes
         self.last_lock_held_s, self.writes = captured.lock_held_s, self.writes + 1
+        self.last_write_s = time.perf_counter() - start
         log.info(kv("index_checkpoint_written", path=self.path, keys=len(router.index),
-                    lock_held_s=round(captured.lock_held_s, 4),
-                    write_s=round(time.perf_counter() - start, 3)))
+                    lock_held_s=round(captured.lock_held_s, 4), write_s=round(self.last_write_s, 3)))
         return captured.lock_held_s
 
     def drop_unclaimed(self, now: float | None = None) -> list[str]:

@@ -61,7 +61,11 @@ def _kill_mid_write(proc: subprocess.Popen, rng: random.Random, tmp: str) -> tup
     """Lets the child complete a first checkpoint, kills it at a random point of the writes
     that follow; the last seq it reported done, and what the temporary file held (b"" if none)."""
     assert proc.stdout.readline().split()[0] == "done"  # a whole checkpoint exists
-    time.sleep(rng.uniform(0.05, 0.6))  # the child spends most of its time inside `write`
+    time.sleep(rng.uniform(0.05, 0.5))
+    deadline = time.monotonic() + 2.0  # then into a write (bounded: a writer may not use `tmp`)
+    while not os.path.exists(tmp) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    time.sleep(rng.uniform(0, 0.004))
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     done = [int(line.split()[1]) for line in proc.stdout.read().splitlines() if line.startswith("done")]
