@@ -82,7 +82,8 @@ def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
          "rebuilding the index from snapshots; one of another namespace, version or hash spec, "
          "or a corrupt one, is ignored with a warning")
     flag("--index-checkpoint-interval-s", "INDEX_CHECKPOINT_INTERVAL_S",
-         cfg.index_checkpoint_interval_s, "seconds between two index checkpoints",
+         cfg.index_checkpoint_interval_s, "seconds between two index checkpoints (one is "
+         "skipped when the index has not changed since the last)",
          type=finite_float(1.0, 86400.0))
 
 

@@ -106,9 +106,7 @@ class KvIndex:
         self.page_events = 0
         self.evicted_entries = 0
         self.resyncs = 0
-        # Bumped by every call that may change what a checkpoint holds (the tables, a worker's
-        # slot, epoch, seq or flags): an unchanged count means nothing to write again
-        # (gateway/core/index_checkpoint.py). Heartbeats that only refresh freshness do not.
+        # Bumped by each call that may change what a checkpoint holds (index_checkpoint.py).
         self.changes = 0
         self._warned_at: float | None = None
         # Inside `bulk()`: runs of page events per medium waiting for one `apply_ops` run

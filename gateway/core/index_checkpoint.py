@@ -2,10 +2,10 @@
 rebuilding it (issue 31; design.md §6, "Restarts").
 
 A restart used to start every feed from a full snapshot: 10M pages at ~1M pages/s of table
-inserts is ~30 s cold. A checkpoint holds the `PageTable` arrays of each medium as they are (an
-old table too while a growth migrates), the `multi` masks, and per worker its pool id, address,
-slot, epoch and last applied seq. On start the arrays are loaded as they are (a copy, no insert)
-and the workers restored; when a worker is admitted again its feed subscribes from the
+inserts is ~30 s cold. A checkpoint holds the `PageTable` arrays of each medium (their occupied
+slots, below; an old table too while a growth migrates), the `multi` masks, and per worker its
+pool id, address, slot, epoch and last applied seq. On start the arrays are rebuilt at their
+positions (no insert) and the workers restored; when a worker is admitted again its feed subscribes from the
 checkpoint's (epoch, seq) (`Router.resume_point`): the cache service replays what came since, or,
 when its buffer no longer holds that seq or the epoch changed, sends a snapshot that replaces
 that worker's entries only (KvIndex.apply's existing rules).
@@ -18,8 +18,8 @@ temporary file has one name per checkpoint, so a killed writer's leftover is ove
 next write, and removed by the next restore. A checkpoint of another version, namespace or hash
 spec, or one that does not parse, is ignored with a warning.
 
-What a write costs is its bytes (copying them into the page cache at ~0.3 GB/s here; the fsync
-and the zip's CRC are ~10% of it), so the file holds only the occupied slots of each table
+What a write costs is its bytes (copying them into the page cache at ~0.3 GB/s here; the zip's
+CRC and the fsync are ~20% of it), so the file holds only the occupied slots of each table
 (gateway/core/checkpoint_arrays.py: 22 bytes a slot and a bit per slot, where a table's arrays
 are 24 bytes a slot at 30-70% occupancy, and a growing table's new arrays are mostly empty), and
 a write is skipped when the index has not changed since the last one (`KvIndex.changes`).

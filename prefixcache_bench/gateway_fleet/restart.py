@@ -3,11 +3,12 @@ against the cold restart that re-learns every pool from snapshots.
 
 One process plays both gateway lives, on the gateway core: the first warms up from every pool's
 snapshot (the cold restart-to-warm), writes a checkpoint (the time `Router.lock` is held for the
-copy; the save as a whole, buffers included; the write alone), saves again with nothing changed
-(a skipped write: KvIndex.changes has not moved) and stops its feeds. While it is down each pool's live batches happen (the
-load generator replays them to a resumed stream). The second life is a new Router: it loads the
-checkpoint, re-admits the pools, and each feed resumes from the checkpoint's seq: warm once every
-pool's downtime batches are applied (its last seq is the last live batch) and no pool asked for a
+copy; the save as a whole, buffers included; the write alone) and stops its feeds, then saves
+again with nothing changed (a skipped write: KvIndex.changes has not moved). While it is down
+each pool's live batches happen (the load generator replays them to a resumed stream). The
+second life is a new Router: it loads the checkpoint, re-admits the pools, and each feed resumes
+from the checkpoint's seq: warm once every pool's downtime batches are applied (its last seq is
+the last live batch) and no pool asked for a
 snapshot."""
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, p
     t1 = time.perf_counter()
     lock_held = saver.save()
     save_s = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    saver.save()  # nothing changed since: skipped
-    unchanged_s, skipped = time.perf_counter() - t1, saver.skipped
     pages, saver_write_s = len(router.index), saver.last_write_s
     feeds.close()  # the first life ends
+    t1 = time.perf_counter()
+    saver.save()  # the feeds stopped, nothing changed since: skipped
+    unchanged_s, skipped = time.perf_counter() - t1, saver.skipped
     del router, feeds, saver
     gc.collect()
     # Second life: load, admit, resume.

@@ -1,6 +1,7 @@
 """`python -m prefixcache_bench.gateway_fleet.shared_restart --json PATH`: a gateway replica
 restarting against the shared Redis index (issue 31, design.md "Many gateway replicas"), with 4
-replicas and 1M pages: how long until it routes with the whole index's knowledge.
+replicas and 1M pages (`--pages 200`: 1.6M page events, 1M distinct pages): how long until it
+routes with the whole index's knowledge.
 
 Four replica processes (spawn) share one throwaway redis-server; replica i holds the leases of
 the pools with index % 4 == i and writes their batches (shared.py's batches: `--pools` pools of
@@ -103,7 +104,7 @@ def memory_rebuild(args: dict, out) -> None:
     for pool_batches in work:
         for batch in pool_batches:
             index.apply(batch)
-    out.put({"memory_rebuild_s": time.perf_counter() - start, "memory_pages": len(index)})
+    out.put({"memory_rebuild_s": time.perf_counter() - start, "distinct_pages": len(index)})
 
 
 def run(args: dict) -> dict:
@@ -142,7 +143,7 @@ def run(args: dict) -> dict:
     result |= out.get(timeout=1200)
     rebuild.join()
     return {"config": args, "replicas": REPLICAS,
-            "indexed_pages": sum(i["page_events"] for i in ingest), "redis_keys": keys,
+            "page_events_written": sum(i["page_events"] for i in ingest), "redis_keys": keys,
             "redis_used_mb": used_mb, "ingest_s_per_replica": max(i["ingest_s"] for i in ingest),
             **result, "load_average_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
 
