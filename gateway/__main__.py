@@ -90,7 +90,8 @@ def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
     flag("--kernel-cache", "KERNEL_CACHE", None, "directory of the compiled C page table; "
          "default $XDG_CACHE_HOME/prefixcache/kernels (~/.cache/prefixcache/kernels)")
     flag("--index-checkpoint-interval-s", "INDEX_CHECKPOINT_INTERVAL_S",
-         cfg.index_checkpoint_interval_s, "seconds between two index checkpoints",
+         cfg.index_checkpoint_interval_s, "seconds between two index checkpoints (one is "
+         "skipped when the index has not changed since the last)",
          type=finite_float(1.0, 86400.0))
 
 

@@ -107,6 +107,8 @@ class KvIndex:
         self.page_events = 0
         self.evicted_entries = 0
         self.resyncs = 0
+        # Bumped by each call that may change what a checkpoint holds (index_checkpoint.py).
+        self.changes = 0
         self._warned_at: float | None = None
         # Inside `bulk()`: runs of page events per medium waiting for one `apply_ops` run
         # (packed hashes, worker slot, store or not, per run); None outside.
@@ -138,6 +140,7 @@ class KvIndex:
         worker = self._workers.pop(pool_id, None)
         if worker is None:
             return False
+        self.changes += 1
         self._clear(worker)
         del self._by_slot[worker.slot]
         self._all &= ~worker.bit
@@ -181,6 +184,7 @@ class KvIndex:
 
     def apply(self, batch: events_pb2.EventBatch, now: float | None = None) -> ApplyResult:
         """Apply one batch of a worker's stream, or say why it cannot be applied."""
+        self.changes += 1
         w = self._worker(batch.pool_id)
         w.last_seen = self._clock() if now is None else now
         events = batch.events
@@ -226,6 +230,7 @@ class KvIndex:
         w = self._worker(hb.pool_id)
         w.last_seen = self._clock() if now is None else now
         if hb.epoch != w.epoch or not w.started:
+            self.changes += 1
             if hb.epoch != w.epoch:
                 self._clear(w)
                 w.epoch, w.last_seq, w.started = hb.epoch, -1, False
@@ -237,6 +242,7 @@ class KvIndex:
         return ApplyResult(ApplyStatus.APPLIED, w.pool_id, "", w.epoch, w.last_seq)
 
     def _resync(self, w: _Worker, reason: str) -> ApplyResult:
+        self.changes += 1
         w.needs_resync = True
         w.in_snapshot = False
         self.resyncs += 1
@@ -365,6 +371,7 @@ class KvIndex:
     def _worker(self, pool_id: str) -> _Worker:
         w = self._workers.get(pool_id)
         if w is None:
+            self.changes += 1
             slot = self._free_slots.pop() if self._free_slots else len(self._by_slot)
             w = _Worker(pool_id, slot, 1 << slot, last_seen=self._clock())
             self._workers[pool_id] = self._by_slot[slot] = w

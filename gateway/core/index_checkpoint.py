@@ -2,43 +2,55 @@
 rebuilding it (issue 31; design.md §6, "Restarts").
 
 A restart used to start every feed from a full snapshot: 10M pages at ~1M pages/s of table
-inserts is ~30 s cold. A checkpoint holds the `PageTable` arrays of each medium as they are (an
-old table too while a growth migrates), the `multi` masks, and per worker its pool id, address,
-slot, epoch and last applied seq. On start the arrays are loaded as they are (a copy, no insert)
-and the workers restored; when a worker is admitted again its feed subscribes from the
+inserts is ~30 s cold. A checkpoint holds the `PageTable` arrays of each medium (their occupied
+slots, below; an old table too while a growth migrates), the `multi` masks, and per worker its
+pool id, address, slot, epoch and last applied seq. On start the arrays are rebuilt at their
+positions (no insert) and the workers restored; when a worker is admitted again its feed subscribes from the
 checkpoint's (epoch, seq) (`Router.resume_point`): the cache service replays what came since, or,
 when its buffer no longer holds that seq or the epoch changed, sends a snapshot that replaces
 that worker's entries only (KvIndex.apply's existing rules).
 
 Consistency: `capture` copies everything under `Router.lock` (the lock ingest takes, outside
 any `bulk()` block, so nothing is deferred); the write happens after, without the lock, to a
-temporary file renamed over the old one (a crash never leaves half a checkpoint). A checkpoint of
-another version, namespace or hash spec, or one that does not parse, is ignored with a warning.
+temporary file renamed over the old one (a crash never leaves half a checkpoint: a SIGKILL at any
+point of the write leaves the previous file, tests/gateway/test_index_checkpoint_crash.py). The
+temporary file has one name per checkpoint, so a killed writer's leftover is overwritten by the
+next write, and removed by the next restore. A checkpoint of another version, namespace or hash
+spec, or one that does not parse, is ignored with a warning.
+
+What a write costs is its bytes (copying them into the page cache at ~0.3 GB/s here; the zip's
+CRC and the fsync are ~20% of it), so the file holds only the occupied slots of each table
+(gateway/core/checkpoint_arrays.py: 22 bytes a slot and a bit per slot, where a table's arrays
+are 24 bytes a slot at 30-70% occupancy, and a growing table's new arrays are mostly empty), and
+a write is skipped when the index has not changed since the last one (`KvIndex.changes`).
 
 This module reads the tables' and the index's private fields on purpose: it is their on-disk
 form, and keeping it here keeps index.py and index_table.py about the live structure.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import os
 import threading
 import time
 import zipfile
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.core.checkpoint_arrays import compact, expand, masks
 from gateway.core.index import KvIndex, _Worker
 from gateway.core.index_table import MIGRATE_STEP, MULTI, PageTable
 from service_shell import kv
 
 log = logging.getLogger("gateway.checkpoint")
 
-# Bumped whenever the layout below or PageTable's hashing (its `_home`) changes.
-VERSION = 1
+# Bumped whenever the layout below or PageTable's hashing (its `_home`) changes. 2: only the
+# occupied slots (checkpoint_arrays.py).
+VERSION = 2
 _MEDIA = 3
 
 
@@ -82,30 +94,18 @@ def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
             out[name] = view.copy()
     out[prefix + "multi"] = t.multi.copy()  # encoded by `write`, without the lock
     # A growth's old table (PageTable._grow) has no clock, cursor or rate of its own.
-    meta[prefix] = {"used": t._used, "live": t.live, "clock": getattr(t, "_clock", 0),
+    meta[prefix] = {"cap": len(t._holder), "used": t._used, "live": t.live, "clock": getattr(t, "_clock", 0),
                     "cursor": getattr(t, "_cursor", 0), "rate": getattr(t, "rate", 0),
                     "old": t._old is not None}
     if t._old is not None:
         _table_arrays(t._old, prefix + "old.", out, meta, into)
 
 
-def _array(code: str, values: np.ndarray) -> array:
-    """The table's `array.array` of the loaded values: one copy (not via bytes: two)."""
-    out = array(code)
-    if np.dtype(values.dtype).itemsize != out.itemsize:
-        raise ValueError(f"array of {values.dtype} where the table keeps {code!r}")
-    out.frombytes(memoryview(np.ascontiguousarray(values)).cast("B"))
-    return out
-
-
 def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageTable:
     m = meta[prefix]
     t = PageTable.__new__(PageTable)
-    t.cap = len(arrays[prefix + "holder"])
-    t._lo, t._hi = _array("Q", arrays[prefix + "lo"]), _array("Q", arrays[prefix + "hi"])
-    t._holder, t._stamp = _array("i", arrays[prefix + "holder"]), _array("I", arrays[prefix + "stamp"])
-    if not len(t._lo) == len(t._hi) == len(t._stamp) == t.cap:
-        raise ValueError(f"table {prefix}: arrays of different lengths")
+    t.cap = int(m["cap"])
+    t._lo, t._hi, t._holder, t._stamp = expand(arrays, prefix, t.cap)
     masks = arrays[prefix + "multi_mask"]
     t.multi = {int(p): int.from_bytes(row.tobytes(), "little")
                for p, row in zip(arrays[prefix + "multi_pos"].tolist(), masks)}
@@ -137,15 +137,31 @@ def capture(index: KvIndex, addresses: dict[str, str], namespace: str, hash_spec
     return Captured(arrays, meta, time.perf_counter() - start)
 
 
+def temporary_path(path: str) -> str:
+    """Where `write` writes before the rename: one name, so a killed writer's leftover is
+    overwritten by the next write."""
+    return path + ".tmp"
+
+
+def remove_leftovers(path: str) -> None:
+    """Removes what a writer killed mid-write left beside `path` (version 1 writers named their
+    temporary file after their pid)."""
+    for leftover in glob.glob(glob.escape(path) + ".tmp*"):
+        if leftover == temporary_path(path) or leftover[len(path) + 4:].isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+                log.info(kv("index_checkpoint_leftover_removed", path=leftover))
+
+
 def write(captured: Captured, path: str) -> None:
     """Writes the checkpoint atomically: a temporary file beside `path`, fsynced, renamed."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temporary_path(path)
     arrays = {}
     for name, value in captured.arrays.items():
         if isinstance(value, dict):
-            arrays.update(_masks(name, value))
-        else:
-            arrays[name] = value
+            arrays.update(masks(name, value))
+        elif name.endswith("holder"):
+            arrays.update(compact(captured.arrays, name.removesuffix("holder")))
     try:
         with open(tmp, "wb") as f:
             np.savez(f, meta=np.array(json.dumps(captured.meta)), **arrays)
@@ -155,15 +171,6 @@ def write(captured: Captured, path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def _masks(name: str, multi: dict[int, int]) -> dict[str, np.ndarray]:
-    """A table's `multi` as arrays: positions, and masks of 2+ holders (up to as many bits as
-    slots: 1,000 workers) as rows of bytes."""
-    width = max((m.bit_length() + 7) // 8 for m in multi.values()) if multi else 1
-    return {name + "_pos": np.fromiter(multi.keys(), dtype=np.int64, count=len(multi)),
-            name + "_mask": np.frombuffer(b"".join(m.to_bytes(width, "little") for m in multi.values()),
-                                          dtype=np.uint8).reshape(len(multi), width)}
 
 
 def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]:
@@ -259,13 +266,17 @@ class IndexCheckpointer:
         self._waiting: dict[str, float] = {}  # restored pool id -> when it is dropped unless admitted
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="index-checkpoint", daemon=True)
-        self.last_lock_held_s = 0.0
-        self.writes = 0
+        self.last_lock_held_s = self.last_write_s = 0.0  # the last write's, as logged
+        self.writes = self.skipped = 0
+        self._written_changes: int | None = None  # KvIndex.changes the file on disk holds
         self._last = time.monotonic()
 
     def restore(self) -> list[str]:
+        remove_leftovers(self.path)
         with self.router.lock:
             names = load(self.router.index, self.path, self.namespace, self.hash_spec)
+            if names:
+                self._written_changes = self.router.index.changes
         deadline = time.monotonic() + self.drop_after_s
         self._waiting = {n: deadline for n in names}
         return names
@@ -282,9 +293,13 @@ class IndexCheckpointer:
         self.save()
 
     def save(self) -> float:
-        """One checkpoint now; the seconds `Router.lock` was held for the copy."""
+        """One checkpoint now, unless the index has not changed since the last one (then only
+        `skipped` counts it); the seconds `Router.lock` was held for the copy."""
         router = self.router
         with router.lock:
+            if router.index.changes == self._written_changes and os.path.exists(self.path):
+                self.skipped += 1
+                return 0.0
             shapes = sizes(router.index)
         into = {name: np.empty(n, dtype=dt) for name, (dt, n) in shapes.items()}
         for buf in into.values():
@@ -294,13 +309,15 @@ class IndexCheckpointer:
         with router.lock:
             addresses = {n: w.address for n, w in router._workers.items()}
             captured = capture(router.index, addresses, self.namespace, self.hash_spec, into)
+            changes = router.index.changes
         del into
         start = time.perf_counter()
         write(captured, self.path)
+        self._written_changes = changes
         self.last_lock_held_s, self.writes = captured.lock_held_s, self.writes + 1
+        self.last_write_s = time.perf_counter() - start
         log.info(kv("index_checkpoint_written", path=self.path, keys=len(router.index),
-                    lock_held_s=round(captured.lock_held_s, 4),
-                    write_s=round(time.perf_counter() - start, 3)))
+                    lock_held_s=round(captured.lock_held_s, 4), write_s=round(self.last_write_s, 3)))
         return captured.lock_held_s
 
     def drop_unclaimed(self, now: float | None = None) -> list[str]:

@@ -31,7 +31,7 @@ GOALS = {
 CHECKPOINT_GOALS = {"restart_to_warm_s": Goal("<=", 5)}
 CHECKPOINT_COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "cold_restart_to_warm_s",
                       "checkpoint_load_s", "checkpoint_lock_held_s", "checkpoint_save_s",
-                      "checkpoint_bytes", "downtime_page_events", "resumed_from_seq")
+                      "checkpoint_write_s", "checkpoint_bytes", "downtime_page_events", "resumed_from_seq")
 ROUTING_GOALS = {"routing_p99_idle_us": Goal("<=", 1000), "index_bytes_per_page": Goal("<=", 64)}
 ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_us",
                    "routing_p99_idle_us", "routing_max_idle_us", "routing_cpu_p50_us",

@@ -3,10 +3,12 @@ against the cold restart that re-learns every pool from snapshots.
 
 One process plays both gateway lives, on the gateway core: the first warms up from every pool's
 snapshot (the cold restart-to-warm), writes a checkpoint (the time `Router.lock` is held for the
-copy, and the write) and stops its feeds. While it is down each pool's live batches happen (the
-load generator replays them to a resumed stream). The second life is a new Router: it loads the
-checkpoint, re-admits the pools, and each feed resumes from the checkpoint's seq: warm once every
-pool's downtime batches are applied (its last seq is the last live batch) and no pool asked for a
+copy; the save as a whole, buffers included; the write alone) and stops its feeds, then saves
+again with nothing changed (a skipped write: KvIndex.changes has not moved). While it is down
+each pool's live batches happen (the load generator replays them to a resumed stream). The
+second life is a new Router: it loads the checkpoint, re-admits the pools, and each feed resumes
+from the checkpoint's seq: warm once every pool's downtime batches are applied (its last seq is
+the last live batch) and no pool asked for a
 snapshot."""
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import tempfile
 import time
 
 from gateway.core.feeds import FeedLoop
-from gateway.core.index_checkpoint import IndexCheckpointer
+from gateway.core.index_checkpoint import VERSION, IndexCheckpointer
 from gateway.core.router import Router
 from gateway.core.workers import WorkerSettings
 from prefixcache_bench.gateway_fleet import fleet as F
@@ -54,8 +56,11 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, p
     t1 = time.perf_counter()
     lock_held = saver.save()
     save_s = time.perf_counter() - t1
-    pages = len(router.index)
+    pages, saver_write_s = len(router.index), saver.last_write_s
     feeds.close()  # the first life ends
+    t1 = time.perf_counter()
+    saver.save()  # the feeds stopped, nothing changed since: skipped
+    unchanged_s, skipped = time.perf_counter() - t1, saver.skipped
     del router, feeds, saver
     gc.collect()
     # Second life: load, admit, resume.
@@ -73,7 +78,9 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, p
         "indexed_pages": pages, "snapshot_page_events": snap, "downtime_page_events": live,
         "cold_restart_to_warm_s": t_cold, "restart_to_warm_s": t_warm,
         "checkpoint_load_s": t_loaded, "checkpoint_lock_held_s": lock_held,
-        "checkpoint_save_s": save_s, "checkpoint_bytes": os.path.getsize(path),
+        "checkpoint_save_s": save_s, "checkpoint_write_s": saver_write_s,
+        "checkpoint_unchanged_save_s": unchanged_s, "checkpoint_unchanged_skipped": skipped,
+        "checkpoint_bytes": os.path.getsize(path), "checkpoint_version": VERSION,
         "restored_workers": len(restored),
         "resumed_from_seq": sum(1 for _, seq in points if seq >= 0),
         "indexed_pages_after_restart": len(router.index),

@@ -42,6 +42,8 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gpu+monitoring+mtls+redis-tls": ("overlays/gpu", ("monitoring", "mtls", "redis-tls")),
     "dev-cpu+redis-cluster": ("overlays/dev-cpu", ("redis-cluster",)),
     "gpu+monitoring+mtls+redis-cluster": ("overlays/gpu", ("monitoring", "mtls", "redis-cluster")),
+    "dev-cpu+shared-index": ("overlays/dev-cpu", ("shared-index",)),
+    "gpu+monitoring+shared-index": ("overlays/gpu", ("monitoring", "shared-index")),
 }
 
 # The oldest Kubernetes the manifests support (native sidecars are on by default from 1.29; gRPC

@@ -289,7 +289,8 @@ def test_services_select_pods_and_target_their_ports(docs):
                 "compute-headless": ("None", SERVICES["compute"]["grpc"]),
                 "cache-headless": ("None", SERVICES["cache"]["grpc"]),
                 "redis": ("ClusterIP", 6379), "redis-headless": ("None", 6379),
-                "gateway-epp": ("ClusterIP", 9002)}  # the inference-extension component's
+                "gateway-epp": ("ClusterIP", 9002),  # the inference-extension component's
+                "index-redis": ("ClusterIP", 6379)}  # the shared-index component's
     for svc in by_kind(docs, "Service"):
         name, spec = svc["metadata"]["name"], svc["spec"]
         kind, port = expected[name]

@@ -5,15 +5,19 @@ Real gRPC over loopback and the real CacheCore, as tests/gateway/test_stream_res
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
 from cache_service.core import CacheCore
 from gateway.core.discovery import WorkerAddress
 from gateway.core.index import KvIndex
-from gateway.core.index_checkpoint import capture, load, write
+from gateway.core.index_checkpoint import IndexCheckpointer, capture, load, sizes, write
 from gateway.core.index_table import PageTable
-from prefixcache.v1 import common_pb2
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router
+from prefixcache.v1 import common_pb2, events_pb2
 from tests.gateway.gateway_harness import FakeWorker, cache_prompt, register_pool, running_gateway, wait_until
 from tests.gateway.test_stream_resume import BreakableCache
 
@@ -119,6 +123,13 @@ def test_a_corrupt_or_foreign_checkpoint_is_ignored_with_a_warning(tmp_path, cap
     for ns, spec in (("default", SPEC), ("other", "another spec")):
         fresh = KvIndex()
         assert load(fresh, good, ns, spec) == [] and not fresh.workers()
+    old = capture(index, {}, "other", SPEC)
+    old.meta["version"] = 1  # the layout that held every slot: refused, the gateway starts cold
+    write(old, good)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gateway.checkpoint"):
+        assert load(KvIndex(), good, "other", SPEC) == []
+    assert "version 1" in caplog.text
     # A gateway started on a corrupt checkpoint starts empty, and its feeds from a snapshot.
     core = CacheCore()
     register_pool(core, "cz")
@@ -149,6 +160,9 @@ def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
     assert table._old is not None
     path = str(tmp_path / "ckpt")
     write(capture(index, {}, "default", SPEC), path)
+    # Only the occupied slots are written: the new table's arrays are mostly empty.
+    in_memory = sum(dt.itemsize * n for dt, n in sizes(index).values())
+    assert os.path.getsize(path) < 0.75 * in_memory  # all of it and the masks before
     again = KvIndex()
     assert len(load(again, path, "default", SPEC)) == 70
     hashes = [k.tobytes() for k in keys]
@@ -188,3 +202,38 @@ def test_restored_workers_not_admitted_again_are_dropped_and_checkpoints_are_per
             assert _held(gw, "db") == set()
     finally:
         _stop(caches, workers)
+
+
+def _batch(seq: int, first: int, pages: int) -> events_pb2.EventBatch:
+    hashes = [i.to_bytes(16, "little") for i in range(first, first + pages)]
+    ev = events_pb2.KvEvent(stored=events_pb2.BlockStored(block_hashes=hashes, medium=DEVICE))
+    return events_pb2.EventBatch(pool_id="w0", epoch=0, seq=seq, events=[ev])
+
+
+def test_a_checkpoint_of_an_unchanged_index_is_skipped(tmp_path):
+    """A write only when the index changed since the last one (KvIndex.changes): a heartbeat
+    that only says the worker is alive changes nothing; a batch does; a restored index is what
+    the file holds."""
+    path = str(tmp_path / "ckpt")
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    saver = IndexCheckpointer(router, path, 3600.0, "default", SPEC, 60.0)
+    with router.lock:
+        router.index.apply(_batch(0, 0, 1000))
+    saver.save()
+    written = os.stat(path).st_mtime_ns
+    with router.lock:
+        router.index.heartbeat(events_pb2.Heartbeat(pool_id="w0", epoch=0, head_seq=0))
+    saver.save()
+    assert (saver.writes, saver.skipped) == (1, 1) and os.stat(path).st_mtime_ns == written
+    with router.lock:
+        router.index.apply(_batch(1, 1000, 10))
+    saver.save()
+    assert (saver.writes, saver.skipped) == (2, 1)
+    restarted = Router(make_policy("affinity"), GatewayMetrics())
+    again = IndexCheckpointer(restarted, path, 3600.0, "default", SPEC, 60.0)
+    assert again.restore() == ["w0"] and len(restarted.index) == 1010
+    again.save()
+    assert (again.writes, again.skipped) == (0, 1)
+    os.unlink(path)  # gone meanwhile: written again whatever the count
+    again.save()
+    assert again.writes == 1 and os.path.exists(path)
