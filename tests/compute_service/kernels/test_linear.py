@@ -100,7 +100,7 @@ def test_backend_follows_the_c_kernels(monkeypatch) -> None:
     monkeypatch.setattr(linear_cpu, "_chosen", [])
     assert linear_cpu.backend() == "native"
     monkeypatch.setattr(linear_cpu, "_chosen", [])
-    monkeypatch.setattr(cpu_native, "_state", {"lib": None})
+    monkeypatch.setattr(cpu_native.KERNELS, "_state", {"lib": None})
     assert linear_cpu.backend() == "onednn"
 
 
