@@ -11,9 +11,9 @@ no longer holds that point or the predecessor died inside a snapshot).
 
 `Indexer` is one thread per worker that tries the lease (SET NX PX) every `retry_s`, and while it
 holds it follows the worker's Subscribe stream, on a channel from `connect`: the gateway's own
-to the cache services (`WorkerSettings.cache_channel`: its TLS and service token). It writes at least once a heartbeat interval
-(heartbeats renew the lease and the worker's last_seen); a write refused because the lease moved
-on ends its turn, and the replica goes back to trying.
+to the cache services (`WorkerSettings.cache_channel`: its TLS and service token). It writes at
+least once a heartbeat interval (heartbeats renew the lease and the worker's last_seen); a write
+refused because the lease moved on ends its turn, and the replica goes back to trying.
 """
 from __future__ import annotations
 
