@@ -254,9 +254,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--index-backend redis needs --index-redis-url (PREFIXCACHE_INDEX_REDIS_URL): "
                 "the Redis the gateway replicas share the index in")
     _check_index_redis(p, args)
-    if args.index_backend == "redis" and (args.tls is not None or args.service_token):
-        p.error("--index-backend redis: its indexers do not yet speak TLS or send a service "
-                "token to the cache services; use --index-backend memory with TLS or a token")
     if args.hash_spec != NS_DOMAIN.decode():
         p.error(f"--hash-spec {args.hash_spec!r}: this gateway implements "
                 f"{NS_DOMAIN.decode()!r} only")

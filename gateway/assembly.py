@@ -197,15 +197,12 @@ class GatewayServer(ShellPorts):
         if cfg.index_backend != "redis" or not cfg.index_redis_url:
             raise ValueError(f"index backend {cfg.index_backend!r}: 'memory', or 'redis' with "
                              "a Redis URL")
-        if cfg.worker.tls is not None or cfg.worker.service_token:
-            # The indexers' Subscribe channels are plain (gateway/core/shared_indexer.py).
-            raise ValueError("index backend redis: the indexers do not yet speak TLS or send "
-                             "a service token to the cache services")
         store = SharedIndexStore(SharedIndexConfig(
             cfg.index_redis_url, cfg.index_namespace,
             password_file=cfg.index_redis_password_file, tls_ca=cfg.index_redis_tls_ca,
             tls_cert=cfg.index_redis_tls_cert, tls_key=cfg.index_redis_tls_key))
-        roles = IndexerRoles(store)
+        # The indexers' Subscribe channels are the feeds' (TLS, service token).
+        roles = IndexerRoles(store, cfg.worker.cache_channel)
         view = None
 
         def health() -> tuple[bool, int, int]:

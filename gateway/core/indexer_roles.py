@@ -2,7 +2,9 @@
 one `Indexer` (gateway/core/shared_indexer.py) per worker the replica admitted. Each tries the
 worker's Redis lease; the holder writes the worker's event stream into the shared index, every
 other replica only reads it. A worker that leaves this replica's routing has its indexer stopped
-and its lease released, so that a replica still routing to it takes over at once.
+and its lease released, so that a replica still routing to it takes over at once. The indexers
+reach the cache services as the gateway's feeds do (`connect`: `WorkerSettings.cache_channel`,
+with the gateway's TLS and service token).
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
+
+import grpc
 
 from gateway.core.shared_index import SharedIndexStore
 from gateway.core.shared_indexer import Indexer
@@ -29,14 +34,15 @@ class IndexerRoles:
     """`join(worker, cache address)` when a worker is admitted, `leave(worker)` when it is
     removed, `close()` at shutdown; thread-safe."""
 
-    def __init__(self, store: SharedIndexStore, owner: str | None = None) -> None:
-        self.store = store
+    def __init__(self, store: SharedIndexStore, connect: Callable[[str], grpc.Channel],
+                 owner: str | None = None) -> None:
+        self.store, self._connect = store, connect
         self.owner = owner or replica_owner()
         self._indexers: dict[str, Indexer] = {}
         self._lock = threading.Lock()
 
     def join(self, worker: str, cache_address: str) -> None:
-        indexer = Indexer(self.store, worker, cache_address, self.owner)
+        indexer = Indexer(self.store, worker, cache_address, self.owner, connect=self._connect)
         with self._lock:
             previous = self._indexers.pop(worker, None)
             self._indexers[worker] = indexer

@@ -10,9 +10,10 @@ its predecessor wrote last (the cache service replays its buffer; no snapshot un
 no longer holds that point or the predecessor died inside a snapshot).
 
 `Indexer` is one thread per worker that tries the lease (SET NX PX) every `retry_s`, and while it
-holds it follows the worker's Subscribe stream. It writes at least once a heartbeat interval
-(heartbeats renew the lease and the worker's last_seen); a write refused because the lease moved
-on ends its turn, and the replica goes back to trying.
+holds it follows the worker's Subscribe stream, on a channel from `connect`: the gateway's own
+to the cache services (`WorkerSettings.cache_channel`: its TLS and service token). It writes at
+least once a heartbeat interval (heartbeats renew the lease and the worker's last_seen); a write
+refused because the lease moved on ends its turn, and the replica goes back to trying.
 """
 from __future__ import annotations
 
@@ -157,12 +158,13 @@ class Indexer:
     """One worker's indexer role on this replica: take the lease when free, follow the stream."""
 
     def __init__(self, store: SharedIndexStore, pool_id: str, cache_address: str, owner: str,
-                 retry_s: float = 0.5, heartbeat_s: float = 0.25) -> None:
+                 *, connect: Callable[[str], grpc.Channel], retry_s: float = 0.5,
+                 heartbeat_s: float = 0.25) -> None:
         if heartbeat_s * 2 * 1000 >= store.config.lease_ms:
             raise ValueError(f"heartbeat {heartbeat_s}s must be under half the lease "
                              f"({store.config.lease_ms} ms)")
         self.store, self.pool_id, self.cache_address, self.owner = store, pool_id, cache_address, owner
-        self.retry_s, self.heartbeat_s = retry_s, heartbeat_s
+        self.retry_s, self.heartbeat_s, self._connect = retry_s, heartbeat_s, connect
         self.writer: StreamWriter | None = None
         self.counters = IndexerCounters()
         self._stop = threading.Event()
@@ -190,7 +192,7 @@ class Indexer:
                 pass
 
     def _run(self) -> None:
-        with grpc.insecure_channel(self.cache_address) as channel:
+        with self._connect(self.cache_address) as channel:
             stub = cpb_grpc.CacheServiceStub(channel)
             while not self._stop.is_set():
                 try:

@@ -47,7 +47,7 @@ from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1.compute_service_pb2_grpc import ComputeServiceStub as ComputeStub
 from prefixcache_client.compute import ComputeClient
-from service_shell import TlsConfig, channel_options, kv
+from service_shell import TlsConfig, channel_options, kv, open_channel
 from service_shell.retry import SUBSCRIBE_RETRY, WORKER_RETRY, RetryPolicy
 
 log = logging.getLogger("gateway.workers")
@@ -78,6 +78,14 @@ class WorkerSettings:
     def stream_settings(self) -> StreamSettings:
         return StreamSettings(self.heartbeat_interval_s, self.stream_backoff,
                               token_metadata(self.service_token))
+
+    def cache_channel(self, address: str) -> grpc.Channel:
+        """A blocking channel to a worker's cache service, for the shared index's indexers
+        (gateway/core/shared_indexer.py, threads of their own): the feeds' channel (`aio_channel`:
+        the same options and TLS) in its synchronous form, `service_shell.open_channel`, which
+        sends the service token with every call as `token_metadata` does for the feeds."""
+        return open_channel(address, channel_options(self.max_message_mb), tls=self.tls,
+                            service_token=self.service_token)
 
 
 class Fleet:

@@ -3,17 +3,22 @@ replicas"), on a real redis-server: the rendered arguments with a test password 
 gateway's own shared-index client (lease, apply script, worker table, lookups) logging in as the
 manifests' `gateway-index` user with the URL and password file the gateway container is given.
 That user can do what the shared index needs and nothing else; the `default` user is off; the
-L3 user does not exist there."""
+L3 user does not exist there. And the gateway container's settings, which include the base's
+service token, are a gateway the flags accept."""
 from __future__ import annotations
 
 import pytest
 import redis
 
+from gateway.__main__ import config_from_args, parse_args
+from gateway.core.feeds import token_metadata
 from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView
 from gateway.core.shared_indexer import StreamWriter
 from prefixcache.v1 import common_pb2, events_pb2
+from service_shell.auth import GATEWAY
 from tests.deploy.manifests import container, one
 from tests.deploy.test_k8s_redis import PASSWORD, _answers, free_port, local_args, start
+from tests.deploy.test_k8s_service_auth import TOKEN_ENV, identities, mounted_secret
 
 PAGES = [bytes([i]) * 16 for i in range(8)]
 
@@ -85,3 +90,26 @@ def test_only_the_gateway_reaches_the_index_redis(renders):
     egress = one(docs, "NetworkPolicy", "gateway-index-redis-egress")["spec"]["egress"][0]
     assert egress["to"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "index-redis"}
     assert "index-redis" not in str(renders["dev-cpu"])  # only with the component
+
+
+def test_the_gateway_takes_the_shared_index_with_the_bases_service_token(renders, tmp_path,
+                                                                        monkeypatch):
+    """The gateway container's settings, its mounted files written locally, as `python -m
+    gateway` reads them: the redis backend together with the base's service token (refused
+    until the indexers sent it, issue 31), which the indexers present to the cache sidecars."""
+    docs = renders["dev-cpu+shared-index"]
+    c = container(docs, "gateway", "gateway")
+    for name, entry in c.env().items():
+        if not name.startswith("PREFIXCACHE_"):
+            continue
+        value = entry["value"].replace("$(POD_NAMESPACE)", "prefixcache")
+        if name.endswith("_FILE"):  # a mounted Secret's key, written where the test reads it
+            local = tmp_path / name.lower()
+            local.write_bytes(mounted_secret(docs, c, name))
+            value = str(local)
+        monkeypatch.setenv(name, value)
+    cfg = config_from_args(parse_args([]))
+    token = mounted_secret(docs, c, TOKEN_ENV).decode().strip()
+    assert (cfg.index_backend, cfg.worker.service_token) == ("redis", token)
+    cache = identities(docs, container(docs, "compute", "cache"), tmp_path)
+    assert cache.authenticate(token_metadata(cfg.worker.service_token)).role == GATEWAY

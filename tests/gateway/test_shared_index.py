@@ -13,6 +13,7 @@ from cache_service.core import CacheCore
 from gateway.core.index import KvIndex
 from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView, TableRow
 from gateway.core.shared_indexer import Indexer, StreamWriter
+from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as pb
 from prefixcache.v1 import common_pb2, events_pb2
 from tests.cache_service.grpc_harness import (PAGE, cache_prompt, expected_hashes, register,
@@ -20,6 +21,8 @@ from tests.cache_service.grpc_harness import (PAGE, cache_prompt, expected_hashe
 
 PROMPTS = [list(range(100, 100 + 3 * PAGE + 1)), list(range(100, 100 + 2 * PAGE)) + [7] * (PAGE + 1),
            list(range(500, 500 + 4 * PAGE + 1))]
+# The gateway's channels to a cache service without TLS or a service token.
+PLAIN = WorkerSettings().cache_channel
 
 
 def store(redis_server, namespace="ns-a", **kw) -> SharedIndexStore:
@@ -68,7 +71,8 @@ def cache():
 def test_two_replicas_see_one_index_written_by_one_indexer(index_redis, cache):
     address, stub = cache
     st = store(index_redis)
-    indexers = [Indexer(st, "pool-a", address, f"replica-{i}").start() for i in range(2)]
+    indexers = [Indexer(st, "pool-a", address, f"replica-{i}", connect=PLAIN).start()
+                for i in range(2)]
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
         wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
@@ -88,12 +92,12 @@ def test_two_replicas_see_one_index_written_by_one_indexer(index_redis, cache):
 def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(index_redis, cache):
     address, stub = cache
     st = store(index_redis)
-    first = Indexer(st, "pool-a", address, "first").start()
+    first = Indexer(st, "pool-a", address, "first", connect=PLAIN).start()
     cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
     wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
     first.stop(release=False)  # as a crash: the lease stays until it expires
     cache_prompt(step(stub), "pool-a", tokens=PROMPTS[2])  # events while nobody indexes
-    second = Indexer(st, "pool-a", address, "second").start()
+    second = Indexer(st, "pool-a", address, "second", connect=PLAIN).start()
     try:
         wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
         assert st.holder("pool-a") == "second"
@@ -111,7 +115,7 @@ def test_a_killed_indexers_lease_is_taken_over_and_resumes_from_its_seq(index_re
 def test_lookups_equal_the_in_memory_index_on_the_same_events(index_redis, cache):
     address, stub = cache
     st = store(index_redis)
-    indexers = [Indexer(st, p, address, "r").start() for p in ("pool-a", "pool-b")]
+    indexers = [Indexer(st, p, address, "r", connect=PLAIN).start() for p in ("pool-a", "pool-b")]
     memory = KvIndex()
     streams = {p: stub.Subscribe(pb.SubscribeRequest(pool_id=p, after_seq=-1, heartbeat_interval_s=0.05),
                                  timeout=20) for p in ("pool-a", "pool-b")}
@@ -144,7 +148,7 @@ def test_lookups_equal_the_in_memory_index_on_the_same_events(index_redis, cache
 def test_namespaces_never_leak(index_redis, cache):
     address, stub = cache
     a, b = store(index_redis, "ns-a"), store(index_redis, "ns-b")
-    ix = Indexer(a, "pool-a", address, "r").start()
+    ix = Indexer(a, "pool-a", address, "r", connect=PLAIN).start()
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
         wait_until(lambda: written_seq(a, "pool-a") == head_seq(stub, "pool-a"))
@@ -164,7 +168,7 @@ def test_namespaces_never_leak(index_redis, cache):
 def test_redis_down_answers_no_prefix_knowledge_and_says_so(redis_server, cache):
     address, stub = cache
     st = store(redis_server)
-    ix = Indexer(st, "pool-a", address, "r").start()
+    ix = Indexer(st, "pool-a", address, "r", connect=PLAIN).start()
     try:
         cache_prompt(step(stub), "pool-a", tokens=PROMPTS[0])
         wait_until(lambda: written_seq(st, "pool-a") == head_seq(stub, "pool-a"))
