@@ -13,6 +13,7 @@ come from a target hold time and the apply cost measured on the last slices
 (gateway/core/ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot
 batches (same seq, `snapshot_end` on the last only; the index applies them as one snapshot). A
 live batch is applied whole (its seq is its identity); the cache service's live batches are small.
+With nothing queued it finishes a page table's growth in steps of the same hold (IdleMigration).
 
 While a feed's Subscribe call delivers (its first item read, the call not ended), its worker is
 `streaming` (`Router.set_streaming`): a routing candidate during its warm-up, before its snapshot
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway.core.index import ApplyStatus
-from gateway.core.ingest_slices import SLICE_S, SliceSize
+from gateway.core.ingest_slices import SLICE_S, IdleMigration, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
 from prefixcache.v1 import cache_service_pb2 as cpb
@@ -78,16 +79,16 @@ class FeedLoop:
     """The loop thread and the blocking pool; `close()` ends both (from any other thread)."""
 
     def __init__(self, router: Router, slice_s: float = SLICE_S, slice_events: int | None = None,
-                 blocking_threads: int = BLOCKING_THREADS) -> None:
-        """`slice_s`: the time one ingest slice may hold the router's lock; `slice_events`:
-        a fixed number of page events a slice instead (ingest_slices.SliceSize)."""
+                 blocking_threads: int = BLOCKING_THREADS, migrate_slots: int | None = None) -> None:
+        """`slice_s`: the time one ingest slice (or idle migration step) may hold the router's
+        lock; `slice_events` / `migrate_slots`: a fixed size instead (ingest_slices.py)."""
         self.loop = asyncio.new_event_loop()
         self._blocking = concurrent.futures.ThreadPoolExecutor(
             blocking_threads, thread_name_prefix="gateway-blocking")
         self._thread = threading.Thread(target=self._run, name="gateway-feeds", daemon=True)
         self._thread.start()
-        self.applier: BatchApplier = self.run_sync(
-            _make_applier(router, SliceSize(slice_s, slice_events)), 10.0)
+        slices, idle = SliceSize(slice_s, slice_events), IdleMigration(slice_s, migrate_slots)
+        self.applier: BatchApplier = self.run_sync(_make_applier(router, slices, idle), 10.0)
         self.watchdog = StallWatchdog()
         self.submit(self.applier.run())
         self.submit(self.watchdog.run())
@@ -124,8 +125,8 @@ class FeedLoop:
         self._blocking.shutdown(wait=False, cancel_futures=True)
 
 
-async def _make_applier(router: Router, size: SliceSize) -> BatchApplier:
-    return BatchApplier(router, size)  # its asyncio events belong to the loop
+async def _make_applier(router: Router, size: SliceSize, idle: IdleMigration) -> BatchApplier:
+    return BatchApplier(router, size, idle)  # its asyncio events belong to the loop
 
 
 async def _cancel_all() -> None:
@@ -221,8 +222,8 @@ def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.
 class BatchApplier:
     """The queue of decoded stream items of every feed, applied in bounded slices."""
 
-    def __init__(self, router: Router, size: SliceSize) -> None:
-        self.router, self.size = router, size
+    def __init__(self, router: Router, size: SliceSize, idle: IdleMigration) -> None:
+        self.router, self.size, self.idle = router, size, idle
         # (feed, its generation then, item, the item's page events)
         self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse, int]] = deque()
         self._queued_events = 0
@@ -272,6 +273,9 @@ class BatchApplier:
                     self._room.set()
                 await asyncio.sleep(0)  # let the feeds read what arrived meanwhile
             self._room.set()
+            while not self._pending and self.idle.step(self.router.migrate_index):
+                self.router.yield_to_routing()
+                await asyncio.sleep(0)  # the feeds read on: an item queued ends the migration
 
     def _take_slice(self) -> tuple[list[tuple[Feed, cpb.SubscribeResponse]], int]:
         """The next items, up to the slice's page events; and their page events."""

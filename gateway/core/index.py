@@ -12,6 +12,10 @@ Layout, chosen for memory at fleet scale (issue 31: ~35-55 bytes a page instead 
 - per worker only counts: a snapshot, a new epoch or `remove_worker` finds that worker's pages
   with one vectorised scan of the table (numpy), skipped when it holds none.
 
+Longer than 400 lines: one class whose stream rules, bulk runs, bound and lookups all share the
+per-worker state (`_Worker`) and the three tables; split apart, each part would reach into the
+others'.
+
 Stream rules (events.proto): batches of one pool come in `seq` order, strictly increasing from 0
 within an epoch. A seq jump (gap), a batch of another epoch that is not a snapshot or seq 0, or a
 snapshot that breaks off, is reported as RESYNC with the point to re-subscribe from; the worker's
@@ -179,6 +183,16 @@ class KvIndex:
     def __len__(self) -> int:
         """(page hash, medium) keys held."""
         return len(self._tables[0]) + len(self._tables[1]) + len(self._tables[2])
+
+    def migrate_some(self, max_slots: int) -> bool:
+        """Up to `max_slots` old slots of the media's growths migrated (`PageTable.migrate_some`:
+        the feed loop's steps while ingest is idle); True while an old table remains."""
+        migrating = False
+        for table in self._tables:
+            before = table.migrated_slots
+            migrating |= table.migrate_some(max_slots)
+            max_slots -= table.migrated_slots - before
+        return migrating
 
     # ----- stream ------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ PageTable of its own, positions and `multi` per table); a key lives in exactly o
 Lookups try the new table, then the old. Each mutating call first moves the keys it touches into
 the new table, then migrates the next `migrate_step + rate * len(call)` old slots (rate chosen at
 growth so that the old table empties before the new one fills); the old table goes when empty.
+While ingest is idle the feed loop finishes it in bounded steps (`migrate_some`).
 
 Longer than 400 lines: one data structure whose lookups, bulk calls, scans and incremental growth
 all work on the same arrays of one or two tables; split apart, each part would reach into the
@@ -466,6 +467,14 @@ class PageTable:
         self._cursor = end
         if end == old.cap:
             self._old = None
+
+    def migrate_some(self, max_slots: int) -> bool:
+        """Migrates up to `max_slots` old slots without a mutating call (the feed loop's idle
+        steps, gateway/core/feeds.py: a growth's old table otherwise stays until more events
+        come); True while an old table remains."""
+        if max_slots > 0:
+            self._step(0, max_slots)
+        return self._old is not None
 
     def _touch_many(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Before a mutating call on these keys: a migration step, then the keys still in the

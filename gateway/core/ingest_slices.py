@@ -5,9 +5,13 @@ bound that matters is the slice's time, not its count of page events: `SliceSize
 hold time into page events from the apply cost it measured on the last full slices. A faster
 index then applies more per hold (fewer holds: less per-slice Python, asyncio and lock hand-off,
 and larger numpy runs) for the same wait of a decision; a slower one (a big table, a loaded core)
-applies fewer.
+applies fewer. `IdleMigration` sizes the steps that finish a page table's growth while ingest is
+idle the same way, in old slots.
 """
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 # The default hold. With the numpy table it is ~1,450 page events: ~20% more live page events a
 # second than the former fixed 1,024 (held p50 1.3 ms) at about the same decision p99 during
@@ -43,3 +47,22 @@ class SliceSize:
         self.seconds_per_event = cost if old is None else old + _NEWEST * (cost - old)
         self.events = int(min(MAX_SLICE_EVENTS,
                               max(MIN_SLICE_EVENTS, self.slice_s / self.seconds_per_event)))
+
+
+class IdleMigration:
+    """The steps that finish a growth's migration while nothing is queued (feeds.BatchApplier):
+    each one hold of the router's lock for `size.events` old slots, sized by the same target time
+    as the ingest slices from the cost measured on the last steps (`fixed`: that many instead)."""
+
+    def __init__(self, slice_s: float = SLICE_S, fixed: int | None = None) -> None:
+        self.size = SliceSize(slice_s, fixed)
+        self.steps = 0
+
+    def step(self, migrate: Callable[[int], bool]) -> bool:
+        """One step through `migrate(max_slots)` (`Router.migrate_index`); True while more."""
+        slots, start = self.size.events, time.perf_counter()
+        more = migrate(slots)
+        if more:  # a whole step (the last one may be short: no measure of the cost)
+            self.size.measured(slots, time.perf_counter() - start)
+        self.steps += 1
+        return more

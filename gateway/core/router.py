@@ -231,6 +231,11 @@ class Router:
                 worker.synced = info is not None and not info.in_snapshot
             self._candidate_sets.clear()
 
+    def migrate_index(self, max_slots: int) -> bool:
+        """Ingest idle: one hold for a step of a growth's migration (feeds.py); True while more."""
+        with self.lock:
+            return not self.shared and self.index.migrate_some(max_slots)
+
     def yield_to_routing(self) -> None:
         """Bulk ingest calls this between two holds of the lock: a waiting decision goes first."""
         self._first.yield_to_decisions()

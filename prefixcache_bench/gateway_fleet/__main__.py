@@ -16,7 +16,8 @@ from pathlib import Path
 from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from gateway.core.ingest_slices import SLICE_S
-from prefixcache_bench.gateway_fleet.run import IngestTuning, index_bytes_per_page, run_config
+from prefixcache_bench.gateway_fleet.run import (IngestTuning, idle_gateway_bytes_per_page,
+                                                 index_bytes_per_page, run_config)
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
 # The issue's goals (issue 31): judged on every configuration, so a FAIL is a gap, not a bug.
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                       packed=not args.unpacked, tuning=_tuning(args)))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
+    results["index_bytes_per_page_idle"] = idle_gateway_bytes_per_page(args.pools, sample)
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
     goals = ROUTING_GOALS if args.routing_only else GOALS
     report(results, goals, f"gateway index, {args.pools} pools", command,

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gateway.core import index_native
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import SLICE_S
@@ -45,10 +46,13 @@ def _rss_bytes() -> int:
 
 
 def index_bytes_per_page(pools: int, pages_per_pool: int) -> float:
-    """tracemalloc's count of the index's own memory after the pools' snapshots, per page key."""
+    """tracemalloc's count of the index's own memory after the pools' snapshots, per page key,
+    applied directly to a KvIndex: right after the last batch (a growth's old table may still be
+    there: `idle_gateway_bytes_per_page` is the gateway's figure once its feed loop is idle)."""
     msgs = [cpb.SubscribeResponse.FromString(b).batch for i in range(pools)
             for b in F.recorded_stream(i, pages_per_pool, 0)]
     index = KvIndex(IndexConfig(max_entries=1 << 40))
+    index_native.kernel()  # loaded (or built) before tracing: its allocations are not the index's
     tracemalloc.start()
     try:
         for m in msgs:
@@ -221,6 +225,30 @@ def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
     router, names = bench_router(), [F.pool_name(i) for i in range(pools)]
     admit(router, names, address)
     return router, names
+
+
+def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int) -> float:
+    """`index_bytes_per_page` of a gateway's Router fed the same snapshots through its FeedLoop
+    (queued on its BatchApplier, no gRPC), once every one is applied and the loop, idle, has
+    finished any growth's migration: tracemalloc's count of what was allocated since the loop
+    started and is still held (the index, and whatever else the gateway kept), per page key."""
+    items = [cpb.SubscribeResponse.FromString(b) for i in range(pools)
+             for b in F.recorded_stream(i, pages_per_pool, 0)]
+    router, names = _fleet_router("bench", pools)
+    feeds, loop = {n: Feed(n) for n in names}, FeedLoop(router)
+    index_native.kernel()
+    tracemalloc.start()
+    try:
+        for item in items:
+            loop.run_sync(loop.applier.put(feeds[item.batch.pool_id], item), 60.0)
+        _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
+        while router.migrate_index(0):  # 0 slots: only asks whether an old table remains
+            time.sleep(0.01)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        loop.close()
+    return used / len(router.index)
 
 
 def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches: int,

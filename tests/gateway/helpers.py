@@ -1,6 +1,9 @@
-"""Builders of prefixcache.v1 event messages for the gateway tests."""
+"""Builders of prefixcache.v1 event messages for the gateway tests; a page table's contents."""
 from __future__ import annotations
 
+import numpy as np
+
+from gateway.core.index_table import MULTI, PageTable
 from prefixcache.v1 import common_pb2, events_pb2
 
 DEVICE, HOST, REMOTE = common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE
@@ -44,3 +47,15 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def pages_and_stamps(table: PageTable) -> dict[tuple[int, int], tuple[int, int]]:
+    """Every live key of both tables -> (its holders' mask, its stamp)."""
+    out = {}
+    for t in table._tables():
+        holder, stamp = t._holder_np(), np.frombuffer(t._stamp, dtype=np.uint32)
+        for p in np.flatnonzero(holder >= MULTI).tolist():
+            mask = t.multi[p] if holder[p] == MULTI else 1 << int(holder[p])
+            out[t._lo[p], t._hi[p]] = (mask, int(stamp[p]))
+    return out
+

@@ -21,7 +21,8 @@ from service_shell import TlsConfig, channel_options
 from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool, running_gateway,
                                            wait_until)
 from tests.service_shell.certs import make_pki
-from tests.gateway.helpers import DEVICE, batch, cleared, pages, removed, stored
+from tests.gateway.helpers import (DEVICE, HOST, batch, cleared, heartbeat, pages, pages_and_stamps,
+                                   removed, stored)
 
 # The loop thread, the blocking pool (4) and grpc.aio's own poller, with room to spare; the
 # former model ran 3 threads per worker (and a watchdog per subscription).
@@ -161,3 +162,31 @@ def test_a_feed_over_mtls_fills_the_index(tmp_path):
                        and len(router.index.pages("m", DEVICE)) == 2, what="pages over mTLS")
         finally:
             feeds.close()
+
+
+def test_an_idle_feed_loop_finishes_a_growths_migration_in_short_steps():
+    """Issue 31: a growth right before ingest goes quiet leaves the old table (~0.65x the new
+    one's bytes) allocated until more events come. With nothing queued, the applier migrates it
+    in steps of at most `migrate_slots` slots, each one hold of the router's lock, and every page
+    keeps its holders and stamp."""
+    pool = "grown"
+    router = _router(pool)
+    table, seq = router.index._tables[0], 0
+    while table._old is None or table._old.cap - table._cursor < 100_000:
+        router.apply_stream_items([(pool, cpb.SubscribeResponse(batch=batch(
+            pool, seq, stored(pages(seq * 512, seq * 512 + 512)),
+            stored(pages(seq * 512, seq * 512 + 64), medium=HOST))))])
+        seq += 1
+    before = [pages_and_stamps(t) for t in router.index._tables]
+    left = table._old.cap - table._cursor
+    feeds = FeedLoop(router, migrate_slots=4096)
+    try:
+        item = cpb.SubscribeResponse(heartbeat=heartbeat(pool, seq - 1))  # no page event
+        feeds.run_sync(feeds.applier.put(Feed(pool), item), 10)
+        wait_until(lambda: router.migrate_index(0) is False, timeout_s=30, what="migration done")
+    finally:
+        feeds.close()
+    assert all(t._old is None for t in router.index._tables)
+    assert [pages_and_stamps(t) for t in router.index._tables] == before
+    assert feeds.applier.idle.steps >= left // 4096
+    assert router.index.info(pool).pages[0] == len(table) == seq * 512

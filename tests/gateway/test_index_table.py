@@ -13,7 +13,7 @@ import numpy as np
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import MULTI, PageTable
-from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, page, pages, stored
+from tests.gateway.helpers import DEVICE, HOST, REMOTE, batch, page, pages, pages_and_stamps, stored
 from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with C, then numpy)
 
 _ops = st.lists(st.tuples(st.sampled_from(["add", "add_many", "discard", "clear", "evict"]),
@@ -230,3 +230,35 @@ def test_no_call_migrates_more_than_its_bound():
         if i % 500 == 0:
             _check_tables(table)
     assert table.cap > 100_000 / 0.7 and migrating > 1000, (table.cap, migrating)
+
+
+def _grow_until_an_old_table(table: PageTable, min_old_slots: int) -> int:
+    """Live-sized batches of several workers (some pages shared) until a growth leaves an old
+    table of at least `min_old_slots` slots; the batches' count."""
+    i = 0
+    while table._old is None or table._old.cap < min_old_slots:
+        hashes = [(i << 20 | j).to_bytes(16, "little") for j in range(64)]
+        table.add_many(hashes, i % 7)
+        table.add_many(hashes[:4], (i + 1) % 7)
+        i += 1
+    return i
+
+
+def test_migrate_some_finishes_a_growth_in_bounded_steps():
+    """Ingest idle right after a growth (feeds.BatchApplier's idle steps): each call migrates at
+    most its slots, the old table goes, and every page keeps its holders and its stamp."""
+    table = PageTable()
+    _grow_until_an_old_table(table, 20_000)
+    before, left, nbytes = pages_and_stamps(table), table._old.cap - table._cursor, table.nbytes()
+    calls = 0
+    while True:
+        scanned = table.migrated_slots
+        more = table.migrate_some(1000)
+        assert table.migrated_slots - scanned <= 1000
+        calls += 1
+        if not more:
+            break
+    assert table._old is None and calls >= left // 1000 > 5
+    assert pages_and_stamps(table) == before
+    assert table.nbytes() == table.cap * 24 < nbytes
+    assert table.migrate_some(1000) is False and table.migrate_some(0) is False

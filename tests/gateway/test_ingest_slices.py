@@ -11,7 +11,7 @@ from gateway.__main__ import config_from_args, parse_args
 from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import (FIRST_SLICE_EVENTS, MAX_SLICE_EVENTS, MIN_SLICE_EVENTS,
-                                        SLICE_S, SliceSize)
+                                        SLICE_S, IdleMigration, SliceSize)
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker
@@ -157,3 +157,23 @@ def test_a_slice_waits_for_what_a_few_feeds_read_turn_by_turn():
     # 2 x 41 live items (40 batches, a duplicate) and a heartbeat each, 128 page events a batch:
     # ~11 slices of 1,024 page events; a slice a turn would be ~42.
     assert live_slices <= 16, live_slices
+
+
+def test_idle_migration_steps_are_sized_by_the_slice_time():
+    """The steps that finish a growth while ingest is idle (feeds.BatchApplier) start at
+    FIRST_SLICE_EVENTS old slots, then take the slice time over the measured cost of a slot,
+    within the slices' bounds, until the old table is gone."""
+    index, seq = KvIndex(IndexConfig(max_entries=1 << 30)), 0
+    table = index._tables[0]
+    while table._old is None or table._old.cap - table._cursor < 200_000:
+        index.apply(batch("w", seq, stored(pages(seq * 1024, seq * 1024 + 1024))))
+        seq += 1
+    idle, sizes = IdleMigration(SLICE_S), []
+    while True:
+        sizes.append(idle.size.events)
+        if not idle.step(index.migrate_some):
+            break
+    assert table._old is None and idle.steps == len(sizes) > 1
+    assert sizes[0] == FIRST_SLICE_EVENTS and idle.size.seconds_per_event is not None
+    assert all(MIN_SLICE_EVENTS <= n <= MAX_SLICE_EVENTS for n in sizes)
+    assert len(set(sizes)) > 1  # sized from the measured cost, not fixed

@@ -9,7 +9,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
 from prefixcache_bench.gateway_fleet.routing import routing_only
-from prefixcache_bench.gateway_fleet.run import index_bytes_per_page, run_config
+from prefixcache_bench.gateway_fleet.run import idle_gateway_bytes_per_page, index_bytes_per_page, run_config
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
 
@@ -38,6 +38,13 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     assert r["restart_to_warm_s"] > 0 and r["index_evictions"] == 0
     assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
     assert 50 < index_bytes_per_page(4, 400) < 1000
+
+
+def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
+    """The default sample at 8 pools (25k pages each) ends right after a growth: applied directly,
+    the old table is still there (over issue 31's 64 bytes); a gateway's idle feed loop migrates
+    it away."""
+    assert index_bytes_per_page(8, 25_000) > 64 >= idle_gateway_bytes_per_page(8, 25_000)
 
 
 def test_routing_only_times_decisions_by_request_kind():
