@@ -93,8 +93,10 @@ def test_an_engine_serves_without_its_cache_service_and_rejoins_by_itself(cache,
     assert engine.stats.cache_away == 1
 
     cache.start()  # empty; no request arrives: the engine registers again by itself
-    wait_until(lambda: POOL in cache.pools(), REJOIN_BOUND_S)
-    assert cache.pools()[POOL] != epoch and engine.stats.cache_rejoins == 1
+    # The engine counts the rejoin once its registration returned, just after the service shows
+    # the pool: wait for both (under load the test looked in between).
+    wait_until(lambda: POOL in cache.pools() and engine.stats.cache_rejoins == 1, REJOIN_BOUND_S)
+    assert cache.pools()[POOL] != epoch
     toks, stats, _ = generate(engine, p)
     toks, stats, _ = generate(engine, p)
     assert toks == first and stats.cached_tokens_device > 0  # reuse again
