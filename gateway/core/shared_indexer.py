@@ -13,7 +13,9 @@ no longer holds that point or the predecessor died inside a snapshot).
 holds it follows the worker's Subscribe stream, on a channel from `connect`: the gateway's own
 to the cache services (`WorkerSettings.cache_channel`: its TLS and service token). It writes at
 least once a heartbeat interval (heartbeats renew the lease and the worker's last_seen); a write
-refused because the lease moved on ends its turn, and the replica goes back to trying.
+refused because the lease moved on ends its turn, and the replica goes back to trying. A
+failed stream (refused credentials, an unreachable service) releases the lease and waits a
+lease period, so that another replica, one whose token, TLS or route works, takes the worker.
 """
 from __future__ import annotations
 
@@ -201,11 +203,25 @@ class Indexer:
                         log.info(kv("indexer_lease_taken", pool=self.pool_id, owner=self.owner))
                         self._follow(stub)
                 except (redis.RedisError, grpc.RpcError, LeaseLost) as exc:
+                    code = exc.code().name if isinstance(exc, grpc.RpcError) else None
                     log.warning(kv("indexer_turn_ended", pool=self.pool_id, owner=self.owner,
-                                   error=type(exc).__name__, detail=str(exc)[:200]))
+                                   error=type(exc).__name__, code=code, detail=str(exc)[:200]))
+                    if code is not None:  # the stream failed here: let another replica try
+                        self._step_aside()
+                        continue
                 finally:
                     self.writer = None
                 self._stop.wait(self.retry_s)
+
+    def _step_aside(self) -> None:
+        """After a failed stream: releases the lease and waits a lease period before trying
+        again, so that another replica (one whose token, TLS or route works) can take the worker;
+        without it a replica refused turn after turn re-took its own lease at once."""
+        try:
+            self.store.release(self.pool_id, self.owner)
+        except redis.RedisError:
+            pass
+        self._stop.wait(max(self.retry_s, self.store.config.lease_ms / 1000))
 
     def _follow(self, stub: cpb_grpc.CacheServiceStub) -> None:
         writer = self.writer = StreamWriter(self.store, self.pool_id, self.owner)

@@ -81,6 +81,30 @@ def test_an_indexer_sends_the_gateways_service_token(tmp_path, index, caplog):
         served(index, cache.address, WorkerSettings(service_token=GATEWAY_TOKEN))
 
 
+def test_a_refused_indexer_steps_aside_for_a_replica_whose_token_works(tmp_path, redis_server,
+                                                                        caplog):
+    """Two replicas' indexers for one worker: the one without the token, started first, holds
+    the lease and is refused; it releases the lease and waits a lease period, so the replica with
+    the gateway's token takes the worker at once and indexes it. (It used to keep the lease until
+    it expired, then race for it again: with this 60 s lease the worker stayed unindexed.)"""
+    caplog.set_level(logging.WARNING, logger="gateway.shared_indexer")
+    index = SharedIndexStore(SharedIndexConfig(redis_server.url, "auth", lease_ms=60_000))
+    with secure_cache(tmp_path) as cache:
+        lacking = Indexer(index, VICTIM_POOL, cache.address, "replica-a",
+                          connect=WorkerSettings().cache_channel, retry_s=0.1).start()
+        try:
+            wait_until(lambda: turns_ended(caplog, grpc.StatusCode.UNAUTHENTICATED) >= 1)
+            good = Indexer(index, VICTIM_POOL, cache.address, "replica-b", retry_s=0.1,
+                           connect=WorkerSettings(service_token=GATEWAY_TOKEN).cache_channel).start()
+            try:
+                wait_until(lambda: indexed_pages(index) == VICTIM_PAGES)
+                assert index.holder(VICTIM_POOL) == "replica-b"
+            finally:
+                good.stop()
+        finally:
+            lacking.stop()
+
+
 def test_an_indexer_speaks_mtls_with_the_token(tmp_path, index, caplog):
     caplog.set_level(logging.WARNING, logger="gateway.shared_indexer")
     pki = make_pki(tmp_path)
