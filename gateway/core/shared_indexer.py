@@ -14,8 +14,8 @@ holds it follows the worker's Subscribe stream, on a channel from `connect`: the
 to the cache services (`WorkerSettings.cache_channel`: its TLS and service token). It writes at
 least once a heartbeat interval (heartbeats renew the lease and the worker's last_seen); a write
 refused because the lease moved on ends its turn, and the replica goes back to trying. A
-failed stream (refused credentials, an unreachable service) releases the lease and waits a
-lease period, so that another replica, one whose token, TLS or route works, takes the worker.
+failed stream (refused credentials, an unreachable service) releases the lease and waits two
+retries, so that another replica, one whose token, TLS or route works, takes the worker.
 """
 from __future__ import annotations
 
@@ -214,14 +214,15 @@ class Indexer:
                 self._stop.wait(self.retry_s)
 
     def _step_aside(self) -> None:
-        """After a failed stream: releases the lease and waits a lease period before trying
-        again, so that another replica (one whose token, TLS or route works) can take the worker;
-        without it a replica refused turn after turn re-took its own lease at once."""
+        """After a failed stream: releases the lease and waits two retries before trying again,
+        so that another replica (one whose token, TLS or route works; they try every retry) takes
+        the worker first; alone, this replica is back after 2 x retry_s. Without it a replica
+        refused turn after turn kept its lease until it expired, then raced for it again."""
         try:
             self.store.release(self.pool_id, self.owner)
         except redis.RedisError:
             pass
-        self._stop.wait(max(self.retry_s, self.store.config.lease_ms / 1000))
+        self._stop.wait(2 * self.retry_s)
 
     def _follow(self, stub: cpb_grpc.CacheServiceStub) -> None:
         writer = self.writer = StreamWriter(self.store, self.pool_id, self.owner)
