@@ -6,18 +6,17 @@ sync `ComputeClient` the proxy also uses, the tokenizer fetch): the gateway's th
 not grow with its workers (at 1,000 workers the former model ran 3-4 threads per worker).
 
 Ingest off the routing path: a feed (`follow_events`) decodes its stream's items on the loop and
-queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to
-the router in slices, each one hold of `Router.lock`, releasing it between slices and stepping
-aside while a routing decision waits for it (`Router.yield_to_routing`). A slice's page events
-come from a target hold time and the apply cost measured on the last slices
-(gateway/core/ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot
-batches (same seq, `snapshot_end` on the last only; the index applies them as one snapshot). A
-live batch is applied whole (its seq is its identity); the cache service's live batches are small.
-With nothing queued it finishes a page table's growth in steps of the same hold (IdleMigration).
+queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to the
+router in slices, each one hold of `Router.lock`, releasing it between slices and stepping aside
+while a routing decision waits for it (`Router.yield_to_routing`). A slice's page events come from
+a target hold time and the apply cost measured on the last slices (gateway/core/ingest_slices.py:
+`--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot batches
+(same seq, `snapshot_end` on the last only; the index applies them as one). A live batch is applied
+whole (its seq is its identity). Idle, it finishes a growth's migration in steps (IdleMigration).
 
 While a feed's Subscribe call delivers (its first item read, the call not ended), its worker is
-`streaming` (`Router.set_streaming`): a routing candidate during its warm-up, before its snapshot
-is applied; a call that fails, stalls or is resubscribed ends that.
+`streaming` (`Router.set_streaming`): a routing candidate during its warm-up, before its
+snapshot is applied; a call that fails, stalls or is resubscribed ends that.
 
 A feed resumes after a broken stream from the last batch it queued (every queued item is applied
 before the resubscription's), so the cache service replays its buffer and falls back to a
@@ -42,6 +41,7 @@ from gateway.core.index import ApplyStatus
 from gateway.core.ingest_slices import SLICE_S, IdleMigration, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
+from gateway.core.thread_priority import INGEST_NICE, lower_thread_priority
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import events_pb2
@@ -94,6 +94,7 @@ class FeedLoop:
         self.submit(self.watchdog.run())
 
     def _run(self) -> None:
+        lower_thread_priority(INGEST_NICE)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -140,8 +141,7 @@ async def _cancel_all() -> None:
 class Feed:
     """One worker's event stream as the applier sees it."""
     name: str
-    # Bumped on a RESYNC: items queued under an older generation are dropped, not applied.
-    generation: int = 0
+    generation: int = 0  # bumped on a RESYNC: items queued under an older one are dropped
     # Where to resubscribe after a RESYNC result, or None.
     resync: tuple[int, int] | None = None
     # The router no longer routes to the worker: the feed ends.

@@ -4,14 +4,19 @@ large batch instead of waiting for all of it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
+
+import pytest
 
 from gateway.core.discovery import WorkerAddress
 from gateway.core.feeds import Feed, FeedLoop, aio_channel, split_snapshot
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
+from gateway.core.thread_priority import INGEST_NICE
 from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -58,6 +63,29 @@ def test_thread_count_does_not_grow_with_workers():
     few, many = _threads_with(5), _threads_with(50)
     assert len(few) <= MAX_GATEWAY_THREADS, few
     assert len(many) <= MAX_GATEWAY_THREADS, many
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_feed_loop_runs_below_the_request_threads_priority():
+    # Ingest yields the core to routing decisions (design.md §6): the loop thread, and the
+    # threads it starts (the blocking pool), are INGEST_NICE nicer than the process.
+    loop = FeedLoop(_router("p0"))
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        on_loop = loop.run_sync(_own_nice(), 5.0)
+        in_pool = loop.run_sync(loop.blocking(_nice_here), 5.0)
+    finally:
+        loop.close()
+    assert on_loop == base + INGEST_NICE == in_pool
+    assert INGEST_NICE > 0
+
+
+def _nice_here() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+async def _own_nice() -> int:
+    return _nice_here()
 
 
 def _router(pool: str) -> Router:
