@@ -95,23 +95,14 @@ def _remove(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     holder[pos[mine]] = TOMB
     table.live -= int(np.count_nonzero(mine))
     _count(delta, slot[mine], -1)
-    multi, scalar = table.multi, table._holder
+    scalar = table._holder
     # Pages several hold, one by one: an earlier removal here may leave a single holder.
     for p, s in zip(pos[hv == MULTI].tolist(), slot[hv == MULTI].tolist()):
         if scalar[p] == s:
             table._kill(p)
-            delta[s] = delta.get(s, 0) - 1
-            continue
-        m = multi.get(p, 0) if scalar[p] == MULTI else 0
-        if not m >> s & 1:
+        elif not (scalar[p] == MULTI and table._leave(p, s)):
             continue
         delta[s] = delta.get(s, 0) - 1
-        m &= ~(1 << s)
-        if m & (m - 1):
-            multi[p] = m
-        else:
-            del multi[p]
-            holder[p] = m.bit_length() - 1
 
 
 def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,

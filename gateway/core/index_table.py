@@ -221,16 +221,11 @@ class PageTable:
         mine = np.flatnonzero(holder == slot)
         holder[mine] = TOMB
         self.live -= len(mine)
-        bit, shared = 1 << slot, 0
-        for pos in [p for p, m in self.multi.items() if m & bit]:
-            m = self.multi[pos] & ~bit
-            shared += 1
-            if m & (m - 1):
-                self.multi[pos] = m
-            else:
-                del self.multi[pos]
-                holder[pos] = m.bit_length() - 1
-        return len(mine) + shared
+        bit = 1 << slot
+        shared = [p for p, m in self.multi.items() if m & bit]
+        for pos in shared:
+            self._leave(pos, slot)
+        return len(mine) + len(shared)
 
     def hashes_of(self, slot: int) -> set[bytes]:
         """The page hashes one worker holds (for tests and debugging: a full scan)."""
