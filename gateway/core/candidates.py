@@ -38,6 +38,15 @@ class _Index(Protocol):
 _Set = tuple[tuple[str, ...], bool, float]
 
 
+def eligible_since(w: Worker, index: _Index, now: float) -> float | None:
+    """The worker's last event when it is eligible (the rule above, design.md "Routing during
+    warm-up"), else None."""
+    if not (w.up and (w.synced or w.streaming)):
+        return None
+    t = index.last_seen(w.name)
+    return t if t is not None and max(0.0, now - t) <= index.config.dead_after_s else None
+
+
 class CandidateSets:
     def __init__(self, workers: dict[str, Worker], index: _Index, keep: bool = True) -> None:
         self._workers = workers  # the router's own dict: read, never changed here
@@ -80,11 +89,9 @@ class CandidateSets:
         """The set from every worker's state (what each decision computed before it was kept)."""
         usable = [w for n, w in sorted(self._workers.items()) if n not in exclude and (
             not fingerprint or w.info.tokenizer_fingerprint == fingerprint)]
-        seen, dead_after = self._index.last_seen, self._index.config.dead_after_s
         eligible, oldest, complete = [], float("inf"), False
         for w in usable:
-            if (w.up and (w.synced or w.streaming) and (t := seen(w.name)) is not None
-                    and max(0.0, now - t) <= dead_after):
+            if (t := eligible_since(w, self._index, now)) is not None:
                 eligible.append(w.name)
                 oldest = min(oldest, t)
                 complete = complete or w.synced

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
 from gateway.core.cache_keys import CacheKeyAffinity
-from gateway.core.candidates import CandidateSets
+from gateway.core.candidates import CandidateSets, eligible_since
 from gateway.core.decisions_first import DecisionsFirst
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.shared_index import SharedIndexView
@@ -161,8 +161,7 @@ class Router:
         return max(0.0, now - seen) if seen is not None else float("inf")
 
     def _eligible(self, w: Worker, now: float) -> bool:
-        return (w.up and (w.synced or w.streaming)  # design.md "Routing during warm-up"
-                and self._staleness(w.name, now) <= self.index.config.dead_after_s)
+        return eligible_since(w, self.index, now) is not None
 
     # ----- event streams -----------------------------------------------------------------------
 
