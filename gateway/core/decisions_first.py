@@ -1,10 +1,17 @@
-"""Who goes first at `Router.lock`: routing decisions, then the next ingest slice.
+"""Who goes first at `Router.lock`: routing decisions, then ingest.
 
 A plain `threading.Lock` is not fair: the FeedLoop thread releasing it after a slice usually takes
 it again for the next one before a routing decision that was waiting wakes up. Each call on a
 request's path counts itself while it waits for or holds the lock (`decision`), and bulk ingest
 calls `yield_to_decisions` between two holds: while a decision is counted it sleeps (its GIL
 released), so the decision takes the lock first.
+
+Inside a hold too: the C loop that applies a slice's page events runs without the GIL and reads
+`flag` (nonzero while a decision is counted) every few dozen events; seeing it, it returns
+between two events and the slice calls `pause`, which lets the decisions in and takes the lock
+back. A decision then waits for ~64 page events, not for the rest of the slice. Only decisions
+get in: every other holder of the lock that changes the index also holds `Router.writing`,
+which a paused slice keeps.
 """
 from __future__ import annotations
 
@@ -12,7 +19,9 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from threading import Lock
+from threading import Event, Lock
+
+import numpy as np
 
 
 class DecisionsFirst:
@@ -21,23 +30,51 @@ class DecisionsFirst:
         # One entry per decision waiting for or holding the lock (deque: atomic append and pop
         # across threads).
         self._deciding: deque[None] = deque()
+        # Its length, where C reads it without the GIL (index_native.Preemption). Two threads
+        # may write it in either order: a stale value only costs one needless pause (the C
+        # loop always makes progress) or one wait for the rest of a slice, and `pause` and the
+        # next decision write it afresh.
+        self.flag = np.zeros(1, dtype=np.int64)
+        # Decisions done, ever (`+=` from several threads may lose one: a yield then waits its
+        # `max_wait_s`).
+        self.done = 0
+        self._progress = Event()  # set when a decision is done: a yield waits on it, not polls
 
     @contextmanager
     def decision(self) -> Iterator[None]:
         """The lock, for a call on a request's path."""
         self._deciding.append(None)
+        self.flag[0] = len(self._deciding)
         try:
             with self.lock:
                 yield
         finally:
             self._deciding.pop()
+            self.flag[0] = len(self._deciding)
+            self.done += 1
+            self._progress.set()
+
+    def pause(self) -> None:
+        """Called by an ingest slice that holds the lock, between two page events, when it saw
+        `flag`: the decisions waiting take the lock, then the slice takes it back."""
+        self.lock.release()
+        try:
+            self.yield_to_decisions()
+        finally:
+            self.lock.acquire()
+            self.flag[0] = len(self._deciding)
 
     def yield_to_decisions(self, max_wait_s: float = 0.005) -> None:
-        """Sleeps while a decision waits for the lock or holds it (at most `max_wait_s`)."""
-        deadline = None
-        while self._deciding:
-            if deadline is None:
-                deadline = time.perf_counter() + max_wait_s
-            elif time.perf_counter() > deadline:
+        """Sleeps until the decisions counted now are done (at most `max_wait_s`): those that
+        come meanwhile wait for the next yield, so that back-to-back decisions cannot stall
+        ingest."""
+        waiting = len(self._deciding)
+        if not waiting:
+            return
+        until, deadline = self.done + waiting, time.perf_counter() + max_wait_s
+        while self.done < until:
+            self._progress.clear()
+            left = deadline - time.perf_counter()
+            if self.done >= until or left <= 0:
                 return
-            time.sleep(0.00005)
+            self._progress.wait(left)

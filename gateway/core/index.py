@@ -45,6 +45,7 @@ from operator import attrgetter
 import numpy as np
 
 from gateway.core.index_bulk import apply_ops
+from gateway.core.index_native import Preemption
 from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, Holders, IndexConfig, IndexStats,
@@ -288,12 +289,13 @@ class KvIndex:
         return n + self._apply_run(w, run_key, run)
 
     @contextmanager
-    def bulk(self) -> Iterator[None]:
+    def bulk(self, preempt: Preemption | None = None) -> Iterator[None]:
         """`apply` calls inside are checked (seq, epoch, snapshot) one by one as they come, and
         their page events applied together at the end, one numpy run per medium
         (gateway/core/index_bulk.py), with the same final state as one by one; a clear (snapshot,
         new epoch, removal of a worker) applies what waits first. The bound is checked at the end.
-        Page counts (`info().held`, `len`) are current only after the block."""
+        Page counts (`info().held`, `len`) are current only after the block. `preempt`: routing
+        decisions may read the tables between two page events of that end."""
         if self._deferred is not None:
             yield
             return
@@ -301,12 +303,12 @@ class KvIndex:
         try:
             yield
         finally:
-            self._flush()
+            self._flush(preempt)
             self._deferred = None
         if len(self) > self.capacity():
             self._evict()
 
-    def _flush(self) -> None:
+    def _flush(self, preempt: Preemption | None = None) -> None:
         if self._deferred is None:
             return
         for tier, (runs, slots, stores) in enumerate(self._deferred):
@@ -315,7 +317,7 @@ class KvIndex:
             keys = np.frombuffer(b"".join(runs), dtype="V16")
             sizes = [len(r) >> 4 for r in runs]
             for slot, change in apply_ops(self._tables[tier], keys, np.repeat(slots, sizes),
-                                          np.repeat(stores, sizes)).items():
+                                          np.repeat(stores, sizes), preempt).items():
                 self._by_slot[slot].held[tier] += change
             runs.clear()
             slots.clear()

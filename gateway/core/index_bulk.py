@@ -28,17 +28,19 @@ SCALAR_OPS = 24
 
 
 def apply_ops(table: PageTable, hashes: Hashes, slots: Sequence[int] | np.ndarray,
-              stores: Sequence[bool] | np.ndarray) -> dict[int, int]:
+              stores: Sequence[bool] | np.ndarray,
+              preempt: index_native.Preemption | None = None) -> dict[int, int]:
     """Applies event i (store or removal of hashes[i] by worker slots[i]) in order; returns the
     change of each worker slot's page count. `hashes` may come packed (`index_table.Hashes`: the
     stream's packed encoding goes from the message to these arrays without a bytes object a
-    page)."""
+    page). `preempt`: routing decisions may read the table between two events (the C kernel's
+    loop only; the numpy run is one piece)."""
     keys = _keys(hashes)
     n = len(keys)
     if index_native.kernel() is not None:
         lo, hi = _words(keys)
         return index_native.apply(table, lo, hi, np.asarray(slots, dtype=np.int32),
-                                  np.asarray(stores, dtype=bool))
+                                  np.asarray(stores, dtype=bool), preempt)
     delta: dict[int, int] = {}
     if n < SCALAR_OPS:
         for h, s, store in zip(keys.tolist(), _ints(slots), _ints(stores)):

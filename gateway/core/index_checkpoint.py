@@ -273,7 +273,7 @@ class IndexCheckpointer:
 
     def restore(self) -> list[str]:
         remove_leftovers(self.path)
-        with self.router.lock:
+        with self.router.exclusive():
             names = load(self.router.index, self.path, self.namespace, self.hash_spec)
             if names:
                 self._written_changes = self.router.index.changes
@@ -296,7 +296,7 @@ class IndexCheckpointer:
         """One checkpoint now, unless the index has not changed since the last one (then only
         `skipped` counts it); the seconds `Router.lock` was held for the copy."""
         router = self.router
-        with router.lock:
+        with router.exclusive():
             if router.index.changes == self._written_changes and os.path.exists(self.path):
                 self.skipped += 1
                 return 0.0
@@ -306,7 +306,7 @@ class IndexCheckpointer:
             # np.empty maps lazily: fault the pages in here, not under the lock (at 10M pages,
             # allocating and faulting in ~0.85 GB under it held the lock ~2 s).
             buf.fill(0)
-        with router.lock:
+        with router.exclusive():
             addresses = {n: w.address for n, w in router._workers.items()}
             captured = capture(router.index, addresses, self.namespace, self.hash_spec, into)
             changes = router.index.changes
@@ -329,7 +329,7 @@ class IndexCheckpointer:
                 del self._waiting[name]
             elif now >= deadline:
                 del self._waiting[name]
-                with router.lock:
+                with router.exclusive():
                     if name not in router._workers:  # admitted meanwhile: keep it
                         router.index.remove_worker(name)
                         dropped.append(name)

@@ -13,13 +13,17 @@ and `add` / `discard` one by one), slower.
 `apply` is `PageTable.add` / `discard` of every event, in order. The holder masks of pages
 several workers hold stay Python ints in `PageTable.multi`: the C loop records each new sharer
 for Python to OR into the mask, and stops at a removal from a shared page (Python clears the
-bit, then the loop goes on at the next event).
+bit, then the loop goes on at the next event). Its loop runs without the GIL and, given a
+`Preemption`, steps aside for a routing decision: the decision's thread runs meanwhile, flags
+that it waits for the router's lock, and the loop returns within `STOP_EVERY` events so that
+`Preemption.pause` lets it in (design.md §6, "Where a decision's time goes").
 """
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -33,16 +37,35 @@ _P, _N = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_find": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
     "pt_place": (_N, [_P, _P, _P, _N, _P, _P, _P, _N, _P]),
-    "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P]),
+    "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
     "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
 }
 TABLE = NativeLibrary(
     "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table",
     lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
              "flags": ("-O2", "-shared", "-fPIC")},
-    # Calls of µs to a few ms, under the router's lock: releasing the GIL for each would let the
-    # routing thread take it, and the ingest thread wait up to a switch interval to get it back.
+    # Calls of µs, under the router's lock: releasing the GIL for each would let another thread
+    # take it, and the ingest thread wait up to a switch interval to get it back. `pt_apply`, a
+    # whole slice of events, releases it (`_without_gil`): a decision then runs and flags itself.
     SIGNATURES, loader=ctypes.PyDLL)
+
+
+class Preemption(Protocol):
+    """Who may interrupt a slice of page events (gateway/core/decisions_first.py)."""
+
+    # int64[1], read by the C loop without the GIL: nonzero while a routing decision waits.
+    flag: np.ndarray
+
+    def pause(self) -> None:
+        """Between two events: lets the waiting decisions take the router's lock, and takes it
+        back."""
+
+
+_NEVER = np.zeros(1, dtype=np.int64)  # the flag of a slice nobody interrupts
+# Page events the C loop applies before it looks at the flag: in a call, and in the call after a
+# pause (~0.1-0.2 ms: with decisions back to back, ingest still applies that much a pause).
+STOP_EVERY, AFTER_PAUSE = 64, 1024
+_released: dict[tuple[str, ctypes.CDLL], Callable[..., int]] = {}
 
 
 def configure(mode: str = "auto", kernel_cache: str | Path | None = None) -> None:
@@ -58,6 +81,16 @@ def kernel() -> ctypes.CDLL | None:
 def implementation() -> str:
     """What serves the page tables: "c" or "numpy" (the log line and metric at start)."""
     return "c" if kernel() is not None else "numpy"
+
+
+def _without_gil(name: str) -> Callable[..., int]:
+    """The kernel's function `name` called through a prototype that releases the GIL."""
+    key = (name, kernel())
+    fn = _released.get(key)
+    if fn is None:
+        restype, argtypes = SIGNATURES[name]
+        fn = _released[key] = ctypes.CFUNCTYPE(restype, *argtypes)(key)
+    return fn
 
 
 def _arrays(table: PageTable) -> tuple[int, int, int]:
@@ -99,9 +132,10 @@ def migrate(table: PageTable, start: int, end: int) -> None:
 
 
 def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
-          store: np.ndarray) -> dict[int, int]:
+          store: np.ndarray, preempt: Preemption | None = None) -> dict[int, int]:
     """Event i (store[i]: `add`, else `discard` of key i by worker slot[i]) in order; the change
-    of each worker slot's page count."""
+    of each worker slot's page count. With `preempt`, a routing decision may read the table
+    between two events (never change it: the router's mutations wait for the whole slice)."""
     n = len(lo)
     if not n:
         return {}
@@ -119,17 +153,23 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
             and table._make_room(_new_keys(table, lo[stored], hi[stored])):
         table._pull_many(lo, hi)
     delta = np.zeros(int(slot.max()) + 1, dtype=np.int64)
-    rec, nrec = np.empty(3 * n, dtype=np.int64), ctypes.c_int64()
+    rec, nrec, stopped = np.empty(3 * n, dtype=np.int64), ctypes.c_int64(), ctypes.c_int64()
     shared: dict[int, int] = {}  # the deltas Python counts (masks of shared pages)
-    fn, i = kernel().pt_apply, 0
+    fn, i = _without_gil("pt_apply"), 0
+    stop, before_stop = (_NEVER if preempt is None else preempt.flag).ctypes.data, STOP_EVERY
     while i < n:
         state = np.array([table._used, table.live, table._clock], dtype=np.int64)
         i = fn(*_arrays(table), table._stamp.buffer_info()[0], table.cap, state.ctypes.data,
                lo.ctypes.data, hi.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
-               delta.ctypes.data, rec.ctypes.data, ctypes.byref(nrec))
+               delta.ctypes.data, rec.ctypes.data, ctypes.byref(nrec), stop, before_stop,
+               ctypes.byref(stopped))
         table._used, table.live, table._clock = state.tolist()
         _share(table.multi, rec[:3 * nrec.value].tolist(), shared)
-        if i < n:  # a removal from a page several workers hold
+        before_stop = STOP_EVERY
+        if stopped.value:  # the table is whole between two events: a decision may read it
+            preempt.pause()
+            before_stop = AFTER_PAUSE
+        elif i < n:  # a removal from a page several workers hold
             s = int(slot[i])
             pos = int(find(table, lo[i:i + 1], hi[i:i + 1])[0])
             if table._leave(pos, s):

@@ -4,15 +4,18 @@ index their event streams feed, the policy, and the load tracker (design.md §6)
 Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
 all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
 to them holds `Router.lock`. Ingest holds it for bounded slices (`apply_stream_items`) and lets a
-waiting routing decision go first between them (gateway/core/decisions_first.py). Hashing a prompt is done by
-the caller, outside the lock.
+waiting routing decision go first between them and inside them, between two page events
+(gateway/core/decisions_first.py); whatever else changes the index holds `writing` too, so
+that only decisions, which read it, get into a paused slice. Hashing a prompt is done by the
+caller, outside the lock.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gateway.core.cache_keys import ROUTE_REASON as CACHE_KEY_REASON
@@ -66,6 +69,7 @@ class Router:
                  cache_keys: CacheKeyAffinity | None = None,
                  index: KvIndex | SharedIndexView | None = None) -> None:
         self.lock = threading.Lock()
+        self.writing = threading.Lock()  # taken before `lock` by all that change the index
         self.cache_keys = cache_keys or CacheKeyAffinity(clock=clock)
         # The in-process index by default; a SharedIndexView reads the fleet's one in Redis.
         self.index = index if index is not None else KvIndex(index_config, clock)
@@ -88,8 +92,14 @@ class Router:
 
     # ----- workers -----------------------------------------------------------------------------
 
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The lock, for a change of the index (or a copy of it): no ingest slice is paused."""
+        with self.writing, self.lock:
+            yield
+
     def add(self, worker: Worker) -> None:
-        with self.lock:
+        with self.exclusive():
             self.index.add_worker(worker.name)
             self._workers[worker.name] = worker
             self._candidate_sets.clear()
@@ -97,7 +107,7 @@ class Router:
     def remove(self, name: str) -> None:
         """Forgets a worker: its index entries, its policy state, its load. Its client is
         closed once no call uses it."""
-        with self.lock:
+        with self.exclusive():
             worker = self._workers.pop(name, None)
             self.index.remove_worker(name)
             self.policy.remove_worker(name)
@@ -177,7 +187,8 @@ class Router:
         `yield_to_routing` between holds."""
         if self.shared:
             return self._apply_load_only(items)
-        with self.lock, self.index.bulk():  # page events of all items: one numpy run per medium
+        # Page events of all items: one run per medium, which routing decisions may interrupt.
+        with self.exclusive(), self.index.bulk(self._first):
             results = [self._apply_item(name, item) for name, item in items]
         for result in results:
             if result is not None and result.status is ApplyStatus.RESYNC:
@@ -232,7 +243,7 @@ class Router:
 
     def migrate_index(self, max_slots: int) -> bool:
         """Ingest idle: one hold for a step of a growth's migration (feeds.py); True while more."""
-        with self.lock:
+        with self.exclusive():
             return not self.shared and self.index.migrate_some(max_slots)
 
     def yield_to_routing(self) -> None:

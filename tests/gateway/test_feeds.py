@@ -97,7 +97,8 @@ def _router(pool: str) -> Router:
 def test_routing_decisions_run_between_the_slices_of_a_large_batch():
     """A 200k-page snapshot is applied in slices of 1,024 page events: routing decisions taken
     meanwhile see it partly applied (with one hold of the lock for the batch, they would see none
-    or all of it)."""
+    or all of it). Requests come 0.2 ms apart (a thread deciding back to back, never releasing
+    the GIL but to take the lock again, would starve ingest: no lock or GIL of Python is fair)."""
     pool, total = "big", 200_000
     router = _router(pool)
     feeds = FeedLoop(router, slice_events=1024)
@@ -113,6 +114,7 @@ def test_routing_decisions_run_between_the_slices_of_a_large_batch():
             router.finish(f"r{n}")
             with router.lock:
                 seen.append(len(router.index))
+            time.sleep(0.0002)
 
     thread = threading.Thread(target=route)
     thread.start()
@@ -130,6 +132,47 @@ def test_routing_decisions_run_between_the_slices_of_a_large_batch():
     assert len(router.index) == total
     assert feeds.applier.slices >= total // 1024
     assert any(0 < n < total for n in seen), "no routing decision ran while the batch applied"
+
+
+def test_a_decision_gets_into_a_slice_and_a_change_of_the_index_waits_for_its_end():
+    """Inside one slice, between two page events (the C loop stopped for a waiting decision): a
+    routing decision takes the lock and sees the table partly applied; removing a worker (a
+    change of the index) waits until the whole slice is applied, so no page of the slice is
+    left to a freed worker slot."""
+    pytest.importorskip("gateway.core.index_native").kernel() or pytest.fail("no C page table")
+    pool, total = "big", 5000
+    router, other = _router(pool), "other"
+    router.add(Worker(other, "w2", "c", None, pb.GetModelInfoResponse(worker=other)))
+    seen: dict[str, object] = {}
+    first_pause = router._first.pause
+
+    def decide() -> None:
+        seen["decided"] = router.route(RouteRequest("r", pages(0, 8), 33, 4))
+        with router._first.decision():  # as a decision: it may read the paused slice's table
+            seen["indexed"] = len(router.index)
+
+    def pause() -> None:
+        if seen:
+            return first_pause()
+        decision, remove = threading.Thread(target=decide), threading.Thread(
+            target=router.remove, args=(pool,))
+        seen["remove"] = remove
+        decision.start()
+        remove.start()
+        wait_until(lambda: len(router._first._deciding) == 1, timeout_s=10)
+        first_pause()  # lets the counted decision in; its second part waits for the next pause
+        seen["removed_during_slice"] = not remove.is_alive()
+
+    router._first.pause = pause
+    router._first.flag[0] = 1  # as if a decision waited: the C loop stops after 64 events
+    item = cpb.SubscribeResponse(batch=batch(pool, 0, cleared(), stored(pages(0, total)),
+                                             snapshot=True, snapshot_end=True))
+    router.on_stream_item(pool, item)
+    seen["remove"].join(10)
+    assert seen["decided"] is not None and "indexed" in seen
+    assert 0 < seen["indexed"] < total
+    assert seen["removed_during_slice"] is False
+    assert router.index.info(pool) is None and len(router.index) == 0
 
 
 def test_a_snapshot_batch_is_split_into_snapshot_batches_of_the_slice_size():

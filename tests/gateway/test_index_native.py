@@ -98,6 +98,49 @@ def test_c_numpy_and_one_by_one_end_alike(seed):
     assert _run("c", "one", seed, pages) == reference
 
 
+class _AlwaysWaiting:
+    """A decision always waiting: the C loop stops as often as it may; each pause checks that
+    the table is whole (every page it holds findable, the live count right) before going on."""
+
+    def __init__(self, table: PageTable) -> None:
+        self.flag = np.ones(1, dtype=np.int64)
+        self.table, self.pauses = table, 0
+
+    def pause(self) -> None:
+        self.pauses += 1
+        live = [t for t in self.table._tables() if t.live]
+        assert sum(int(np.count_nonzero(t._holder_np() >= MULTI)) for t in live) == len(self.table)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_slice_stopped_for_decisions_ends_as_one_run(seed):
+    """A slice that steps aside for routing decisions between its page events ends exactly as
+    one applied whole (same holders, eviction order, live count, per-worker changes); the C loop
+    stops after STOP_EVERY events, then after AFTER_PAUSE events past each pause."""
+    pages = 3000
+    reference = _run("numpy", "one", seed, pages)
+    use("c")
+    table = PageTable(capacity=64, migrate_step=4)
+    preempt, deltas, events = _AlwaysWaiting(table), [], 0
+    for hashes, slots, stores in _slices(seed, pages, 40):
+        delta = apply_ops(table, hashes, slots, stores, preempt)
+        deltas.append({s: d for s, d in delta.items() if d})
+        events += len(hashes) if len(hashes) > index_native.STOP_EVERY else 0
+    assert (deltas, _state(table, pages)) == reference
+    assert preempt.pauses >= events // (index_native.AFTER_PAUSE + index_native.STOP_EVERY)
+    assert preempt.pauses > 0
+
+
+def test_an_unflagged_slice_is_never_stopped():
+    use("c")
+    table = PageTable(capacity=64)
+    preempt = _AlwaysWaiting(table)
+    preempt.flag[0] = 0
+    apply_ops(table, [_page(i) for i in range(5000)], [i % WORKERS for i in range(5000)],
+              [True] * 5000, preempt)
+    assert preempt.pauses == 0 and len(table) == 5000
+
+
 def test_the_stamp_clock_passing_its_limit_keeps_the_eviction_order():
     start = _STAMP_LIMIT - 3000  # passed within the run's first slices
     reference = _run("numpy", "one", 5, 800, clock=start)

@@ -8,6 +8,8 @@
 #define EMPTY (-3)
 #define TOMB (-2)
 #define MULTI (-1)
+/* Events between two looks at pt_apply's stop flag: ~5-20 us of work. */
+#define STOP_EVERY 64
 
 static const uint64_t MIX = 0x9E3779B97F4A7C15ULL, MIX_HI = 0xC2B2AE3D27D4EB4FULL;
 
@@ -77,13 +79,24 @@ int64_t pt_place(uint64_t *klo, uint64_t *khi, int32_t *holder, int64_t cap,
    mask is Python's to make, and the count of `slot`'s delta); seed == -1: `slot` joins a page
    several held (Python adds its bit, and counts it when new). A removal from a page several hold
    stops the loop: the return value is its index (n when every event is done); Python applies the
-   records so far, then that removal, then calls again from the next event. */
+   records so far, then that removal, then calls again from the next event.
+   Called without the GIL (index_native.apply): a routing decision that wants the router's lock
+   meanwhile sets *stop (gateway/core/decisions_first.py); once `before_stop` events are done in
+   this call (so that ingest goes on however many decisions come), the loop looks at it every
+   STOP_EVERY events and, set, returns with *stopped = 1, every event before the returned index
+   applied, for Python to let the decision in and call again from there. */
 int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
                  int64_t *state, const uint64_t *lo, const uint64_t *hi, const int32_t *slot,
                  const uint8_t *store, int64_t start, int64_t n, int64_t *delta, int64_t *rec,
-                 int64_t *nrec) {
+                 int64_t *nrec, const volatile int64_t *stop, int64_t before_stop,
+                 int64_t *stopped) {
     int64_t used = state[0], live = state[1], clock = state[2], k = 0, i = start;
+    *stopped = 0;
     for (; i < n; i++) {
+        if (i - start >= before_stop && (i - start) % STOP_EVERY == 0 && *stop) {
+            *stopped = 1;
+            break;
+        }
         int64_t free, p = probe(klo, khi, holder, cap, lo[i], hi[i], &free);
         int32_t s = slot[i];
         if (store[i]) {
