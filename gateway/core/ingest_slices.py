@@ -19,7 +19,7 @@ from collections.abc import Callable
 # with decisions p99 2.85 ms during ingest; 0.5 ms (~1,500 page events) 1.21M/s with p99 1.30 ms;
 # 0.25 ms 1.05M/s with 1.18 ms. 0.5 ms keeps ingest above the 1M/s a 1,000-worker fleet sends
 # and most of the latency gain.
-SLICE_S = 0.0005
+SLICE_S = 0.00025
 FIRST_SLICE_EVENTS = 1024  # until a cost was measured
 # At least a live batch of 64 stored + 64 removed pages; at most a few 4 MiB snapshot batches.
 MIN_SLICE_EVENTS = 128
