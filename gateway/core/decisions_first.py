@@ -39,6 +39,9 @@ class DecisionsFirst:
         # `max_wait_s`).
         self.done = 0
         self._progress = Event()  # set when a decision is done: a yield waits on it, not polls
+        # Seconds ingest held the lock in the C loop that `flag` interrupts, and in its pauses:
+        # a decision never waits for those (ingest_slices.SliceSize leaves them out).
+        self.preemptible_s = 0.0
 
     @contextmanager
     def decision(self) -> Iterator[None]:

@@ -7,10 +7,9 @@ not grow with its workers (at 1,000 workers the former model ran 3-4 threads per
 
 Ingest off the routing path: a feed (`follow_events`) decodes its stream's items on the loop and
 queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to the
-router in slices, each one hold of `Router.lock`, releasing it between slices and stepping aside
-while a routing decision waits for it (`Router.yield_to_routing`). A slice's page events come from
-a target hold time and the apply cost measured on the last slices (gateway/core/ingest_slices.py:
-`--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot batches
+router in slices, each one hold of `Router.lock` that a waiting routing decision may enter
+(decisions_first.py). A slice's page events come from a target hold time and the apply cost
+measured on the last slices (gateway/core/ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot batches
 (same seq, `snapshot_end` on the last only; the index applies them as one). A live batch is applied
 whole (its seq is its identity). Idle, it finishes a growth's migration in steps (IdleMigration).
 
@@ -294,9 +293,10 @@ class BatchApplier:
         items, events = taken
         if not items:
             return
-        start = time.perf_counter()
+        start, preemptible = time.perf_counter(), self.router.preemptible_seconds()
         results = self.router.apply_stream_items([(f.name, item) for f, item in items])
-        self.size.measured(events, time.perf_counter() - start)
+        self.size.measured(events, time.perf_counter() - start  # less what decisions interrupt
+                           - (self.router.preemptible_seconds() - preemptible))
         self.applied_items += len(items)
         self.slices += 1
         for (feed, _), result in zip(items, results):

@@ -21,6 +21,7 @@ that it waits for the router's lock, and the loop returns within `STOP_EVERY` ev
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -55,6 +56,8 @@ class Preemption(Protocol):
 
     # int64[1], read by the C loop without the GIL: nonzero while a routing decision waits.
     flag: np.ndarray
+    # Seconds spent in the interruptible C loop and in `pause`, added up by `apply`.
+    preemptible_s: float
 
     def pause(self) -> None:
         """Between two events: lets the waiting decisions take the router's lock, and takes it
@@ -159,15 +162,20 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     stop, before_stop = (_NEVER if preempt is None else preempt.flag).ctypes.data, STOP_EVERY
     while i < n:
         state = np.array([table._used, table.live, table._clock], dtype=np.int64)
+        start = time.perf_counter()
         i = fn(*_arrays(table), table._stamp.buffer_info()[0], table.cap, state.ctypes.data,
                lo.ctypes.data, hi.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
                delta.ctypes.data, rec.ctypes.data, ctypes.byref(nrec), stop, before_stop,
                ctypes.byref(stopped))
+        if preempt is not None:
+            preempt.preemptible_s += time.perf_counter() - start
         table._used, table.live, table._clock = state.tolist()
         _share(table.multi, rec[:3 * nrec.value].tolist(), shared)
         before_stop = STOP_EVERY
         if stopped.value:  # the table is whole between two events: a decision may read it
+            start = time.perf_counter()
             preempt.pause()
+            preempt.preemptible_s += time.perf_counter() - start
             before_stop = AFTER_PAUSE
         elif i < n:  # a removal from a page several workers hold
             s = int(slot[i])

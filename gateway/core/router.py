@@ -4,10 +4,9 @@ index their event streams feed, the policy, and the load tracker (design.md §6)
 Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
 all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
 to them holds `Router.lock`. Ingest holds it for bounded slices (`apply_stream_items`) and lets a
-waiting routing decision go first between them and inside them, between two page events
-(gateway/core/decisions_first.py); whatever else changes the index holds `writing` too, so
-that only decisions, which read it, get into a paused slice. Hashing a prompt is done by the
-caller, outside the lock.
+waiting routing decision in between them and between two page events of one
+(gateway/core/decisions_first.py); all else that changes the index holds `writing` too. Hashing
+a prompt is done by the caller, outside the lock.
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class Router:
                  clock: Callable[[], float] = time.monotonic,
                  cache_keys: CacheKeyAffinity | None = None,
                  index: KvIndex | SharedIndexView | None = None) -> None:
-        self.lock = threading.Lock()
-        self.writing = threading.Lock()  # taken before `lock` by all that change the index
+        self.lock, self.writing = threading.Lock(), threading.Lock()  # writing: see exclusive()
         self.cache_keys = cache_keys or CacheKeyAffinity(clock=clock)
         # The in-process index by default; a SharedIndexView reads the fleet's one in Redis.
         self.index = index if index is not None else KvIndex(index_config, clock)
@@ -245,6 +243,10 @@ class Router:
         """Ingest idle: one hold for a step of a growth's migration (feeds.py); True while more."""
         with self.exclusive():
             return not self.shared and self.index.migrate_some(max_slots)
+
+    def preemptible_seconds(self) -> float:
+        """Seconds ingest held the lock where decisions may interrupt it, ever (decisions_first)."""
+        return self._first.preemptible_s
 
     def yield_to_routing(self) -> None:
         """Bulk ingest calls this between two holds of the lock: a waiting decision goes first."""

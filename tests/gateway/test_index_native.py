@@ -104,7 +104,7 @@ class _AlwaysWaiting:
 
     def __init__(self, table: PageTable) -> None:
         self.flag = np.ones(1, dtype=np.int64)
-        self.table, self.pauses = table, 0
+        self.table, self.pauses, self.preemptible_s = table, 0, 0.0
 
     def pause(self) -> None:
         self.pauses += 1
@@ -128,7 +128,7 @@ def test_a_slice_stopped_for_decisions_ends_as_one_run(seed):
         events += len(hashes) if len(hashes) > index_native.STOP_EVERY else 0
     assert (deltas, _state(table, pages)) == reference
     assert preempt.pauses >= events // (index_native.AFTER_PAUSE + index_native.STOP_EVERY)
-    assert preempt.pauses > 0
+    assert preempt.pauses > 0 and preempt.preemptible_s > 0
 
 
 def test_an_unflagged_slice_is_never_stopped():

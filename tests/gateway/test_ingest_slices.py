@@ -4,12 +4,13 @@ batch one by one would leave it, whatever the slices."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from gateway.__main__ import config_from_args, parse_args
-from gateway.core.feeds import Feed, FeedLoop
-from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.feeds import BatchApplier, Feed, FeedLoop
+from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.ingest_slices import (FIRST_SLICE_EVENTS, MAX_SLICE_EVENTS, MIN_SLICE_EVENTS,
                                         SLICE_S, IdleMigration, SliceSize)
 from gateway.core.metrics import GatewayMetrics
@@ -157,6 +158,31 @@ def test_a_slice_waits_for_what_a_few_feeds_read_turn_by_turn():
     # 2 x 41 live items (40 batches, a duplicate) and a heartbeat each, 128 page events a batch:
     # ~11 slices of 1,024 page events; a slice a turn would be ~42.
     assert live_slices <= 16, live_slices
+
+
+def test_the_slice_size_leaves_out_the_hold_that_decisions_interrupt():
+    """A slice's time in the C loop (and its pauses for decisions) is not what a decision waits
+    for: the applier sizes the next slice by the rest of the hold only."""
+
+    class Interruptible:  # three quarters of each hold in the interruptible C loop
+        preemptible = held = 0.0
+
+        def preemptible_seconds(self) -> float:
+            return self.preemptible
+
+        def apply_stream_items(self, items):
+            start = time.perf_counter()
+            time.sleep(0.004)
+            self.held = time.perf_counter() - start
+            self.preemptible += 0.75 * self.held
+            return [ApplyResult(ApplyStatus.APPLIED, "a") for _ in items]
+
+    router = Interruptible()
+    applier = BatchApplier(router, SliceSize(slice_s=0.001), IdleMigration())
+    item = cpb.SubscribeResponse(heartbeat=heartbeat("a", 0))
+    applier._apply_slice(([(Feed("a"), item)], FIRST_SLICE_EVENTS))
+    whole = router.held / FIRST_SLICE_EVENTS
+    assert 0.25 * whole <= applier.size.seconds_per_event < 0.5 * whole
 
 
 def test_idle_migration_steps_are_sized_by_the_slice_time():
