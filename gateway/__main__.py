@@ -32,10 +32,9 @@ import argparse
 import functools
 import logging
 import sys
-from collections.abc import Callable
 
 from gateway.assembly import GatewayConfig, GatewayServer
-from gateway.core import index_native
+from gateway.core import index_native, thread_priority
 from gateway.core.dataplane_tenants import DataplaneTenants
 from gateway.core.discovery import DnsWorkers, parse_static, static_workers
 from gateway.core.index_redis import IndexRedis
@@ -45,6 +44,7 @@ from gateway.core.shared_index import prefix_of
 from gateway.core.tenants import TenantDirectory
 from gateway.core.tokenize import AUTO
 from gateway.core.workers import WorkerSettings
+from gateway.index_flags import add_index_flags, add_ingest_flags
 from gateway.http.bounds import HttpLimits  # no HTTP stack: only the bounds' defaults
 from prefixcache_client.hash import NS_DOMAIN
 from service_shell import tracing
@@ -52,47 +52,8 @@ from service_shell import (ServiceShell, ShutdownSignal, add_bool_flag, add_flag
                            configure_logging, finite_float, kv, tls_from_args)
 from service_shell.auth_flags import (add_identities_flag, add_token_flag, identities_from_args,
                                       token_from_args)
-from service_shell.config import NATIVE_MODES
 
 log = logging.getLogger("gateway")
-
-
-def _add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
-    """--index-backend and the shared index's Redis (gateway/core/index_redis.py)."""
-    flag("--index-backend", "INDEX_BACKEND", cfg.index_backend, "where the routing index "
-         "lives: memory (this replica's own, fed by every worker's events) or redis (one index "
-         "the gateway replicas share at --index-redis-url; each replica runs an indexer per "
-         "worker and the holder of the worker's Redis lease writes its events)",
-         choices=("memory", "redis"))
-    flag("--index-redis-url", "INDEX_REDIS_URL", None, "with --index-backend redis: the Redis "
-         "of the shared index: redis://[user[:password]@]HOST:PORT/DB, rediss:// for TLS, "
-         "redis+cluster://HOST:PORT (rediss+cluster://) for a Redis Cluster (any node)")
-    flag("--index-redis-password-file", "INDEX_REDIS_PASSWORD_FILE", None, "file holding the "
-         "index Redis's (ACL) password; the user name is the URL's (redis://USER@HOST)")
-    flag("--index-redis-tls-ca", "INDEX_REDIS_TLS_CA", None, "PEM CA bundle the rediss:// "
-         "index Redis's certificate is verified against")
-    flag("--index-redis-tls-cert", "INDEX_REDIS_TLS_CERT", None, "PEM client certificate for "
-         "an index Redis that requires one (with --index-redis-tls-key)")
-    flag("--index-redis-tls-key", "INDEX_REDIS_TLS_KEY", None, "PEM key of "
-         "--index-redis-tls-cert")
-    flag("--index-namespace", "INDEX_NAMESPACE", cfg.index_namespace, "with --index-backend "
-         "redis: the key prefix of this deployment's shared index (pcx:NAMESPACE:); replicas "
-         "of one fleet share it, other fleets on the same Redis need their own")
-    flag("--index-checkpoint", "INDEX_CHECKPOINT", None, "with --index-backend memory: a file "
-         "the routing index is written to (periodically and at a clean shutdown) and loaded "
-         "from at start, so that a restart resumes each worker's event stream instead of "
-         "rebuilding the index from snapshots; one of another namespace, version or hash spec, "
-         "or a corrupt one, is ignored with a warning")
-    flag("--index-native", "INDEX_NATIVE", "auto", "the routing index's page table in C "
-         "(gateway/core/index_native.py, built with the system compiler or taken from "
-         "--kernel-cache): auto = when it builds, on = refuse to start without it, off = the "
-         "numpy table (same answers, slower ingest)", choices=NATIVE_MODES)
-    flag("--kernel-cache", "KERNEL_CACHE", None, "directory of the compiled C page table; "
-         "default $XDG_CACHE_HOME/prefixcache/kernels (~/.cache/prefixcache/kernels)")
-    flag("--index-checkpoint-interval-s", "INDEX_CHECKPOINT_INTERVAL_S",
-         cfg.index_checkpoint_interval_s, "seconds between two index checkpoints (one is "
-         "skipped when the index has not changed since the last)",
-         type=finite_float(1.0, 86400.0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,11 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "out of the garbage collector's walks (gc.freeze): full collections no longer "
                   "pause routing decisions for the whole warm state (gateway/core/gc_tuning.py)",
                   "on")
-    flag("--ingest-slice-ms", "INGEST_SLICE_MS", workers.ingest_slice_s * 1e3, "how long one "
-         "slice of event ingest may hold the routing lock, in [0.1, 100] ms: a routing decision "
-         "that arrives meanwhile waits for the rest of it; longer slices apply more page events "
-         "a second (gateway/core/ingest_slices.py)", type=finite_float(0.1, 100.0))
-    _add_index_flags(flag, cfg)
+    add_ingest_flags(flag, workers)
+    add_index_flags(flag, cfg)
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
     flag("--heartbeat-interval-s", "HEARTBEAT_INTERVAL_S", workers.heartbeat_interval_s,
@@ -397,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     shutdown = ShutdownSignal(log)
     try:
         index_native.configure(args.index_native, args.kernel_cache)
+        thread_priority.configure(args.ingest_priority, args.switch_interval_ms / 1e3)
         reason = {"reason": index_native.TABLE.reason} if index_native.TABLE.reason else {}
         log.info(kv("index_table", implementation=index_native.implementation(), **reason))
         server = GatewayServer(config_from_args(args)).start()

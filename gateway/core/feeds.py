@@ -40,7 +40,7 @@ from gateway.core.index import ApplyStatus
 from gateway.core.ingest_slices import SLICE_S, IdleMigration, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
-from gateway.core.thread_priority import INGEST_NICE, lower_thread_priority
+from gateway.core.thread_priority import lower_thread_priority
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import events_pb2
@@ -93,7 +93,7 @@ class FeedLoop:
         self.submit(self.watchdog.run())
 
     def _run(self) -> None:
-        lower_thread_priority(INGEST_NICE)
+        lower_thread_priority()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 

@@ -1,8 +1,10 @@
 """How many page events one ingest slice applies under `Router.lock` (design.md §6, issue 31).
 
-A routing decision that arrives while a slice holds the lock waits for the rest of it, so the
-bound that matters is the slice's time, not its count of page events: `SliceSize` turns a target
-hold time into page events from the apply cost it measured on the last full slices. A faster
+A routing decision that arrives while a slice holds the lock waits for the rest of it, but for
+the C loop that applies its page events, which steps aside for it (gateway/core/decisions_first.py).
+So the bound that matters is the time of the rest of the slice, not its count of page events:
+`SliceSize` turns a target for that time into page events from the cost it measured on the last
+full slices (`BatchApplier` leaves the interruptible time out). A faster
 index then applies more per hold (fewer holds: less per-slice Python, asyncio and lock hand-off,
 and larger numpy runs) for the same wait of a decision; a slower one (a big table, a loaded core)
 applies fewer. `IdleMigration` sizes the steps that finish a page table's growth while ingest is
@@ -13,12 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# The default hold: a decision waits for the rest of the slice it lands in, so the hold is traded
-# against ingest throughput. With the C page table, at 1,000 pools on the quiet 2-core machine
-# (docs/results/gateway/fleet/ingest_p99/quiet_*): 2 ms slices apply 1.37M live page events/s
-# with decisions p99 2.85 ms during ingest; 0.5 ms (~1,500 page events) 1.21M/s with p99 1.30 ms;
-# 0.25 ms 1.05M/s with 1.18 ms. 0.5 ms keeps ingest above the 1M/s a 1,000-worker fleet sends
-# and most of the latency gain.
+# The default hold: a decision waits for the rest of the slice it lands in, less the C loop that
+# it interrupts (decisions_first.py), so the hold is traded against ingest throughput. At 1,000
+# pools, 1M pages, 5.12M live page events on the quiet 2-core machine
+# (docs/results/gateway/fleet/ingest_p99/): 0.25 ms slices apply 1.68M live page events/s with
+# decisions p99 0.71 ms during ingest (the feed loop at SCHED_IDLE, as deploy/k8s runs it;
+# 1.39M/s and 1.03 ms niced, the gateway's default), 0.5 ms 1.76M/s and 0.64 ms (1.39M/s,
+# 1.08 ms), 1 ms 1.84M/s and 0.88 ms (1.45M/s, 1.32 ms).
 SLICE_S = 0.00025
 FIRST_SLICE_EVENTS = 1024  # until a cost was measured
 # At least a live batch of 64 stored + 64 removed pages; at most a few 4 MiB snapshot batches.

@@ -16,6 +16,7 @@ from pathlib import Path
 from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from gateway.core.ingest_slices import SLICE_S
+from gateway.core.thread_priority import PRIORITIES, SWITCH_INTERVAL_S
 from prefixcache_bench.gateway_fleet.run import (IngestTuning, idle_gateway_bytes_per_page,
                                                  index_bytes_per_page, run_config)
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
@@ -45,6 +46,7 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
 # The ingest slices' runs (ingest_w*.json): before/after pairs of the same minutes.
 INGEST_COLUMNS = ("pools", "ingest_slice_events_fixed", "ingest_slice_ms", "switch_interval_ms",
+                  "ingest_priority",
                   "live_page_events_per_s", "live_slice_p50_ms", "live_slice_p99_ms",
                   "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
                   "routing_p99_from_wake_during_ingest_us", "feed_loop_cpu_share_live",
@@ -84,13 +86,18 @@ def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slice-events", type=int,
                    help="a fixed number of page events per ingest slice instead (1024: the "
                         "gateway before --ingest-slice-ms)")
-    p.add_argument("--switch-interval-ms", type=float,
-                   help="the gateway process's sys.setswitchinterval (default: Python's 5 ms)")
+    p.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_S * 1e3,
+                   help="the gateway process's sys.setswitchinterval (the gateway's "
+                        "--switch-interval-ms)")
+    p.add_argument("--ingest-priority", choices=PRIORITIES, default="idle",
+                   help="the feed loop thread's scheduling priority (the gateway's "
+                        "--ingest-priority; default idle, as deploy/k8s runs the gateway: the "
+                        "bench's gateway process has its core to itself, as a pod its cgroup)")
 
 
 def _tuning(args: argparse.Namespace) -> IngestTuning:
-    switch = None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3
-    return IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events, switch)
+    return IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events,
+                        args.switch_interval_ms / 1e3, args.ingest_priority)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ import gc
 import multiprocessing
 import os
 import random
-import sys
 import threading
 import time
 import tracemalloc
@@ -20,11 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.core import index_native
+from gateway.core import index_native, thread_priority
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.gc_tuning import freeze_warm_heap
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import SLICE_S
+from gateway.core.thread_priority import SWITCH_INTERVAL_S
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
@@ -161,14 +161,17 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
 class IngestTuning:
     """The gateway's ingest settings a run uses: the slice's target hold of the router's lock
     (`--ingest-slice-ms`), or a fixed number of page events a slice (the former behaviour), and
-    the interpreter's thread switch interval (sys.setswitchinterval; None: left at 5 ms)."""
+    the interpreter's thread switch interval and the feed loop's priority, as the gateway sets
+    them (gateway/core/thread_priority.py)."""
     slice_s: float = SLICE_S
     slice_events: int | None = None
-    switch_interval_s: float | None = None
+    switch_interval_s: float = SWITCH_INTERVAL_S
+    priority: str = "idle"
 
     def summary(self) -> dict:
         return {"ingest_slice_ms": self.slice_s * 1e3, "ingest_slice_events_fixed": self.slice_events,
-                "switch_interval_ms": (self.switch_interval_s or sys.getswitchinterval()) * 1e3}
+                "switch_interval_ms": self.switch_interval_s * 1e3,
+                "ingest_priority": self.priority}
 
 
 @dataclass(frozen=True)
@@ -285,8 +288,7 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
     timed = _Router(router, pools, pages_per_pool, live_batches)
     timed.thread.start()
     t0 = time.perf_counter()
-    if tuning.switch_interval_s is not None:
-        sys.setswitchinterval(tuning.switch_interval_s)
+    thread_priority.configure(tuning.priority, tuning.switch_interval_s)
     feeds = FeedLoop(router, tuning.slice_s, tuning.slice_events)
     for name in names:
         feeds.submit(follow(feeds, address, name, settings, packed))

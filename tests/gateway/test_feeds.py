@@ -16,7 +16,8 @@ from gateway.core.feeds import Feed, FeedLoop, aio_channel, split_snapshot
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
-from gateway.core.thread_priority import INGEST_NICE
+from gateway.core import thread_priority
+from gateway.core.thread_priority import INGEST_NICE, PRIORITIES
 from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -65,27 +66,33 @@ def test_thread_count_does_not_grow_with_workers():
     assert len(many) <= MAX_GATEWAY_THREADS, many
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-def test_the_feed_loop_runs_below_the_request_threads_priority():
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+@pytest.mark.parametrize("priority", PRIORITIES)
+def test_the_feed_loop_runs_below_the_request_threads_priority(priority):
     # Ingest yields the core to routing decisions (design.md §6): the loop thread, and the
-    # threads it starts (the blocking pool), are INGEST_NICE nicer than the process.
+    # threads it starts (the blocking pool), run SCHED_IDLE, or INGEST_NICE nicer than the
+    # process, as --ingest-priority says; the calling thread keeps its own.
+    thread_priority.configure(priority, switch_interval_s=None)
     loop = FeedLoop(_router("p0"))
     try:
-        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        on_loop = loop.run_sync(_own_nice(), 5.0)
-        in_pool = loop.run_sync(loop.blocking(_nice_here), 5.0)
+        base = _priority_here()
+        on_loop = loop.run_sync(_own_priority(), 5.0)
+        in_pool = loop.run_sync(loop.blocking(_priority_here), 5.0)
     finally:
         loop.close()
-    assert on_loop == base + INGEST_NICE == in_pool
-    assert INGEST_NICE > 0
+        thread_priority.configure()
+    policy, nice = {"idle": (os.SCHED_IDLE, base[1]), "nice": (base[0], base[1] + INGEST_NICE),
+                    "normal": base}[priority]
+    assert on_loop == (policy, nice) == in_pool
+    assert _priority_here() == base
 
 
-def _nice_here() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+def _priority_here() -> tuple[int, int]:
+    return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-async def _own_nice() -> int:
-    return _nice_here()
+async def _own_priority() -> tuple[int, int]:
+    return _priority_here()
 
 
 def _router(pool: str) -> Router:
