@@ -45,11 +45,12 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",
                    "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
 # The ingest slices' runs (ingest_w*.json): before/after pairs of the same minutes.
-INGEST_COLUMNS = ("pools", "ingest_slice_events_fixed", "ingest_slice_ms", "switch_interval_ms",
-                  "ingest_priority",
+INGEST_COLUMNS = ("pools", "indexed_pages", "ingest_slice_events_fixed", "ingest_slice_ms",
+                  "switch_interval_ms", "ingest_priority",
                   "live_page_events_per_s", "live_slice_p50_ms", "live_slice_p99_ms",
                   "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
-                  "routing_p99_from_wake_during_ingest_us", "feed_loop_cpu_share_live",
+                  "routing_max_during_ingest_us", "routing_p99_from_wake_during_ingest_us",
+                  "routing_p99_idle_us", "feed_loop_cpu_share_live",
                   "routing_cpu_share_during_ingest", "generator_cpu_share_live",
                   "generator_send_page_events_per_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
