@@ -50,6 +50,7 @@ INGEST_COLUMNS = ("pools", "indexed_pages", "ingest_slice_events_fixed", "ingest
                   "live_page_events_per_s", "live_slice_p50_ms", "live_slice_p99_ms",
                   "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
                   "routing_max_during_ingest_us", "routing_p99_from_wake_during_ingest_us",
+                  "routing_p99_from_due_during_ingest_us",
                   "routing_p99_idle_us", "feed_loop_cpu_share_live",
                   "routing_cpu_share_during_ingest", "generator_cpu_share_live",
                   "generator_send_page_events_per_s")

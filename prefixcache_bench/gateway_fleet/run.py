@@ -65,6 +65,10 @@ def index_bytes_per_page(pools: int, pages_per_pool: int) -> float:
     return used / len(index)
 
 
+# The timed routing thread's requests: one due every millisecond.
+DECISION_PERIOD_S = 0.001
+
+
 class _Router:
     """The timed routing thread: requests for a pool's conversation (routed to it when the index
     knows it) or a system prompt, each followed by new pages."""
@@ -75,11 +79,13 @@ class _Router:
         self.request_pages = request_pages  # of which CONVERSATION_PAGES held, the rest new
         # Conversations the live batches do not remove (those go oldest first).
         self.first_conv = (live_batches * F.LIVE_PAGES) // F.CONVERSATION_PAGES + 1
-        # (start, seconds in route(), seconds from the planned wake-up to route()'s end: the
-        # GIL's hand-off after the sleep too, which route()'s own time cannot see)
-        self.samples: list[tuple[float, float, float]] = []
+        # (start, seconds in route(), seconds from its planned wake-up to route()'s end: the
+        # GIL's hand-off after the sleep too, which route()'s own time cannot see; seconds from
+        # its arrival on the schedule to route()'s end: a stall delays every decision due in it)
+        self.samples: list[tuple[float, float, float, float]] = []
         self.cpu: list[tuple[float, float]] = []  # (start, this thread's CPU time then)
         self.to_holder = self.private = 0
+        self.new_phase = threading.Event()  # set: the schedule starts again now (no backlog)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
 
@@ -98,31 +104,39 @@ class _Router:
         return RouteRequest(f"r{n}", held + fresh, self.request_pages * PAGE_SIZE + 1, PAGE_SIZE), holder
 
     def _run(self) -> None:
+        """A request due every DECISION_PERIOD_S (an open loop: one late starts when the one
+        before ends, and counts its lateness)."""
         rng, n = random.Random(1), 0
-        wake = time.perf_counter()
+        due = end = time.perf_counter()
         while not self.stop.is_set():
+            if self.new_phase.is_set():  # a phase's figures start without the last one's backlog
+                self.new_phase.clear()
+                due = time.perf_counter()
+            wake = max(due, end)
+            if wake > time.perf_counter():
+                time.sleep(wake - time.perf_counter())
             req, holder = self._request(rng, n)
             start = time.perf_counter()
             self.cpu.append((start, time.thread_time()))
             route = self.router.route(req)
             end = time.perf_counter()
-            self.samples.append((start, end - start, end - wake))
+            self.samples.append((start, end - start, end - wake, end - due))
             if route is not None:
                 self.router.finish(req.request_id)
                 if holder is not None and self.router.index.info(holder) is not None:
                     self.private += 1
                     self.to_holder += route.worker.name == holder
             n += 1
-            wake = time.perf_counter() + 0.001
-            time.sleep(0.001)
+            due += DECISION_PERIOD_S
 
     def summary(self, t0: float, t1: float) -> dict:
-        lat = [s * 1e6 for t, s, _ in self.samples if t0 <= t < t1]
-        if not lat:
+        phase = [x for x in self.samples if t0 <= x[0] < t1]
+        if not phase:
             return {"decisions": 0}
-        woken = [w * 1e6 for t, _, w in self.samples if t0 <= t < t1]
+        lat, woken, due = ([x[i] * 1e6 for x in phase] for i in (1, 2, 3))
         out = {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
-               "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99)}
+               "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99),
+               "p99_from_due_us": percentile(due, 0.99)}
         cpu = [(t, c) for t, c in self.cpu if t0 <= t < t1]
         if len(cpu) > 1:  # the routing thread's share of its core over the phase
             out["cpu_share"] = (cpu[-1][1] - cpu[0][1]) / max(cpu[-1][0] - cpu[0][0], 1e-9)
@@ -299,6 +313,7 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
     threads = threading.active_count()
     clock = LiveClock(router, generator.pid, pools * live_batches)
     clock.start()
+    timed.new_phase.set()
     generator.go.set()  # the load generator streams the live batches now
     t_live = time.perf_counter()
     slices0 = feeds.applier.slices
@@ -307,6 +322,7 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
     t_done = _wait(router, names, lambda i: i.last_seq == live_batches)
     slices = feeds.applier.slices - slices0
     rss = _rss_bytes() - rss0
+    timed.new_phase.set()
     time.sleep(idle_s)
     timed.stop.set()
     timed.thread.join(10)

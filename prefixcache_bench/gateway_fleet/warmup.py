@@ -114,7 +114,7 @@ def compare_run(timed, router: Router, workers: list[str], stop_after_warm) -> N
         start = time.perf_counter()
         route = router.route(req)
         took = time.perf_counter() - start
-        timed.samples.append((start, took, took))  # no planned wake-up here: route()'s own time
+        timed.samples.append((start, took, took, took))  # no schedule here: route()'s own time
         time.sleep(0.001)
         if route is None:
             continue
