@@ -113,8 +113,8 @@ class _Router:
                 self.new_phase.clear()
                 due = time.perf_counter()
             wake = max(due, end)
-            if wake > time.perf_counter():
-                time.sleep(wake - time.perf_counter())
+            if (ahead := wake - time.perf_counter()) > 0:
+                time.sleep(ahead)
             req, holder = self._request(rng, n)
             start = time.perf_counter()
             self.cpu.append((start, time.thread_time()))
