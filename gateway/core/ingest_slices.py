@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 # The default hold: a decision waits for the rest of the slice it lands in, less the C loop that
 # it interrupts (decisions_first.py), so the hold is traded against ingest throughput. At 1,000
-# pools, 1M pages, 5.12M live page events on the quiet 2-core machine
-# (docs/results/gateway/fleet/ingest_p99/): 0.25 ms slices apply 1.68M live page events/s with
-# decisions p99 0.71 ms during ingest (the feed loop at SCHED_IDLE, as deploy/k8s runs it;
-# 1.39M/s and 1.03 ms niced, the gateway's default), 0.5 ms 1.76M/s and 0.64 ms (1.39M/s,
-# 1.08 ms), 1 ms 1.84M/s and 0.88 ms (1.45M/s, 1.32 ms).
+# pools, 1M pages, 5.12M live page events, a request due every millisecond, on the quiet 2-core
+# machine (docs/results/gateway/fleet/ingest_p99/, the feed loop at SCHED_IDLE as deploy/k8s
+# runs it; niced, the gateway's default, in brackets): 0.25 ms slices apply 1.43M live page
+# events/s with decisions p99 0.50 ms (1.17M/s, 0.80 ms), 0.5 ms 1.20M/s and 0.70 ms (1.21M/s,
+# 0.85 ms), 1 ms 1.35M/s and 0.84 ms (1.24M/s, 1.01 ms).
 SLICE_S = 0.00025
 FIRST_SLICE_EVENTS = 1024  # until a cost was measured
 # At least a live batch of 64 stored + 64 removed pages; at most a few 4 MiB snapshot batches.

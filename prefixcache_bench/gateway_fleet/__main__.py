@@ -56,7 +56,7 @@ INGEST_COLUMNS = ("pools", "indexed_pages", "ingest_slice_events_fixed", "ingest
                   "generator_send_page_events_per_s")
 COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
            "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
-           "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
+           "routing_p99_from_due_during_ingest_us", "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
 
 
 def _flatten(results: dict) -> dict:
