@@ -7,9 +7,10 @@ for that core and for the GIL:
 - The kernel's run queue. Niced (+10), the loop thread still ran out its time slice when a
   request thread woke, and a decision's wall time was twice its CPU time in the tail (p99 hold
   0.79 ms for 0.51 ms of CPU at 1.4M page events/s). `idle` (SCHED_IDLE) runs it only when no
-  other thread wants the core: hold and CPU time then agree (p99 0.50 / 0.46 ms) and ingest
-  went 1.39 -> 1.78M page events/s (docs/results/gateway/fleet/ingest_p99/). The price: a core
-  that other threads keep 100% busy applies no events until they pause (the index then goes
+  other thread wants the core: hold and CPU time then agree (p99 0.50 / 0.46 ms; a scratch
+  probe), and ingest is faster (docs/results/gateway/fleet/ingest_p99/: 1.20-1.43M page
+  events/s against 1.17-1.24M niced, route() p99 0.50-0.84 against 0.80-1.01 ms). The price:
+  a core that other threads keep 100% busy applies no events until they pause (the index goes
   stale and its workers' scores count less: `--stale-after-s`), and without a cgroup of its own
   (a Kubernetes pod has one) those threads may be any process's: a compute service beside the
   gateway, as `stack/` runs them. So `nice` (the loop +10: ~10% of a busy core kept) is the
