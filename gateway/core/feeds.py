@@ -8,10 +8,10 @@ not grow with its workers (at 1,000 workers the former model ran 3-4 threads per
 Ingest off the routing path: a feed (`follow_events`) decodes its stream's items on the loop and
 queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to the
 router in slices, each one hold of `Router.lock` that a waiting routing decision may enter
-(decisions_first.py). A slice's page events come from a target hold time and the apply cost
-measured on the last slices (gateway/core/ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into several snapshot batches
-(same seq, `snapshot_end` on the last only; the index applies them as one). A live batch is applied
-whole (its seq is its identity). Idle, it finishes a growth's migration in steps (IdleMigration).
+(decisions_first.py), sized from a target hold time and the cost measured on the last slices
+(ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into
+snapshot batches (same seq, `snapshot_end` on the last only; the index applies them as one); a
+live batch is applied whole (its seq is its identity). Idle, it finishes a growth's migration.
 
 While a feed's Subscribe call delivers (its first item read, the call not ended), its worker is
 `streaming` (`Router.set_streaming`): a routing candidate during its warm-up, before its
