@@ -12,15 +12,12 @@ slower than writing the bytes it saves (~0.3 GB/s).
 """
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 
-from gateway.core.index_table import EMPTY
+from gateway.core.table_arrays import EMPTY, TableArrays
 
-# The table's array.array type codes, their numpy dtypes, and what an empty slot holds.
-_ARRAYS = (("lo", "Q", np.uint64, 0), ("hi", "Q", np.uint64, 0), ("holder", "i", np.int32, EMPTY),
-           ("stamp", "I", np.uint32, 0))
+# A table's arrays (TableArrays' attributes) and their dtypes.
+_ARRAYS = (("lo", np.uint64), ("hi", np.uint64), ("holder", np.int32), ("stamp", np.uint32))
 
 
 def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -29,7 +26,7 @@ def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]
     occupied = arrays[prefix + "holder"] != EMPTY
     at = np.flatnonzero(occupied)  # once: a gather by index is ~2x one by mask, per array
     out = {prefix + "occupied": np.packbits(occupied)}
-    for name, _, _, _ in _ARRAYS:
+    for name, _ in _ARRAYS:
         out[prefix + name] = np.take(arrays[prefix + name], at)
     held = out[prefix + "holder"]
     if not len(held) or held.max() <= np.iinfo(np.int16).max:
@@ -37,23 +34,22 @@ def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]
     return out
 
 
-def expand(arrays: dict[str, np.ndarray], prefix: str, cap: int) -> tuple[array, ...]:
-    """One table's lo, hi, holder and stamp arrays of `cap` slots, from what `compact` wrote."""
+def expand(arrays: dict[str, np.ndarray], prefix: str, cap: int) -> TableArrays:
+    """One table's arrays of `cap` slots, from what `compact` wrote."""
     occupied = np.unpackbits(arrays[prefix + "occupied"], count=cap).view(bool)
     if len(occupied) != cap:
         raise ValueError(f"table {prefix}: {len(occupied)} occupancy bits for {cap} slots")
     at = np.flatnonzero(occupied)
     n = len(at)
-    out = []
-    for name, code, dtype, empty in _ARRAYS:
+    for name, dtype in _ARRAYS:
         values = arrays[prefix + name]
         if values.shape != (n,) or not np.can_cast(values.dtype, dtype, "safe"):
             raise ValueError(f"table {prefix}: {name} of {values.dtype} {values.shape}, "
                              f"{n} occupied slots of {np.dtype(dtype)}")
-        full = array(code, [empty]) * cap
-        np.frombuffer(full, dtype=dtype)[at] = values
-        out.append(full)
-    return tuple(out)
+    out = TableArrays.empty(cap)
+    for name, _ in _ARRAYS:
+        getattr(out, name)[at] = arrays[prefix + name]
+    return out
 
 
 def masks(name: str, multi: dict[int, int]) -> dict[str, np.ndarray]:

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway.core.index import ApplyStatus
-from gateway.core.ingest_slices import SLICE_S, IdleMigration, SliceSize
+from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
 from gateway.core.thread_priority import lower_thread_priority
@@ -141,10 +141,8 @@ class Feed:
     """One worker's event stream as the applier sees it."""
     name: str
     generation: int = 0  # bumped on a RESYNC: items queued under an older one are dropped
-    # Where to resubscribe after a RESYNC result, or None.
-    resync: tuple[int, int] | None = None
-    # The router no longer routes to the worker: the feed ends.
-    ended: bool = False
+    resync: tuple[int, int] | None = None  # where to resubscribe after a RESYNC result
+    ended: bool = False  # the router no longer routes to the worker: the feed ends
     call: Any = None  # the current grpc.aio Subscribe call
     # Since when the feed waits on its stream (None: not waiting); the watchdog reads it.
     waiting_since: float | None = None
@@ -267,12 +265,14 @@ class BatchApplier:
             while self._pending:
                 await self._fill()
                 self._apply_slice(self._take_slice())
+                self.router.prepare_index_growth()  # paced by the room the slice used
                 self.router.yield_to_routing()
                 if len(self._pending) < MAX_PENDING_ITEMS // 2:
                     self._room.set()
                 await asyncio.sleep(0)  # let the feeds read what arrived meanwhile
             self._room.set()
-            while not self._pending and self.idle.step(self.router.migrate_index):
+            while not self._pending and (self.idle.step(self.router.migrate_index)
+                                         or self.router.prepare_index_growth(IDLE_SPARE_SLOTS)):
                 self.router.yield_to_routing()
                 await asyncio.sleep(0)  # the feeds read on: an item queued ends the migration
 

@@ -195,6 +195,11 @@ class KvIndex:
             max_slots -= table.migrated_slots - before
         return migrating
 
+    def prepare_growth(self, chunk: int | None = None) -> bool:
+        """`PageTable.prepare_growth` of every medium (the ingest thread, without the router's
+        lock); True while some spare remains to write."""
+        return any([table.prepare_growth(chunk) for table in self._tables])  # each one a turn
+
     # ----- stream ------------------------------------------------------------------------------
 
     def apply(self, batch: events_pb2.EventBatch, now: float | None = None) -> ApplyResult:

@@ -44,6 +44,7 @@ import numpy as np
 from gateway.core.checkpoint_arrays import compact, expand, masks
 from gateway.core.index import KvIndex, _Worker
 from gateway.core.index_table import MIGRATE_STEP, MULTI, PageTable
+from gateway.core.table_arrays import Spare
 from service_shell import kv
 
 log = logging.getLogger("gateway.checkpoint")
@@ -104,8 +105,7 @@ def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
 def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageTable:
     m = meta[prefix]
     t = PageTable.__new__(PageTable)
-    t.cap = int(m["cap"])
-    t._lo, t._hi, t._holder, t._stamp = expand(arrays, prefix, t.cap)
+    t._use(expand(arrays, prefix, int(m["cap"])))
     masks = arrays[prefix + "multi_mask"]
     t.multi = {int(p): int.from_bytes(row.tobytes(), "little")
                for p, row in zip(arrays[prefix + "multi_pos"].tolist(), masks)}
@@ -113,6 +113,7 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     t._cursor, t.rate = int(m["cursor"]), int(m["rate"])
     t.migrate_step, t.migrated_slots = MIGRATE_STEP, 0
     t._old = _table_from(arrays, prefix + "old.", meta) if m["old"] else None
+    t._spare = Spare(t.live, t._used + (t._old.live if t._old is not None else 0))
     return t
 
 

@@ -9,7 +9,8 @@ bitmask in `multi`), and a stamp (when it was last stored: the eviction order). 
 by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page,
 against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
 `multi` dict entry more (~100 bytes plus the mask int). While a growth migrates, the old arrays
-stay allocated beside the new ones (~0.65x their size).
+stay allocated beside the new ones (~0.65x their size); so do the next growth's from when the
+table passes 55% (made ready ahead by the ingest thread: gateway/core/table_arrays.py).
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
@@ -17,7 +18,9 @@ PageTable of its own, positions and `multi` per table); a key lives in exactly o
 Lookups try the new table, then the old. Each mutating call first moves the keys it touches into
 the new table, then migrates the next `migrate_step + rate * len(call)` old slots (rate chosen at
 growth so that the old table empties before the new one fills); the old table goes when empty.
-While ingest is idle the feed loop finishes it in bounded steps (`migrate_some`).
+While ingest is idle the feed loop finishes it in bounded steps (`migrate_some`). The new
+arrays, when the feed loop serves the table, were written ahead (`prepare_growth`): a growth
+then costs the call that starts it no more than a migration step.
 
 Longer than 400 lines: one data structure whose lookups, bulk calls, scans and incremental growth
 all work on the same arrays of one or two tables; split apart, each part would reach into the
@@ -33,21 +36,21 @@ reference and the fallback (--index-native off, or no compiler), with the same r
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Sequence
 
 import numpy as np
 
 from gateway.core import index_native
 from gateway.core.packed import pack
+from gateway.core.table_arrays import EMPTY, MULTI, TOMB, Spare, TableArrays
 
-EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
 _MIX_HI = 0xC2B2AE3D27D4EB4F
 _MIX_NP, _MIX_HI_NP, _SHIFT_NP = np.uint64(_MIX), np.uint64(_MIX_HI), np.uint64(29)
 _M64 = (1 << 64) - 1
 _MAX_LOAD = 0.7
 _GROWN_LOAD = 0.45
+_SPARE_LOAD = 0.55  # past it, the next growth's arrays are made ready ahead (table_arrays.py)
 _STAMP_LIMIT = 2**32 - 1
 # Keys left when a vectorised probe goes on to the scalar one: linear probing at 45-70% load has
 # clusters of ~100 slots somewhere, and a numpy round costs ~10 us whatever the keys left.
@@ -98,7 +101,9 @@ class PageTable:
     """Page hash -> holder mask for one medium. Not thread-safe (the router's lock)."""
 
     def __init__(self, capacity: int = 64, migrate_step: int = MIGRATE_STEP) -> None:
-        self._alloc(capacity)
+        self._use(TableArrays.empty(capacity))
+        self._used = 0  # live + tombstones
+        self._spare = Spare()  # the next growth's arrays, made ready ahead
         self.live = 0  # pages in both tables while an old one remains
         self._clock = 0
         self.multi: dict[int, int] = {}  # slot position -> mask of its holders (2+ bits)
@@ -107,22 +112,19 @@ class PageTable:
         self.migrate_step, self.rate = migrate_step, 0
         self.migrated_slots = 0  # old slots scanned by migration, ever (tests bound it per call)
 
-    def _alloc(self, cap: int) -> None:
-        self.cap = cap
-        self._used = 0  # live + tombstones
-        # Repeating one element touches the memory once (array(bytes(n)) twice): at 4M slots
-        # ~0.01-0.05 s against ~0.2-0.5 s, which is most of what a growth's call still costs.
-        self._lo = array("Q", [0]) * cap
-        self._hi = array("Q", [0]) * cap
-        self._holder = array("i", [EMPTY]) * cap
-        self._stamp = array("I", [0]) * cap
+    def _use(self, arrays: TableArrays) -> None:
+        """Takes these arrays as the table's slots, as they are written."""
+        self._mem, self.cap = arrays, arrays.cap
+        self._lo, self._hi, self._holder, self._stamp = arrays.views()
 
     def __len__(self) -> int:
         return self.live
 
     def nbytes(self) -> int:
-        """Bytes of the arrays (the `multi` entries not included)."""
-        return self.cap * 24 + (self._old.nbytes() if self._old is not None else 0)
+        """Bytes of the arrays, an old table's and the spare's written part included (the
+        `multi` entries not)."""
+        old = self._old._mem.nbytes() if self._old is not None else 0
+        return self._mem.nbytes() + old + self._spare.nbytes()
 
     def _probe(self, lo: int, hi: int) -> tuple[int, int]:
         """(position of the key or -1, the first free position on its probe path)."""
@@ -424,9 +426,20 @@ class PageTable:
         return True
 
     def _has_room(self, k: int) -> bool:
-        """Whether k more pages (and those still to come from an old table) stay within 70%."""
-        pending = self._old.live if self._old is not None else 0
-        return self._used + pending + k <= _MAX_LOAD * self.cap
+        """Whether k more pages (and those still to come from an old table) stay within 70%.
+        Past 55%, plans the next growth's arrays (made ready ahead: `prepare_growth`)."""
+        total = self._used + (self._old.live if self._old is not None else 0)
+        if total >= _SPARE_LOAD * self.cap:
+            self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD)
+        return total + k <= _MAX_LOAD * self.cap
+
+    def prepare_growth(self, chunk: int | None = None) -> bool:
+        """The ingest thread, between its slices and without the router's lock: writes the next
+        part of the next growth's arrays (`chunk` slots, or paced by the room used:
+        table_arrays.Spare.fill_some); True while some remains."""
+        old = self._old
+        total = self._used + (old.live if old is not None else 0)
+        return self._spare.fill_some(int(_MAX_LOAD * self.cap) - total, chunk)
 
     def _grow(self, extra: int) -> None:
         """Starts a migration into a table sized so that every live page (and `extra` more) fill
@@ -435,9 +448,12 @@ class PageTable:
         if self._old is not None:
             self._step(0, self._old.cap - self._cursor)
         old = PageTable.__new__(PageTable)
-        old.cap, old._used, old.live, old.multi, old._old = self.cap, self._used, self.live, self.multi, None
-        old._lo, old._hi, old._holder, old._stamp = self._lo, self._hi, self._holder, self._stamp
-        self._alloc(max(64, int((self.live + extra) / _GROWN_LOAD) + 1))
+        old._used, old.live, old.multi, old._old = self._used, self.live, self.multi, None
+        old._use(self._mem)
+        need = max(64, int((self.live + extra) / _GROWN_LOAD) + 1)
+        self._use(self._spare.take(need) or TableArrays.empty(need))
+        self._used = 0
+        self._spare.grew(self.live)
         self.multi, self._old, self._cursor = {}, old, 0
         # Scan every old slot (twice over, to spare) before the pages to come fill the room left.
         room = max(1, int(_MAX_LOAD * self.cap) - self.live - extra)

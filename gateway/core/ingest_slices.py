@@ -27,6 +27,9 @@ FIRST_SLICE_EVENTS = 1024  # until a cost was measured
 # At least a live batch of 64 stored + 64 removed pages; at most a few 4 MiB snapshot batches.
 MIN_SLICE_EVENTS = 128
 MAX_SLICE_EVENTS = 1 << 17
+# Slots of the next growth's arrays one idle step writes (table_arrays.Spare): 1.5 MiB, ~0.3-2 ms
+# without the lock or the GIL (what fresh memory's page faults cost).
+IDLE_SPARE_SLOTS = 1 << 16
 # Weight of the newest full slice in the moving average of seconds per page event.
 _NEWEST = 0.3
 

@@ -74,18 +74,15 @@ class Router:
         # The shared index is written by the indexers (gateway/core/indexer_roles.py): this
         # replica's own feeds bring only the workers' load (their heartbeats).
         self.shared = isinstance(self.index, SharedIndexView)
-        self.policy = policy
+        self.policy, self.metrics, self._clock = policy, metrics, clock
         self.load = LoadTracker(clock)
-        self.metrics = metrics
-        self._clock = clock
         self._workers: dict[str, Worker] = {}
         self._calls: dict[str, Worker] = {}  # routed request id -> its worker
         self._first = DecisionsFirst(self.lock)  # decisions take the lock before ingest slices
         # The candidate sets of recent decisions, kept between them (`_candidates`).
         self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)
-        # The matched-tokens counter of each medium (a `labels` call per decision is a lock and
-        # a lookup each).
+        # Each medium's matched-tokens counter (a `labels` call per decision: a lock, a lookup).
         self._matched_tokens = [metrics.matched_tokens.labels(medium) for medium in MEDIA]
 
     # ----- workers -----------------------------------------------------------------------------
@@ -244,6 +241,10 @@ class Router:
         with self.exclusive():
             return not self.shared and self.index.migrate_some(max_slots)
 
+    def prepare_index_growth(self, chunk: int | None = None) -> bool:
+        """Ingest, without the lock: writes on the index's next growth's arrays; True while more."""
+        return not self.shared and self.index.prepare_growth(chunk)
+
     def preemptible_seconds(self) -> float:
         """Seconds ingest held the lock where decisions may interrupt it, ever (decisions_first)."""
         return self._first.preemptible_s
@@ -254,9 +255,8 @@ class Router:
 
     def resume_point(self, name: str) -> tuple[int, int]:
         """Where a worker's broken stream picks up: SubscribeRequest(epoch, after_seq) right after
-        the last batch applied, so that the cache service replays from its buffer and sends a
-        snapshot only when the buffer no longer holds that point (after_seq -1: a snapshot,
-        as when nothing complete was applied or a snapshot broke off)."""
+        the last batch applied, for the cache service to replay from its buffer (a snapshot when
+        that no longer holds it; after_seq -1: nothing complete applied, or a snapshot broke off)."""
         with self.lock:
             info = self.index.info(name)
         if info is None or info.in_snapshot:

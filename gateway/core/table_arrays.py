@@ -1,0 +1,134 @@
+"""A `PageTable`'s four slot arrays (gateway/core/index_table.py), and a growth's made ready ahead.
+
+    slot i:  lo[i] hi[i]  the page hash (uint64 words)     16 B
+             holder[i]    worker slot, MULTI, TOMB, EMPTY    4 B
+             stamp[i]     when last stored (eviction order)  4 B
+
+numpy owns the memory (C and numpy calls take it as it is); the table reads and writes single
+slots through memoryviews of it, as fast as `array.array` (~45 ns an element).
+
+Why ahead (issue 31): a growth needs arrays of up to ~1.6x the slots, every holder EMPTY, and
+the first write to fresh memory costs its page fault (~5 us a 4 KiB page on this VM): ~0.2 s
+for the 22M slots of a 10M-page table, all of it under the router's lock and the GIL, so every
+routing decision due meanwhile waited that long. A `Spare` is the next growth's arrays, sized
+once the table passes 55% from the way it has been filling since its last growth (a fleet
+growing: up to 1.6x; pages stored and removed as fast: about the same size, its tombstones
+are what fill it), then written a chunk at a time by the ingest thread between its slices,
+without the lock (no one else sees them yet) and without the GIL (numpy's fill releases it). A
+growth takes them when they are complete and of a fitting size; else it allocates as before.
+The cost: those arrays' memory from then on instead of from the growth (the same peak as the
+growth's migration, old and new tables together, held longer).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
+_SLOT_BYTES = 24
+
+
+class TableArrays:
+    """The arrays of `cap` slots; `filled` slots from 0 written empty (the rest not yet)."""
+
+    __slots__ = ("cap", "lo", "hi", "holder", "stamp", "addresses", "filled")
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.filled = cap, 0
+        self.lo, self.hi = np.empty(cap, dtype=np.uint64), np.empty(cap, dtype=np.uint64)
+        self.holder, self.stamp = np.empty(cap, dtype=np.int32), np.empty(cap, dtype=np.uint32)
+        self.addresses = tuple(a.ctypes.data for a in (self.lo, self.hi, self.holder, self.stamp))
+
+    @classmethod
+    def empty(cls, cap: int) -> TableArrays:
+        """Arrays of `cap` empty slots, written now."""
+        arrays = cls(cap)
+        arrays.fill(cap)
+        return arrays
+
+    def fill(self, slots: int) -> bool:
+        """Writes the next `slots` slots empty; True once every slot is."""
+        start, end = self.filled, min(self.cap, self.filled + slots)
+        self.lo[start:end] = 0
+        self.hi[start:end] = 0
+        self.holder[start:end] = EMPTY
+        self.stamp[start:end] = 0
+        self.filled = end
+        return end == self.cap
+
+    def views(self) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+        """lo, hi, holder and stamp as memoryviews (single elements, read and written)."""
+        return memoryview(self.lo), memoryview(self.hi), memoryview(self.holder), memoryview(self.stamp)
+
+    def nbytes(self) -> int:
+        return self.cap * _SLOT_BYTES
+
+
+# A growth below this many slots allocates when it comes (a few ms at most): no spare.
+SPARE_MIN_SLOTS = 1 << 16
+# The spare is sized this much above the prediction. A growth takes it when the pages then fill
+# 36-50% of it (its own arrays: 45%): within these factors of the slots it would allocate.
+_MARGIN, _TAKE_FROM, _TAKE_UP_TO = 1.05, 0.9, 1.25
+# Fill pacing: the spare complete once this share of the room left at its start is used.
+_READY_AT = 0.5
+_MIN_CHUNK = 4096
+
+
+class Spare:
+    """The next growth's arrays: planned under the router's lock (`plan`: a size), allocated and
+    written by the ingest thread (`fill_some`; a table no feed loop serves never pays for them),
+    taken by the growth (`take`)."""
+
+    def __init__(self, live: int = 0, total: int = 0) -> None:
+        self.arrays: TableArrays | None = None
+        self.planned = 0  # slots
+        self._mark = (live, total)  # live and used (old table's pages included) at the growth
+        self._room = 1  # slots the table had left at the plan
+
+    def plan(self, live: int, total: int, room: int, grown_load: float) -> None:
+        """The table holds `live` pages in `total` used slots and `room` more are allowed before
+        it grows (to `grown_load`): sizes the spare from how live has grown per slot used since
+        the last growth (between 0, pages replaced, and 1, pages added)."""
+        if self.planned:
+            return
+        used = total - self._mark[1]
+        added = 0.0 if used <= 0 else min(1.0, max(0.0, (live - self._mark[0]) / used))
+        cap = int((live + added * room) / grown_load * _MARGIN) + 1
+        if cap >= SPARE_MIN_SLOTS:
+            self.planned, self._room = cap, max(1, room)
+
+    def fill_some(self, room: int, chunk: int | None = None) -> bool:
+        """Writes the next part of the planned spare (without the lock): `chunk` slots, or as
+        many as keep pace to complete it once `_READY_AT` of the room it was planned with is
+        used (`room` left now). True while some remains."""
+        arrays = self.arrays  # a growth on another thread may drop it meanwhile: then unused
+        if arrays is None:
+            planned = self.planned
+            if not planned:
+                return False
+            arrays = self.arrays = TableArrays(planned)
+        if arrays.filled == arrays.cap:
+            return False
+        if chunk is None:
+            due = arrays.cap * (self._room - room) / (_READY_AT * self._room)
+            chunk = int(due) - arrays.filled
+            if chunk <= 0:
+                return True
+        return not arrays.fill(max(_MIN_CHUNK, chunk))
+
+    def take(self, need: int) -> TableArrays | None:
+        """At a growth that would allocate `need` slots: the spare when complete and of a fitting
+        size, else None (dropped either way: the next one is planned from this growth on)."""
+        arrays, self.arrays, self.planned = self.arrays, None, 0
+        if arrays is None or arrays.filled < arrays.cap \
+                or not need * _TAKE_FROM <= arrays.cap <= need * _TAKE_UP_TO:
+            return None
+        return arrays
+
+    def grew(self, live: int) -> None:
+        """A growth began with `live` pages (all of them still to place in the new table)."""
+        self._mark = (live, live)
+
+    def nbytes(self) -> int:
+        """The spare's memory once allocated (written a part at a time)."""
+        arrays = self.arrays
+        return 0 if arrays is None else arrays.nbytes()

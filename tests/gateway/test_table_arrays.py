@@ -1,0 +1,167 @@
+"""The next growth's arrays made ready ahead (gateway/core/table_arrays.py): planned past 55%,
+sized by how the table fills, written between ingest slices without the router's lock, taken
+by the growth, which then writes no fresh arrays; and the same table either way."""
+from __future__ import annotations
+
+import numpy as np
+
+from gateway.core import table_arrays
+from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.index_bulk import apply_ops
+from gateway.core.index_table import PageTable
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router, Worker
+from gateway.core.table_arrays import SPARE_MIN_SLOTS, Spare, TableArrays
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import compute_service_pb2 as pb
+from tests.gateway.gateway_harness import wait_until
+from tests.gateway.helpers import batch, heartbeat, pages, pages_and_stamps, stored
+from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with C, then numpy)
+
+START = 1 << 40
+
+
+def _keys(start: int, n: int) -> bytes:
+    return np.arange(start, start + n, dtype=np.uint64).repeat(2).tobytes()
+
+
+def _stores(table: PageTable, start: int, n: int) -> None:
+    apply_ops(table, _keys(start, n), np.full(n, 1, dtype=np.int32), np.ones(n, dtype=bool))
+
+
+def _churn(table: PageTable, gone: int, new: int, n: int) -> None:
+    """n pages removed from worker 1 (from `gone` on), n others stored (from `new` on)."""
+    keys = _keys(gone, n) + _keys(new, n)
+    apply_ops(table, keys, np.full(2 * n, 1, dtype=np.int32), np.arange(2 * n) >= n)
+
+
+def _fresh_arrays(monkeypatch) -> list[int]:
+    """Capacities of the arrays written whole when a table needs them (growths without a spare)."""
+    sizes: list[int] = []
+    empty = TableArrays.empty.__func__
+
+    def counted(cls, cap):
+        sizes.append(cap)
+        return empty(cls, cap)
+    monkeypatch.setattr(TableArrays, "empty", classmethod(counted))
+    return sizes
+
+
+def _grow_past_the_plan(table: PageTable, step: int = 2000) -> int:
+    """Stores pages until the table plans its spare; how many."""
+    n = 0
+    while not table._spare.planned:
+        _stores(table, START + n, step)
+        n += step
+    return n
+
+
+def test_a_growth_takes_the_arrays_written_ahead_and_writes_none(monkeypatch):
+    table, shadow = PageTable(), PageTable()
+    n = _grow_past_the_plan(table)
+    _stores(shadow, START, n)
+    fresh, cap = _fresh_arrays(monkeypatch), table.cap
+    while table.cap == cap:
+        spare = table._spare.arrays
+        table.prepare_growth()  # the feed loop's call after each slice
+        _stores(table, START + n, 2000)
+        _stores(shadow, START + n, 2000)
+        n += 2000
+    assert table._mem is spare and spare.filled == spare.cap
+    assert [c for c in fresh if c >= SPARE_MIN_SLOTS] == []
+    # Pages only added: sized as a growth (~1.55x), not as a table of replaced pages.
+    assert 1.4 * cap < table.cap < 1.7 * cap
+    while table.migrate_some(1 << 20):
+        pass
+    while shadow.migrate_some(1 << 20):
+        pass
+    assert pages_and_stamps(table) == pages_and_stamps(shadow)
+    assert table.hashes_of(1) == shadow.hashes_of(1) and len(table) == len(shadow) == n
+
+
+def test_pages_replaced_as_fast_as_stored_plan_a_spare_of_about_the_same_size():
+    """At a fleet's steady state the tombstones of removed pages fill the table: its next
+    growth is to the same size (a rebuild), and so is the spare."""
+    table = PageTable()
+    n = 0
+    while table.cap < 4 * SPARE_MIN_SLOTS or table._old is not None or table._spare.planned:
+        _stores(table, START + n, 4000)
+        n += 4000
+        table.migrate_some(1 << 20)
+    gone, cap = START, table.cap
+    while not table._spare.planned:
+        _churn(table, gone, START + n, 2000)
+        gone, n = gone + 2000, n + 2000
+    assert cap <= table._spare.planned <= 1.15 * cap
+
+
+def test_a_spare_not_complete_at_the_growth_is_dropped_and_its_late_writes_touch_nothing():
+    """A growth on another thread while the ingest thread still writes the spare: the table
+    allocates its own arrays, and the writes that follow go to the dropped ones."""
+    table = PageTable()
+    n = _grow_past_the_plan(table)
+    table.prepare_growth(4096)
+    spare = table._spare.arrays
+    assert spare is not None and 0 < spare.filled < spare.cap
+    cap = table.cap
+    while table.cap == cap:
+        _stores(table, START + n, 2000)
+        n += 2000
+    assert table._mem is not spare and table._spare.arrays is None
+    before = pages_and_stamps(table)
+    spare.fill(spare.cap)  # what the ingest thread's call in flight still does
+    assert pages_and_stamps(table) == before and len(table) == n
+
+
+def test_a_spare_too_small_for_the_growth_is_not_taken():
+    spare = Spare()
+    spare.plan(live=100_000, total=100_000, room=0, grown_load=0.45)
+    assert spare.planned >= SPARE_MIN_SLOTS
+    while spare.fill_some(0, chunk=1 << 16):
+        pass
+    assert spare.take(int(spare.planned / 0.9) + 2) is None and spare.arrays is None and not spare.planned
+    spare.plan(live=100_000, total=100_000, room=0, grown_load=0.45)
+    while spare.fill_some(0, chunk=1 << 16):
+        pass
+    assert spare.take(int(spare.planned / 1.3)) is None  # too big: memory for nothing
+    spare.plan(live=100_000, total=100_000, room=0, grown_load=0.45)
+    while spare.fill_some(0, chunk=1 << 16):
+        pass
+    arrays = spare.take(int(spare.planned / 1.1))
+    assert arrays is not None and (arrays.holder == table_arrays.EMPTY).all()
+
+
+def test_the_spare_is_written_at_the_pace_of_the_room_used():
+    """Complete once half the room left at the plan is used: a slice's share, not all at once."""
+    spare = Spare()
+    spare.plan(live=100_000, total=150_000, room=60_000, grown_load=0.45)
+    assert spare.fill_some(60_000) and spare.arrays.filled == 0  # no room used yet
+    spare.fill_some(57_000)  # a tenth of the half
+    assert 0.09 * spare.planned <= spare.arrays.filled <= 0.11 * spare.planned
+    assert spare.fill_some(30_000) is False and spare.arrays.filled == spare.planned
+
+
+def test_the_feed_loop_writes_the_spare_while_ingest_is_idle():
+    """Pages stored up to past 55% and then nothing: the idle feed loop writes the whole spare
+    (and its memory counts in the table's bytes)."""
+    pool = "spare"
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    router.add(Worker(pool, "w", "c", None, pb.GetModelInfoResponse(worker=pool)))
+    table, seq = router.index._tables[0], 0
+    while not table._spare.planned:
+        router.apply_stream_items([(pool, cpb.SubscribeResponse(batch=batch(
+            pool, seq, stored(pages(seq * 512, seq * 512 + 512)))))])
+        seq += 1
+    bytes_before = table.nbytes()
+    feeds = FeedLoop(router)
+    try:
+        item = cpb.SubscribeResponse(heartbeat=heartbeat(pool, seq - 1))
+        feeds.run_sync(feeds.applier.put(Feed(pool), item), 10)
+        wait_until(lambda: table._spare.arrays is not None
+                   and table._spare.arrays.filled == table._spare.planned,
+                   timeout_s=30, what="spare written")
+    finally:
+        feeds.close()
+    assert table.nbytes() == bytes_before + table._spare.planned * 24
+
