@@ -1,16 +1,22 @@
 """`python -m prefixcache_bench.gateway_fleet.growth --pages 2000000 --json PATH`: the worst single
-`PageTable.add_many` of a live batch while a table grows from empty to `--pages` pages (issue 31,
-design.md "The index at fleet scale"), incremental growth against a stop-the-world rehash.
+call of a table that grows from empty to `--pages` pages, then sees as many pages stored and
+removed (`--churn-pages`: a fleet at its steady state, where the tombstones of removed pages fill
+the table and its growths are rebuilds of about the same size) (issue 31, design.md "The index at
+fleet scale"): a growth made ready ahead, incremental growth, and a stop-the-world rehash.
 
-Both modes run the same code in the same process, in alternation (`--repeats` each):
-- incremental: `PageTable()` as the gateway builds it (each mutating call migrates
-  `MIGRATE_STEP + rate * pages` old slots);
-- stop_the_world: `PageTable(migrate_step=2**62)`: the first call after a growth migrates the
-  whole old table, which is the cost of the former `_rehash` (one hold of the router's lock).
-Batches are `--batch` fresh random pages for one of 8 worker slots, in turn (a live batch is
-tens of pages). Reported per run: the worst, p99.9 and p99 call latency, the total time to
-insert every page, and the growths; the ratios are incremental / stop_the_world of the medians
-over the repeats. The load average is recorded: the machine is shared.
+The modes run the same code in the same process, in alternation (`--repeats` each):
+- spare: `PageTable()` as the gateway's feed loop drives it: after every call,
+  `prepare_growth()` writes on the next growth's arrays (outside the router's lock, timed apart:
+  `prepare_s`), so the growth takes them ready (gateway/core/table_arrays.py);
+- incremental: the same table with no `prepare_growth` call (as before the spare; a table no
+  feed loop serves): each growth writes its new arrays in the call that starts it;
+- stop_the_world: `PageTable(migrate_step=2**62)`, no spare: the first call after a growth
+  migrates the whole old table, which is the cost of the former `_rehash`.
+Calls are `--batch` fresh random pages for one of 8 worker slots, in turn (`add_many`, a live
+batch is tens of pages), then in the churn phase `--batch` pages stored and as many of the oldest
+removed (`index_bulk.apply_ops`, the feed loop's slice call). Reported per run and phase: the
+worst, p99.9 and p99 call latency, calls over 10 ms, the growths; the ratios are each mode over
+incremental, of the medians over the repeats. The load average is recorded: the machine is shared.
 """
 from __future__ import annotations
 
@@ -23,69 +29,97 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import PageTable
 
-MODES = {"incremental": {}, "stop_the_world": {"migrate_step": 2**62}}
+MODES = {"spare": {}, "incremental": {}, "stop_the_world": {"migrate_step": 2**62}}
+PHASES = ("grow", "churn")
 
 
-def _run(mode: str, pages: np.ndarray, batch: int) -> dict:
-    table = PageTable(**MODES[mode])
-    times, moved, grew = [], [], []
-    grows, cap = 0, table.cap
-    start = time.perf_counter()
-    for i, at in enumerate(range(0, len(pages), batch)):
-        hashes = [bytes(k) for k in pages[at:at + batch]]
-        before = table.migrated_slots
+class _Calls:
+    """One phase's call times, what each did, and the time of the spare's writes between them."""
+
+    def __init__(self, table: PageTable, prepare: bool) -> None:
+        self.table, self.prepare = table, prepare
+        self.times, self.moved, self.grew, self.prepare_ns = [], [], [], 0
+
+    def call(self, fn, *args) -> None:
+        table, before, mem = self.table, self.table.migrated_slots, self.table._mem
         t0 = time.perf_counter_ns()
-        table.add_many(hashes, i % 8)
-        times.append(time.perf_counter_ns() - t0)
-        moved.append(table.migrated_slots - before)
-        grew.append(table.cap != cap)
-        grows += grew[-1]
-        cap = table.cap
-    total = time.perf_counter() - start
-    assert len(table) == len(pages)
-    us = np.array(times) / 1e3
-    worst = int(us.argmax())
-    return {"mode": mode, "pages": len(table), "calls": len(times), "growths": grows,
-            "max_call_us": float(us.max()), "p999_call_us": float(np.percentile(us, 99.9)),
-            "p99_call_us": float(np.percentile(us, 99)), "p50_call_us": float(np.median(us)),
-            "calls_over_10ms": int(np.count_nonzero(us > 10_000)),
-            # What the worst call did: a growth (allocating the new arrays) or old slots migrated
-            # (a whole table in stop_the_world), or neither (the shared machine's scheduling).
-            "worst_call_grew": grew[worst], "worst_call_migrated_slots": moved[worst],
-            "max_migrated_slots_per_call": max(moved),
-            "total_s": total, "load_average_1m": os.getloadavg()[0]}
+        fn(*args)
+        self.times.append(time.perf_counter_ns() - t0)
+        self.moved.append(table.migrated_slots - before)
+        self.grew.append(table._mem is not mem)
+        if self.prepare:
+            t0 = time.perf_counter_ns()
+            table.prepare_growth()
+            self.prepare_ns += time.perf_counter_ns() - t0
+
+    def summary(self) -> dict:
+        us = np.array(self.times) / 1e3
+        worst = int(us.argmax())
+        return {"calls": len(us), "growths": int(sum(self.grew)),
+                "max_call_us": float(us.max()), "p999_call_us": float(np.percentile(us, 99.9)),
+                "p99_call_us": float(np.percentile(us, 99)), "p50_call_us": float(np.median(us)),
+                "calls_over_10ms": int(np.count_nonzero(us > 10_000)),
+                # What the worst call did: a growth (the new arrays taken or written) or old slots
+                # migrated (a whole table in stop_the_world), or neither (the machine's scheduling).
+                "worst_call_grew": self.grew[worst], "worst_call_migrated_slots": self.moved[worst],
+                "max_migrated_slots_per_call": max(self.moved),
+                "calls_s": float(us.sum() / 1e6), "prepare_s": self.prepare_ns / 1e9}
 
 
-def measure(pages: int, batch: int, repeats: int, seed: int = 31) -> dict:
-    keys = np.random.default_rng(seed).bytes(16 * pages)
-    keys = np.frombuffer(keys, dtype="V16")
+def _run(mode: str, pages: np.ndarray, churn: np.ndarray, batch: int) -> dict:
+    table = PageTable(**MODES[mode])
+    out = {"mode": mode}
+    calls = _Calls(table, mode == "spare")
+    for i, at in enumerate(range(0, len(pages), batch)):
+        calls.call(table.add_many, [bytes(k) for k in pages[at:at + batch]], i % 8)
+    out["grow"] = calls.summary()
+    calls = _Calls(table, mode == "spare")
+    for i, at in enumerate(range(0, len(churn), batch)):
+        gone, new = pages[at:at + batch], churn[at:at + batch]  # the oldest out, new ones in
+        keys = np.concatenate([gone, new])
+        slots = np.concatenate([np.arange(at, at + len(gone)) // batch % 8, np.full(len(new), i % 8)])
+        calls.call(apply_ops, table, keys, slots, np.arange(len(keys)) >= len(gone))
+    out["churn"] = calls.summary()
+    out.update(pages=len(table), memory_bytes=table.nbytes(), load_average_1m=os.getloadavg()[0])
+    return out
+
+
+def measure(pages: int, churn_pages: int, batch: int, repeats: int, seed: int = 31) -> dict:
+    rng = np.random.default_rng(seed)
+    keys = np.frombuffer(rng.bytes(16 * pages), dtype="V16")
+    churn = np.frombuffer(rng.bytes(16 * min(churn_pages, pages)), dtype="V16")
     runs = []
     for _ in range(repeats):
         for mode in MODES:
-            runs.append(_run(mode, keys, batch))
+            runs.append(_run(mode, keys, churn, batch))
             print(json.dumps(runs[-1]))
 
-    def median(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["mode"] == mode)
+    def median(mode: str, phase: str, key: str) -> float:
+        return statistics.median(r[phase][key] for r in runs if r["mode"] == mode)
 
-    ratios = {key: median("incremental", key) / median("stop_the_world", key)
-              for key in ("max_call_us", "p999_call_us", "p99_call_us", "total_s")}
-    return {"config": {"pages": pages, "batch": batch, "repeats": repeats, "seed": seed},
-            "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "runs": runs,
-            "incremental_over_stop_the_world": ratios}
+    ratios = {f"{mode}_over_incremental": {
+        f"{phase}_{key}": median(mode, phase, key) / max(median("incremental", phase, key), 1e-9)
+        for phase in PHASES for key in ("max_call_us", "p999_call_us", "p99_call_us", "calls_s")}
+        for mode in MODES if mode != "incremental"}
+    return {"config": {"pages": pages, "churn_pages": len(churn), "batch": batch, "repeats": repeats,
+                       "seed": seed},
+            "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "runs": runs, **ratios}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=2_000_000)
-    ap.add_argument("--batch", type=int, default=32, help="pages per add_many (a live batch)")
+    ap.add_argument("--churn-pages", type=int, default=None,
+                    help="pages stored (and as many removed) after the growth; default --pages")
+    ap.add_argument("--batch", type=int, default=32, help="pages per call (a live batch)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    result = measure(a.pages, a.batch, a.repeats)
-    print(json.dumps(result["incremental_over_stop_the_world"]))
+    result = measure(a.pages, a.pages if a.churn_pages is None else a.churn_pages, a.batch, a.repeats)
+    print(json.dumps({k: v for k, v in result.items() if k.endswith("_over_incremental")}))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")
 
