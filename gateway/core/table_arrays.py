@@ -71,6 +71,13 @@ _MARGIN, _TAKE_FROM, _TAKE_UP_TO = 1.05, 0.9, 1.25
 # Fill pacing: the spare complete once this share of the room left at its start is used.
 _READY_AT = 0.5
 _MIN_CHUNK = 4096
+# The share of the room used between two looks at the spare's planned size.
+_RECHECK = 0.1
+
+
+def _fits(cap: int, need: float) -> bool:
+    """Whether a growth that would allocate `need` slots takes a spare of `cap`."""
+    return need * _TAKE_FROM <= cap <= need * _TAKE_UP_TO
 
 
 class Spare:
@@ -81,18 +88,26 @@ class Spare:
     def __init__(self, live: int = 0, total: int = 0) -> None:
         self.arrays: TableArrays | None = None
         self.planned = 0  # slots
-        self._mark = (live, total)  # live and used (old table's pages included) at the growth
+        # live and used slots (an old table's pages included) at the growth or the last look
+        self._mark = (live, total)
         self._room = 1  # slots the table had left at the plan
 
     def plan(self, live: int, total: int, room: int, grown_load: float) -> None:
         """The table holds `live` pages in `total` used slots and `room` more are allowed before
-        it grows (to `grown_load`): sizes the spare from how live has grown per slot used since
-        the last growth (between 0, pages replaced, and 1, pages added)."""
-        if self.planned:
+        it grows (to `grown_load`): sizes the spare from how live grew per slot used (between 0,
+        pages replaced, and 1, pages added) since the last growth; then again each time a tenth
+        of the room is used, from the slots used since the last look, planning it anew when the
+        growth so predicted would not take it (a fleet that stopped growing)."""
+        mark_live, mark_total = self._mark
+        used = total - mark_total
+        if self.planned and used < _RECHECK * self._room:
             return
-        used = total - self._mark[1]
-        added = 0.0 if used <= 0 else min(1.0, max(0.0, (live - self._mark[0]) / used))
+        added = 0.0 if used <= 0 else min(1.0, max(0.0, (live - mark_live) / used))
         cap = int((live + added * room) / grown_load * _MARGIN) + 1
+        self._mark = (live, total)
+        if self.planned and _fits(self.planned, cap / _MARGIN):
+            return
+        self.arrays, self.planned = None, 0
         if cap >= SPARE_MIN_SLOTS:
             self.planned, self._room = cap, max(1, room)
 
@@ -119,8 +134,7 @@ class Spare:
         """At a growth that would allocate `need` slots: the spare when complete and of a fitting
         size, else None (dropped either way: the next one is planned from this growth on)."""
         arrays, self.arrays, self.planned = self.arrays, None, 0
-        if arrays is None or arrays.filled < arrays.cap \
-                or not need * _TAKE_FROM <= arrays.cap <= need * _TAKE_UP_TO:
+        if arrays is None or arrays.filled < arrays.cap or not _fits(arrays.cap, need):
             return None
         return arrays
 

@@ -96,6 +96,27 @@ def test_pages_replaced_as_fast_as_stored_plan_a_spare_of_about_the_same_size():
     assert cap <= table._spare.planned <= 1.15 * cap
 
 
+def test_a_fleet_that_stops_growing_gets_its_spare_planned_anew_and_taken(monkeypatch):
+    """Planned while pages were being added (~1.6x), then pages only replaced: the growth to
+    come is a rebuild of about the same size, which would not take that spare."""
+    table, n = PageTable(), 0
+    while table.cap < 4 * SPARE_MIN_SLOTS or not table._spare.planned:
+        _stores(table, START + n, 2000)
+        n += 2000
+    grown_plan, cap, gone = table._spare.planned, table.cap, START
+    assert grown_plan > 1.4 * cap
+    fresh, live = _fresh_arrays(monkeypatch), len(table)
+    while table.cap == cap:
+        spare = table._spare.arrays
+        table.prepare_growth()
+        _churn(table, gone, START + n, 256)
+        gone, n = gone + 256, n + 256
+    assert fresh == [] and table._mem is spare
+    # Sized for the pages there are (45% of it), not for the growth planned first.
+    assert 0.9 * live / 0.45 <= table.cap <= 1.25 * live / 0.45 and table.cap < 0.85 * grown_plan
+    assert len(table) == live
+
+
 def test_a_spare_not_complete_at_the_growth_is_dropped_and_its_late_writes_touch_nothing():
     """A growth on another thread while the ingest thread still writes the spare: the table
     allocates its own arrays, and the writes that follow go to the dropped ones."""
