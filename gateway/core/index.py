@@ -64,7 +64,8 @@ _TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDI
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
 # Bytes one (page hash, medium) key is counted as: a PageTable slot is 24 bytes at 45-70% load
-# (34-53 bytes a page), and a page several workers hold costs ~100-250 bytes more (its mask).
+# (34-53 bytes a page; ~87 at the peak, with a growth's old arrays or, from 55%, the next
+# growth's: table_arrays.py), and a page several workers hold costs ~100-250 bytes more (its mask).
 # tracemalloc measured 39-51 at 8 to 1,000 workers (tests/gateway/test_index_table.py, the
 # fleet benchmark, docs/results/gateway/fleet/); 128 leaves room for shared pages.
 BYTES_PER_ENTRY = 128

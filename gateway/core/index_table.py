@@ -6,7 +6,8 @@ collision of its own; a hash of another length is cut or zero-padded to 16 bytes
 such hashes may share a key: that only makes routing count a page a worker may not hold, and
 the worker verifies every page it is sent), the holder (a worker slot, or MULTI: several, their
 bitmask in `multi`), and a stamp (when it was last stored: the eviction order). The table grows
-by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page,
+by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page
+(from 0.36 when the growth takes arrays written ahead a little larger than it needs),
 against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
 `multi` dict entry more (~100 bytes plus the mask int). While a growth migrates, the old arrays
 stay allocated beside the new ones (~0.65x their size); so do the next growth's from when the

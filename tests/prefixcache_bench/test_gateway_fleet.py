@@ -93,3 +93,18 @@ def test_a_tiny_warmup_compare_run_tallies_every_decision_during_the_warmup():
     tallied = sum(row["decisions"] for row in rows)  # the thread starts just before t0, ends just after
     assert tallied > 0 and abs(tallied - r["routing_during_warmup"]["decisions"]) <= 3
     assert all(row[f"{k}_workers_used"] <= 4 for row in rows for k in POLICIES)
+
+
+def test_the_growth_bench_times_every_mode_on_the_same_pages_and_the_spare_takes_its_growths():
+    """`gateway_fleet.growth` at a tiny size: every mode ends with the same pages, the spare mode
+    writes its arrays outside the timed calls, and the churn phase rebuilds the table."""
+    from prefixcache_bench.gateway_fleet.growth import MODES, measure
+    r = measure(pages=150_000, churn_pages=150_000, batch=256, repeats=1)
+    assert [run["mode"] for run in r["runs"]] == list(MODES)
+    assert {run["pages"] for run in r["runs"]} == {150_000}
+    spare, incremental = r["runs"][0], r["runs"][1]
+    assert spare["grow"]["prepare_s"] > 0 and incremental["grow"]["prepare_s"] == 0
+    assert spare["churn"]["growths"] >= 1  # as many pages replaced as held: a rebuild at least
+    assert set(r["spare_over_incremental"]) == {f"{phase}_{key}" for phase in ("grow", "churn")
+                                                for key in ("max_call_us", "p999_call_us",
+                                                            "p99_call_us", "calls_s")}
