@@ -27,7 +27,7 @@ Longer than 400 lines: one data structure whose lookups, bulk calls, scans and i
 all work on the same arrays of one or two tables; split apart, each part would reach into the
 others' arrays.
 
-Single keys are probed in Python over `array.array` (element reads ~30 ns); whole-table scans
+Single keys are probed in Python over memoryviews (element reads ~45 ns); whole-table scans
 (a worker's clear, eviction, rehash) run in numpy over views of the same memory. The bulk calls
 (`add_many`, `discard_many`, `masks`, `index_bulk.apply_ops`) and the probe rounds under them
 (`_find_many`, `_place`) run in C over the same arrays when the page table's kernel is loaded
