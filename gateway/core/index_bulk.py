@@ -90,7 +90,7 @@ def _remove(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     pos = table._find_many(lo, hi)
     found = pos >= 0
     pos, slot = pos[found], slot[found]
-    holder = table._holder_np()
+    holder = table._mem.holder
     hv = holder[pos]
     mine = hv == slot
     # Two workers' removals of one page held by one of them: at most one is its holder.
@@ -111,7 +111,7 @@ def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
            delta: dict[int, int]) -> None:
     pos = table._find_many(lo, hi)
     found = pos >= 0
-    holder = table._holder_np()
+    holder = table._mem.holder
     # Found and held by another worker (or several): the masks, one by one.
     others = found.copy()
     others[found] = holder[pos[found]] != slot[found]
@@ -129,8 +129,8 @@ def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     k = len(placed)
     table._make_room(k)
     at = table._place(lo[placed], hi[placed], slot[placed].astype(np.int32))
-    np.frombuffer(table._lo, dtype=np.uint64)[at] = lo[placed]
-    np.frombuffer(table._hi, dtype=np.uint64)[at] = hi[placed]
+    table._mem.lo[at] = lo[placed]
+    table._mem.hi[at] = hi[placed]
     table.live += k
     _count(delta, slot[placed], +1)
     if k < len(absent):
@@ -158,4 +158,4 @@ def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) 
     table._pull_many(lo[stored[last]], hi[stored[last]])  # `_store` may have started a growth
     pos = table._find_many(lo[stored[last]], hi[stored[last]])
     live = pos >= 0
-    np.frombuffer(table._stamp, dtype=np.uint32)[pos[live]] = number[last[live]].astype(np.uint32)
+    table._mem.stamp[pos[live]] = number[last[live]].astype(np.uint32)

@@ -65,10 +65,10 @@ class Captured:
 
 def _own_views(t: PageTable, prefix: str) -> dict[str, np.ndarray]:
     """numpy views of one table's own arrays."""
-    return {prefix + "lo": np.frombuffer(t._lo, dtype=np.uint64),
-            prefix + "hi": np.frombuffer(t._hi, dtype=np.uint64),
-            prefix + "holder": np.frombuffer(t._holder, dtype=np.int32),
-            prefix + "stamp": np.frombuffer(t._stamp, dtype=np.uint32)}
+    return {prefix + "lo": t._mem.lo,
+            prefix + "hi": t._mem.hi,
+            prefix + "holder": t._mem.holder,
+            prefix + "stamp": t._mem.stamp}
 
 
 def _views(t: PageTable, prefix: str) -> dict[str, np.ndarray]:
@@ -232,7 +232,7 @@ def _check_holders(tables: tuple[PageTable, ...], slots: set[int]) -> None:
     every = 0
     for table in tables:
         for t in (table, table._old) if table._old is not None else (table,):
-            holder = np.frombuffer(t._holder, dtype=np.int32)
+            holder = t._mem.holder
             single = holder[holder >= 0]
             if len(single) and (single.max() >= len(known) or not known[single].all()):
                 raise ValueError("a page held by a slot no worker has")

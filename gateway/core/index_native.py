@@ -97,6 +97,7 @@ def _without_gil(name: str) -> Callable[..., int]:
 
 
 def _arrays(table: PageTable) -> tuple[int, int, int]:
+    """The addresses of the table's keys and holders (the calls that read no stamp)."""
     return table._mem.addresses[:3]
 
 
@@ -124,8 +125,7 @@ def migrate(table: PageTable, start: int, end: int) -> None:
     """The live slots [start, end) of the table's old table moved into it (`PageTable._step`)."""
     old = table._old
     pairs, npairs, fresh = np.empty(2 * (end - start), dtype=np.int64), _N(), _N()
-    moved = kernel().pt_migrate(*_arrays(old), old._mem.addresses[3], start, end,
-                                *_arrays(table), table._mem.addresses[3], table.cap,
+    moved = kernel().pt_migrate(*old._mem.addresses, start, end, *table._mem.addresses, table.cap,
                                 ctypes.byref(fresh), pairs.ctypes.data, ctypes.byref(npairs))
     table._used += fresh.value
     old.live -= moved
@@ -163,7 +163,7 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     while i < n:
         state = np.array([table._used, table.live, table._clock], dtype=np.int64)
         start = time.perf_counter()
-        i = fn(*_arrays(table), table._mem.addresses[3], table.cap, state.ctypes.data,
+        i = fn(*table._mem.addresses, table.cap, state.ctypes.data,
                lo.ctypes.data, hi.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
                delta.ctypes.data, rec.ctypes.data, ctypes.byref(nrec), stop, before_stop,
                ctypes.byref(stopped))

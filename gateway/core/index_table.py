@@ -122,7 +122,7 @@ class PageTable:
         return self.live
 
     def nbytes(self) -> int:
-        """Bytes of the arrays, an old table's and the spare's written part included (the
+        """Bytes of the arrays, an old table's and the spare's (once allocated) included (the
         `multi` entries not)."""
         old = self._old._mem.nbytes() if self._old is not None else 0
         return self._mem.nbytes() + old + self._spare.nbytes()
@@ -220,7 +220,7 @@ class PageTable:
 
     def _clear_here(self, slot: int) -> int:
         """`clear_slot` in this table's arrays only."""
-        holder = np.frombuffer(self._holder, dtype=np.int32)
+        holder = self._mem.holder
         mine = np.flatnonzero(holder == slot)
         holder[mine] = TOMB
         self.live -= len(mine)
@@ -232,7 +232,7 @@ class PageTable:
 
     def hashes_of(self, slot: int) -> set[bytes]:
         """The page hashes one worker holds (for tests and debugging: a full scan)."""
-        holder = np.frombuffer(self._holder, dtype=np.int32)
+        holder = self._mem.holder
         pos = np.flatnonzero(holder == slot).tolist()
         pos += [p for p, m in self.multi.items() if m >> slot & 1]
         mine = {self._lo[p].to_bytes(8, "little") + self._hi[p].to_bytes(8, "little") for p in pos}
@@ -244,7 +244,7 @@ class PageTable:
         tables = self._tables()
         pos, hv, st, base = [], [], [], 0  # positions in the old table come after the new one's
         for t in tables:
-            holder, stamp = t._holder_np(), np.frombuffer(t._stamp, dtype=np.uint32)
+            holder, stamp = t._mem.holder, t._mem.stamp
             live = np.flatnonzero(holder >= MULTI)
             if 2 * n < len(live):
                 live = live[np.argpartition(stamp[live], 2 * n)[:2 * n]]
@@ -282,7 +282,7 @@ class PageTable:
                 s = low.bit_length() - 1
                 lost[s] = lost.get(s, 0) + 1
                 m ^= low
-        holder = self._holder_np()
+        holder = self._mem.holder
         holder[single] = TOMB
         holder[shared] = TOMB
         self.live -= len(single) + len(shared)
@@ -293,8 +293,8 @@ class PageTable:
     def _renumber(self) -> None:
         """Stamps near their limit: keep their order (across both tables), renumber them from 1."""
         tables = self._tables()
-        stamps = [np.frombuffer(t._stamp, dtype=np.uint32) for t in tables]
-        lives = [np.flatnonzero(t._holder_np() >= MULTI) for t in tables]
+        stamps = [t._mem.stamp for t in tables]
+        lives = [np.flatnonzero(t._mem.holder >= MULTI) for t in tables]
         every = np.concatenate([s[live] for s, live in zip(stamps, lives)])
         rank = np.empty(len(every), dtype=np.uint32)
         rank[np.argsort(every, kind="stable")] = np.arange(1, len(every) + 1, dtype=np.uint32)
@@ -329,8 +329,8 @@ class PageTable:
         self._clock += n
         pos = self._find_many(lo, hi)
         found = pos >= 0
-        np.frombuffer(self._stamp, dtype=np.uint32)[pos[found]] = stamps[found]
-        new = int(np.count_nonzero(self._holder_np()[pos[found]] != slot))
+        self._mem.stamp[pos[found]] = stamps[found]
+        new = int(np.count_nonzero(self._mem.holder[pos[found]] != slot))
         if new:  # held by others (or by several): the masks, one by one
             holder = self._holder
             for p in pos[found].tolist():
@@ -341,16 +341,16 @@ class PageTable:
         self._make_room(k)  # may move every found page into an old table: they are done
         lo, hi = lo[absent], hi[absent]
         at = self._place(lo, hi, np.full(k, slot, dtype=np.int32))
-        np.frombuffer(self._lo, dtype=np.uint64)[at] = lo
-        np.frombuffer(self._hi, dtype=np.uint64)[at] = hi
-        np.frombuffer(self._stamp, dtype=np.uint32)[at] = stamps[absent]
+        self._mem.lo[at] = lo
+        self._mem.hi[at] = hi
+        self._mem.stamp[at] = stamps[absent]
         self.live += k
         return new + k
 
     def masks(self, hashes: Sequence[bytes]) -> list[int]:
         """`mask` of each hash, in numpy (a request's pages)."""
         pos = self._find_many(*_words(_keys(hashes)))
-        hv = self._holder_np()[pos].tolist()
+        hv = self._mem.holder[pos].tolist()
         multi = self.multi
         out = [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
         if self._old is not None:  # the pages not in the new table may be in the old one
@@ -368,7 +368,7 @@ class PageTable:
         self._touch_many(lo, hi)
         pos = self._find_many(lo, hi)
         pos = pos[pos >= 0]
-        holder = self._holder_np()
+        holder = self._mem.holder
         hv = holder[pos]
         mine = pos[hv == slot]
         holder[mine] = TOMB
@@ -391,9 +391,6 @@ class PageTable:
             self.multi[pos] = 1 << hv | 1 << slot
         return True
 
-    def _holder_np(self) -> np.ndarray:
-        return np.frombuffer(self._holder, dtype=np.int32)
-
     def _homes(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         # `_home`, in numpy: uint64 array products wrap silently, as `& _M64` does.
         x = (lo ^ hi * _MIX_HI_NP) * _MIX_NP
@@ -403,8 +400,8 @@ class PageTable:
         """Positions of the keys, -1 where absent: `_probe` for all of them at once."""
         if index_native.kernel() is not None:
             return index_native.find(self, lo, hi)
-        holder, klo = self._holder_np(), np.frombuffer(self._lo, dtype=np.uint64)
-        khi = np.frombuffer(self._hi, dtype=np.uint64)
+        holder, klo = self._mem.holder, self._mem.lo
+        khi = self._mem.hi
         p, out = self._homes(lo, hi), np.full(len(lo), -1, dtype=np.int64)
         todo = np.arange(len(lo))
         while len(todo) > _SCALAR_REST:
@@ -429,7 +426,7 @@ class PageTable:
     def _has_room(self, k: int) -> bool:
         """Whether k more pages (and those still to come from an old table) stay within 70%.
         Past 55%, plans the next growth's arrays (made ready ahead: `prepare_growth`)."""
-        total = self._used + (self._old.live if self._old is not None else 0)
+        total = self._used_slots()
         if total >= _SPARE_LOAD * self.cap:
             self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD)
         return total + k <= _MAX_LOAD * self.cap
@@ -438,9 +435,12 @@ class PageTable:
         """The ingest thread, between its slices and without the router's lock: writes the next
         part of the next growth's arrays (`chunk` slots, or paced by the room used:
         table_arrays.Spare.fill_some); True while some remains."""
-        old = self._old
-        total = self._used + (old.live if old is not None else 0)
-        return self._spare.fill_some(int(_MAX_LOAD * self.cap) - total, chunk)
+        return self._spare.fill_some(int(_MAX_LOAD * self.cap) - self._used_slots(), chunk)
+
+    def _used_slots(self) -> int:
+        """Slots used (live and deleted), the pages still to come from an old table included."""
+        old = self._old  # read once: prepare_growth runs without the lock, a growth may end it
+        return self._used + (old.live if old is not None else 0)
 
     def _grow(self, extra: int) -> None:
         """Starts a migration into a table sized so that every live page (and `extra` more) fill
@@ -471,7 +471,7 @@ class PageTable:
         if index_native.kernel() is not None:
             index_native.migrate(self, self._cursor, end)
         else:
-            seg = old._holder_np()[self._cursor:end]
+            seg = old._mem.holder[self._cursor:end]
             pos = self._cursor + np.flatnonzero(seg >= MULTI)
             if len(pos):
                 self._move(pos)
@@ -525,17 +525,17 @@ class PageTable:
         """Moves live positions of the old table into this one (tombstones left behind keep
         the old table's other keys reachable)."""
         old = self._old
-        hv = old._holder_np()[pos]
-        lo = np.frombuffer(old._lo, dtype=np.uint64)[pos]
-        hi = np.frombuffer(old._hi, dtype=np.uint64)[pos]
+        hv = old._mem.holder[pos]
+        lo = old._mem.lo[pos]
+        hi = old._mem.hi[pos]
         at = self._place(lo, hi, hv)
-        np.frombuffer(self._lo, dtype=np.uint64)[at] = lo
-        np.frombuffer(self._hi, dtype=np.uint64)[at] = hi
-        np.frombuffer(self._stamp, dtype=np.uint32)[at] = np.frombuffer(old._stamp, dtype=np.uint32)[pos]
+        self._mem.lo[at] = lo
+        self._mem.hi[at] = hi
+        self._mem.stamp[at] = old._mem.stamp[pos]
         shared = hv == MULTI
         for p, a in zip(pos[shared].tolist(), at[shared].tolist()):
             self.multi[a] = old.multi.pop(p)
-        old._holder_np()[pos] = TOMB
+        old._mem.holder[pos] = TOMB
         old.live -= len(pos)
 
     def _place(self, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
@@ -545,7 +545,7 @@ class PageTable:
         others go on (every position they pass is taken, so each stays reachable from its home)."""
         if index_native.kernel() is not None:
             return index_native.place(self, lo, hi, holders)
-        holder = self._holder_np()
+        holder = self._mem.holder
         p = self._homes(lo, hi)
         out = np.empty(len(lo), dtype=np.int64)
         todo = np.arange(len(lo))

@@ -109,7 +109,7 @@ class _AlwaysWaiting:
     def pause(self) -> None:
         self.pauses += 1
         live = [t for t in self.table._tables() if t.live]
-        assert sum(int(np.count_nonzero(t._holder_np() >= MULTI)) for t in live) == len(self.table)
+        assert sum(int(np.count_nonzero(t._mem.holder >= MULTI)) for t in live) == len(self.table)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -192,14 +192,14 @@ def test_masks_past_64_workers_and_the_leaving_of_shared_pages():
     h = _page(7)
     slots = list(range(WORKERS))
     assert apply_ops(table, [h] * WORKERS, slots, [True] * WORKERS) == {s: 1 for s in slots}
-    assert table.mask(h) == (1 << WORKERS) - 1 and table._holder_np().max() == MULTI
+    assert table.mask(h) == (1 << WORKERS) - 1 and table._mem.holder.max() == MULTI
     # Removals from a shared page stop the C loop each time; the stores between them go on.
     gone = apply_ops(table, [h] * 60 + [_page(8)] * 2, list(range(60)) + [69, 69],
                      [False] * 60 + [True, False])
     assert gone == {**{s: -1 for s in range(60)}}
     assert table.mask(h) == sum(1 << s for s in range(60, WORKERS)) and len(table) == 1
     assert apply_ops(table, [h] * 9, list(range(60, 69)), [False] * 9) == {s: -1 for s in range(60, 69)}
-    assert table.mask(h) == 1 << 69 and table._holder_np().max() == 69 and not table.multi
+    assert table.mask(h) == 1 << 69 and table._mem.holder.max() == 69 and not table.multi
     with pytest.raises(ValueError, match="worker slot -1"):  # never an index out of the counts
         apply_ops(table, [h] * 2, [3, -1], [True, True])
 

@@ -124,13 +124,13 @@ def _check_tables(table: PageTable) -> None:
     tables = [table] if table._old is None else [table, table._old]
     keys = []
     for t in tables:
-        holder = t._holder_np()
+        holder = t._mem.holder
         live = np.flatnonzero(holder >= MULTI)
         keys += [(t._lo[p], t._hi[p]) for p in live.tolist()]
         assert set(t.multi) == set(np.flatnonzero(holder == MULTI).tolist())
     assert len(keys) == len(set(keys)) == table.live
     if table._old is not None:
-        assert table._old.live == int(np.count_nonzero(table._old._holder_np() >= MULTI))
+        assert table._old.live == int(np.count_nonzero(table._old._mem.holder >= MULTI))
 
 
 def _apply_checked(table: PageTable, model: dict[int, set[bytes]], op: str, slot: int,
