@@ -40,6 +40,7 @@ from gateway.core.index import ApplyStatus
 from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
+from gateway.core.stall_watchdog import StallWatchdog
 from gateway.core.thread_priority import lower_thread_priority
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -144,7 +145,7 @@ class Feed:
     resync: tuple[int, int] | None = None  # where to resubscribe after a RESYNC result
     ended: bool = False  # the router no longer routes to the worker: the feed ends
     call: Any = None  # the current grpc.aio Subscribe call
-    # Since when the feed waits on its stream (None: not waiting); the watchdog reads it.
+    # Since when the feed waits on its stream (None: not waiting): stall_watchdog.py reads it.
     waiting_since: float | None = None
     # (epoch, after_seq) the next Subscribe asks for: after the last batch queued.
     point: tuple[int, int] = (0, -1)
@@ -399,22 +400,3 @@ async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
         await applier.put(feed, item)
         if feed.resync is not None or feed.ended:
             return None
-
-
-class StallWatchdog:
-    """One task for every feed: cancels a Subscribe call that has delivered nothing for longer
-    than its feed's stall timeout while the feed waited on it."""
-
-    def __init__(self, period_s: float = 1.0) -> None:
-        self.period_s = period_s
-        self.feeds: set[Feed] = set()
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.period_s)
-            now = time.monotonic()
-            for feed in list(self.feeds):
-                since = feed.waiting_since
-                if since is not None and now - since > feed.stall_timeout_s:
-                    feed.stalled = True
-                    feed.interrupt()

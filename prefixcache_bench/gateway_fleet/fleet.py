@@ -89,8 +89,8 @@ def page_events(pool: int, pages_per_pool: int, live_batches: int) -> tuple[int,
 
 class ReplayCache:
     """Subscribe: the pool's recorded stream from the request's point (after_seq -1: from the
-    snapshot; its live part once `go` is set, so that warm-up and live ingest are timed apart),
-    then heartbeats at the asked interval until cancelled. Messages go out pre-serialized (the
+    snapshot; its live part once `go` is set, so that warm-up and live ingest are timed apart,
+    with heartbeats at the asked interval meanwhile), then heartbeats until cancelled. Messages go out pre-serialized (the
     server's work is the transport, not building messages), in the encoding the request asks for
     (`packed` False: only the per-page one is recorded, for every request)."""
 
@@ -109,20 +109,28 @@ class ReplayCache:
         live_start = len(stream) - self.live_batches  # live seq k sits at live_start + k - 1
         if request.after_seq < 0 or request.epoch != EPOCH:
             yield from stream[:live_start]
-            while not self.go.wait(0.05):
-                if not context.is_active():
-                    return
-            yield from stream[live_start:]
-            if self.sent is not None:
-                with self.sent.get_lock():
-                    self.sent.value = max(self.sent.value, time.perf_counter())
+            first_live = live_start
         else:
-            yield from stream[live_start + request.after_seq:]
+            first_live = live_start + request.after_seq
         interval = request.heartbeat_interval_s or 1.0
+        heartbeat = cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(  # head: what was sent
+            pool_id=request.pool_id, epoch=EPOCH, head_seq=first_live - live_start)).SerializeToString()
+        # The live part waits for `go` (a resubscription's too), heartbeating meanwhile as an idle
+        # cache service does: a warm-up longer than the gateway's stall timeout (10M pages on a
+        # slow day) must not read as a stalled stream.
+        while not self.go.wait(interval):
+            if not context.is_active():
+                return
+            yield heartbeat
+        yield from stream[first_live:]
+        if self.sent is not None and first_live < len(stream):
+            with self.sent.get_lock():
+                self.sent.value = max(self.sent.value, time.perf_counter())
+        heartbeat = cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(
+            pool_id=request.pool_id, epoch=EPOCH, head_seq=self.live_batches)).SerializeToString()
         while context.is_active():
             time.sleep(interval)
-            yield cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(
-                pool_id=request.pool_id, epoch=EPOCH, head_seq=self.live_batches)).SerializeToString()
+            yield heartbeat
 
 
 def serve(pools: int, pages_per_pool: int, live_batches: int, port_out, go, cpu: int | None,

@@ -2,6 +2,8 @@
 the gateway's index ends up holding, and its figures are the ones it says."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from gateway.core.index import IndexConfig, KvIndex
@@ -24,6 +26,40 @@ def test_a_recorded_stream_is_a_snapshot_then_live_batches_the_index_accepts():
     held = index.pages(F.pool_name(3), 1)
     assert len(held) == len(F.snapshot_pages(3, 5000))  # 4 x 64 stored, 4 x 64 removed
     assert F.private_page(3, 0) not in held and F.private_page(3, 5000 + 4 * 64 - 1) in held
+
+
+class _Context:
+    def __init__(self):
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+def _kinds(items: list[bytes]) -> list[str]:
+    return [cpb.SubscribeResponse.FromString(b).WhichOneof("item") for b in items]
+
+
+@pytest.mark.parametrize("after_seq", [-1, 2])
+def test_the_replay_cache_heartbeats_while_it_holds_the_live_part_back(after_seq):
+    """Before `go`, a stream (a snapshot's, or a resubscription's from `after_seq`) sends
+    heartbeats, as an idle cache service does, not silence: a warm-up longer than the gateway's
+    stall timeout must not read as stalled streams (it did: storms of reopened feeds)."""
+    go, ctx = threading.Event(), _Context()
+    cache = F.ReplayCache(pools=1, pages_per_pool=100, live_batches=4, go=go)
+    stream = cache.Subscribe(cpb.SubscribeRequest(pool_id=F.pool_name(0), epoch=F.EPOCH,
+                                                  after_seq=after_seq, heartbeat_interval_s=0.01,
+                                                  packed_hashes=True), ctx)
+    head = [next(stream) for _ in range(1 if after_seq < 0 else 0)]
+    held = [next(stream) for _ in range(3)]
+    assert _kinds(head) == ["batch"] * len(head) and _kinds(held) == ["heartbeat"] * 3
+    heads = {cpb.SubscribeResponse.FromString(b).heartbeat.head_seq for b in held}
+    assert heads == {max(after_seq, 0)}  # what the stream has sent: no gap to resync on
+    go.set()
+    live = [cpb.SubscribeResponse.FromString(next(stream)) for _ in range(4 - max(after_seq, 0))]
+    assert [m.batch.seq for m in live] == list(range(max(after_seq, 0) + 1, 5))
+    assert _kinds([next(stream)]) == ["heartbeat"]
+    ctx.active = False
 
 
 def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
