@@ -41,14 +41,24 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
     "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
 }
-TABLE = NativeLibrary(
-    "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table",
-    lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
-             "flags": ("-O2", "-shared", "-fPIC")},
-    # Calls of µs, under the router's lock: releasing the GIL for each would let another thread
-    # take it, and the ingest thread wait up to a switch interval to get it back. `pt_apply`, a
-    # whole slice of events, releases it (`_without_gil`): a decision then runs and flags itself.
-    SIGNATURES, loader=ctypes.PyDLL)
+
+
+def table_library(defines: tuple[str, ...] = ()) -> NativeLibrary:
+    """The kernel's library; `defines` (-D flags) build a variant of it (the table bench's
+    baseline without prefetch, -DPREFETCH_AHEAD=0)."""
+    return NativeLibrary(
+        "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"),
+        "the numpy table",
+        lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
+                 "flags": ("-O2", "-shared", "-fPIC", *defines)},
+        # Calls of µs, under the router's lock: releasing the GIL for each would let another
+        # thread take it, and the ingest thread wait up to a switch interval to get it back.
+        # `pt_apply`, a whole slice of events, releases it (`_without_gil`): a decision then
+        # runs and flags itself.
+        SIGNATURES, loader=ctypes.PyDLL)
+
+
+TABLE = table_library()
 
 
 class Preemption(Protocol):

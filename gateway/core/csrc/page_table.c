@@ -3,6 +3,7 @@
    PageTable.add / discard called one by one (gateway/core/index_native.py drives them; the numpy
    code stays as the reference and the fallback). Holder masks of pages several workers hold stay
    in Python (a dict of ints of any width): the C loop records what Python must do with them. */
+#include <stddef.h>
 #include <stdint.h>
 
 #define EMPTY (-3)
@@ -10,6 +11,16 @@
 #define MULTI (-1)
 /* Events between two looks at pt_apply's stop flag: ~5-20 us of work. */
 #define STOP_EVERY 64
+/* How many keys ahead a loop asks for its home slot's cache lines (a power of two): a table of
+   millions of pages is far larger than the caches, so each key's first probe is a miss to
+   memory (and its TLB entry); asked for ahead, the misses of consecutive keys overlap instead
+   of coming one after another (pt_apply 1.4-1.5x the events/s at 1M and 10M pages, pt_find of a
+   64-page lookup 1.2x: prefixcache_bench/gateway_fleet/table.py --baseline c_no_prefetch).
+   pt_migrate gains nothing (measured): it reads the old table in order and only writes at
+   random. 0: no prefetch (that baseline). */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 16
+#endif
 
 static const uint64_t MIX = 0x9E3779B97F4A7C15ULL, MIX_HI = 0xC2B2AE3D27D4EB4FULL;
 
@@ -19,10 +30,54 @@ static inline int64_t home(uint64_t lo, uint64_t hi, int64_t cap) {
     return (int64_t)((x ^ (x >> 29)) % (uint64_t)cap);
 }
 
-/* The key's position (-1: absent); *free gets the first empty or deleted position of its path. */
+/* Keys lo/hi[0..n) taken in order, each one's home slot asked for (`ask`) PREFETCH_AHEAD keys
+   before it is taken (`home_of`); the homes asked for and not yet taken wait in a ring, so that
+   each is computed once. `stamp` NULL: a loop that writes no stamp. */
+typedef struct {
+    const uint64_t *klo, *khi, *lo, *hi;
+    const int32_t *holder;
+    const uint32_t *stamp;
+    int64_t cap, n;
+    int64_t ring[PREFETCH_AHEAD > 0 ? PREFETCH_AHEAD : 1];
+} Ahead;
+
+static inline void ask(Ahead *a, int64_t i) {
+#if PREFETCH_AHEAD > 0
+    if (i < a->n) {
+        int64_t p = a->ring[i & (PREFETCH_AHEAD - 1)] = home(a->lo[i], a->hi[i], a->cap);
+        __builtin_prefetch(&a->holder[p]);
+        __builtin_prefetch(&a->klo[p]);
+        __builtin_prefetch(&a->khi[p]);
+        if (a->stamp)
+            __builtin_prefetch(&a->stamp[p], 1);
+    }
+#else
+    (void)a; (void)i;
+#endif
+}
+
+/* A loop from key `start` on: asks for the first PREFETCH_AHEAD keys. */
+static inline void ask_from(Ahead *a, int64_t start) {
+    for (int64_t j = start; j < start + PREFETCH_AHEAD; j++)
+        ask(a, j);
+}
+
+/* Key i's home, asking for key i + PREFETCH_AHEAD's. */
+static inline int64_t home_of(Ahead *a, int64_t i) {
+#if PREFETCH_AHEAD > 0
+    int64_t p = a->ring[i & (PREFETCH_AHEAD - 1)];
+    ask(a, i + PREFETCH_AHEAD);
+    return p;
+#else
+    return home(a->lo[i], a->hi[i], a->cap);
+#endif
+}
+
+/* The key's position (-1: absent), probing from its home p; *free gets the first empty or
+   deleted position of its path. */
 static inline int64_t probe(const uint64_t *klo, const uint64_t *khi, const int32_t *holder,
-                            int64_t cap, uint64_t lo, uint64_t hi, int64_t *free) {
-    int64_t p = home(lo, hi, cap), first_free = -1;
+                            int64_t cap, uint64_t lo, uint64_t hi, int64_t p, int64_t *free) {
+    int64_t first_free = -1;
     for (;;) {
         int32_t hv = holder[p];
         if (hv == EMPTY) {
@@ -45,8 +100,10 @@ static inline int64_t probe(const uint64_t *klo, const uint64_t *khi, const int3
 void pt_find(const uint64_t *klo, const uint64_t *khi, const int32_t *holder, int64_t cap,
              const uint64_t *lo, const uint64_t *hi, int64_t n, int64_t *out) {
     int64_t free;
+    Ahead a = {klo, khi, lo, hi, holder, NULL, cap, n, {0}};
+    ask_from(&a, 0);
     for (int64_t i = 0; i < n; i++)
-        out[i] = probe(klo, khi, holder, cap, lo[i], hi[i], &free);
+        out[i] = probe(klo, khi, holder, cap, lo[i], hi[i], home_of(&a, i), &free);
 }
 
 /* Keys known to be absent written with their holders at the first free position of each one's
@@ -56,8 +113,10 @@ int64_t pt_place(uint64_t *klo, uint64_t *khi, int32_t *holder, int64_t cap,
                  const uint64_t *lo, const uint64_t *hi, const int32_t *holders, int64_t n,
                  int64_t *out) {
     int64_t fresh = 0;
+    Ahead a = {klo, khi, lo, hi, holder, NULL, cap, n, {0}};
+    ask_from(&a, 0);
     for (int64_t i = 0; i < n; i++) {
-        int64_t p = home(lo[i], hi[i], cap);
+        int64_t p = home_of(&a, i);
         while (holder[p] >= MULTI)
             if (++p == cap)
                 p = 0;
@@ -91,13 +150,15 @@ int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
                  int64_t *nrec, const volatile int64_t *stop, int64_t before_stop,
                  int64_t *stopped) {
     int64_t used = state[0], live = state[1], clock = state[2], k = 0, i = start;
+    Ahead a = {klo, khi, lo, hi, holder, stamp, cap, n, {0}};
     *stopped = 0;
+    ask_from(&a, start);
     for (; i < n; i++) {
         if (i - start >= before_stop && (i - start) % STOP_EVERY == 0 && *stop) {
             *stopped = 1;
             break;
         }
-        int64_t free, p = probe(klo, khi, holder, cap, lo[i], hi[i], &free);
+        int64_t free, p = probe(klo, khi, holder, cap, lo[i], hi[i], home_of(&a, i), &free);
         int32_t s = slot[i];
         if (store[i]) {
             clock++;
