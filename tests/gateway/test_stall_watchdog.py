@@ -127,3 +127,10 @@ def test_a_tick_forgives_the_time_the_loop_did_not_run():
     assert not late.stalled and late.waiting_since == 11.0
     dog.check(now=21.5, late_s=0.0)  # then 10.5 s with the loop running: a stall
     assert late.stalled
+    slow = _Waiting()  # a loop that runs, but each tick half a period late (starved in part)
+    dog.feeds = {slow}
+    for tick in range(1, 9):
+        dog.check(now=1.5 * tick, late_s=0.5)
+    assert not slow.stalled and slow.waiting_since == 8 * 0.5  # 8 s counted of 12
+    dog.check(now=12.0 + 7.0, late_s=0.05)  # within the timer's slack: counted
+    assert slow.stalled
