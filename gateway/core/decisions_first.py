@@ -12,6 +12,15 @@ between two events and the slice calls `pause`, which lets the decisions in and 
 back. A decision then waits for ~64 page events, not for the rest of the slice. Only decisions
 get in: every other holder of the lock that changes the index also holds `Router.writing`,
 which a paused slice keeps.
+
+And a floor under ingest. At `--ingest-priority idle` (SCHED_IDLE) the feed loop runs only when
+no other thread wants its core: request threads that keep the core busy stop ingest outright,
+the index goes stale and its streams read as silent. Seen on a slow day at 1,000 pools: the
+bench's routing thread took 92% of the core and the warm-up took 221 s against 12 s niced. The
+feed loop marks a pulse every PULSE_S (`pulsed`); a decision that finds the last one older than
+STARVED_S sleeps FLOOR_SLEEP_S first, leaving the core and the GIL to ingest: about a tenth of a
+saturated core, what `nice` keeps, at the price of that sleep for one decision in ten or so, and
+only while the loop is starved (a loop with its core never misses a pulse by that much).
 """
 from __future__ import annotations
 
@@ -22,6 +31,10 @@ from contextlib import contextmanager
 from threading import Event, Lock
 
 import numpy as np
+
+# The floor under ingest (above): the loop's pulse, how stale a decision finds it before it
+# sleeps, and that sleep.
+PULSE_S, STARVED_S, FLOOR_SLEEP_S = 0.01, 0.02, 0.002
 
 
 class DecisionsFirst:
@@ -42,10 +55,20 @@ class DecisionsFirst:
         # Seconds ingest held the lock in the C loop that `flag` interrupts, and in its pauses:
         # a decision never waits for those (ingest_slices.SliceSize leaves them out).
         self.preemptible_s = 0.0
+        # time.monotonic() of the feed loop's last pulse; None: no loop runs (the floor is off).
+        self.pulse: float | None = None
+
+    def pulsed(self, running: bool = True) -> None:
+        """The feed loop ran (every PULSE_S; `running` False: it stopped)."""
+        self.pulse = time.monotonic() if running else None
 
     @contextmanager
     def decision(self) -> Iterator[None]:
-        """The lock, for a call on a request's path."""
+        """The lock, for a call on a request's path (after the floor's sleep, when ingest is
+        starved)."""
+        pulse = self.pulse
+        if pulse is not None and time.monotonic() - pulse > STARVED_S:
+            time.sleep(FLOOR_SLEEP_S)
         self._deciding.append(None)
         self.flag[0] = len(self._deciding)
         try:

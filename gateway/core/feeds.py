@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from gateway.core.decisions_first import PULSE_S, DecisionsFirst
 from gateway.core.index import ApplyStatus
 from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration, SliceSize
 from gateway.core.packed import HASH_BYTES, Body, page_count
@@ -92,6 +93,7 @@ class FeedLoop:
         self.watchdog = StallWatchdog()
         self.submit(self.applier.run())
         self.submit(self.watchdog.run())
+        self.submit(_pulse(router.decisions))
 
     def _run(self) -> None:
         lower_thread_priority()
@@ -124,6 +126,16 @@ class FeedLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
         self._blocking.shutdown(wait=False, cancel_futures=True)
+
+
+async def _pulse(decisions: DecisionsFirst) -> None:
+    """The loop's pulse, which the floor under ingest reads (decisions_first.py)."""
+    try:
+        while True:
+            decisions.pulsed()
+            await asyncio.sleep(PULSE_S)
+    finally:
+        decisions.pulsed(running=False)
 
 
 async def _make_applier(router: Router, size: SliceSize, idle: IdleMigration) -> BatchApplier:

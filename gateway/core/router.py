@@ -78,7 +78,7 @@ class Router:
         self.load = LoadTracker(clock)
         self._workers: dict[str, Worker] = {}
         self._calls: dict[str, Worker] = {}  # routed request id -> its worker
-        self._first = DecisionsFirst(self.lock)  # decisions take the lock before ingest slices
+        self.decisions = DecisionsFirst(self.lock)  # before ingest slices; the floor under ingest
         # The candidate sets of recent decisions, kept between them (`_candidates`).
         self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)
@@ -183,7 +183,7 @@ class Router:
         if self.shared:
             return self._apply_load_only(items)
         # Page events of all items: one run per medium, which routing decisions may interrupt.
-        with self.exclusive(), self.index.bulk(self._first):
+        with self.exclusive(), self.index.bulk(self.decisions):
             results = [self._apply_item(name, item) for name, item in items]
         for result in results:
             if result is not None and result.status is ApplyStatus.RESYNC:
@@ -247,11 +247,11 @@ class Router:
 
     def preemptible_seconds(self) -> float:
         """Seconds ingest held the lock where decisions may interrupt it, ever (decisions_first)."""
-        return self._first.preemptible_s
+        return self.decisions.preemptible_s
 
     def yield_to_routing(self) -> None:
         """Bulk ingest calls this between two holds of the lock: a waiting decision goes first."""
-        self._first.yield_to_decisions()
+        self.decisions.yield_to_decisions()
 
     def resume_point(self, name: str) -> tuple[int, int]:
         """Where a worker's broken stream picks up: SubscribeRequest(epoch, after_seq) right after
@@ -274,7 +274,7 @@ class Router:
     def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> Route | None:
         """Chooses a worker and counts the request on it (`finish` undoes that). None when no
         worker can take it."""
-        with self._first.decision():
+        with self.decisions.decision():
             candidates, blind = self._candidates(exclude, request.tokenizer_fingerprint)
             if not candidates:
                 return None
@@ -321,12 +321,12 @@ class Router:
         return pinned if (mine.device_pages if mine else 0) >= best else None
 
     def first_token(self, request_id: str) -> None:
-        with self._first.decision():
+        with self.decisions.decision():
             self.load.on_first_token(request_id)
 
     def finish(self, request_id: str) -> None:
         """The routed call ended (finished, failed or cancelled)."""
-        with self._first.decision():
+        with self.decisions.decision():
             self.load.on_finish(request_id)
             worker = self._calls.pop(request_id, None)
             if worker is None:

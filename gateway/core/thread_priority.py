@@ -11,8 +11,10 @@ for that core and for the GIL:
   probe), and ingest is faster (docs/results/gateway/fleet/ingest_p99/: 1.20-1.43M page
   events/s against 1.17-1.24M niced, route() p99 0.50-0.84 against 0.80-1.01 ms). The price:
   a core that other threads keep 100% busy applies no events until they pause (the index goes
-  stale and its workers' scores count less: `--stale-after-s`), and without a cgroup of its own
-  (a Kubernetes pod has one) those threads may be any process's: a compute service beside the
+  stale and its workers' scores count less: `--stale-after-s`). The gateway's own request
+  threads keep a floor under it (decisions_first.py: a decision that finds the loop's pulse
+  stale sleeps 2 ms first, ~a tenth of the core), but without a cgroup of its own (a
+  Kubernetes pod has one) those threads may be any process's: a compute service beside the
   gateway, as `stack/` runs them. So `nice` (the loop +10: ~10% of a busy core kept) is the
   default, `idle` what deploy/kubernetes sets; `normal` shares the core evenly.
 - The GIL. A thread that wakes (a request arrives) waits for the loop thread to release it,

@@ -151,11 +151,11 @@ def test_a_decision_gets_into_a_slice_and_a_change_of_the_index_waits_for_its_en
     router, other = _router(pool), "other"
     router.add(Worker(other, "w2", "c", None, pb.GetModelInfoResponse(worker=other)))
     seen: dict[str, object] = {}
-    first_pause = router._first.pause
+    first_pause = router.decisions.pause
 
     def decide() -> None:
         seen["decided"] = router.route(RouteRequest("r", pages(0, 8), 33, 4))
-        with router._first.decision():  # as a decision: it may read the paused slice's table
+        with router.decisions.decision():  # as a decision: it may read the paused slice's table
             seen["indexed"] = len(router.index)
 
     def pause() -> None:
@@ -166,12 +166,12 @@ def test_a_decision_gets_into_a_slice_and_a_change_of_the_index_waits_for_its_en
         seen["remove"] = remove
         decision.start()
         remove.start()
-        wait_until(lambda: len(router._first._deciding) == 1, timeout_s=10)
+        wait_until(lambda: len(router.decisions._deciding) == 1, timeout_s=10)
         first_pause()  # lets the counted decision in; its second part waits for the next pause
         seen["removed_during_slice"] = not remove.is_alive()
 
-    router._first.pause = pause
-    router._first.flag[0] = 1  # as if a decision waited: the C loop stops after 64 events
+    router.decisions.pause = pause
+    router.decisions.flag[0] = 1  # as if a decision waited: the C loop stops after 64 events
     item = cpb.SubscribeResponse(batch=batch(pool, 0, cleared(), stored(pages(0, total)),
                                              snapshot=True, snapshot_end=True))
     router.on_stream_item(pool, item)

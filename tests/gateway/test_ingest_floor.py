@@ -1,0 +1,107 @@
+"""The floor under ingest (gateway/core/decisions_first.py): the feed loop pulses; a routing
+decision that finds the pulse stale (the loop starved of its core) sleeps first, so that ingest
+at SCHED_IDLE still runs beside request threads that keep the core busy."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from gateway.core import decisions_first, thread_priority
+from gateway.core.decisions_first import FLOOR_SLEEP_S, PULSE_S, STARVED_S, DecisionsFirst
+from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import RouteRequest, make_policy
+from gateway.core.router import Router, Worker
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import compute_service_pb2 as pb
+from tests.gateway.helpers import DEVICE, batch, cleared, pages, stored
+
+
+def _slept(monkeypatch) -> list[float]:
+    sleeps: list[float] = []
+    monkeypatch.setattr(decisions_first.time, "sleep", sleeps.append)
+    return sleeps
+
+
+def test_a_decision_sleeps_first_only_while_the_loops_pulse_is_stale(monkeypatch):
+    first, sleeps = DecisionsFirst(threading.Lock()), _slept(monkeypatch)
+    with first.decision():  # no feed loop: no floor
+        pass
+    first.pulsed()
+    with first.decision():  # a fresh pulse
+        pass
+    assert sleeps == []
+    first.pulse = time.monotonic() - 2 * STARVED_S
+    with first.decision():
+        pass
+    assert sleeps == [FLOOR_SLEEP_S]
+    first.pulsed(running=False)
+    with first.decision():
+        pass
+    assert sleeps == [FLOOR_SLEEP_S]
+
+
+def _router() -> Router:
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    router.add(Worker("f", "w", "c", None, pb.GetModelInfoResponse(worker="f")))
+    return router
+
+
+def test_the_feed_loop_pulses_while_it_runs():
+    router = _router()
+    loop = FeedLoop(router)
+    try:
+        time.sleep(5 * PULSE_S)
+        assert time.monotonic() - router.decisions.pulse < STARVED_S
+    finally:
+        loop.close()
+    assert router.decisions.pulse is None
+
+
+PAGES = 20_000  # a snapshot
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling is Linux's")
+def test_ingest_at_sched_idle_runs_beside_a_request_thread_that_keeps_its_core_busy():
+    """One core: the feed loop at SCHED_IDLE and a thread deciding back to back, never asleep.
+    Without the floor the loop never runs (the pages never reach the index)."""
+    router, core = _router(), min(os.sched_getaffinity(0))
+    made: dict = {}
+    stop = threading.Event()
+
+    def busy() -> None:
+        n = 0
+        while not stop.is_set():
+            if router.route(RouteRequest(f"r{n}", pages(0, 4), 65, 16)) is not None:
+                router.finish(f"r{n}")
+            n += 1
+
+    def start() -> None:  # the loop and the busy thread inherit this thread's core
+        os.sched_setaffinity(0, {core})
+        thread_priority.configure("idle", switch_interval_s=None)
+        made["loop"] = FeedLoop(router)
+        thread_priority.configure()
+        made["busy"] = threading.Thread(target=busy, name="busy-decisions", daemon=True)
+        made["busy"].start()
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    loop = made["loop"]
+    try:
+        time.sleep(0.5)  # the busy thread has the core: the loop's pulse goes stale
+        item = cpb.SubscribeResponse(batch=batch("f", 0, cleared(), stored(pages(0, PAGES)),
+                                                 snapshot=True, snapshot_end=True))
+        start = time.monotonic()
+        loop.submit(loop.applier.put(Feed("f"), item))
+        while time.monotonic() - start < 10 and len(router.index.pages("f", DEVICE)) < PAGES:
+            time.sleep(0.05)
+        assert len(router.index.pages("f", DEVICE)) == PAGES  # 0.25 s here; none in 20 s without
+    finally:
+        stop.set()
+        made["busy"].join(5)
+        loop.close()
