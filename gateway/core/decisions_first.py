@@ -15,7 +15,8 @@ which a paused slice keeps.
 
 And a floor under ingest. At `--ingest-priority idle` (SCHED_IDLE) the feed loop runs only when
 no other thread wants its core: request threads that keep the core busy stop ingest outright,
-the index goes stale and its streams read as silent. Seen on a slow day at 1,000 pools: the
+the index goes stale and its streams read as silent (niced, many busy request threads come
+close to that too: the floor holds whatever the priority). Seen on a slow day at 1,000 pools: the
 bench's routing thread took 92% of the core and the warm-up took 221 s against 12 s niced. The
 feed loop marks a pulse every PULSE_S (`pulsed`); a decision that finds the last one older than
 STARVED_S sleeps FLOOR_SLEEP_S first, leaving the core and the GIL to ingest: about a tenth of a
