@@ -59,10 +59,12 @@ def test_one_trace_from_the_gateway_to_the_cache_step_and_the_l3_load(spans, red
             with gateway([address]) as gw:
                 caller = Caller(gw.address)
                 base = f"http://127.0.0.1:{gw.http_port}"
-                with caplog.at_level(logging.INFO, logger="gateway.access"):
-                    r = httpx.post(base + "/v1/completions", timeout=60, json={
-                        "prompt": words, "max_tokens": 3, "temperature": 0},
-                        headers={"traceparent": TRACEPARENT, "X-Request-Id": "trace-me-1"})
+                # For the rest of the test: the line is written once the response has gone
+                # out (request_log.py), which may be after the client has it.
+                caplog.set_level(logging.INFO, logger="gateway.access")
+                r = httpx.post(base + "/v1/completions", timeout=60, json={
+                    "prompt": words, "max_tokens": 3, "temperature": 0},
+                    headers={"traceparent": TRACEPARENT, "X-Request-Id": "trace-me-1"})
                 assert r.status_code == 200, r.text
                 body = r.json()
                 # The gRPC front: its own span, the same propagation.
