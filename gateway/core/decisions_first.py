@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from threading import Event, Lock
 
@@ -39,8 +39,9 @@ PULSE_S, STARVED_S, FLOOR_SLEEP_S = 0.01, 0.02, 0.002
 
 
 class DecisionsFirst:
-    def __init__(self, lock: Lock) -> None:
-        self.lock = lock
+    def __init__(self, lock: Lock, on_floor_sleep: Callable[[], None] = lambda: None) -> None:
+        """`on_floor_sleep`: called for each decision that sleeps for ingest (a metric)."""
+        self.lock, self._on_floor_sleep = lock, on_floor_sleep
         # One entry per decision waiting for or holding the lock (deque: atomic append and pop
         # across threads).
         self._deciding: deque[None] = deque()
@@ -69,6 +70,7 @@ class DecisionsFirst:
         starved)."""
         pulse = self.pulse
         if pulse is not None and time.monotonic() - pulse > STARVED_S:
+            self._on_floor_sleep()
             time.sleep(FLOOR_SLEEP_S)
         self._deciding.append(None)
         self.flag[0] = len(self._deciding)

@@ -109,6 +109,10 @@ class GatewayMetrics:
         for name in ("c", "numpy"):
             self.index_table.labels(name).set(name == native)
 
+        self.ingest_floor_sleeps = prometheus_client.Counter(
+            "prefixcache_gateway_ingest_floor_sleeps", "Routing decisions that slept first to "
+            "let starved ingest run (gateway/core/decisions_first.py): the request threads keep "
+            "the gateway's core busy.", registry=r)
         self.routing_decisions = prometheus_client.Counter(
             "prefixcache_gateway_routing_decisions", "Workers chosen, by policy and the kind "
             "of reason it gave (RouteDecision.reason with its numbers as N: a bounded set).",

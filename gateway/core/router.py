@@ -78,7 +78,7 @@ class Router:
         self.load = LoadTracker(clock)
         self._workers: dict[str, Worker] = {}
         self._calls: dict[str, Worker] = {}  # routed request id -> its worker
-        self.decisions = DecisionsFirst(self.lock)  # before ingest slices; the floor under ingest
+        self.decisions = DecisionsFirst(self.lock, metrics.ingest_floor_sleeps.inc)
         # The candidate sets of recent decisions, kept between them (`_candidates`).
         self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
         metrics.watch(self._gauges)

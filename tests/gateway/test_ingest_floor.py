@@ -28,7 +28,9 @@ def _slept(monkeypatch) -> list[float]:
 
 
 def test_a_decision_sleeps_first_only_while_the_loops_pulse_is_stale(monkeypatch):
-    first, sleeps = DecisionsFirst(threading.Lock()), _slept(monkeypatch)
+    counted: list[None] = []
+    first = DecisionsFirst(threading.Lock(), lambda: counted.append(None))
+    sleeps = _slept(monkeypatch)
     with first.decision():  # no feed loop: no floor
         pass
     first.pulsed()
@@ -42,7 +44,7 @@ def test_a_decision_sleeps_first_only_while_the_loops_pulse_is_stale(monkeypatch
     first.pulsed(running=False)
     with first.decision():
         pass
-    assert sleeps == [FLOOR_SLEEP_S]
+    assert sleeps == [FLOOR_SLEEP_S] and len(counted) == 1
 
 
 def _router() -> Router:
@@ -101,6 +103,8 @@ def test_ingest_at_sched_idle_runs_beside_a_request_thread_that_keeps_its_core_b
         while time.monotonic() - start < 10 and len(router.index.pages("f", DEVICE)) < PAGES:
             time.sleep(0.05)
         assert len(router.index.pages("f", DEVICE)) == PAGES  # 0.25 s here; none in 20 s without
+        slept = router.metrics.registry.get_sample_value("prefixcache_gateway_ingest_floor_sleeps_total")
+        assert slept > 0  # what an operator sees of it
     finally:
         stop.set()
         made["busy"].join(5)
