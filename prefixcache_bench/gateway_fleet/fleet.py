@@ -87,12 +87,18 @@ def page_events(pool: int, pages_per_pool: int, live_batches: int) -> tuple[int,
     return len(snapshot_pages(pool, pages_per_pool)), 2 * LIVE_PAGES * live_batches
 
 
+def _heartbeat(pool_id: str, head_seq: int) -> bytes:
+    return cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(
+        pool_id=pool_id, epoch=EPOCH, head_seq=head_seq)).SerializeToString()
+
+
 class ReplayCache:
     """Subscribe: the pool's recorded stream from the request's point (after_seq -1: from the
     snapshot; its live part once `go` is set, so that warm-up and live ingest are timed apart,
-    with heartbeats at the asked interval meanwhile), then heartbeats until cancelled. Messages go out pre-serialized (the
-    server's work is the transport, not building messages), in the encoding the request asks for
-    (`packed` False: only the per-page one is recorded, for every request)."""
+    with heartbeats at the asked interval meanwhile), then heartbeats until cancelled. Messages
+    go out pre-serialized (the server's work is the transport, not building messages), in the
+    encoding the request asks for (`packed` False: only the per-page one is recorded, for every
+    request)."""
 
     def __init__(self, pools: int, pages_per_pool: int, live_batches: int, go, packed: bool = True,
                  sent=None):
@@ -113,8 +119,7 @@ class ReplayCache:
         else:
             first_live = live_start + request.after_seq
         interval = request.heartbeat_interval_s or 1.0
-        heartbeat = cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(  # head: what was sent
-            pool_id=request.pool_id, epoch=EPOCH, head_seq=first_live - live_start)).SerializeToString()
+        heartbeat = _heartbeat(request.pool_id, first_live - live_start)  # head: what was sent
         # The live part waits for `go` (a resubscription's too), heartbeating meanwhile as an idle
         # cache service does: a warm-up longer than the gateway's stall timeout (10M pages on a
         # slow day) must not read as a stalled stream.
@@ -126,8 +131,7 @@ class ReplayCache:
         if self.sent is not None and first_live < len(stream):
             with self.sent.get_lock():
                 self.sent.value = max(self.sent.value, time.perf_counter())
-        heartbeat = cpb.SubscribeResponse(heartbeat=events_pb2.Heartbeat(
-            pool_id=request.pool_id, epoch=EPOCH, head_seq=self.live_batches)).SerializeToString()
+        heartbeat = _heartbeat(request.pool_id, self.live_batches)
         while context.is_active():
             time.sleep(interval)
             yield heartbeat
