@@ -5,7 +5,8 @@ One process plays both gateway lives, on the gateway core: the first warms up fr
 snapshot (the cold restart-to-warm), writes a checkpoint (the time `Router.lock` is held for the
 copy; the save as a whole, buffers included; the write alone) and stops its feeds, then saves
 again with nothing changed (a skipped write: KvIndex.changes has not moved). While it is down
-each pool's live batches happen (the load generator replays them to a resumed stream). The
+each pool's live batches happen (the load generator, released then, replays them to a resumed
+stream; it holds them back from the first life's streams). The
 second life is a new Router: it loads the checkpoint, re-admits the pools, and each feed resumes
 from the checkpoint's seq: warm once every pool's downtime batches are applied (its last seq is
 the last live batch) and no pool asked for a
@@ -22,7 +23,8 @@ from gateway.core.index_checkpoint import VERSION, IndexCheckpointer
 from gateway.core.router import Router
 from gateway.core.workers import WorkerSettings
 from prefixcache_bench.gateway_fleet import fleet as F
-from prefixcache_bench.gateway_fleet.run import _wait, admit, bench_router, follow, load_generator
+from prefixcache_bench.gateway_fleet.run import (LoadGenerator, _wait, admit, bench_router, follow,
+                                                 load_generator)
 
 _SPEC = "bench"
 
@@ -31,7 +33,7 @@ def run_checkpoint(pools: int, pages_per_pool: int, live_batches: int,
                    cpus: tuple[int, int] | None = (0, 1)) -> dict:
     with load_generator(pools, pages_per_pool, live_batches, cpus, True) as generator:
         with tempfile.TemporaryDirectory() as tmp:
-            return _measure(generator.address, pools, pages_per_pool, live_batches,
+            return _measure(generator, pools, pages_per_pool, live_batches,
                             os.path.join(tmp, "index.ckpt"))
 
 
@@ -45,8 +47,9 @@ def _start_feeds(router: Router, names: list[str], address: str) -> tuple[FeedLo
     return feeds, points
 
 
-def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, path: str) -> dict:
-    names = [F.pool_name(i) for i in range(pools)]
+def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_batches: int,
+             path: str) -> dict:
+    address, names = generator.address, [F.pool_name(i) for i in range(pools)]
     router = bench_router()
     admit(router, names, address)
     t0 = time.perf_counter()
@@ -58,6 +61,7 @@ def _measure(address: str, pools: int, pages_per_pool: int, live_batches: int, p
     save_s = time.perf_counter() - t1
     pages, saver_write_s = len(router.index), saver.last_write_s
     feeds.close()  # the first life ends
+    generator.go.set()  # the downtime's batches: a resumed stream gets them at once
     t1 = time.perf_counter()
     saver.save()  # the feeds stopped, nothing changed since: skipped
     unchanged_s, skipped = time.perf_counter() - t1, saver.skipped

@@ -10,6 +10,7 @@ from gateway.core.index import IndexConfig, KvIndex
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
+from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.run import idle_gateway_bytes_per_page, index_bytes_per_page, run_config
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
@@ -144,3 +145,16 @@ def test_the_growth_bench_times_every_mode_on_the_same_pages_and_the_spare_takes
     assert set(r["spare_over_incremental"]) == {f"{phase}_{key}" for phase in ("grow", "churn")
                                                 for key in ("max_call_us", "p999_call_us",
                                                             "p99_call_us", "calls_s")}
+
+
+@pytest.mark.timeout(60)
+def test_a_tiny_checkpoint_run_resumes_every_pool_from_its_seq():
+    """The second life loads the checkpoint and resumes each feed after the seq it held; the load
+    generator, released once the first life ends, replays the downtime's batches (it hung on them,
+    held back for a `go` the checkpoint run never gave, from 694e712 to the commit of this test)."""
+    r = run_checkpoint(pools=4, pages_per_pool=400, live_batches=3, cpus=None)
+    assert r["indexed_pages"] == sum(len(F.snapshot_pages(i, 400)) for i in range(4))
+    assert r["resumed_from_seq"] == r["restored_workers"] == 4
+    assert r["downtime_page_events"] == 4 * 3 * 2 * F.LIVE_PAGES
+    assert r["indexed_pages_after_restart"] == r["indexed_pages"]  # as many stored as removed
+    assert 0 < r["checkpoint_load_s"] < r["restart_to_warm_s"] and r["checkpoint_unchanged_skipped"]
