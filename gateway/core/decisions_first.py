@@ -18,13 +18,18 @@ no other thread wants its core: request threads that keep the core busy stop ing
 the index goes stale and its streams read as silent (niced, many busy request threads come
 close to that too: the floor holds whatever the priority). Seen on a slow day at 1,000 pools: the
 bench's routing thread took 92% of the core and the warm-up took 221 s against 12 s niced. The
-feed loop marks a pulse every PULSE_S (`pulsed`); a decision that finds the last one older than
-STARVED_S sleeps FLOOR_SLEEP_S first, leaving the core and the GIL to ingest: about a tenth of a
-saturated core, what `nice` keeps, at the price of that sleep for one decision in ten or so, and
-only while the loop is starved (a loop with its core never misses a pulse by that much).
+feed loop marks a pulse every PULSE_S (`pulsed`: the time, and its thread's CPU time); a
+decision that finds the last one older than STARVED_S, and the loop's thread on the CPU for
+less than STARVED_SHARE of the time since, sleeps FLOOR_SLEEP_S first, leaving the core and the
+GIL to ingest: about a tenth of a saturated core, what `nice` keeps, at the price of that sleep
+for one decision in ten or so, and only while the loop is starved. A stale pulse alone is not
+enough: a loop that is busy, in a long turn of its own (a thousand feeds' messages decoded, a
+slice), also misses its pulse, and on a machine at its usual speed decisions that slept then
+doubled the bench's route() p99 during ingest (docs/results/gateway/fleet/usual_speed/).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,9 +38,9 @@ from threading import Event, Lock
 
 import numpy as np
 
-# The floor under ingest (above): the loop's pulse, how stale a decision finds it before it
-# sleeps, and that sleep.
-PULSE_S, STARVED_S, FLOOR_SLEEP_S = 0.01, 0.02, 0.002
+# The floor under ingest (above): the loop's pulse, how stale a decision finds it and how little
+# of the time since the loop's thread ran before the decision sleeps, and that sleep.
+PULSE_S, STARVED_S, STARVED_SHARE, FLOOR_SLEEP_S = 0.01, 0.02, 0.25, 0.002
 
 
 class DecisionsFirst:
@@ -57,19 +62,41 @@ class DecisionsFirst:
         # Seconds ingest held the lock in the C loop that `flag` interrupts, and in its pauses:
         # a decision never waits for those (ingest_slices.SliceSize leaves them out).
         self.preemptible_s = 0.0
-        # time.monotonic() of the feed loop's last pulse; None: no loop runs (the floor is off).
-        self.pulse: float | None = None
+        # The feed loop's last pulse: (time.monotonic(), its thread's CPU time, that thread's
+        # CPU clock); None: no loop runs (the floor is off).
+        self.pulse: tuple[float, float, int | None] | None = None
 
     def pulsed(self, running: bool = True) -> None:
-        """The feed loop ran (every PULSE_S; `running` False: it stopped)."""
-        self.pulse = time.monotonic() if running else None
+        """The feed loop ran (called on its thread every PULSE_S; `running` False: it
+        stopped)."""
+        if not running:
+            self.pulse = None
+            return
+        self.pulse = (time.monotonic(), time.thread_time(), _cpu_clock(threading.get_ident()))
+
+    def starved(self) -> bool:
+        """Whether the feed loop missed its pulse for want of the CPU (or the GIL), not because
+        it was busy."""
+        pulse = self.pulse
+        if pulse is None:
+            return False
+        at, ran_then, clock = pulse
+        late = time.monotonic() - at
+        if late <= STARVED_S:
+            return False
+        if clock is None:  # no per-thread CPU clock here: a stale pulse is all there is
+            return True
+        try:
+            ran = time.clock_gettime(clock) - ran_then
+        except OSError:  # the loop's thread ended meanwhile
+            return False
+        return ran < STARVED_SHARE * late
 
     @contextmanager
     def decision(self) -> Iterator[None]:
         """The lock, for a call on a request's path (after the floor's sleep, when ingest is
         starved)."""
-        pulse = self.pulse
-        if pulse is not None and time.monotonic() - pulse > STARVED_S:
+        if self.pulse is not None and self.starved():
             self._on_floor_sleep()
             time.sleep(FLOOR_SLEEP_S)
         self._deciding.append(None)
@@ -107,3 +134,12 @@ class DecisionsFirst:
             if self.done >= until or left <= 0:
                 return
             self._progress.wait(left)
+
+
+def _cpu_clock(thread_id: int) -> int | None:
+    """The CPU-time clock of a thread of this process, which another thread can read."""
+    get = getattr(time, "pthread_getcpuclockid", None)
+    try:
+        return get(thread_id) if get is not None else None
+    except OSError:
+        return None

@@ -1,6 +1,7 @@
 """The floor under ingest (gateway/core/decisions_first.py): the feed loop pulses; a routing
-decision that finds the pulse stale (the loop starved of its core) sleeps first, so that ingest
-at SCHED_IDLE still runs beside request threads that keep the core busy."""
+decision that finds the pulse stale and the loop's thread off the CPU since (starved of its
+core) sleeps first, so that ingest at SCHED_IDLE still runs beside request threads that keep the
+core busy; a loop that missed its pulse because it was busy is left alone."""
 from __future__ import annotations
 
 import os
@@ -37,7 +38,8 @@ def test_a_decision_sleeps_first_only_while_the_loops_pulse_is_stale(monkeypatch
     with first.decision():  # a fresh pulse
         pass
     assert sleeps == []
-    first.pulse = time.monotonic() - 2 * STARVED_S
+    at, ran, clock = first.pulse  # this thread's pulse, and it has not run since
+    first.pulse = (at - 2 * STARVED_S, ran, clock)
     with first.decision():
         pass
     assert sleeps == [FLOOR_SLEEP_S]
@@ -45,6 +47,38 @@ def test_a_decision_sleeps_first_only_while_the_loops_pulse_is_stale(monkeypatch
     with first.decision():
         pass
     assert sleeps == [FLOOR_SLEEP_S] and len(counted) == 1
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_loop_that_missed_its_pulse_busy_is_not_starved():
+    """A stale pulse from a loop whose thread has been on the CPU since (a long turn of its own)
+    is no reason to sleep; one whose thread has not run is."""
+    first, pulsed, done = DecisionsFirst(threading.Lock()), threading.Event(), threading.Event()
+
+    def loop(busy: bool) -> None:
+        first.pulsed()
+        pulsed.set()
+        if busy:
+            _spin(4 * STARVED_S)  # while the other thread looks, now and then (2 cores or 1)
+        else:
+            done.wait(5)
+
+    for busy in (True, False):
+        pulsed.clear(), done.clear()
+        thread = threading.Thread(target=loop, args=(busy,))
+        thread.start()
+        pulsed.wait(5)
+        time.sleep(2 * STARVED_S)
+        assert first.starved() is not busy
+        done.set()
+        thread.join(5)
+    first.pulsed(running=False)  # what the loop says as it stops
+    assert not first.starved()
 
 
 def _router() -> Router:
@@ -58,7 +92,7 @@ def test_the_feed_loop_pulses_while_it_runs():
     loop = FeedLoop(router)
     try:
         time.sleep(5 * PULSE_S)
-        assert time.monotonic() - router.decisions.pulse < STARVED_S
+        assert time.monotonic() - router.decisions.pulse[0] < STARVED_S
     finally:
         loop.close()
     assert router.decisions.pulse is None
