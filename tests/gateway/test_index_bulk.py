@@ -39,10 +39,14 @@ def _stream(spec):
 
 
 def _stamps(table: PageTable) -> dict[bytes, int]:
-    holder = np.frombuffer(table._holder, dtype=np.int32)
-    live = np.flatnonzero(holder >= MULTI).tolist()
-    return {table._lo[p].to_bytes(8, "little") + table._hi[p].to_bytes(8, "little"): table._stamp[p]
-            for p in live}
+    """Every live page's stamp, an old table's too: a slice makes room for all its stores, so
+    bulk apply may grow a table that one-by-one apply does not, and be mid-migration at the end."""
+    out = {}
+    for t in table._tables():
+        holder = np.frombuffer(t._holder, dtype=np.int32)
+        for p in np.flatnonzero(holder >= MULTI).tolist():
+            out[t._lo[p].to_bytes(8, "little") + t._hi[p].to_bytes(8, "little")] = t._stamp[p]
+    return out
 
 
 @settings(max_examples=200, deadline=None)
