@@ -343,11 +343,13 @@ def _extend_kernel(
 # shared memory per block, take large tiles so each program's dots fill the tensor cores; any
 # other GPU (e.g. 8.6/8.9/12.0 with ~100 KB) the small fallback; the interpreter (CPU, tests)
 # keeps the small tiles it was tested with. `prefixcache_bench.gpu_check` sweeps candidates
-# around these on the device and names the best: for d 128 on an H100, (64, 64, 4, 3) beat the
-# 128-row tiles (128, 64, 8, 3) by 1.14x and 1.24x in two runs (docs/results/gpu/).
+# around these on the device and names the best: for d 128, 64-row tiles beat the 128-row tiles
+# (128, 64, 8, 3) by 1.14x and 1.24x in the first two H100 runs, and a fourth pipeline stage,
+# (64, 64, 4, 4), was first in each of the three sweeps that had it: 1.05x (64, 64, 4, 3) on an
+# H100, 1.13x and 1.12x on an H200 (docs/results/gpu/NOTES.md, runs 4-6).
 EXTEND_CONFIGS: dict[tuple[int, tuple[int, int]], tuple[int, int, int, int]] = {
     (64, (9, 0)): (128, 64, 4, 3),
-    (128, (9, 0)): (64, 64, 4, 3),
+    (128, (9, 0)): (64, 64, 4, 4),
     (256, (9, 0)): (64, 32, 4, 2),
     (64, (8, 0)): (128, 64, 4, 3),
     (128, (8, 0)): (128, 64, 8, 2),
