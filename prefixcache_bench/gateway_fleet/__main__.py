@@ -74,6 +74,8 @@ def _flatten(results: dict) -> dict:
 def _cores(args: argparse.Namespace) -> str:
     if args.routing_only:
         return "one process, unpinned (routing only)"
+    if args.no_grpc:
+        return "one process (no load generator), pinned to core 0" if not args.no_pin else "unpinned"
     return "gateway process pinned to core 0, load generator to core 1" if not args.no_pin else "unpinned"
 
 
@@ -121,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="--routing-only: leave the warm heap to the garbage collector (the gateway's "
                         "--no-gc-freeze-after-warmup)")
     p.add_argument("--no-pin", action="store_true", help="leave both processes on any core")
+    p.add_argument("--no-grpc", action="store_true",
+                   help="no load generator and no gRPC: the recorded items, decoded ahead, put on "
+                        "the gateway's applier directly (sources.py: what the gateway's process "
+                        "would still do with its feeds in a process of their own)")
     p.add_argument("--unpacked", action="store_true",
                    help="the feeds ask for the per-page hash encoding, not the packed one")
     p.add_argument("--checkpoint", action="store_true",
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages)
     else:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
-                                      packed=not args.unpacked, tuning=_tuning(args)))
+                                      packed=not args.unpacked, tuning=_tuning(args),
+                                      grpc=not args.no_grpc))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     results["index_bytes_per_page_idle"] = idle_gateway_bytes_per_page(args.pools, sample)

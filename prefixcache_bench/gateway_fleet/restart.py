@@ -21,10 +21,10 @@ import time
 from gateway.core.feeds import FeedLoop
 from gateway.core.index_checkpoint import VERSION, IndexCheckpointer
 from gateway.core.router import Router
-from gateway.core.workers import WorkerSettings
 from prefixcache_bench.gateway_fleet import fleet as F
-from prefixcache_bench.gateway_fleet.run import (LoadGenerator, _wait, admit, bench_router, follow,
+from prefixcache_bench.gateway_fleet.run import (LoadGenerator, _wait, admit, bench_router,
                                                  load_generator)
+from prefixcache_bench.gateway_fleet.sources import SETTINGS, follow
 
 _SPEC = "bench"
 
@@ -39,11 +39,10 @@ def run_checkpoint(pools: int, pages_per_pool: int, live_batches: int,
 
 def _start_feeds(router: Router, names: list[str], address: str) -> tuple[FeedLoop, list[tuple]]:
     """Every pool's feed from where the router's index says (WorkerHandle's rule); the points."""
-    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
     feeds, points = FeedLoop(router), []
     for name in names:
         points.append(router.resume_point(name))
-        feeds.submit(follow(feeds, address, name, settings, True, points[-1]))
+        feeds.submit(follow(feeds, address, name, SETTINGS, True, points[-1]))
     return feeds, points
 
 

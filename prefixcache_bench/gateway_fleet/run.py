@@ -4,7 +4,8 @@ process, pinned to one core) into one gateway's Router through the real feed cod
 `BatchApplier` -> `Router.apply_stream_items`), the gateway pinned to the other core, while a
 routing thread times Router.route. Phases: warm (every pool's snapshot applied:
 restart-to-warm), then live (every pool's recorded live batches applied), timed in the gateway
-from the first slice holding a live batch to the last (live_clock.py)."""
+from the first slice holding a live batch to the last (live_clock.py). `--no-grpc` (sources.py)
+leaves the load generator and the feeds' gRPC out: the apply path alone."""
 from __future__ import annotations
 
 import gc
@@ -16,11 +17,11 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.core import index_native, thread_priority
-from gateway.core.feeds import Feed, FeedLoop, aio_channel
+from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.gc_tuning import freeze_warm_heap
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import SLICE_S
@@ -28,15 +29,13 @@ from gateway.core.thread_priority import SWITCH_INTERVAL_S
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
-from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb
-from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.live_clock import LiveClock
+from prefixcache_bench.gateway_fleet.sources import SETTINGS, DirectSource, GrpcSource, follow
 from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
-from service_shell import channel_options
 
 PAGE_SIZE = 16
 REQUEST_PAGES = 64  # a 1,024-token prompt: a held conversation or system prompt, then new pages
@@ -158,17 +157,25 @@ def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
 
 def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
                cpus: tuple[int, int] | None = (0, 1), packed: bool = True,
-               warmup_compare: bool = False, tuning: IngestTuning | None = None) -> dict:
+               warmup_compare: bool = False, tuning: IngestTuning | None = None,
+               grpc: bool = True) -> dict:
     """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
     `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
     they do in the gateway, or not (the per-page encoding an older cache service sends);
     `warmup_compare`: only the warm-up, its decisions compared with load-only routing
-    (warmup.py); `tuning`: the gateway's ingest settings (the defaults when None)."""
+    (warmup.py); `tuning`: the gateway's ingest settings (the defaults when None); `grpc`
+    False: no load generator, the items put on the applier directly (sources.DirectSource)."""
+    tuning = tuning or IngestTuning()
+    if not grpc:
+        if cpus:
+            os.sched_setaffinity(0, {cpus[0]})
+        source = DirectSource(pools, pages_per_pool, live_batches, packed)
+        return _measure(source, pools, pages_per_pool, live_batches, idle_s, packed, tuning)
     with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as generator:
         if warmup_compare:
             return _measure_warmup(generator.address, pools, pages_per_pool, live_batches, packed)
-        return _measure(generator, pools, pages_per_pool, live_batches, idle_s, packed,
-                        tuning or IngestTuning())
+        return _measure(GrpcSource(generator, packed), pools, pages_per_pool, live_batches,
+                        idle_s, packed, tuning)
 
 
 @dataclass(frozen=True)
@@ -216,19 +223,6 @@ def load_generator(pools: int, pages_per_pool: int, live_batches: int,
         server.join(10)
 
 
-async def follow(feeds: FeedLoop, address: str, name: str, settings: WorkerSettings,
-                 packed: bool, point: tuple[int, int] | None = None) -> None:
-    """What WorkerHandle does for a pool's events: its own grpc.aio channel, one feed (from
-    `point` when given, else from a snapshot)."""
-    channel = aio_channel(address, channel_options(settings.max_message_mb), None)
-    feed = Feed(name) if point is None else Feed(name, point=point)
-    try:
-        await feeds.follow(cpb_grpc.CacheServiceStub(channel), feed,
-                           replace(settings.stream_settings(), packed_hashes=packed))
-    finally:
-        await channel.close()
-
-
 def bench_router() -> Router:
     """The gateway's router as the bench runs it: affinity, an index bounded by nothing here."""
     return Router(make_policy("affinity"), GatewayMetrics(), IndexConfig(memory_budget_mb=1e6))
@@ -274,7 +268,6 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
                     packed: bool) -> dict:
     """The cold warm-up alone, routed by both policies (warmup.py)."""
     router, names = _fleet_router(address, pools)
-    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
     timed, warm = _Router(router, pools, pages_per_pool, live_batches), threading.Event()
     timed.thread = threading.Thread(target=compare_run, args=(timed, router, names, warm),
                                     name="bench-router", daemon=True)
@@ -282,7 +275,7 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
     t0 = time.perf_counter()
     feeds = FeedLoop(router)
     for name in names:
-        feeds.submit(follow(feeds, address, name, settings, packed))
+        feeds.submit(follow(feeds, address, name, SETTINGS, packed))
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot, poll_s=0.01)
     warm.set()
     timed.thread.join(10)
@@ -293,28 +286,25 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
             "packed_hashes": packed}
 
 
-def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_batches: int,
-             idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
-    address = generator.address
-    router, names = _fleet_router(address, pools)
-    settings = WorkerSettings(heartbeat_interval_s=1.0, rpc_timeout_s=60.0)
+def _measure(source: GrpcSource | DirectSource, pools: int, pages_per_pool: int,
+             live_batches: int, idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
+    router, names = _fleet_router(source.address, pools)
     rss0 = _rss_bytes()
     timed = _Router(router, pools, pages_per_pool, live_batches)
     timed.thread.start()
     t0 = time.perf_counter()
     thread_priority.configure(tuning.priority, tuning.switch_interval_s)
     feeds = FeedLoop(router, tuning.slice_s, tuning.slice_events)
-    for name in names:
-        feeds.submit(follow(feeds, address, name, settings, packed))
+    source.start(feeds, names)
     t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
     # What the gateway does once warm (--gc-freeze-after-warmup, on by default): without it a
     # full collection walking the warm heap paused the FeedLoop thread 80-130 ms in the live phase.
     frozen = freeze_warm_heap()
     threads = threading.active_count()
-    clock = LiveClock(router, generator.pid, pools * live_batches)
+    clock = LiveClock(router, source.pid, pools * live_batches)
     clock.start()
     timed.new_phase.set()
-    generator.go.set()  # the load generator streams the live batches now
+    source.go(feeds)  # the live batches come now
     t_live = time.perf_counter()
     slices0 = feeds.applier.slices
     clock.done.wait(1800)
@@ -334,7 +324,7 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
         "pools": pools, "pages_per_pool": pages_per_pool, "live_batches_per_pool": live_batches,
         "indexed_pages": st.entries, "snapshot_page_events": snap, "live_page_events": live,
         "restart_to_warm_s": t_warm - t0, "snapshot_page_events_per_s": snap / (t_warm - t0),
-        **clock.summary(live, generator.last_sent.value),
+        **clock.summary(live, source.last_sent()),
         "routing_during_warmup": timed.summary(t0, t_warm),
         "routing_during_ingest": timed.summary(clock.first or t_live, clock.last or t_done),
         "routing_idle": timed.summary(t_done, t_done + idle_s + 1),
@@ -343,5 +333,6 @@ def _measure(generator: LoadGenerator, pools: int, pages_per_pool: int, live_bat
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
         "live_slice_events_mean": live / max(slices, 1),
         "slice_events_at_end": feeds.applier.size.events, **tuning.summary(),
-        "packed_hashes": packed, "gc_frozen_objects": frozen, "load_avg_end": os.getloadavg(),
+        "packed_hashes": packed, "feeds_grpc": isinstance(source, GrpcSource),
+        "gc_frozen_objects": frozen, "load_avg_end": os.getloadavg(),
     }

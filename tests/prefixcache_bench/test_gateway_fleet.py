@@ -77,6 +77,17 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     assert 50 < index_bytes_per_page(4, 400) < 1000
 
 
+def test_a_tiny_run_without_grpc_applies_the_same_items_and_routes_to_holders():
+    """--no-grpc: the same recording put on the applier directly, no load generator."""
+    r = run_config(pools=4, pages_per_pool=400, live_batches=3, idle_s=0.5, cpus=None, grpc=False)
+    want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
+    assert r["indexed_pages"] == want and not r["feeds_grpc"]
+    assert r["live_items_applied"] == 4 * 3
+    assert r["live_page_events_per_s"] == r["live_page_events"] / r["live_apply_span_s"]
+    assert "generator_send_span_s" not in r and "generator_cpu_share_live" not in r
+    assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
+
+
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
     """The default sample at 8 pools (25k pages each) ends right after a growth: applied directly,
     the old table is still there (over issue 31's 64 bytes); a gateway's idle feed loop migrates
