@@ -26,7 +26,11 @@ for one decision in ten or so, and only while the loop is starved. A stale pulse
 enough: a loop that is busy, in a long turn of its own (a thousand feeds' messages decoded, a
 slice), also misses its pulse, and on a machine at its usual speed decisions that slept then
 raised the fleet bench's route() p99 during ingest to 0.87-2.6 ms, against 0.58-0.75 ms without
-the floor (docs/results/gateway/fleet/usual_speed/).
+the floor (docs/results/gateway/fleet/usual_speed/). Nor is a loop that waits for decisions
+(`yield_to_decisions`: a slice paused for them, or between two slices) starved: off the CPU
+because it gives way, not for want of it. A slice that pauses again and again while decisions
+come back to back misses its pulse that way, and decisions then slept 2 ms for nothing (seen in
+the fleet bench); the loop is not starved while it yields, and its pulse is new when it goes on.
 """
 from __future__ import annotations
 
@@ -63,8 +67,10 @@ class DecisionsFirst:
         # a decision never waits for those (ingest_slices.SliceSize leaves them out).
         self.preemptible_s = 0.0
         # The feed loop's last pulse: (time.monotonic(), its thread's CPU time, that thread's
-        # CPU clock); None: no loop runs (the floor is off).
+        # CPU clock); None: no loop runs (the floor is off). `_pulse_thread`: that thread.
         self.pulse: tuple[float, float, int | None] | None = None
+        self._pulse_thread: int | None = None
+        self._yielding = 0  # yields under way (`yield_to_decisions`): no one is starved then
 
     def pulsed(self, running: bool = True) -> None:
         """The feed loop ran (called on its thread every PULSE_S; `running` False: it
@@ -72,13 +78,14 @@ class DecisionsFirst:
         if not running:
             self.pulse = None
             return
-        self.pulse = (time.monotonic(), time.thread_time(), _cpu_clock(get_ident()))
+        self._pulse_thread = thread = get_ident()
+        self.pulse = (time.monotonic(), time.thread_time(), _cpu_clock(thread))
 
     def starved(self) -> bool:
         """Whether the feed loop missed its pulse for want of the CPU (or the GIL), not because
         it was busy."""
         pulse = self.pulse
-        if pulse is None:
+        if pulse is None or self._yielding:
             return False
         at, ran_then, clock = pulse
         late = time.monotonic() - at
@@ -128,12 +135,18 @@ class DecisionsFirst:
         if not waiting:
             return
         until, deadline = self.done + waiting, time.perf_counter() + max_wait_s
-        while self.done < until:
-            self._progress.clear()
-            left = deadline - time.perf_counter()
-            if self.done >= until or left <= 0:
-                return
-            self._progress.wait(left)
+        self._yielding += 1
+        try:
+            while self.done < until:
+                self._progress.clear()
+                left = deadline - time.perf_counter()
+                if self.done >= until or left <= 0:
+                    return
+                self._progress.wait(left)
+        finally:
+            self._yielding -= 1
+            if self.pulse is not None and self._pulse_thread == get_ident():
+                self.pulsed()  # the loop goes on now: its time off the CPU was its own choice
 
 
 def _cpu_clock(thread_id: int) -> int | None:

@@ -81,6 +81,39 @@ def test_a_loop_that_missed_its_pulse_busy_is_not_starved():
     assert not first.starved()
 
 
+def test_a_loop_that_waits_for_decisions_is_not_starved_and_pulses_as_it_goes_on():
+    """The loop's thread off the CPU because it gives way to decisions (a slice paused for them)
+    is no reason for the next decision to sleep; once the decisions are done its pulse is new."""
+    first, pulsed, deciding, finish = (DecisionsFirst(threading.Lock()), threading.Event(),
+                                       threading.Event(), threading.Event())
+
+    def decide() -> None:  # a decision that holds the lock until told
+        with first.decision():
+            deciding.set()
+            finish.wait(5)
+
+    def loop() -> None:
+        first.pulsed()
+        pulsed.set()
+        deciding.wait(5)
+        first.yield_to_decisions(max_wait_s=5)
+
+    decider = threading.Thread(target=decide)
+    decider.start()
+    deciding.wait(5)
+    looper = threading.Thread(target=loop)
+    looper.start()
+    pulsed.wait(5)
+    time.sleep(2 * STARVED_S)  # the loop waits meanwhile: its pulse stale, its CPU time unspent
+    assert not first.starved()
+    finish.set()
+    decider.join(5), looper.join(5)
+    assert time.monotonic() - first.pulse[0] < STARVED_S  # pulsed when it went on
+    time.sleep(2 * STARVED_S)  # then off the CPU, not yielding: starved (its thread ended)
+    first.pulse = first.pulse[:2] + (None,)  # no CPU clock to read: the pulse's age decides
+    assert first.starved()
+
+
 def _router() -> Router:
     router = Router(make_policy("affinity"), GatewayMetrics())
     router.add(Worker("f", "w", "c", None, pb.GetModelInfoResponse(worker="f")))
