@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
+    if args.no_grpc and (args.checkpoint or args.warmup_compare or args.routing_only):
+        p.error("--no-grpc times the ingest run only (not --checkpoint, --warmup-compare or "
+                "--routing-only)")
     if args.summary:
         for pattern, columns in (("w[0-9]*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
                                  ("checkpoint_w*.json", CHECKPOINT_COLUMNS),

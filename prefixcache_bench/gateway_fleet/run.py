@@ -181,6 +181,8 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
     False: no load generator, the items put on the applier directly (sources.DirectSource)."""
     tuning = tuning or IngestTuning()
     if not grpc:
+        if warmup_compare:
+            raise ValueError("the warm-up comparison reads its pools over gRPC")
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
         source = DirectSource(pools, pages_per_pool, live_batches, packed)

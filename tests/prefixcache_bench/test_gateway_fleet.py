@@ -88,6 +88,15 @@ def test_a_tiny_run_without_grpc_applies_the_same_items_and_routes_to_holders():
     assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
 
 
+def test_no_grpc_is_refused_where_it_would_be_ignored(capsys):
+    for mode in ("--checkpoint", "--warmup-compare", "--routing-only"):
+        with pytest.raises(SystemExit):
+            main(["--no-grpc", mode])
+        assert "--no-grpc times the ingest run only" in capsys.readouterr().err
+    with pytest.raises(ValueError):
+        run_config(pools=1, pages_per_pool=10, live_batches=1, grpc=False, warmup_compare=True)
+
+
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
     """The default sample at 8 pools (25k pages each) ends right after a growth: applied directly,
     the old table is still there (over issue 31's 64 bytes); a gateway's idle feed loop migrates
