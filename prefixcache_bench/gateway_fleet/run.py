@@ -156,13 +156,20 @@ class _Router:
         return out
 
 
+def _reached(router: Router, name: str, done) -> bool:
+    """Whether a worker's index entry is in the state `done` asks for: the router's lock held
+    for that one worker (holding it over a thousand workers' entries made the bench's routing
+    thread wait up to ~100 ms each poll of the warm-up, in no gateway's path)."""
+    with router.lock:
+        info = router.index.info(name)
+    return info is not None and done(info)
+
+
 def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
           timeout_s: float = 1800.0) -> float:
     deadline = time.monotonic() + timeout_s
     while True:
-        with router.lock:
-            infos = [router.index.info(n) for n in names]
-        if all(i is not None and done(i) for i in infos):
+        if all(_reached(router, name, done) for name in names):
             return time.perf_counter()
         if time.monotonic() > deadline:
             raise TimeoutError("the fleet did not reach the state in time")
