@@ -104,6 +104,17 @@ def _tuning(args: argparse.Namespace) -> IngestTuning:
                         args.switch_interval_ms / 1e3, args.ingest_priority)
 
 
+def _summary(folder: Path) -> None:
+    """The table of each kind of run in `folder` (--summary)."""
+    for pattern, columns in (("w[0-9]*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
+                             ("checkpoint_w*.json", CHECKPOINT_COLUMNS),
+                             ("ingest_w*.json", INGEST_COLUMNS)):
+        rows = [json.loads(f.read_text()) for f in sorted(folder.glob(pattern))]
+        rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
+        if rows:
+            print(columns_table(columns, [[r.get(c) for c in columns] for r in rows]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixcache_bench.gateway_fleet", description=__doc__)
     p.add_argument("--pools", type=int, default=100)
@@ -144,13 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--no-grpc times the ingest run only (not --checkpoint, --warmup-compare or "
                 "--routing-only)")
     if args.summary:
-        for pattern, columns in (("w[0-9]*.json", COLUMNS), ("routing_w*.json", ROUTING_COLUMNS),
-                                 ("checkpoint_w*.json", CHECKPOINT_COLUMNS),
-                                 ("ingest_w*.json", INGEST_COLUMNS)):
-            rows = [json.loads(f.read_text()) for f in sorted(Path(args.summary).glob(pattern))]
-            rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
-            if rows:
-                print(columns_table(columns, [[r.get(c) for c in columns] for r in rows]))
+        _summary(Path(args.summary))
         return 0
     per_pool = args.total_pages // args.pools
     live = max(1, args.live_page_events // (128 * args.pools))
