@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import numpy as np
 
 from cache_service.core import CacheCore
+from gateway.core import index_checkpoint
 from gateway.core.discovery import WorkerAddress
 from gateway.core.index import KvIndex
 from gateway.core.index_checkpoint import IndexCheckpointer, capture, load, sizes, write
 from gateway.core.index_table import PageTable
 from gateway.core.metrics import GatewayMetrics
-from gateway.core.policies import make_policy
-from gateway.core.router import Router
+from gateway.core.policies import RouteRequest, make_policy
+from gateway.core.router import Router, Worker
+from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache.v1 import compute_service_pb2 as pb
 from tests.gateway.gateway_harness import FakeWorker, cache_prompt, register_pool, running_gateway, wait_until
 from tests.gateway.test_stream_resume import BreakableCache
 
@@ -237,3 +242,42 @@ def test_a_checkpoint_of_an_unchanged_index_is_skipped(tmp_path):
     os.unlink(path)  # gone meanwhile: written again whatever the count
     again.save()
     assert again.writes == 1 and os.path.exists(path)
+
+
+def test_decisions_go_on_while_a_checkpoint_copies_the_index_and_ingest_waits(tmp_path, monkeypatch):
+    """The copy holds `Router.writing` (every change of the index holds it), not `Router.lock`:
+    a routing decision made while the copy runs completes before it ends; an ingest slice
+    waits for it, and the copy holds the index as it was."""
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    router.add(Worker("w0", "addr", "cache", None, pb.GetModelInfoResponse(worker="w0")))
+    router.apply_stream_items([("w0", cpb.SubscribeResponse(batch=_batch(0, 0, 100)))])
+    copying, go_on, applied = threading.Event(), threading.Event(), threading.Event()
+    during_copy: list[bool] = []  # the slice applied while the copy ran?
+    real_capture = index_checkpoint.capture
+
+    def slow_capture(*args, **kwargs):
+        copying.set()
+        go_on.wait(5)
+        during_copy.append(applied.is_set())
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(index_checkpoint, "capture", slow_capture)
+    saver = IndexCheckpointer(router, str(tmp_path / "ckpt"), 3600.0, "default", SPEC, 60.0)
+    save = threading.Thread(target=saver.save)
+    save.start()
+    assert copying.wait(5)
+    decided = threading.Thread(target=router.route,
+                               args=(RouteRequest("r0", [b"\0" * 16], 65, 16),))
+    decided.start()
+    decided.join(2)
+    assert not decided.is_alive(), "a decision waited for the copy"
+    ingest = threading.Thread(target=lambda: (router.apply_stream_items(
+        [("w0", cpb.SubscribeResponse(batch=_batch(1, 100, 10)))]), applied.set()))
+    ingest.start()
+    time.sleep(0.2)  # time enough for the slice, were it not held off
+    go_on.set()
+    save.join(5), ingest.join(5)
+    assert during_copy == [False] and applied.is_set() and len(router.index) == 110
+    restarted = Router(make_policy("affinity"), GatewayMetrics())
+    IndexCheckpointer(restarted, str(tmp_path / "ckpt"), 3600.0, "default", SPEC, 60.0).restore()
+    assert len(restarted.index) == 100  # the copy: before the slice that waited for it
