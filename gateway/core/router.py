@@ -3,7 +3,8 @@ index their event streams feed, the policy, and the load tracker (design.md §6)
 
 Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
 all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
-to them holds `Router.lock`. Ingest holds it for bounded slices (`apply_stream_items`) and lets a
+to them holds `Router.lock` (but the index checkpoint's copy, which only reads the index and holds
+`writing`: gateway/core/index_checkpoint.py). Ingest holds it for bounded slices (`apply_stream_items`) and lets a
 waiting routing decision in between them and between two page events of one
 (gateway/core/decisions_first.py); all else that changes the index holds `writing` too. Hashing
 a prompt is done by the caller, outside the lock.
