@@ -3,11 +3,11 @@ index their event streams feed, the policy, and the load tracker (design.md §6)
 
 Event ingest (the `FeedLoop` thread, gateway/core/feeds.py), Generate calls and the preview RPCs
 all meet here, and `KvIndex`, the policies and `LoadTracker` are not thread-safe, so every access
-to them holds `Router.lock` (but the index checkpoint's copy, which only reads the index and holds
-`writing`: gateway/core/index_checkpoint.py). Ingest holds it for bounded slices (`apply_stream_items`) and lets a
-waiting routing decision in between them and between two page events of one
-(gateway/core/decisions_first.py); all else that changes the index holds `writing` too. Hashing
-a prompt is done by the caller, outside the lock.
+to them holds `Router.lock` (but the index checkpoint's copy, which only reads the index and
+holds `writing`: gateway/core/index_checkpoint.py). Ingest holds it for bounded slices
+(`apply_stream_items`) and lets a waiting routing decision in between them and between two page
+events of one (gateway/core/decisions_first.py); all else that changes the index holds
+`writing` too. Hashing a prompt is done by the caller, outside the lock.
 
 Longer than 400 lines: every method that takes `Router.lock` is here, so that what holds it,
 and for how long, reads in one module.
@@ -385,7 +385,8 @@ class Router:
             out.reason += "; no worker's view is complete yet: routed over every worker up"
         return out
 
-    def _rows(self, rows: Callable[[list[tuple[str, Worker]], float], list], chunk: int = 64) -> list:
+    def _rows(self, rows: Callable[[list[tuple[str, Worker]], float], list],
+              chunk: int = 64) -> list:
         """`rows([(name, worker), ...], now)` over every worker by name, the lock held for `chunk`
         of them at a time (all 1,000 in one hold kept decisions waiting ~11 ms a ListWorkers)."""
         names, out = self.names(), []

@@ -15,8 +15,9 @@ for that core and for the GIL:
   threads keep a floor under it (decisions_first.py: a decision that finds the loop's pulse
   stale and its thread starved of the CPU since sleeps 2 ms first, ~a tenth of the core), but
   without a cgroup of its own (a Kubernetes pod has one) those threads may be any process's: a
-  compute service beside the gateway, as `stack/` runs them. So `nice` (the loop +10: ~10% of a busy core kept) is the
-  default, `idle` what deploy/kubernetes sets; `normal` shares the core evenly.
+  compute service beside the gateway, as `stack/` runs them. So `nice` (the loop +10: ~10% of a
+  busy core kept) is the default, `idle` what deploy/kubernetes sets; `normal` shares the core
+  evenly.
 - The GIL. A thread that wakes (a request arrives) waits for the loop thread to release it,
   up to the interpreter's switch interval (5 ms by default): decisions were p99 ~6 ms from
   their wake-up although ~1 ms inside the router. `--switch-interval-ms` (0.5 by default) makes

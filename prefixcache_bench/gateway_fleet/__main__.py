@@ -45,8 +45,8 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",
                    "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
 # The ingest slices' runs (ingest_w*.json): before/after pairs of the same minutes.
-INGEST_COLUMNS = ("pools", "indexed_pages", "feeds_grpc", "ingest_slice_events_fixed", "ingest_slice_ms",
-                  "switch_interval_ms", "ingest_priority",
+INGEST_COLUMNS = ("pools", "indexed_pages", "feeds_grpc", "ingest_slice_events_fixed",
+                  "ingest_slice_ms", "switch_interval_ms", "ingest_priority",
                   "live_page_events_per_s", "live_slice_p50_ms", "live_slice_p99_ms",
                   "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
                   "routing_max_during_ingest_us", "routing_p99_from_wake_during_ingest_us",
