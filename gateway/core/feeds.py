@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,13 +39,13 @@ import grpc
 from gateway.core.decisions_first import PULSE_S, DecisionsFirst
 from gateway.core.index import ApplyStatus
 from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration, SliceSize
-from gateway.core.packed import HASH_BYTES, Body, page_count
 from gateway.core.router import Router, log_resync
 from gateway.core.stall_watchdog import StallWatchdog
+from gateway.core.stream_frames import FrameItem, StreamItem
+from gateway.core.stream_items import page_events, resume_after, split_snapshot
 from gateway.core.thread_priority import lower_thread_priority
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
-from prefixcache.v1 import events_pb2
 from service_shell import TlsConfig, kv
 from service_shell.retry import RetryPolicy
 from service_shell.service_token import SERVICE_TOKEN_METADATA_KEY
@@ -170,72 +170,13 @@ class Feed:
             self.call.cancel()
 
 
-def _page_count(event: events_pb2.KvEvent) -> int:
-    kind = event.WhichOneof("event")
-    if kind == "stored":
-        return page_count(event.stored)
-    return page_count(event.removed) if kind == "removed" else 0
-
-
-def _with_hashes(template: events_pb2.KvEvent, kind: str,
-                 hashes: list[bytes] | bytes) -> events_pb2.KvEvent:
-    piece = events_pb2.KvEvent()
-    piece.CopyFrom(template)
-    if isinstance(hashes, bytes):
-        getattr(piece, kind).packed_block_hashes = hashes
-    else:
-        getattr(piece, kind).block_hashes.extend(hashes)
-    return piece
-
-
-def _hashes_of(body: Body) -> tuple[list[bytes] | bytes, int]:
-    """The event's hashes as it carries them, and the length of one page in that form (a
-    packed event is cut by slicing its bytes: no bytes object a page)."""
-    if body.packed_block_hashes:
-        return body.packed_block_hashes, HASH_BYTES
-    return list(body.block_hashes), 1
-
-
-def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.EventBatch]:
-    """A snapshot batch as snapshot batches of at most `limit` page events each (a live batch,
-    or a small one, as is)."""
-    if not batch.snapshot or sum(map(_page_count, batch.events)) <= limit:
-        return [batch]
-    parts: list[list[events_pb2.KvEvent]] = []
-    current: list[events_pb2.KvEvent] = []
-    room = limit
-    for event in batch.events:
-        kind = event.WhichOneof("event")
-        if kind not in ("stored", "removed"):
-            current.append(event)
-            continue
-        hashes, unit = _hashes_of(getattr(event, kind))
-        template = events_pb2.KvEvent()
-        template.CopyFrom(event)
-        getattr(template, kind).ClearField("block_hashes")
-        getattr(template, kind).ClearField("packed_block_hashes")
-        i = 0
-        while i < len(hashes):
-            if room == 0:
-                parts.append(current)
-                current, room = [], limit
-            chunk = hashes[i:i + room * unit]
-            current.append(_with_hashes(template, kind, chunk))
-            room -= len(chunk) // unit
-            i += len(chunk)
-    parts.append(current)
-    return [events_pb2.EventBatch(pool_id=batch.pool_id, epoch=batch.epoch, seq=batch.seq,
-                                  snapshot=True, snapshot_end=batch.snapshot_end and k == len(parts) - 1,
-                                  events=p) for k, p in enumerate(parts)]
-
-
 class BatchApplier:
     """The queue of decoded stream items of every feed, applied in bounded slices."""
 
     def __init__(self, router: Router, size: SliceSize, idle: IdleMigration) -> None:
         self.router, self.size, self.idle = router, size, idle
         # (feed, its generation then, item, the item's page events)
-        self._pending: deque[tuple[Feed, int, cpb.SubscribeResponse, int]] = deque()
+        self._pending: deque[tuple[Feed, int, StreamItem, int]] = deque()
         self._queued_events = 0
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
@@ -249,14 +190,25 @@ class BatchApplier:
                 self._queue(feed, item if part is item.batch else cpb.SubscribeResponse(batch=part))
         else:
             self._queue(feed, item)
+        await self._queued()
+
+    async def put_frame(self, feeds: Mapping[str, Feed], items: Sequence[FrameItem]) -> None:
+        """A stream frame's items (stream_frames.py), each to its pool's feed; a snapshot batch
+        is applied whole (the frame's sender sizes them)."""
+        for item in items:
+            feed = feeds[item.pool_id]
+            self._pending.append((feed, feed.generation, item, item.events))
+            self._queued_events += item.events
+        await self._queued()
+
+    async def _queued(self) -> None:
         self._wake.set()
         if len(self._pending) >= MAX_PENDING_ITEMS:
             self._room.clear()
             await self._room.wait()
 
     def _queue(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
-        events = (max(1, sum(map(_page_count, item.batch.events)))
-                  if item.WhichOneof("item") == "batch" else 0)
+        events = page_events(item)
         self._pending.append((feed, feed.generation, item, events))
         self._queued_events += events
 
@@ -289,7 +241,7 @@ class BatchApplier:
                 self.router.yield_to_routing()
                 await asyncio.sleep(0)  # the feeds read on: an item queued ends the migration
 
-    def _take_slice(self) -> tuple[list[tuple[Feed, cpb.SubscribeResponse]], int]:
+    def _take_slice(self) -> tuple[list[tuple[Feed, StreamItem]], int]:
         """The next items, up to the slice's page events; and their page events."""
         out, budget = [], self.size.events
         events = 0
@@ -302,7 +254,7 @@ class BatchApplier:
             events += n
         return out, events
 
-    def _apply_slice(self, taken: tuple[list[tuple[Feed, cpb.SubscribeResponse]], int]) -> None:
+    def _apply_slice(self, taken: tuple[list[tuple[Feed, StreamItem]], int]) -> None:
         items, events = taken
         if not items:
             return
@@ -323,15 +275,6 @@ class BatchApplier:
                 feed.generation += 1
                 feed.resync = (result.resume_epoch, result.resume_after_seq)
                 feed.interrupt()
-
-
-def resume_after(item: cpb.SubscribeResponse, point: tuple[int, int]) -> tuple[int, int]:
-    """Where a broken stream resumes once `item` is applied (Subscription._advance's rule: inside
-    an unfinished snapshot, a new snapshot)."""
-    if item.WhichOneof("item") != "batch":
-        return point
-    batch = item.batch
-    return (batch.epoch, -1) if batch.snapshot and not batch.snapshot_end else (batch.epoch, batch.seq)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -48,8 +48,8 @@ from gateway.core.index_bulk import apply_ops
 from gateway.core.index_native import Preemption
 from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
-from gateway.core.index_types import (ApplyResult, ApplyStatus, Holders, IndexConfig, IndexStats,
-                                      PrefixMatch, WorkerInfo)
+from gateway.core.index_types import (ApplyResult, ApplyStatus, BatchHead, Holders, IndexConfig,
+                                      IndexStats, Packed, PrefixMatch, Run, WorkerInfo)
 from gateway.core.packed import packed_hashes
 from prefixcache.v1 import common_pb2, events_pb2
 from service_shell import kv
@@ -60,7 +60,7 @@ __all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "Holders", "IndexCon
 log = logging.getLogger("gateway.index")
 
 # Medium enum value -> position in the per-medium tuples below.
-_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
+MEDIUM_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
 # Bytes one (page hash, medium) key is counted as: a PageTable slot is 24 bytes at 45-70% load
@@ -172,7 +172,7 @@ class KvIndex:
     def pages(self, pool_id: str, medium: int) -> frozenset[bytes]:
         """The page hashes the index holds for a worker on a medium (for tests and debugging)."""
         w = self._workers.get(pool_id)
-        return frozenset(self._tables[_TIER[medium]].hashes_of(w.slot)) if w else frozenset()
+        return frozenset(self._tables[MEDIUM_TIER[medium]].hashes_of(w.slot)) if w else frozenset()
 
     def confidence(self, pool_id: str, now: float | None = None) -> float:
         """How much to trust a worker's entries: 1 when fresh and in sync, less when stale."""
@@ -205,12 +205,20 @@ class KvIndex:
 
     def apply(self, batch: events_pb2.EventBatch, now: float | None = None) -> ApplyResult:
         """Apply one batch of a worker's stream, or say why it cannot be applied."""
+        events = batch.events
+        clears = len(events) > 0 and events[0].WhichOneof("event") == "cleared"
+        head = BatchHead(batch.pool_id, batch.epoch, batch.seq, batch.snapshot,
+                         batch.snapshot_end, clears)
+        return self.apply_runs(head, _message_runs(events), now)
+
+    def apply_runs(self, batch: BatchHead, runs: Iterable[Run], now: float | None = None
+                   ) -> ApplyResult:
+        """`apply` of a batch given as its head and its events' runs (a stream frame's form,
+        gateway/core/stream_frames.py: no message object); `runs` is read only if applied."""
         self.changes += 1
         w = self._worker(batch.pool_id)
         w.last_seen = self._clock() if now is None else now
-        events = batch.events
-        starts_snapshot = batch.snapshot and len(events) > 0 and events[0].WhichOneof("event") == "cleared"
-        if starts_snapshot:
+        if batch.snapshot and batch.clears_first:
             # A snapshot replaces the worker's view whatever came before (any epoch).
             self._clear(w)
             w.epoch, w.last_seq, w.started = batch.epoch, -1, True
@@ -234,7 +242,7 @@ class KvIndex:
             return self._resync(w, f"gap: seq {batch.seq} after {w.last_seq}")
         else:
             w.needs_resync = False  # a replay resumed right after the last applied batch
-        n = self._apply_events(w, events)
+        n = self._apply_events(w, runs)
         if batch.snapshot:
             if batch.snapshot_end:
                 w.in_snapshot = False
@@ -270,28 +278,23 @@ class KvIndex:
         after = w.last_seq if w.started else -1
         return ApplyResult(ApplyStatus.RESYNC, w.pool_id, reason, w.epoch, after)
 
-    def _apply_events(self, w: _Worker, events: Sequence[events_pb2.KvEvent]) -> int:
+    def _apply_events(self, w: _Worker, events: Iterable[Run]) -> int:
         """Consecutive stored (or removed) events of one medium are applied as one run, so that a
         live batch of many small events takes the numpy path as a snapshot does; the order of
         stores and removals is kept (a run ends where the kind or the medium changes)."""
         n = 0
-        run: list[bytes] = []  # packed hashes of the run's events
+        run: list[Packed] = []  # packed hashes of the run's events
         run_key: tuple[str, int] | None = None
-        for ev in events:
-            kind = ev.WhichOneof("event")
+        for kind, tier, packed in events:
             if kind == "cleared":
                 n += self._apply_run(w, run_key, run)
                 run, run_key = [], None
                 self._clear(w)
                 continue
-            body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
-            tier = None if body is None else _TIER.get(body.medium)
-            if tier is None:
-                continue
             if run_key != (kind, tier):
                 n += self._apply_run(w, run_key, run)
                 run, run_key = [], (kind, tier)
-            run.append(packed_hashes(body))
+            run.append(packed)
         return n + self._apply_run(w, run_key, run)
 
     @contextmanager
@@ -329,7 +332,7 @@ class KvIndex:
             slots.clear()
             stores.clear()
 
-    def _apply_run(self, w: _Worker, key: tuple[str, int] | None, run: list[bytes]) -> int:
+    def _apply_run(self, w: _Worker, key: tuple[str, int] | None, run: list[Packed]) -> int:
         """Applies (or, inside `bulk()`, queues) a run of packed hashes; its page events."""
         packed = run[0] if len(run) == 1 else b"".join(run)
         if key is None or not packed:
@@ -445,3 +448,17 @@ class KvIndex:
 
 _POOL_ID, _LAST_SEEN = attrgetter("pool_id"), attrgetter("last_seen")
 _NEEDS_RESYNC, _IN_SNAPSHOT = attrgetter("needs_resync"), attrgetter("in_snapshot")
+
+
+def _message_runs(events: Sequence[events_pb2.KvEvent]) -> Iterator[Run]:
+    """A batch's events as runs: (kind, tier, packed hashes) each; events of a medium the index
+    does not keep, or of a kind it does not know, left out."""
+    for ev in events:
+        kind = ev.WhichOneof("event")
+        if kind == "cleared":
+            yield kind, 0, b""
+            continue
+        body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
+        tier = None if body is None else MEDIUM_TIER.get(body.medium)
+        if tier is not None:
+            yield kind, tier, packed_hashes(body)

@@ -1,5 +1,6 @@
-"""The value types of the gateway's KV index (gateway/core/index.py): its settings, what applying
-a batch answers, a worker's match and state, and the index's totals."""
+"""The value types of the gateway's KV index (gateway/core/index.py): its settings, a batch as the
+stream rules read it, what applying a batch answers, a worker's match and state, and the index's
+totals."""
 from __future__ import annotations
 
 import enum
@@ -36,6 +37,26 @@ class IndexConfig:
             frac = (age_s - self.stale_after_s) / (self.dead_after_s - self.stale_after_s)
             conf = 1.0 - frac * (1.0 - self.min_confidence)
         return conf * self.resync_confidence if incomplete else conf
+
+
+@dataclass(frozen=True, slots=True)
+class BatchHead:
+    """What the stream rules read of an `EventBatch` (`KvIndex.apply_runs`): its pool, epoch and
+    seq, its snapshot flags, and whether its first event clears the pool (a snapshot's start)."""
+    pool_id: str
+    epoch: int
+    seq: int
+    snapshot: bool = False
+    snapshot_end: bool = False
+    clears_first: bool = False
+
+
+# A batch's page hashes of one event, 16 bytes each, concatenated: bytes from a message, a
+# memoryview of a stream frame's hashes.
+Packed = bytes | memoryview
+# One event of a batch as the index applies it: ("stored" | "removed" | "cleared", the medium's
+# position in the index's tables, its packed hashes).
+Run = tuple[str, int, Packed]
 
 
 class ApplyStatus(enum.Enum):

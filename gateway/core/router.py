@@ -27,10 +27,12 @@ from gateway.core.candidates import CandidateSets, eligible_since
 from gateway.core.decisions_first import DecisionsFirst
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.shared_index import SharedIndexView
+from gateway.core.stream_frames import FrameItem, StreamItem
 from gateway.core.metrics import MEDIA, GatewayMetrics, Snapshot
 from gateway.core.policies import LoadTracker, Policy, RouteDecision, RouteRequest
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
+from prefixcache.v1 import events_pb2
 from prefixcache.v1 import gateway_pb2 as gpb
 from prefixcache_client.compute import ComputeClient
 from service_shell import kv
@@ -179,7 +181,7 @@ class Router:
         None when the worker is no longer routed to."""
         return self.apply_stream_items([(name, item)])[0]
 
-    def apply_stream_items(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
+    def apply_stream_items(self, items: Sequence[tuple[str, StreamItem]]
                            ) -> list[ApplyResult | None]:
         """Applies items of any workers' streams in order under one hold of the lock: the caller
         (gateway/core/feeds.py) bounds how many page events that is, and calls
@@ -194,15 +196,18 @@ class Router:
                 self.metrics.resyncs.labels(result.pool_id).inc()
         return results
 
-    def _apply_item(self, name: str, item: cpb.SubscribeResponse) -> ApplyResult | None:
+    def _apply_item(self, name: str, item: StreamItem) -> ApplyResult | None:
         worker = self._workers.get(name)
         if worker is None:
             return None
-        if item.WhichOneof("item") == "batch":
-            result = self.index.apply(item.batch)
+        heartbeat = _heartbeat(item)
+        if heartbeat is not None:
+            result = self.index.heartbeat(heartbeat)
+            self.load.report(name, heartbeat.load)
+        elif isinstance(item, FrameItem):
+            result = self.index.apply_runs(item.head, item.runs)
         else:
-            result = self.index.heartbeat(item.heartbeat)
-            self.load.report(name, item.heartbeat.load)
+            result = self.index.apply(item.batch)
         was = worker.synced
         if result.status is ApplyStatus.RESYNC:
             worker.synced = False
@@ -212,7 +217,7 @@ class Router:
         self._candidate_sets.on_item(name, synced_changed=worker.synced != was)
         return result
 
-    def _apply_load_only(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]
+    def _apply_load_only(self, items: Sequence[tuple[str, StreamItem]]
                          ) -> list[ApplyResult | None]:
         """The shared index's mode: heartbeats report load; batches are the indexers' to write
         (ignored here, never a RESYNC: the feed keeps its own resume point)."""
@@ -222,8 +227,9 @@ class Router:
                 if name not in self._workers:
                     results.append(None)
                     continue
-                if item.WhichOneof("item") == "heartbeat":
-                    self.load.report(name, item.heartbeat.load)
+                heartbeat = _heartbeat(item)
+                if heartbeat is not None:
+                    self.load.report(name, heartbeat.load)
                 results.append(ApplyResult(ApplyStatus.DUPLICATE, name))
         return results
 
@@ -426,6 +432,12 @@ class Router:
     def names(self) -> Sequence[str]:
         with self.lock:
             return sorted(self._workers)
+
+
+def _heartbeat(item: StreamItem) -> events_pb2.Heartbeat | None:
+    if isinstance(item, FrameItem):
+        return item.heartbeat
+    return item.heartbeat if item.WhichOneof("item") == "heartbeat" else None
 
 
 def log_resync(name: str, result: ApplyResult) -> None:
