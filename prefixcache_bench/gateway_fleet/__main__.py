@@ -17,7 +17,8 @@ from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from gateway.core.ingest_slices import SLICE_S
 from gateway.core.thread_priority import PRIORITIES, SWITCH_INTERVAL_S
-from prefixcache_bench.gateway_fleet.run import (IngestTuning, idle_gateway_bytes_per_page,
+from prefixcache_bench.gateway_fleet.run import (DECISION_PERIOD_S, IngestTuning,
+                                                 idle_gateway_bytes_per_page,
                                                  index_bytes_per_page, run_config)
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
@@ -93,6 +94,9 @@ def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_S * 1e3,
                    help="the gateway process's sys.setswitchinterval (the gateway's "
                         "--switch-interval-ms)")
+    p.add_argument("--decision-period-ms", type=float, default=DECISION_PERIOD_S * 1e3,
+                   help="a timed request is due every this many ms (raise it on a machine where "
+                        "route() alone takes most of the default's millisecond)")
     p.add_argument("--ingest-priority", choices=PRIORITIES, default="idle",
                    help="the feed loop thread's scheduling priority (the gateway's "
                         "--ingest-priority; default idle, as deploy/k8s runs the gateway: the "
@@ -101,7 +105,8 @@ def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
 
 def _tuning(args: argparse.Namespace) -> IngestTuning:
     return IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events,
-                        args.switch_interval_ms / 1e3, args.ingest_priority)
+                        args.switch_interval_ms / 1e3, args.ingest_priority,
+                        args.decision_period_ms / 1e3)
 
 
 def _summary(folder: Path) -> None:
@@ -113,6 +118,31 @@ def _summary(folder: Path) -> None:
         rows.sort(key=lambda r: (r["indexed_pages"] > 5e6, r["pools"]))
         if rows:
             print(columns_table(columns, [[r.get(c) for c in columns] for r in rows]))
+
+
+def _add_source_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-grpc", action="store_true",
+                   help="no load generator and no gRPC: the recorded items, decoded ahead, put on "
+                        "the gateway's applier directly (sources.py: what the gateway's process "
+                        "would still do with its feeds in a process of their own)")
+    p.add_argument("--frame-items", type=int,
+                   help="with --no-grpc: the live items as stream frames of this many items "
+                        "(gateway/core/stream_frames.py), decoded as they are put (what the "
+                        "gateway's process would run with a feed process sending it frames)")
+    p.add_argument("--live-rate", type=float,
+                   help="with --no-grpc: put the live items at this many page events a second at "
+                        "most (default: as fast as the applier takes them), to compare item forms "
+                        "at one ingest rate")
+
+
+def _check_source_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.no_grpc and (args.checkpoint or args.warmup_compare or args.routing_only):
+        p.error("--no-grpc times the ingest run only (not --checkpoint, --warmup-compare or "
+                "--routing-only)")
+    if args.frame_items is not None and (not args.no_grpc or args.frame_items < 1):
+        p.error("--frame-items: a positive count, with --no-grpc")
+    if args.live_rate is not None and (not args.no_grpc or args.live_rate <= 0):
+        p.error("--live-rate: a positive rate, with --no-grpc")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--routing-only: leave the warm heap to the garbage collector (the gateway's "
                         "--no-gc-freeze-after-warmup)")
     p.add_argument("--no-pin", action="store_true", help="leave both processes on any core")
-    p.add_argument("--no-grpc", action="store_true",
-                   help="no load generator and no gRPC: the recorded items, decoded ahead, put on "
-                        "the gateway's applier directly (sources.py: what the gateway's process "
-                        "would still do with its feeds in a process of their own)")
+    _add_source_flags(p)
     p.add_argument("--unpacked", action="store_true",
                    help="the feeds ask for the per-page hash encoding, not the packed one")
     p.add_argument("--checkpoint", action="store_true",
@@ -151,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", help="print the table of every JSON in this folder and exit")
     args = p.parse_args(argv)
-    if args.no_grpc and (args.checkpoint or args.warmup_compare or args.routing_only):
-        p.error("--no-grpc times the ingest run only (not --checkpoint, --warmup-compare or "
-                "--routing-only)")
+    _check_source_flags(p, args)
     if args.summary:
         _summary(Path(args.summary))
         return 0
@@ -181,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
                                       packed=not args.unpacked, tuning=_tuning(args),
-                                      grpc=not args.no_grpc))
+                                      grpc=not args.no_grpc, frame_items=args.frame_items,
+                                      live_rate=args.live_rate))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     results["index_bytes_per_page_idle"] = idle_gateway_bytes_per_page(args.pools, sample)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.core.router import Router
-from prefixcache.v1 import cache_service_pb2 as cpb
+from gateway.core.stream_frames import FrameItem, StreamItem
 from prefixcache_bench.harness import percentile
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -25,7 +25,9 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
-def _is_live(item: cpb.SubscribeResponse) -> bool:
+def _is_live(item: StreamItem) -> bool:
+    if isinstance(item, FrameItem):
+        return item.head is not None and not item.head.snapshot
     return item.WhichOneof("item") == "batch" and not item.batch.snapshot
 
 
@@ -59,7 +61,7 @@ class LiveClock:
         if self.generator_pid is not None:
             self.generator_cpu[1] = process_cpu_s(self.generator_pid)
 
-    def __call__(self, items: Sequence[tuple[str, cpb.SubscribeResponse]]) -> list[Any]:
+    def __call__(self, items: Sequence[tuple[str, StreamItem]]) -> list[Any]:
         began, cpu = time.perf_counter(), time.thread_time()
         results = self._apply(items)
         live = sum(1 for _, item in items if _is_live(item))

@@ -34,7 +34,8 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.live_clock import LiveClock
-from prefixcache_bench.gateway_fleet.sources import SETTINGS, DirectSource, GrpcSource, follow
+from prefixcache_bench.gateway_fleet.sources import (SETTINGS, DirectSource, FrameSource,
+                                                     GrpcSource, follow)
 from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
 
@@ -86,8 +87,9 @@ class _Router:
     knows it) or a system prompt, each followed by new pages."""
 
     def __init__(self, router: Router, pools: int, pages_per_pool: int, live_batches: int,
-                 request_pages: int = REQUEST_PAGES):
+                 request_pages: int = REQUEST_PAGES, period_s: float = DECISION_PERIOD_S):
         self.router, self.pools, self.pages = router, pools, pages_per_pool
+        self.period_s = period_s
         self.request_pages = request_pages  # of which CONVERSATION_PAGES held, the rest new
         # Conversations the live batches do not remove (those go oldest first).
         self.first_conv = (live_batches * F.LIVE_PAGES) // F.CONVERSATION_PAGES + 1
@@ -116,7 +118,7 @@ class _Router:
         return RouteRequest(f"r{n}", held + fresh, self.request_pages * PAGE_SIZE + 1, PAGE_SIZE), holder
 
     def _run(self) -> None:
-        """A request due every DECISION_PERIOD_S (an open loop: one late starts when the one
+        """A request due every `period_s` (an open loop: one late starts when the one
         before ends, and counts its lateness)."""
         precise_sleep()
         rng, n = random.Random(1), 0
@@ -140,7 +142,7 @@ class _Router:
                     self.private += 1
                     self.to_holder += route.worker.name == holder
             n += 1
-            due += DECISION_PERIOD_S
+            due += self.period_s
 
     def summary(self, t0: float, t1: float) -> dict:
         phase = [x for x in self.samples if t0 <= x[0] < t1]
@@ -179,20 +181,25 @@ def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
 def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float = 2.0,
                cpus: tuple[int, int] | None = (0, 1), packed: bool = True,
                warmup_compare: bool = False, tuning: IngestTuning | None = None,
-               grpc: bool = True) -> dict:
+               grpc: bool = True, frame_items: int | None = None,
+               live_rate: float | None = None) -> dict:
     """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
     `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
     they do in the gateway, or not (the per-page encoding an older cache service sends);
     `warmup_compare`: only the warm-up, its decisions compared with load-only routing
     (warmup.py); `tuning`: the gateway's ingest settings (the defaults when None); `grpc`
-    False: no load generator, the items put on the applier directly (sources.DirectSource)."""
+    False: no load generator, the items put on the applier directly (sources.DirectSource; with
+    `frame_items`, the live ones as stream frames of that many items: sources.FrameSource; with
+    `live_rate`, put at that many page events a second at most)."""
     tuning = tuning or IngestTuning()
     if not grpc:
         if warmup_compare:
             raise ValueError("the warm-up comparison reads its pools over gRPC")
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
-        source = DirectSource(pools, pages_per_pool, live_batches, packed)
+        source = (FrameSource(pools, pages_per_pool, live_batches, packed, live_rate, frame_items)
+                  if frame_items else
+                  DirectSource(pools, pages_per_pool, live_batches, packed, live_rate))
         return _measure(source, pools, pages_per_pool, live_batches, idle_s, packed, tuning)
     with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as generator:
         if warmup_compare:
@@ -206,16 +213,18 @@ class IngestTuning:
     """The gateway's ingest settings a run uses: the slice's target hold of the router's lock
     (`--ingest-slice-ms`), or a fixed number of page events a slice (the former behaviour), and
     the interpreter's thread switch interval and the feed loop's priority, as the gateway sets
-    them (gateway/core/thread_priority.py)."""
+    them (gateway/core/thread_priority.py); and the timed requests' period (`--decision-period-ms`:
+    longer on a machine where route() alone takes most of a millisecond)."""
     slice_s: float = SLICE_S
     slice_events: int | None = None
     switch_interval_s: float = SWITCH_INTERVAL_S
     priority: str = "idle"
+    decision_period_s: float = DECISION_PERIOD_S
 
     def summary(self) -> dict:
         return {"ingest_slice_ms": self.slice_s * 1e3, "ingest_slice_events_fixed": self.slice_events,
                 "switch_interval_ms": self.switch_interval_s * 1e3,
-                "ingest_priority": self.priority}
+                "ingest_priority": self.priority, "decision_period_ms": self.decision_period_s * 1e3}
 
 
 @dataclass(frozen=True)
@@ -313,7 +322,8 @@ def _measure(source: GrpcSource | DirectSource, pools: int, pages_per_pool: int,
              live_batches: int, idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
     router, names = _fleet_router(source.address, pools)
     rss0 = _rss_bytes()
-    timed = _Router(router, pools, pages_per_pool, live_batches)
+    timed = _Router(router, pools, pages_per_pool, live_batches,
+                    period_s=tuning.decision_period_s)
     timed.thread.start()
     t0 = time.perf_counter()
     thread_priority.configure(tuning.priority, tuning.switch_interval_s)
@@ -357,5 +367,7 @@ def _measure(source: GrpcSource | DirectSource, pools: int, pages_per_pool: int,
         "live_slice_events_mean": live / max(slices, 1),
         "slice_events_at_end": feeds.applier.size.events, **tuning.summary(),
         "packed_hashes": packed, "feeds_grpc": isinstance(source, GrpcSource),
+        "frame_items": getattr(source, "frame_items", None),
+        "live_rate_limit": getattr(source, "live_rate", None),
         "gc_frozen_objects": frozen, "load_avg_end": os.getloadavg(),
     }

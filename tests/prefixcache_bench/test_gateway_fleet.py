@@ -77,11 +77,18 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     assert 50 < index_bytes_per_page(4, 400) < 1000
 
 
-def test_a_tiny_run_without_grpc_applies_the_same_items_and_routes_to_holders():
-    """--no-grpc: the same recording put on the applier directly, no load generator."""
-    r = run_config(pools=4, pages_per_pool=400, live_batches=3, idle_s=0.5, cpus=None, grpc=False)
+@pytest.mark.parametrize("frame_items", [None, 5])
+def test_a_tiny_run_without_grpc_applies_the_same_items_and_routes_to_holders(frame_items):
+    """--no-grpc: the same recording put on the applier directly, no load generator; with
+    --frame-items, its live items as stream frames (12 items in frames of 5: one short); with
+    --live-rate, no faster than that (12 batches of 128 page events at 4,000/s: 0.38 s)."""
+    r = run_config(pools=4, pages_per_pool=400, live_batches=3, idle_s=0.5, cpus=None, grpc=False,
+                   frame_items=frame_items, live_rate=4000.0)
     want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
     assert r["indexed_pages"] == want and not r["feeds_grpc"]
+    assert r["frame_items"] == frame_items and r["live_rate_limit"] == 4000.0
+    # The first put goes at once, the rest paced: the span is at least all but one's share.
+    assert r["live_apply_span_s"] >= (12 - (frame_items or 1)) * 128 / 4000 - 0.002
     assert r["live_items_applied"] == 4 * 3
     assert r["live_page_events_per_s"] == r["live_page_events"] / r["live_apply_span_s"]
     assert "generator_send_span_s" not in r and "generator_cpu_share_live" not in r
@@ -95,6 +102,11 @@ def test_no_grpc_is_refused_where_it_would_be_ignored(capsys):
         assert "--no-grpc times the ingest run only" in capsys.readouterr().err
     with pytest.raises(ValueError):
         run_config(pools=1, pages_per_pool=10, live_batches=1, grpc=False, warmup_compare=True)
+    for flag, value, what in (("--frame-items", "8", "count"), ("--live-rate", "1e6", "rate")):
+        for args in ([flag, value], ["--no-grpc", flag, "0"]):
+            with pytest.raises(SystemExit):
+                main(args)
+            assert f"{flag}: a positive {what}, with --no-grpc" in capsys.readouterr().err
 
 
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
