@@ -128,7 +128,12 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frame-items", type=int,
                    help="with --no-grpc: the live items as stream frames of this many items "
                         "(gateway/core/stream_frames.py), decoded as they are put (what the "
-                        "gateway's process would run with a feed process sending it frames)")
+                        "gateway's process would run with a feed process sending it frames); "
+                        "with --feed-process, the most items a frame (default 64)")
+    p.add_argument("--feed-process", action="store_true",
+                   help="the pools' streams read by a process of their own (on the load "
+                        "generator's core) that sends the gateway's process frames "
+                        "(feed_process.py: a prototype of design.md's next step)")
     p.add_argument("--live-rate", type=float,
                    help="with --no-grpc: put the live items at this many page events a second at "
                         "most (default: as fast as the applier takes them), to compare item forms "
@@ -139,8 +144,13 @@ def _check_source_flags(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.no_grpc and (args.checkpoint or args.warmup_compare or args.routing_only):
         p.error("--no-grpc times the ingest run only (not --checkpoint, --warmup-compare or "
                 "--routing-only)")
-    if args.frame_items is not None and (not args.no_grpc or args.frame_items < 1):
-        p.error("--frame-items: a positive count, with --no-grpc")
+    if args.feed_process and (args.no_grpc or args.checkpoint or args.warmup_compare
+                              or args.routing_only or args.unpacked):
+        p.error("--feed-process times the ingest run over gRPC, packed (not --no-grpc, "
+                "--checkpoint, --warmup-compare, --routing-only or --unpacked)")
+    if args.frame_items is not None and (not (args.no_grpc or args.feed_process)
+                                         or args.frame_items < 1):
+        p.error("--frame-items: a positive count, with --no-grpc or --feed-process")
     if args.live_rate is not None and (not args.no_grpc or args.live_rate <= 0):
         p.error("--live-rate: a positive rate, with --no-grpc")
 
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
                                       packed=not args.unpacked, tuning=_tuning(args),
                                       grpc=not args.no_grpc, frame_items=args.frame_items,
-                                      live_rate=args.live_rate))
+                                      live_rate=args.live_rate, feed_process=args.feed_process))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
     results["index_bytes_per_page_idle"] = idle_gateway_bytes_per_page(args.pools, sample)

@@ -34,6 +34,7 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.live_clock import LiveClock
+from prefixcache_bench.gateway_fleet.feed_process import FeedProcessSource
 from prefixcache_bench.gateway_fleet.sources import (SETTINGS, DirectSource, FrameSource,
                                                      GrpcSource, follow)
 from prefixcache_bench.gateway_fleet.warmup import compare_run
@@ -182,7 +183,7 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
                cpus: tuple[int, int] | None = (0, 1), packed: bool = True,
                warmup_compare: bool = False, tuning: IngestTuning | None = None,
                grpc: bool = True, frame_items: int | None = None,
-               live_rate: float | None = None) -> dict:
+               live_rate: float | None = None, feed_process: bool = False) -> dict:
     """Measures one configuration; `cpus`: (gateway core, load-generator core), None = unpinned;
     `packed`: the gateway's feeds ask for packed hashes (SubscribeRequest.packed_hashes), as
     they do in the gateway, or not (the per-page encoding an older cache service sends);
@@ -190,7 +191,8 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
     (warmup.py); `tuning`: the gateway's ingest settings (the defaults when None); `grpc`
     False: no load generator, the items put on the applier directly (sources.DirectSource; with
     `frame_items`, the live ones as stream frames of that many items: sources.FrameSource; with
-    `live_rate`, put at that many page events a second at most)."""
+    `live_rate`, put at that many page events a second at most); `feed_process`: the streams
+    read by a process of their own that sends frames of `frame_items` (feed_process.py)."""
     tuning = tuning or IngestTuning()
     if not grpc:
         if warmup_compare:
@@ -204,8 +206,14 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
     with load_generator(pools, pages_per_pool, live_batches, cpus, packed) as generator:
         if warmup_compare:
             return _measure_warmup(generator.address, pools, pages_per_pool, live_batches, packed)
-        return _measure(GrpcSource(generator, packed), pools, pages_per_pool, live_batches,
-                        idle_s, packed, tuning)
+        if not feed_process:
+            return _measure(GrpcSource(generator, packed), pools, pages_per_pool, live_batches,
+                            idle_s, packed, tuning)
+        source = FeedProcessSource(generator, frame_items or 64, cpus[1] if cpus else None)
+        try:
+            return _measure(source, pools, pages_per_pool, live_batches, idle_s, packed, tuning)
+        finally:
+            source.close()
 
 
 @dataclass(frozen=True)
@@ -318,7 +326,7 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
             "packed_hashes": packed}
 
 
-def _measure(source: GrpcSource | DirectSource, pools: int, pages_per_pool: int,
+def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, pages_per_pool: int,
              live_batches: int, idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
     router, names = _fleet_router(source.address, pools)
     rss0 = _rss_bytes()
@@ -368,6 +376,7 @@ def _measure(source: GrpcSource | DirectSource, pools: int, pages_per_pool: int,
         "slice_events_at_end": feeds.applier.size.events, **tuning.summary(),
         "packed_hashes": packed, "feeds_grpc": isinstance(source, GrpcSource),
         "frame_items": getattr(source, "frame_items", None),
+        "feed_process": isinstance(source, FeedProcessSource),
         "live_rate_limit": getattr(source, "live_rate", None),
         "gc_frozen_objects": frozen, "load_avg_end": os.getloadavg(),
     }

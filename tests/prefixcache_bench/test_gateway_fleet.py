@@ -107,6 +107,20 @@ def test_no_grpc_is_refused_where_it_would_be_ignored(capsys):
             with pytest.raises(SystemExit):
                 main(args)
             assert f"{flag}: a positive {what}, with --no-grpc" in capsys.readouterr().err
+    for mode in ("--no-grpc", "--checkpoint", "--warmup-compare", "--routing-only", "--unpacked"):
+        with pytest.raises(SystemExit):
+            main(["--feed-process", mode])
+        assert "--feed-process times the ingest run over gRPC" in capsys.readouterr().err
+
+
+def test_a_tiny_run_through_a_feed_process_applies_every_item_as_frames():
+    """--feed-process: the load generator's streams read by a feed process, sent to the
+    gateway's process as frames of at most 3 items over a Unix socket."""
+    r = run_config(pools=4, pages_per_pool=400, live_batches=3, idle_s=0.5, cpus=None,
+                   frame_items=3, feed_process=True)
+    want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
+    assert r["indexed_pages"] == want and r["feed_process"] and r["frame_items"] == 3
+    assert r["live_items_applied"] == 4 * 3 and r["routing_idle"]["decisions"] > 0
 
 
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
