@@ -59,6 +59,8 @@ BACKOFF_S = 0.1
 CONVERSATIONS = 24
 TURNS = 4
 DEVICE_PAGES = 96
+# The longest quiet period after a fault, in `--quiet-s` (`_quiet`).
+QUIET_CAP = 3
 AUTH = (("authorization", f"Bearer {TOKENS['alice']}"),)
 
 
@@ -331,6 +333,18 @@ def report(args: argparse.Namespace, argv: list[str], load: Load, stack: Stack,
     return 0
 
 
+def _quiet(load: Load, phase: str, quiet_s: float, baseline_sent: int) -> None:
+    """The quiet period after a fault: `quiet_s`, and on until the phase has sent as many
+    requests as the baseline did (at most QUIET_CAP times `quiet_s`). After a FLUSHALL each
+    request recomputes what L3 held, so in a fixed time fewer run, and on a slow machine the
+    refill then read under half the baseline's pages for want of requests, not of writes."""
+    start = time.monotonic()
+    time.sleep(quiet_s)
+    while (load.tallies[phase].sent < baseline_sent
+           and time.monotonic() - start < QUIET_CAP * quiet_s):
+        time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixcache_bench.stack.fault_drill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default="all",
                         help=f"comma-separated, of: {', '.join(FAULTS)} (default all)")
     parser.add_argument("--quiet-s", type=float, default=6.0,
-                        help="load after each fault's recovery before the next fault")
+                        help="load after each fault's recovery before the next fault (longer, up "
+                             f"to {QUIET_CAP}x, until the phase sent as many requests as the "
+                             "baseline)")
     parser.add_argument("--model", default="tiny-hybrid")
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS,
                         help=f"conversations of {TURNS} turns the clients pick from")
@@ -383,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("redis-") and ids:  # what a refill can write (drill_reach)
                 load.tallies[name].held = held_tokens(stack.get("cache_service").address, [
                     w.name for w in stack.services if w.name.startswith("worker-")], operator, ids)
-            time.sleep(args.quiet_s)
+            _quiet(load, name, args.quiet_s, load.tallies["baseline"].sent)
             load.tallies[name].l3_pages = l3_pages(stack)
         load.stop()
     except RuntimeError as exc:
