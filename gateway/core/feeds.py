@@ -189,18 +189,17 @@ class BatchApplier:
     async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
         if item.WhichOneof("item") == "batch" and item.batch.snapshot:
             for part in split_snapshot(item.batch, self.size.events):
-                self._queue(feed, item if part is item.batch else cpb.SubscribeResponse(batch=part))
+                part_item = item if part is item.batch else cpb.SubscribeResponse(batch=part)
+                self._queue(feed, part_item, page_events(part_item))
         else:
-            self._queue(feed, item)
+            self._queue(feed, item, page_events(item))
         await self._queued()
 
     async def put_frame(self, feeds: Mapping[str, Feed], items: Sequence[FrameItem]) -> None:
         """A stream frame's items (stream_frames.py), each to its pool's feed; a snapshot batch
         is applied whole (the frame's sender sizes them)."""
         for item in items:
-            feed = feeds[item.pool_id]
-            self._pending.append((feed, feed.generation, item, item.events))
-            self._queued_events += item.events
+            self._queue(feeds[item.pool_id], item, item.events)
         await self._queued()
 
     async def _queued(self) -> None:
@@ -209,8 +208,7 @@ class BatchApplier:
             self._room.clear()
             await self._room.wait()
 
-    def _queue(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
-        events = page_events(item)
+    def _queue(self, feed: Feed, item: StreamItem, events: int) -> None:
         self._pending.append((feed, feed.generation, item, events))
         self._queued_events += events
 

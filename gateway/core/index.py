@@ -205,11 +205,7 @@ class KvIndex:
 
     def apply(self, batch: events_pb2.EventBatch, now: float | None = None) -> ApplyResult:
         """Apply one batch of a worker's stream, or say why it cannot be applied."""
-        events = batch.events
-        clears = len(events) > 0 and events[0].WhichOneof("event") == "cleared"
-        head = BatchHead(batch.pool_id, batch.epoch, batch.seq, batch.snapshot,
-                         batch.snapshot_end, clears)
-        return self.apply_runs(head, _message_runs(events), now)
+        return self.apply_runs(batch_head(batch), message_runs(batch.events), now)
 
     def apply_runs(self, batch: BatchHead, runs: Iterable[Run], now: float | None = None
                    ) -> ApplyResult:
@@ -450,7 +446,16 @@ _POOL_ID, _LAST_SEEN = attrgetter("pool_id"), attrgetter("last_seen")
 _NEEDS_RESYNC, _IN_SNAPSHOT = attrgetter("needs_resync"), attrgetter("in_snapshot")
 
 
-def _message_runs(events: Sequence[events_pb2.KvEvent]) -> Iterator[Run]:
+def batch_head(batch: events_pb2.EventBatch) -> BatchHead:
+    """What the stream rules read of a message batch (a stream frame's item record holds the
+    same)."""
+    events = batch.events
+    clears = len(events) > 0 and events[0].WhichOneof("event") == "cleared"
+    return BatchHead(batch.pool_id, batch.epoch, batch.seq, batch.snapshot, batch.snapshot_end,
+                     clears)
+
+
+def message_runs(events: Sequence[events_pb2.KvEvent]) -> Iterator[Run]:
     """A batch's events as runs: (kind, tier, packed hashes) each; events of a medium the index
     does not keep, or of a kind it does not know, left out."""
     for ev in events:

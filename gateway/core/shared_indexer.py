@@ -28,16 +28,14 @@ from dataclasses import dataclass
 import grpc
 import redis
 
+from gateway.core.index import MEDIUM_TIER
 from gateway.core.shared_index import TIERS, SharedIndexStore, TableRow, page_suffix
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
-from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache.v1 import events_pb2
 from service_shell import kv
 
 log = logging.getLogger("gateway.shared_indexer")
-
-_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
-
 
 class LeaseLost(Exception):
     """A write was refused: another replica holds the worker's lease now."""
@@ -141,7 +139,7 @@ class StreamWriter:
                 self.row.slot = self.store.new_slot()
                 continue
             body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
-            tier = None if body is None else _TIER.get(body.medium)
+            tier = None if body is None else MEDIUM_TIER.get(body.medium)
             if tier is None:
                 continue
             slot = self._building if self._building is not None else self.row.slot

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.core.index import MEDIUM_TIER
+from gateway.core.index import batch_head, message_runs
 from gateway.core.index_types import BatchHead, Run
-from gateway.core.packed import HASH_BYTES, packed_hashes
+from gateway.core.packed import HASH_BYTES
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import events_pb2
 
@@ -80,25 +80,16 @@ def encode(items: Sequence[cpb.SubscribeResponse]) -> bytes:
             extra_bytes += len(raw)
             continue
         batch, first, events = item.batch, len(runs), 0
-        for ev in batch.events:
-            kind = ev.WhichOneof("event")
-            if kind == "cleared":
-                runs.append((2, 0, pages, 0))
-                continue
-            body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
-            tier = None if body is None else MEDIUM_TIER.get(body.medium)
-            if tier is None:
-                continue
-            packed = packed_hashes(body)
+        for kind, tier, packed in message_runs(batch.events):
             n = len(packed) // HASH_BYTES
             runs.append((KINDS.index(kind), tier, pages, n))
             hashes.append(packed)
             pages, events = pages + n, events + n
-        clears = len(batch.events) > 0 and batch.events[0].WhichOneof("event") == "cleared"
-        flags = (_SNAPSHOT * batch.snapshot) | (_SNAPSHOT_END * batch.snapshot_end) \
-            | (_CLEARS_FIRST * clears)
-        rows.append((names.setdefault(batch.pool_id, len(names)), 0, flags, batch.epoch,
-                     batch.seq, first, len(runs) - first, max(1, events), 0, 0))
+        head = batch_head(batch)
+        flags = (_SNAPSHOT * head.snapshot) | (_SNAPSHOT_END * head.snapshot_end) \
+            | (_CLEARS_FIRST * head.clears_first)
+        rows.append((names.setdefault(head.pool_id, len(names)), 0, flags, head.epoch,
+                     head.seq, first, len(runs) - first, max(1, events), 0, 0))
     name_bytes = b"".join(n.encode() + b"\0" for n in names)
     return b"".join([_HEADER.pack(MAGIC, len(name_bytes), len(rows), len(runs), pages,
                                   extra_bytes), name_bytes,
