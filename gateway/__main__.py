@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "pause routing decisions for the whole warm state (gateway/core/gc_tuning.py)",
                   "on")
     add_ingest_flags(flag, workers)
+    add_bool_flag(p, "--feed-process", "FEED_PROCESS", "read the workers' event streams in a "
+                  "process of its own, which sends this one stream frames: gRPC and decoding "
+                  "off the routing process's GIL, for fleets of hundreds of workers "
+                  "(gateway/core/feed_process.py)", "off")
     add_index_flags(flag, cfg)
     flag("--probe-interval-s", "PROBE_INTERVAL_S", workers.probe_interval_s,
          "seconds between readiness probes of each worker", type=float)
@@ -327,7 +331,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                               max_message_mb=args.max_message_mb,
                               probe_interval_s=args.probe_interval_s,
                               heartbeat_interval_s=args.heartbeat_interval_s,
-                              ingest_slice_s=args.ingest_slice_ms / 1e3),
+                              ingest_slice_s=args.ingest_slice_ms / 1e3,
+                              feed_process=bool(args.feed_process)),
         generate_timeout_s=args.generate_timeout_s, grace_s=args.grace_s,
         drain_delay_s=args.drain_delay_s,
         gc_freeze_after_warmup=args.gc_freeze_after_warmup is not False,

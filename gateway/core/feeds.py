@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -186,6 +186,10 @@ class BatchApplier:
         self.applied_items = 0
         self.slices = 0
 
+    def set_streaming(self, name: str, streaming: bool) -> None:
+        """A feed's Subscribe call delivers (True) or ended (`Router.set_streaming`)."""
+        self.router.set_streaming(name, streaming)
+
     async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
         if item.WhichOneof("item") == "batch" and item.batch.snapshot:
             for part in split_snapshot(item.batch, self.size.events):
@@ -277,6 +281,15 @@ class BatchApplier:
                 feed.interrupt()
 
 
+class FeedSink(Protocol):
+    """Where a feed's items go: the gateway's `BatchApplier`, or a feed process's frame sender
+    (feed_process.py)."""
+
+    async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None: ...
+
+    def set_streaming(self, name: str, streaming: bool) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class StreamSettings:
     heartbeat_interval_s: float
@@ -292,9 +305,9 @@ class StreamSettings:
         return max(10.0, 5 * (self.heartbeat_interval_s or 1.0))
 
 
-async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, feed: Feed,
+async def follow_events(sink: FeedSink, stub: cpb_grpc.CacheServiceStub, feed: Feed,
                         settings: StreamSettings, watchdog: StallWatchdog) -> None:
-    """Follows one pool's event stream into the applier until cancelled, or until the router no
+    """Follows one pool's event stream into `sink` until cancelled, or until the router no
     longer routes to the worker (`feed.ended`)."""
     feed.stall_timeout_s = settings.stall_timeout_s
     watchdog.feeds.add(feed)
@@ -307,7 +320,7 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
                 packed_hashes=settings.packed_hashes), metadata=settings.metadata)
             why: str | None
             try:
-                why = await _read(applier, feed, call)
+                why = await _read(sink, feed, call)
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling() or not (feed.ended or feed.resync
                                                                 or feed.stalled):
@@ -318,7 +331,7 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
             finally:
                 feed.waiting_since = None
                 call.cancel()
-                applier.router.set_streaming(feed.name, False)
+                sink.set_streaming(feed.name, False)
             if feed.resync is not None:
                 feed.point, feed.failures = feed.resync, 0
             elif why is not None and not feed.ended:
@@ -332,7 +345,7 @@ async def follow_events(applier: BatchApplier, stub: cpb_grpc.CacheServiceStub, 
         feed.call = None
 
 
-async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
+async def _read(sink: FeedSink, feed: Feed, call: Any) -> str | None:
     """Reads one Subscribe call to its end, moving `feed.point` past each batch; returns why the
     stream ended (None: a RESYNC or the worker's removal asked for it, see `feed`)."""
     first = True
@@ -343,7 +356,7 @@ async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
         if first and item is not grpc.aio.EOF:
             # The stream is live: the worker is a candidate before its snapshot is applied
             # (`Worker.streaming`), until this call ends (`follow_events`).
-            applier.router.set_streaming(feed.name, True)
+            sink.set_streaming(feed.name, True)
             first = False
         if item is grpc.aio.EOF:
             # The cache service ended the stream: the pool was unregistered (its worker
@@ -352,6 +365,6 @@ async def _read(applier: BatchApplier, feed: Feed, call: Any) -> str | None:
             feed.point = (0, -1)
             return "pool unregistered"
         feed.point, feed.failures = resume_after(item, feed.point), 0
-        await applier.put(feed, item)
+        await sink.put(feed, item)
         if feed.resync is not None or feed.ended:
             return None

@@ -38,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.discovery import WorkerAddress
+from gateway.core.feed_process import FeedProcess, RemoteFeed, StreamTarget
 from gateway.core.feeds import Feed, FeedLoop, StreamSettings, aio_channel, token_metadata
 from gateway.core.indexer_roles import IndexerRoles
 from gateway.core.ingest_slices import SLICE_S
@@ -74,6 +75,8 @@ class WorkerSettings:
     stream_backoff: RetryPolicy = SUBSCRIBE_RETRY
     # How long one ingest slice may hold the router's lock (gateway/core/ingest_slices.py).
     ingest_slice_s: float = SLICE_S
+    # The event streams read in a process of their own (gateway/core/feed_process.py).
+    feed_process: bool = False
 
     def stream_settings(self) -> StreamSettings:
         return StreamSettings(self.heartbeat_interval_s, self.stream_backoff,
@@ -130,9 +133,10 @@ class WorkerHandle:
 
     def __init__(self, address: WorkerAddress, router: Router, fleet: Fleet,
                  settings: WorkerSettings, feeds: FeedLoop,
-                 indexers: IndexerRoles | None = None) -> None:
+                 indexers: IndexerRoles | None = None, remote: FeedProcess | None = None) -> None:
         self.address = address
         self._router, self._fleet, self._settings, self._feeds = router, fleet, settings, feeds
+        self._remote = remote  # the feed process that reads the event stream, if any
         self._indexers = indexers
         self._future: concurrent.futures.Future[None] | None = None
         self.name: str | None = None
@@ -217,9 +221,14 @@ class WorkerHandle:
                     device_pages=info.device_pages, host_pages=info.host_pages))
         # Where its stream picks up: a fresh worker from a snapshot, one restored from an index
         # checkpoint (gateway/core/index_checkpoint.py) right after its last applied batch.
-        feed = Feed(name, point=self._router.resume_point(name))
-        tasks = [asyncio.create_task(self._feeds.follow(cache, feed, s.stream_settings())),
-                 asyncio.create_task(self._watch(name, health))]
+        point = self._router.resume_point(name)
+        if self._remote is None:
+            follow = self._feeds.follow(cache, Feed(name, point=point), s.stream_settings())
+        else:
+            follow = self._remote.follow(StreamTarget(self.address.cache, s.stream_settings(),
+                                                      s.tls, s.max_message_mb),
+                                         RemoteFeed(name, point=point))
+        tasks = [asyncio.create_task(follow), asyncio.create_task(self._watch(name, health))]
         try:
             while True:
                 await asyncio.sleep(s.probe_interval_s)
@@ -291,6 +300,10 @@ class WorkerSet:
         # The shared index's mode: each admitted worker gets an indexer on this replica.
         self.indexers = indexers
         self.feeds = feeds if feeds is not None else FeedLoop(router, settings.ingest_slice_s)
+        self.remote: FeedProcess | None = None
+        if settings.feed_process:
+            self.remote = FeedProcess(self.feeds.applier, router.resume_point)
+            self.feeds.submit(self.remote.run())
         self._handles: dict[WorkerAddress, WorkerHandle] = {}
         self._lock = threading.Lock()
 
@@ -305,7 +318,7 @@ class WorkerSet:
                 log.info(kv("worker_address_found", address=address.compute, cache=address.cache))
                 self._handles[address] = WorkerHandle(address, self._router, self._fleet,
                                                       self._settings, self.feeds,
-                                                      self.indexers).start()
+                                                      self.indexers, self.remote).start()
 
     def addresses(self) -> list[WorkerAddress]:
         with self._lock:

@@ -131,9 +131,9 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
                         "gateway's process would run with a feed process sending it frames); "
                         "with --feed-process, the most items a frame (default 64)")
     p.add_argument("--feed-process", action="store_true",
-                   help="the pools' streams read by a process of their own (on the load "
-                        "generator's core) that sends the gateway's process frames "
-                        "(feed_process.py: a prototype of design.md's next step)")
+                   help="the pools' streams read by the gateway's feed process (its "
+                        "--feed-process, gateway/core/feed_process.py), pinned to the load "
+                        "generator's core")
     p.add_argument("--live-rate", type=float,
                    help="with --no-grpc: put the live items at this many page events a second at "
                         "most (default: as fast as the applier takes them), to compare item forms "

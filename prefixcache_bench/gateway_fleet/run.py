@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.core import index_native, thread_priority
+from gateway.core.feed_process import FRAME_ITEMS
 from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.gc_tuning import freeze_warm_heap
 from gateway.core.index import IndexConfig, KvIndex
@@ -34,9 +35,8 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.live_clock import LiveClock
-from prefixcache_bench.gateway_fleet.feed_process import FeedProcessSource
-from prefixcache_bench.gateway_fleet.sources import (SETTINGS, DirectSource, FrameSource,
-                                                     GrpcSource, follow)
+from prefixcache_bench.gateway_fleet.sources import (SETTINGS, DirectSource, FeedProcessSource,
+                                                     FrameSource, GrpcSource, follow)
 from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
 
@@ -192,7 +192,8 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
     False: no load generator, the items put on the applier directly (sources.DirectSource; with
     `frame_items`, the live ones as stream frames of that many items: sources.FrameSource; with
     `live_rate`, put at that many page events a second at most); `feed_process`: the streams
-    read by a process of their own that sends frames of `frame_items` (feed_process.py)."""
+    read by the gateway's feed process (gateway/core/feed_process.py), frames of
+    `frame_items`."""
     tuning = tuning or IngestTuning()
     if not grpc:
         if warmup_compare:
@@ -209,11 +210,8 @@ def run_config(pools: int, pages_per_pool: int, live_batches: int, idle_s: float
         if not feed_process:
             return _measure(GrpcSource(generator, packed), pools, pages_per_pool, live_batches,
                             idle_s, packed, tuning)
-        source = FeedProcessSource(generator, frame_items or 64, cpus[1] if cpus else None)
-        try:
-            return _measure(source, pools, pages_per_pool, live_batches, idle_s, packed, tuning)
-        finally:
-            source.close()
+        source = FeedProcessSource(generator, frame_items or FRAME_ITEMS, cpus[1] if cpus else None)
+        return _measure(source, pools, pages_per_pool, live_batches, idle_s, packed, tuning)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@
   of their own, so a run shows what that move could give routing (issue 31's wake-up latency).
 - `FrameSource` (`--no-grpc --frame-items N`): the live items as stream frames of N items
   (gateway/core/stream_frames.py), encoded ahead and decoded on the loop as they are put: what
-  the gateway's process would run if a feed process of its own sent it frames.
+  the gateway's process runs when a feed process of its own sends it frames.
+- `FeedProcessSource` (`--feed-process`): the load generator read by the gateway's feed process
+  (gateway/core/feed_process.py, the gateway's `--feed-process`), pinned to the load
+  generator's core.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from gateway.core.feed_process import FeedProcess, RemoteFeed, StreamTarget
 from gateway.core.feeds import Feed, FeedLoop, aio_channel
 from gateway.core.stream_frames import decode, encode
 from gateway.core.workers import WorkerSettings
@@ -64,6 +68,23 @@ class GrpcSource:
 
     def last_sent(self) -> float:
         return self.generator.last_sent.value
+
+
+class FeedProcessSource(GrpcSource):
+    """The load generator, each pool's stream read by the gateway's feed process."""
+
+    def __init__(self, generator: Any, frame_items: int, cpu: int | None) -> None:
+        super().__init__(generator, packed=True)
+        self.frame_items, self.cpu = frame_items, cpu
+
+    def start(self, feeds: FeedLoop, names: Sequence[str]) -> None:
+        remote = FeedProcess(feeds.applier, feeds.applier.router.resume_point, self.frame_items,
+                             self.cpu)
+        feeds.submit(remote.run())  # ended, with the process, by the FeedLoop's close
+        target = StreamTarget(self.address, replace(SETTINGS.stream_settings(), packed_hashes=True),
+                              max_message_mb=SETTINGS.max_message_mb)
+        for name in names:
+            feeds.submit(remote.follow(target, RemoteFeed(name)))
 
 
 class DirectSource:

@@ -11,7 +11,7 @@ from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from service_shell import new_server
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (MODEL, Caller, FakeWorker, cache_prompt, register_pool,
-                                           running_gateway, wait_until)
+                                           running_gateway, settings, wait_until)
 from tests.gateway.helpers import batch, cleared, heartbeat, pages, stored
 from tests.gateway.server_helpers import list_workers, preview, prompt, sample
 
@@ -45,8 +45,9 @@ def snapshot(pool: str, seq: int, hashes: list[bytes], epoch: int = 1):
                  snapshot_end=True)
 
 
+@pytest.mark.parametrize("feed_process", [False, True], ids=["own_feeds", "feed_process"])
 @pytest.mark.parametrize("case", ["gap", "new_epoch"])
-def test_resync_resubscribes_where_the_index_says(case):
+def test_resync_resubscribes_where_the_index_says(case, feed_process):
     pool = "ws"
     if case == "gap":  # seq 0 applied, then seq 3: replay from 0
         first = items(snapshot(pool, 0, pages(0, 4)), batch(pool, 3, stored(pages(9, 10))))
@@ -60,7 +61,8 @@ def test_resync_resubscribes_where_the_index_says(case):
         want_request, want_pages, want_epoch, want_seq = (2, -1), set(pages(50, 53)), 2, 5
     cache, worker = ScriptedCache([first, second]), FakeWorker(pool)
     try:
-        with running_gateway(lambda: [WorkerAddress(worker.address, cache.address)]) as gw:
+        with running_gateway(lambda: [WorkerAddress(worker.address, cache.address)],
+                             worker=settings(feed_process=feed_process)) as gw:
             def resynced() -> bool:  # the second subscription's batches applied, not only sent
                 with gw.router.lock:
                     info = gw.router.index.info(pool)

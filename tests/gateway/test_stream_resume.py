@@ -18,7 +18,8 @@ from gateway.core.discovery import WorkerAddress
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import common_pb2
 from service_shell import new_server
-from tests.gateway.gateway_harness import FakeWorker, cache_prompt, register_pool, running_gateway, wait_until
+from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool, running_gateway,
+                                           settings, wait_until)
 
 
 class BreakableCache(cpb_grpc.CacheServiceServicer):
@@ -59,13 +60,16 @@ def _prompt(i: int) -> list[int]:
 
 CODES = pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE,
                                           grpc.StatusCode.PERMISSION_DENIED], ids=lambda c: c.name)
+# The gateway's own feeds, and a feed process of their own (gateway/core/feed_process.py).
+FEEDS = pytest.mark.parametrize("feed_process", [False, True], ids=["own_feeds", "feed_process"])
 
 
-def _run(core: CacheCore, pool: str, prompts_while_down: int,
-         code: grpc.StatusCode) -> tuple[BreakableCache, set]:
+def _run(core: CacheCore, pool: str, prompts_while_down: int, code: grpc.StatusCode,
+         feed_process: bool) -> tuple[BreakableCache, set]:
     cache, worker = BreakableCache(core, code), FakeWorker(pool)
     try:
-        with running_gateway(lambda: [WorkerAddress(worker.address, cache.address)]) as gw:
+        with running_gateway(lambda: [WorkerAddress(worker.address, cache.address)],
+                             worker=settings(feed_process=feed_process)) as gw:
             def held() -> set:
                 with gw.router.lock:
                     return set(gw.router.index.pages(pool, common_pb2.MEDIUM_DEVICE))
@@ -86,10 +90,11 @@ def _run(core: CacheCore, pool: str, prompts_while_down: int,
 
 
 @CODES
-def test_a_dropped_stream_resumes_from_its_last_seq_without_a_snapshot(code):
+@FEEDS
+def test_a_dropped_stream_resumes_from_its_last_seq_without_a_snapshot(code, feed_process):
     core = CacheCore()
     register_pool(core, "wr")
-    cache, _ = _run(core, "wr", prompts_while_down=3, code=code)
+    cache, _ = _run(core, "wr", prompts_while_down=3, code=code, feed_process=feed_process)
     assert cache.requests[0] == (0, -1)  # a new worker: from a snapshot
     assert cache.sent[0][0][1] is True
     last_applied = max(seq for seq, _ in cache.sent[0])
@@ -100,10 +105,12 @@ def test_a_dropped_stream_resumes_from_its_last_seq_without_a_snapshot(code):
 
 
 @CODES
-def test_a_snapshot_when_the_replay_buffer_moved_past_the_resume_point(code):
+@FEEDS
+def test_a_snapshot_when_the_replay_buffer_moved_past_the_resume_point(code, feed_process):
     core = CacheCore(replay_events=4)  # a buffer far shorter than what is missed
     register_pool(core, "ws")
-    cache, held = _run(core, "ws", prompts_while_down=12, code=code)
+    cache, held = _run(core, "ws", prompts_while_down=12, code=code,
+                        feed_process=feed_process)
     last_applied = max(seq for seq, _ in cache.sent[0])
     assert cache.requests[1] == (1, last_applied)  # it asked to resume ...
     assert cache.sent[1][0][1] is True  # ... and was sent a snapshot instead

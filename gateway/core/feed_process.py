@@ -1,0 +1,305 @@
+"""The workers' event streams read in a process of their own (`--feed-process`, design.md "The
+index at fleet scale").
+
+At a thousand workers the gateway's process spends most of its feed loop's turns in gRPC: the
+completions and callbacks of a thousand streams and the decoding of their messages, all under the
+GIL that routing decisions need. With this on, a child process runs every worker's
+`follow_events` (subscribe, resume from the last batch after a broken stream, the stall watchdog)
+and sends the gateway's process what it read as stream frames (stream_frames.py), at most
+`FRAME_ITEMS` items each; the gateway's FeedLoop decodes them with a few numpy calls and queues
+them on its applier (`BatchApplier.put_frame`), which applies them as it applies its own feeds.
+
+    gateway process (FeedLoop)                      feed process (asyncio, grpc.aio)
+    FeedProcess.follow(worker) --("follow", ...)--> follow_events(worker's cache service)
+    applier: RESYNC -----------("resync", point)--> resubscribes from that point,
+                 <---------------("resynced")------ after the last item of the old call
+    put_frame(frame) <----------- frame ----------- every item read, in order
+    Router.set_streaming <------("streaming")------ a call delivers / ended
+    worker removed -------------("stop")----------> its stream ends
+
+Both directions are one ordered Unix socket, so an item the gateway's process applies is always
+one the feed process sent after every control message before it: items of a feed between a
+RESYNC and its "resynced" belong to the old call and are dropped (`RemoteFeed.fenced`).
+
+If the feed process dies, the gateway's process starts another and every feed resumes from its
+index point (`Router.resume_point`); what it had queued is dropped (`Feed.generation`), so the
+new streams' replays apply once. The feed process exits when the gateway's side of its socket
+closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.core.feeds import BatchApplier, Feed, StreamSettings, aio_channel, follow_events
+from gateway.core.stall_watchdog import StallWatchdog
+from gateway.core.stream_frames import FrameError, decode, encode
+from gateway.core.stream_items import split_snapshot
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
+from service_shell import TlsConfig, channel_options, kv
+from service_shell.retry import WORKER_RETRY
+
+log = logging.getLogger("gateway.feed_process")
+
+# Items a frame holds at most: a frame is queued on the applier at once.
+FRAME_ITEMS = 64
+# A snapshot batch is sent in parts of at most this many page events: a frame's snapshot batches
+# are applied whole (BatchApplier.put_frame), and the applier's slices hold ~1-4k page events.
+SNAPSHOT_PART_EVENTS = 4096
+# How long the gateway's process waits for a new feed process to connect.
+CONNECT_TIMEOUT_S = 60.0
+_HEAD = struct.Struct("<cI")  # a message: its kind, its length
+FRAME, CONTROL = b"F", b"C"
+
+
+async def read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    kind, length = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+    return kind, await reader.readexactly(length)
+
+
+def write_message(writer: asyncio.StreamWriter, kind: bytes, payload: bytes) -> None:
+    writer.write(_HEAD.pack(kind, len(payload)) + payload)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTarget:
+    """What the feed process needs to follow a worker's cache service."""
+    address: str
+    settings: StreamSettings
+    tls: TlsConfig | None = None
+    max_message_mb: int = 64
+
+
+@dataclass(eq=False, slots=True)
+class RemoteFeed(Feed):
+    """A worker's feed whose stream the feed process reads: `interrupt()` (a RESYNC, the worker
+    gone) becomes a message to it."""
+    target: StreamTarget | None = None
+    process: FeedProcess | None = None
+    fenced: bool = False  # a RESYNC was sent and not yet answered: its items are the old call's
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def interrupt(self) -> None:
+        if self.process is None:
+            return
+        if self.ended:
+            self.process.send(("stop", self.name))
+            self.done.set()
+        elif self.resync is not None and not self.fenced:
+            self.fenced = True
+            self.process.send(("resync", self.name, self.resync))
+
+
+class FeedProcess:
+    """The gateway's side, on its FeedLoop: `run()` keeps a feed process running, `follow()`
+    hands it a worker's stream."""
+
+    def __init__(self, applier: BatchApplier, resume_point: Callable[[str], tuple[int, int]],
+                 frame_items: int = FRAME_ITEMS, cpu: int | None = None) -> None:
+        self.applier, self.resume_point = applier, resume_point
+        self.frame_items, self.cpu = frame_items, cpu
+        self.feeds: dict[str, RemoteFeed] = {}
+        self.restarts = 0
+        self.pid: int | None = None  # the feed process's
+        self._writer: asyncio.StreamWriter | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="gateway-feeds-")
+
+    async def follow(self, target: StreamTarget, feed: RemoteFeed) -> None:
+        """Until the worker leaves (cancelled) or the router stops routing to it (`ended`)."""
+        feed.target, feed.process = target, self
+        self.feeds[feed.name] = feed
+        self.send(("follow", feed.name, target, feed.point))
+        try:
+            await feed.done.wait()
+        finally:
+            if self.feeds.get(feed.name) is feed:
+                del self.feeds[feed.name]
+                if not feed.ended:
+                    self.send(("stop", feed.name))
+                self.applier.set_streaming(feed.name, False)
+
+    def send(self, message: tuple) -> None:
+        """To the feed process; dropped while none runs (`run` re-sends every feed's follow)."""
+        if self._writer is not None and not self._writer.is_closing():
+            write_message(self._writer, CONTROL, pickle.dumps(message))
+
+    async def run(self) -> None:
+        """Starts the feed process, and another when it dies."""
+        path = os.path.join(self._dir.name, "feeds.sock")
+        connected: asyncio.Queue = asyncio.Queue()
+        server = await asyncio.start_unix_server(
+            lambda r, w: connected.put_nowait((r, w)), path)
+        failures = 0
+        try:
+            while True:
+                process = multiprocessing.get_context("spawn").Process(
+                    target=serve, args=(path, self.frame_items, self.cpu),
+                    name="gateway-feeds", daemon=True)
+                process.start()
+                self.pid = process.pid
+                try:
+                    reader, self._writer = await asyncio.wait_for(connected.get(),
+                                                                  CONNECT_TIMEOUT_S)
+                    self._resume_all()
+                    failures = 0
+                    await self._read(reader)
+                except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError,
+                        FrameError) as err:
+                    log.warning(kv("feed_process_lost", reason=type(err).__name__))
+                finally:
+                    if self._writer is not None:
+                        self._writer.close()
+                    self._writer = None
+                    await asyncio.get_running_loop().run_in_executor(None, _end, process)
+                for feed in self.feeds.values():
+                    self.applier.set_streaming(feed.name, False)
+                failures += 1
+                self.restarts += 1
+                log.warning(kv("feed_process_exited", exitcode=process.exitcode,
+                               feeds=len(self.feeds), attempts=failures))
+                await asyncio.sleep(WORKER_RETRY.delay(failures))
+        finally:
+            server.close()
+            self._dir.cleanup()
+
+    def _resume_all(self) -> None:
+        """A new feed process: every feed from where the index is (what was queued for the old
+        one is dropped, so nothing applies twice)."""
+        for feed in self.feeds.values():
+            if self.restarts:
+                feed.generation += 1
+                feed.point, feed.resync, feed.fenced = self.resume_point(feed.name), None, False
+            self.send(("follow", feed.name, feed.target, feed.point))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            kind, payload = await read_message(reader)
+            if kind == FRAME:
+                items = [i for i in decode(payload)
+                         if (f := self.feeds.get(i.pool_id)) is not None and not f.fenced]
+                if items:
+                    await self.applier.put_frame(self.feeds, items)
+                continue
+            message = pickle.loads(payload)
+            feed = self.feeds.get(message[1])
+            if feed is None:
+                continue
+            if message[0] == "streaming":
+                self.applier.set_streaming(feed.name, message[2])
+            elif message[0] == "resynced":
+                feed.fenced, feed.resync = False, None
+
+
+def _end(process: multiprocessing.Process) -> None:
+    process.kill()
+    process.join(10)
+
+
+# ----- the feed process -------------------------------------------------------------------------
+
+
+def serve(path: str, frame_items: int, cpu: int | None) -> None:
+    """The feed process (a spawn target)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        asyncio.run(_serve(path, frame_items))
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass  # the gateway's process is gone
+
+
+class FrameSender:
+    """The feed process's sink: what its feeds read, as frames, in order with its messages."""
+
+    def __init__(self, writer: asyncio.StreamWriter, frame_items: int) -> None:
+        self.writer, self.frame_items = writer, frame_items
+        self.items: list[cpb.SubscribeResponse] = []
+        self.arrived = asyncio.Event()
+
+    async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
+        if item.WhichOneof("item") == "batch" and item.batch.snapshot:
+            for part in split_snapshot(item.batch, SNAPSHOT_PART_EVENTS):
+                self.items.append(item if part is item.batch else cpb.SubscribeResponse(batch=part))
+        else:
+            self.items.append(item)
+        self.arrived.set()
+        if len(self.items) >= self.frame_items:
+            self.flush()
+            await self.writer.drain()  # the gateway's process is behind: gRPC's flow control
+
+    def set_streaming(self, name: str, streaming: bool) -> None:
+        self.control(("streaming", name, streaming))
+
+    def control(self, message: tuple) -> None:
+        self.flush()  # after every item read before it
+        write_message(self.writer, CONTROL, pickle.dumps(message))
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        for i in range(0, len(items), self.frame_items):
+            write_message(self.writer, FRAME, encode(items[i:i + self.frame_items]))
+
+    async def run(self) -> None:
+        """Each turn of the loop, what the feeds read in it goes out (every stream with a
+        message waiting reads it first)."""
+        while True:
+            await self.arrived.wait()
+            self.arrived.clear()
+            await asyncio.sleep(0)
+            self.flush()
+            await self.writer.drain()
+
+
+@dataclass(slots=True)
+class _Following:
+    feed: Feed
+    task: asyncio.Task
+    channel: Any
+
+
+async def _serve(path: str, frame_items: int) -> None:
+    reader, writer = await asyncio.open_unix_connection(path)
+    sender, watchdog = FrameSender(writer, frame_items), StallWatchdog()
+    background = [asyncio.create_task(sender.run()), asyncio.create_task(watchdog.run())]
+    following: dict[str, _Following] = {}
+
+    async def follow(feed: Feed, target: StreamTarget, channel: Any) -> None:
+        try:
+            await follow_events(sender, cpb_grpc.CacheServiceStub(channel), feed,
+                                target.settings, watchdog)
+        finally:
+            await channel.close()
+
+    try:
+        while True:
+            _, payload = await read_message(reader)
+            message = pickle.loads(payload)
+            if message[0] == "follow":
+                _, name, target, point = message
+                if (old := following.pop(name, None)) is not None:
+                    old.task.cancel()
+                channel = aio_channel(target.address, channel_options(target.max_message_mb),
+                                      target.tls)
+                feed = Feed(name, point=point)
+                following[name] = _Following(feed, asyncio.create_task(
+                    follow(feed, target, channel)), channel)
+            elif message[0] == "resync" and (f := following.get(message[1])) is not None:
+                f.feed.resync = message[2]
+                f.feed.interrupt()
+                sender.control(("resynced", f.feed.name))
+            elif message[0] == "stop" and (f := following.pop(message[1], None)) is not None:
+                f.feed.ended = True
+                f.task.cancel()
+    finally:
+        for task in [*background, *(f.task for f in following.values())]:
+            task.cancel()

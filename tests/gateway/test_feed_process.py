@@ -1,0 +1,114 @@
+"""The event streams read in a process of their own (`--feed-process`,
+gateway/core/feed_process.py): the index it builds equals the one the gateway's own feeds build,
+through a real cache service and CacheCore; a killed feed process is replaced and every feed
+resumes where the index is. RESYNCs and broken streams through it: test_server_membership.py and
+test_stream_resume.py run with it too."""
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+
+from cache_service.core import CacheCore
+from gateway.core.discovery import WorkerAddress
+from prefixcache.v1 import common_pb2
+from tests.cache_service.grpc_harness import running_server
+from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool,
+                                           running_gateway, settings, wait_until)
+from tests.gateway.test_stream_resume import BreakableCache
+
+POOLS = ("fa", "fb", "fc")
+MEDIA = (common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE)
+
+
+def _prompt(pool: int, i: int) -> list[int]:
+    return [pool * 100_000 + i * 100 + t for t in range(41)]  # 10 full pages of 4
+
+
+def _state(gw) -> dict:
+    """What the gateway's index holds: per pool, its epoch, last seq and pages per medium."""
+    with gw.router.lock:
+        out = {}
+        for name in POOLS:
+            info = gw.router.index.info(name)
+            out[name] = None if info is None else (
+                info.epoch, info.last_seq,
+                tuple(frozenset(gw.router.index.pages(name, m)) for m in MEDIA))
+        return out
+
+
+def _heads(core: CacheCore) -> dict[str, int]:
+    return {name: core.pool_records(name, -1)[0].log.head_seq for name in POOLS}
+
+
+def _caught_up(gw, core: CacheCore) -> bool:
+    state, heads = _state(gw), _heads(core)
+    return all(state[n] is not None and state[n][1] == heads[n] for n in POOLS)
+
+
+def test_the_feed_process_builds_the_index_the_gateways_own_feeds_build():
+    """Three pools of 256 device pages each take 40 prompts of 10 pages (evictions: removed
+    events), half before the gateways start (their snapshots), half after (live batches)."""
+    with running_server() as cache:
+        core, address = cache.core, f"127.0.0.1:{cache.port}"
+        workers = [FakeWorker(n) for n in POOLS]
+        for w in workers:
+            register_pool(core, w.name)
+        for i in range(20):
+            for p, name in enumerate(POOLS):
+                cache_prompt(core, name, _prompt(p, i))
+        addresses = [WorkerAddress(w.address, address) for w in workers]
+        try:
+            with running_gateway(lambda: addresses) as own, running_gateway(
+                    lambda: addresses, worker=settings(feed_process=True)) as remote:
+                assert remote.workers.remote is not None and own.workers.remote is None
+                for i in range(20, 40):
+                    for p, name in enumerate(POOLS):
+                        cache_prompt(core, name, _prompt(p, i))
+                for gw in (own, remote):
+                    wait_until(lambda: _caught_up(gw, core), 20, "every batch applied")
+                assert _state(remote) == _state(own)
+                device = _state(remote)["fa"][2][0]
+                assert 200 < len(device) <= 256  # evictions happened, and were applied
+                assert remote.workers.remote.restarts == 0
+        finally:
+            for w in workers:
+                w.stop()
+
+
+def test_a_killed_feed_process_is_replaced_and_every_feed_resumes_where_the_index_is():
+    core = CacheCore()
+    cache = BreakableCache(core, grpc.StatusCode.UNAVAILABLE)  # records what it was asked
+    workers = [FakeWorker(n) for n in POOLS]
+    for w in workers:
+        register_pool(core, w.name)
+    addresses = [WorkerAddress(w.address, cache.address) for w in workers]
+    try:
+        with running_gateway(lambda: addresses, worker=settings(feed_process=True)) as gw:
+            for p, name in enumerate(POOLS):
+                cache_prompt(core, name, _prompt(p, 0))
+            wait_until(lambda: _caught_up(gw, core), 20, "first batches applied")
+            before = _heads(core)
+            cache.open.clear()  # the new feed process's subscriptions wait
+            os.kill(gw.workers.remote.pid, signal.SIGKILL)
+            wait_until(lambda: len(cache.requests) == 2 * len(POOLS), 20, "resubscribed")
+            for p, name in enumerate(POOLS):  # published while the streams were down
+                cache_prompt(core, name, _prompt(p, 1))
+            cache.open.set()
+            wait_until(lambda: _caught_up(gw, core), 30, "later batches applied")
+            assert gw.workers.remote.restarts == 1
+            # Each resubscription asked for what came after the index's last batch, and was
+            # replayed that, not sent a snapshot.
+            resumed = sorted(cache.requests[len(POOLS):])
+            assert resumed == sorted((1, before[n]) for n in POOLS)
+            assert not any(snap for sent in cache.sent[len(POOLS):] for _, snap in sent)
+            state = _state(gw)
+            for name in POOLS:
+                assert len(state[name][2][0]) == 20  # both prompts' pages
+            wait_until(lambda: all(gw.router.get(n).streaming for n in POOLS), 10,
+                       "streaming again")
+    finally:
+        for w in workers:
+            w.stop()
+        cache.server.stop(0)
