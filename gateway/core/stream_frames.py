@@ -48,13 +48,36 @@ _SNAPSHOT, _SNAPSHOT_END, _CLEARS_FIRST = 1, 2, 4
 
 @dataclass(slots=True)
 class FrameItem:
-    """One item of a frame: a batch (`head` and its `runs`) or a heartbeat; `events`: its page
-    events as the applier counts them (at least 1 for a batch)."""
+    """One item of a frame: a batch or a heartbeat; `events`: its page events as the applier
+    counts them (at least 1 for a batch). A batch keeps plain ints (its epoch, seq, flags and its
+    runs' (kind, tier, first page, pages) in one tuple) and the frame's hash buffer; `head` and
+    `runs` are built when it is applied. Why: at a million page events a second an item waits in
+    the applier's queue long enough to survive a young collection, and every tracked object it
+    holds (a head, a list, a memoryview and a tuple per run) was walked again by the garbage
+    collector's older generations, inside whichever routing decision triggered them."""
     pool_id: str
-    head: BatchHead | None
-    runs: list[Run]
     heartbeat: events_pb2.Heartbeat | None
     events: int
+    epoch: int = 0
+    seq: int = 0
+    flags: int = 0
+    spans: tuple[tuple[int, int, int, int], ...] = ()
+    hashes: memoryview | None = None
+
+    @property
+    def head(self) -> BatchHead | None:
+        if self.heartbeat is not None:
+            return None
+        f = self.flags
+        return BatchHead(self.pool_id, self.epoch, self.seq, bool(f & _SNAPSHOT),
+                         bool(f & _SNAPSHOT_END), bool(f & _CLEARS_FIRST))
+
+    @property
+    def runs(self) -> list[Run]:
+        """(kind, tier, packed hashes: a view of the frame) per event run."""
+        h = self.hashes
+        return [(KINDS[kind], tier, h[start * HASH_BYTES:(start + n) * HASH_BYTES])
+                for kind, tier, start, n in self.spans]
 
 
 # What the applier queues and the router applies: an item as gRPC decoded it, or one of a frame.
@@ -126,13 +149,10 @@ def decode(frame: bytes | memoryview) -> list[FrameItem]:
         pool = pools[name]
         if heartbeat:
             hb = events_pb2.Heartbeat.FromString(extra[off:off + length])
-            out.append(FrameItem(pool, None, [], hb, 0))
+            out.append(FrameItem(pool, hb, 0))
             continue
-        head = BatchHead(pool, epoch, seq, bool(flags & _SNAPSHOT), bool(flags & _SNAPSHOT_END),
-                         bool(flags & _CLEARS_FIRST))
-        runs = [(KINDS[kind], tier, hashes[start * HASH_BYTES:(start + n) * HASH_BYTES])
-                for kind, tier, start, n in run_rows[first:first + count]]
-        out.append(FrameItem(pool, head, runs, None, events))
+        out.append(FrameItem(pool, None, events, epoch, seq, flags,
+                             tuple(run_rows[first:first + count]), hashes))
     return out
 
 
