@@ -183,6 +183,8 @@ class BatchApplier:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        # Items queued before `put` / `put_frame` wait (a feed process lowers it: feed_process.py).
+        self.max_pending = MAX_PENDING_ITEMS
         self.applied_items = 0
         self.slices = 0
 
@@ -208,7 +210,7 @@ class BatchApplier:
 
     async def _queued(self) -> None:
         self._wake.set()
-        if len(self._pending) >= MAX_PENDING_ITEMS:
+        if len(self._pending) >= self.max_pending:
             self._room.clear()
             await self._room.wait()
 
@@ -236,7 +238,7 @@ class BatchApplier:
                 self._apply_slice(self._take_slice())
                 self.router.prepare_index_growth()  # paced by the room the slice used
                 self.router.yield_to_routing()
-                if len(self._pending) < MAX_PENDING_ITEMS // 2:
+                if len(self._pending) < self.max_pending // 2:
                     self._room.set()
                 await asyncio.sleep(0)  # let the feeds read what arrived meanwhile
             self._room.set()

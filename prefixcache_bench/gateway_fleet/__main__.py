@@ -23,9 +23,13 @@ from prefixcache_bench.gateway_fleet.run import (DECISION_PERIOD_S, IngestTuning
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
 # The issue's goals (issue 31): judged on every configuration, so a FAIL is a gap, not a bug.
+# A decision's p99 is judged three ways: route()'s own time, and its end from the request's
+# planned wake-up and from its due time (what a request waits for, a stall included).
 GOALS = {
     "live_page_events_per_s": Goal(">=", 1e6),
     "routing_p99_during_ingest_us": Goal("<=", 1000),
+    "routing_p99_from_wake_during_ingest_us": Goal("<=", 1000),
+    "routing_p99_from_due_during_ingest_us": Goal("<=", 1000),
     "index_bytes_per_page": Goal("<=", 64),
     "restart_to_warm_s": Goal("<=", 5),
 }
