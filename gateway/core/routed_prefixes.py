@@ -7,12 +7,14 @@ from collections.abc import Sequence
 
 from gateway.core.index import bit_positions
 
-# The holders' map is this many dicts, chosen by a page hash's first byte (uniform: hashes are
-# cryptographic). One dict of a fleet's recent pages (4,096 a worker: 4M at 1,000 workers) would
-# rebuild its whole table in one step each time inserts and deletions fill it, inside a routing
-# decision: ~14 ms at ~200k entries in the fleet bench, more the bigger it gets. A shard
-# rebuilds 1/256 of that.
+# The holders' map is this many dicts, chosen by the key's Python hash (cached on the bytes
+# object, so free after the first lookup; a page hash's own bytes need not be uniform: the fleet
+# bench's synthetic ones start with zeros). One dict of a fleet's recent pages (4,096 a worker:
+# 4M at 1,000 workers) rebuilds its whole table in one step each time inserts and deletions
+# fill it, inside a routing decision: 13-15 ms at ~200k entries in the fleet bench, more the
+# bigger it gets. A shard rebuilds 1/256 of that.
 SHARDS = 256
+_MASK = SHARDS - 1
 
 
 class RoutedPrefixes:
@@ -21,7 +23,7 @@ class RoutedPrefixes:
 
     def __init__(self, max_pages_per_worker: int) -> None:
         self.max_pages = max_pages_per_worker
-        # page hash -> mask of the workers remembering it, sharded by the hash's first byte
+        # page hash -> mask of the workers remembering it, in SHARDS dicts by the key's hash
         self._holders: list[dict[bytes, int]] = [{} for _ in range(SHARDS)]
         self._lru: dict[str, OrderedDict[bytes, None]] = {}
         self._slots: dict[str, int] = {}
@@ -44,12 +46,12 @@ class RoutedPrefixes:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-                shard = holders[h[0]]
+                shard = holders[hash(h) & _MASK]
                 shard[h] = shard.get(h, 0) | bit
         nbit = ~bit
         for _ in range(len(lru) - self.max_pages):
             h = lru.popitem(last=False)[0]
-            shard = holders[h[0]]
+            shard = holders[hash(h) & _MASK]
             m = shard[h] & nbit
             if m:
                 shard[h] = m
@@ -61,7 +63,7 @@ class RoutedPrefixes:
         holders, alive = self._holders, self._all
         ends: dict[int, int] = {}
         for i, h in enumerate(hashes):
-            m = alive & holders[h[0]].get(h, 0)
+            m = alive & holders[hash(h) & _MASK].get(h, 0)
             if m != alive:
                 for slot in bit_positions(alive & ~m):
                     ends[slot] = i
@@ -85,7 +87,8 @@ class RoutedPrefixes:
 
     def holders(self, h: bytes) -> list[str]:
         """The workers remembering page `h` (the only ones whose run from page 0 is not empty)."""
-        return [self._names[slot] for slot in bit_positions(self._holders[h[0]].get(h, 0))]
+        mask = self._holders[hash(h) & _MASK].get(h, 0)
+        return [self._names[slot] for slot in bit_positions(mask)]
 
     def size(self, worker: str) -> int:
         """Pages remembered for a worker."""
@@ -98,7 +101,7 @@ class RoutedPrefixes:
             return
         nbit = ~(1 << slot)
         for h in self._lru.pop(worker):
-            shard = self._holders[h[0]]
+            shard = self._holders[hash(h) & _MASK]
             m = shard[h] & nbit
             if m:
                 shard[h] = m
