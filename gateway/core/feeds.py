@@ -12,8 +12,9 @@ router in slices, each one hold of `Router.lock` that a waiting routing decision
 (ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into
 snapshot batches (same seq, `snapshot_end` on the last only; the index applies them as one); a
 live batch is applied whole (its seq is its identity). Idle, it finishes a growth's migration.
-Items may also come as stream frames (`put_frame`; stream_frames.py: what a feed process of
-its own would send); a frame's snapshot batches are applied whole.
+Items may also come as stream frames (`put_frame`; stream_frames.py), which the gateway's feed
+process sends when the streams are read there (`--feed-process`, feed_process.py); a frame's
+snapshot batches are applied whole.
 
 While a feed's Subscribe call delivers (its first item read, the call not ended), its worker is
 `streaming` (`Router.set_streaming`): a routing candidate during its warm-up, before its

@@ -14,7 +14,9 @@ the gateway's thread count does not grow with its workers. Per address (`WorkerH
    the decoded items for bulk apply (`feeds.follow_events`), resubscribing from where the index
    says when it reports a gap or a new epoch, and after a broken stream from the last batch
    received (the cache service replays its buffer, or sends a snapshot when the buffer has moved
-   past that point); the handle probes the worker's `readiness` health, so a dead or draining
+   past that point); with `--feed-process` that stream is read in the gateway's feed process
+   (gateway/core/feed_process.py), which sends the items back as frames and takes the RESYNCs
+   and the removal. The handle probes the worker's `readiness` health, so a dead or draining
    worker stops being routed to. A watch task holds a health `Watch` on `readiness`: a worker
    that starts draining (SIGTERM: readiness NOT_SERVING, design.md §8) is out of the routing
    within a round trip, before it starts refusing new requests `--drain-delay-s` later, instead
