@@ -172,6 +172,7 @@ class FeedProcess:
                     self.applier.set_streaming(feed.name, False)
                 failures += 1
                 self.restarts += 1
+                self.applier.router.metrics.feed_process_restarts.inc()
                 log.warning(kv("feed_process_exited", exitcode=process.exitcode,
                                feeds=len(self.feeds), attempts=failures))
                 await asyncio.sleep(WORKER_RETRY.delay(failures))
@@ -222,8 +223,8 @@ def serve(path: str, frame_items: int, cpu: int | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         asyncio.run(_serve(path, frame_items))
-    except (ConnectionError, asyncio.IncompleteReadError):
-        pass  # the gateway's process is gone
+    except (OSError, asyncio.IncompleteReadError):
+        pass  # the gateway's process is gone (its socket closed, or removed before we connected)
 
 
 class FrameSender:

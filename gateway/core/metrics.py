@@ -89,6 +89,10 @@ class GatewayMetrics:
         self.cached_tokens = prometheus_client.Counter(
             "prefixcache_gateway_cached_tokens", "Prompt tokens the workers reported served from "
             "cache, by medium.", ["medium"], registry=r)
+        self.feed_process_restarts = prometheus_client.Counter(
+            "prefixcache_gateway_feed_process_restarts", "Times the feed process "
+            "(--feed-process) died and was replaced; its feeds resumed from the index.",
+            registry=r)
         self.resyncs = prometheus_client.Counter(
             "prefixcache_gateway_resyncs", "Event stream resubscriptions after a gap, a new epoch "
             "or a broken snapshot.", ["worker"], registry=r)

@@ -11,11 +11,18 @@ import signal
 import grpc
 
 from cache_service.core import CacheCore
+from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
+from gateway.core.feed_process import MAX_QUEUED_ITEMS
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router
+from gateway.core.workers import Fleet, WorkerSet
 from prefixcache.v1 import common_pb2
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool,
                                            running_gateway, settings, wait_until)
+from tests.gateway.server_helpers import sample
 from tests.gateway.test_stream_resume import BreakableCache
 
 POOLS = ("fa", "fb", "fc")
@@ -98,6 +105,7 @@ def test_a_killed_feed_process_is_replaced_and_every_feed_resumes_where_the_inde
             cache.open.set()
             wait_until(lambda: _caught_up(gw, core), 30, "later batches applied")
             assert gw.workers.remote.restarts == 1
+            assert sample(gw, "prefixcache_gateway_feed_process_restarts_total") == 1
             # Each resubscription asked for what came after the index's last batch, and was
             # replayed that, not sent a snapshot.
             resumed = sorted(cache.requests[len(POOLS):])
@@ -112,3 +120,27 @@ def test_a_killed_feed_process_is_replaced_and_every_feed_resumes_where_the_inde
         for w in workers:
             w.stop()
         cache.server.stop(0)
+
+
+def test_the_gateway_flag_runs_the_streams_in_a_feed_process():
+    args = ["--workers", "localhost:1", "--allow-anonymous"]
+    default = config_from_args(parse_args(args))
+    on = config_from_args(parse_args([*args, "--feed-process"]))
+    assert not default.worker.feed_process and on.worker.feed_process
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    workers = WorkerSet(lambda: [], router, Fleet(None, None), on.worker)
+    try:
+        # The applier's queue is the feed process's bound, and a process is running.
+        assert workers.remote is not None and workers.feeds.applier.max_pending == MAX_QUEUED_ITEMS
+        wait_until(lambda: workers.remote.pid is not None, 10, "feed process started")
+    finally:
+        workers.close()
+    assert not _alive(workers.remote.pid), "the feed process outlived the gateway's feeds"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
