@@ -13,6 +13,7 @@ from prefixcache_bench.gateway_fleet.__main__ import main
 from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.run import idle_gateway_bytes_per_page, index_bytes_per_page, run_config
+from prefixcache_bench.gateway_fleet.sources import PACE_S
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
 
@@ -87,8 +88,10 @@ def test_a_tiny_run_without_grpc_applies_the_same_items_and_routes_to_holders(fr
     want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
     assert r["indexed_pages"] == want and not r["feeds_grpc"]
     assert r["frame_items"] == frame_items and r["live_rate_limit"] == 4000.0
-    # The first put goes at once, the rest paced: the span is at least all but one's share.
-    assert r["live_apply_span_s"] >= (12 - (frame_items or 1)) * 128 / 4000 - 0.002
+    # The first put goes at once, the rest paced: the span is at least all but one's share, less
+    # what the pacer lets a source run ahead (PACE_S) and the first item's wait to be applied (a
+    # CI run measured 0.3499 s against 0.352: 2.1 ms short). Unpaced, it is a few ms.
+    assert r["live_apply_span_s"] >= (12 - (frame_items or 1)) * 128 / 4000 - PACE_S - 0.005
     assert r["live_items_applied"] == 4 * 3
     assert r["live_page_events_per_s"] == r["live_page_events"] / r["live_apply_span_s"]
     assert "generator_send_span_s" not in r and "generator_cpu_share_live" not in r
