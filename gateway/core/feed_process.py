@@ -42,7 +42,7 @@ from typing import Any
 from gateway.core.feeds import BatchApplier, Feed, StreamSettings, aio_channel, follow_events
 from gateway.core.stall_watchdog import StallWatchdog
 from gateway.core.stream_frames import FrameError, decode, encode
-from gateway.core.stream_items import split_snapshot
+from gateway.core.stream_items import item_parts
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from service_shell import TlsConfig, channel_options, kv
@@ -236,11 +236,7 @@ class FrameSender:
         self.arrived = asyncio.Event()
 
     async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
-        if item.WhichOneof("item") == "batch" and item.batch.snapshot:
-            for part in split_snapshot(item.batch, SNAPSHOT_PART_EVENTS):
-                self.items.append(item if part is item.batch else cpb.SubscribeResponse(batch=part))
-        else:
-            self.items.append(item)
+        self.items.extend(item_parts(item, SNAPSHOT_PART_EVENTS))
         self.arrived.set()
         if len(self.items) >= self.frame_items:
             self.flush()
@@ -273,7 +269,6 @@ class FrameSender:
 class _Following:
     feed: Feed
     task: asyncio.Task
-    channel: Any
 
 
 async def _serve(path: str, frame_items: int) -> None:
@@ -301,7 +296,7 @@ async def _serve(path: str, frame_items: int) -> None:
                                       target.tls)
                 feed = Feed(name, point=point)
                 following[name] = _Following(feed, asyncio.create_task(
-                    follow(feed, target, channel)), channel)
+                    follow(feed, target, channel)))
             elif message[0] == "resync" and (f := following.get(message[1])) is not None:
                 f.feed.resync = message[2]
                 f.feed.interrupt()

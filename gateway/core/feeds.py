@@ -45,7 +45,7 @@ from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration,
 from gateway.core.router import Router, log_resync
 from gateway.core.stall_watchdog import StallWatchdog
 from gateway.core.stream_frames import FrameItem, StreamItem
-from gateway.core.stream_items import page_events, resume_after, split_snapshot
+from gateway.core.stream_items import item_parts, page_events, resume_after
 from gateway.core.thread_priority import lower_thread_priority
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
@@ -194,12 +194,8 @@ class BatchApplier:
         self.router.set_streaming(name, streaming)
 
     async def put(self, feed: Feed, item: cpb.SubscribeResponse) -> None:
-        if item.WhichOneof("item") == "batch" and item.batch.snapshot:
-            for part in split_snapshot(item.batch, self.size.events):
-                part_item = item if part is item.batch else cpb.SubscribeResponse(batch=part)
-                self._queue(feed, part_item, page_events(part_item))
-        else:
-            self._queue(feed, item, page_events(item))
+        for part in item_parts(item, self.size.events):
+            self._queue(feed, part, page_events(part))
         await self._queued()
 
     async def put_frame(self, feeds: Mapping[str, Feed], items: Sequence[FrameItem]) -> None:

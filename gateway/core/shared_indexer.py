@@ -37,6 +37,7 @@ from service_shell import kv
 
 log = logging.getLogger("gateway.shared_indexer")
 
+
 class LeaseLost(Exception):
     """A write was refused: another replica holds the worker's lease now."""
 

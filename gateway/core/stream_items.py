@@ -75,6 +75,15 @@ def split_snapshot(batch: events_pb2.EventBatch, limit: int) -> list[events_pb2.
                                   events=p) for k, p in enumerate(parts)]
 
 
+def item_parts(item: cpb.SubscribeResponse, limit: int) -> list[cpb.SubscribeResponse]:
+    """An item as the applier queues it: a snapshot batch cut into items of at most `limit` page
+    events (`split_snapshot`), anything else as is."""
+    if item.WhichOneof("item") != "batch" or not item.batch.snapshot:
+        return [item]
+    return [item if part is item.batch else cpb.SubscribeResponse(batch=part)
+            for part in split_snapshot(item.batch, limit)]
+
+
 def resume_after(item: cpb.SubscribeResponse, point: tuple[int, int]) -> tuple[int, int]:
     """Where a broken stream resumes once `item` is applied (Subscription._advance's rule: inside
     an unfinished snapshot, a new snapshot)."""
