@@ -86,7 +86,7 @@ class FeedLoop:
                  blocking_threads: int = BLOCKING_THREADS, migrate_slots: int | None = None) -> None:
         """`slice_s`: the time one ingest slice (or idle migration step) may hold the router's
         lock; `slice_events` / `migrate_slots`: a fixed size instead (ingest_slices.py)."""
-        self.loop = asyncio.new_event_loop()
+        self.loop, self._decisions = asyncio.new_event_loop(), router.decisions
         self._blocking = concurrent.futures.ThreadPoolExecutor(
             blocking_threads, thread_name_prefix="gateway-blocking")
         self._thread = threading.Thread(target=self._run, name="gateway-feeds", daemon=True)
@@ -100,6 +100,10 @@ class FeedLoop:
 
     def _run(self) -> None:
         lower_thread_priority()
+        # The floor under ingest (decisions_first.py) from the loop's first moment: a lowered
+        # thread waiting for its first turn behind busy decisions would wait with the floor off
+        # (0.2-3 s at 1,000 pools, niced, in the fleet bench; for ever at SCHED_IDLE).
+        self._decisions.pulsed()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
