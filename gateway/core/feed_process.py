@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +65,9 @@ SNAPSHOT_PART_EVENTS = 4096
 # (scratch pairs, stop 44): decisions' p99 from the due time ~1.0 ms at 128-512 against 1.6-1.7
 # ms at 4,096, ingest alike.
 MAX_QUEUED_ITEMS = 256
-# How long the gateway's process waits for a new feed process to connect.
-CONNECT_TIMEOUT_S = 60.0
+# How long the gateway's process waits for a new feed process to connect, and how often it
+# looks meanwhile whether the process exited.
+CONNECT_TIMEOUT_S, CONNECT_POLL_S = 60.0, 0.1
 _HEAD = struct.Struct("<cI")  # a message: its kind, its length
 FRAME, CONTROL = b"F", b"C"
 
@@ -154,14 +156,14 @@ class FeedProcess:
                 process = start_process(path, self.frame_items, self.cpu)
                 self.pid = process.pid
                 try:
-                    reader, self._writer = await asyncio.wait_for(connected.get(),
-                                                                  CONNECT_TIMEOUT_S)
+                    reader, self._writer = await _connection(connected, process)
                     self._resume_all()
                     failures = 0
                     await self._read(reader)
                 except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError,
                         FrameError) as err:
-                    log.warning(kv("feed_process_lost", reason=type(err).__name__))
+                    log.warning(kv("feed_process_lost", reason=type(err).__name__,
+                                   error=str(err)))
                 finally:
                     if self._writer is not None:
                         self._writer.close()
@@ -223,6 +225,20 @@ def start_process(path: str, frame_items: int, cpu: int | None) -> subprocess.Po
 
 _MAIN = ("import sys; from gateway.core.feed_process import serve; "
          "serve(sys.argv[1], int(sys.argv[2]))")
+
+
+async def _connection(connected: asyncio.Queue, process: subprocess.Popen
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The new feed process's connection; ConnectionError as soon as it exits without one (one
+    that cannot start, its imports failing: retried after the backoff, not after the timeout)."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while process.poll() is None:
+        try:
+            return await asyncio.wait_for(connected.get(), CONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+    raise ConnectionError(f"the feed process exited ({process.returncode}) before it connected")
 
 
 def _end(process: subprocess.Popen) -> None:

@@ -5,6 +5,7 @@ resumes where the index is. RESYNCs and broken streams through it: test_server_m
 test_stream_resume.py run with it too."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -13,7 +14,9 @@ import grpc
 from cache_service.core import CacheCore
 from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
-from gateway.core.feed_process import MAX_QUEUED_ITEMS
+from gateway.core import feed_process
+from gateway.core.feed_process import MAX_QUEUED_ITEMS, FeedProcess
+from gateway.core.feeds import FeedLoop
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router
@@ -144,3 +147,20 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_a_feed_process_that_cannot_start_is_retried_after_the_backoff_not_the_timeout(
+        monkeypatch, caplog):
+    """One that exits before it connects (its imports failing, say) is seen at once and started
+    again after the backoff, with its exit code logged; not after CONNECT_TIMEOUT_S (60 s)."""
+    monkeypatch.setattr(feed_process, "_MAIN", "import sys; sys.exit(3)")
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    loop = FeedLoop(router)
+    remote = FeedProcess(loop.applier, router.resume_point)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.feed_process"):
+            loop.submit(remote.run())
+            wait_until(lambda: remote.restarts >= 2, 10, "two failed starts")
+        assert "exited (3) before it connected" in caplog.text
+    finally:
+        loop.close()
