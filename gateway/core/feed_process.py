@@ -214,7 +214,7 @@ def start_process(path: str, frame_items: int, cpu: int | None) -> subprocess.Po
     spawn would import the gateway's main module again first), with the parent's import path.
     Its core is set from here at once, so that even its imports run there and not on the core of
     the thread that starts it (the FeedLoop's, niced under routing decisions: a spawned child
-    took 2.8-4.2 s to reach `serve` at 1,000 pools, stop 45)."""
+    took 2.8 and 4.2 s to reach `serve` at 1,000 pools, stop 45)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     process = subprocess.Popen([sys.executable, "-c", _MAIN, path, str(frame_items)], env=env)
     if cpu is not None:
