@@ -3,7 +3,7 @@ process, pinned to one core) into one gateway's Router through the real feed cod
 (gateway/core/feeds.py: a grpc.aio channel and `follow_events` per pool on the one `FeedLoop`,
 `BatchApplier` -> `Router.apply_stream_items`), the gateway pinned to the other core, while a
 routing thread times Router.route. Phases: warm (every pool's snapshot applied:
-restart-to-warm), then live (every pool's recorded live batches applied), timed in the gateway
+restart-to-warm; how late ingest started is noted on the way, `_StartMarks`), then live (every pool's recorded live batches applied), timed in the gateway
 from the first slice holding a live batch to the last (live_clock.py). `--no-grpc` (sources.py)
 leaves the load generator and the feeds' gRPC out: the apply path alone."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import random
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +159,29 @@ class _Router:
         return out
 
 
+class _StartMarks:
+    """How late ingest started, noted at each poll of the warm-up's `_wait`: seconds from t0 to
+    the first page in the index and to every pool's stream delivering (`streaming`: routing then
+    scores the pool by the index), to a poll's resolution. The check stops at the first pool
+    not streaming yet, as `_wait`'s does."""
+
+    def __init__(self, router: Router, names: list[str], t0: float) -> None:
+        self.router, self.names, self.t0 = router, names, t0
+        self.first_page: float | None = None
+        self.all_streaming: float | None = None
+
+    def __call__(self) -> None:
+        now = time.perf_counter() - self.t0
+        if self.first_page is None and len(self.router.index):  # the fleet starts empty
+            self.first_page = now
+        if self.all_streaming is None and all(self.router.get(n).streaming for n in self.names):
+            self.all_streaming = now
+
+    def summary(self) -> dict:
+        return {"warmup_first_page_s": self.first_page,
+                "warmup_all_streaming_s": self.all_streaming}
+
+
 def _reached(router: Router, name: str, done) -> bool:
     """Whether a worker's index entry is in the state `done` asks for: the router's lock held
     for that one worker (holding it over a thousand workers' entries made the bench's routing
@@ -169,9 +192,10 @@ def _reached(router: Router, name: str, done) -> bool:
 
 
 def _wait(router: Router, names: list[str], done, poll_s: float = 0.05,
-          timeout_s: float = 1800.0) -> float:
+          timeout_s: float = 1800.0, on_poll: Callable[[], None] = lambda: None) -> float:
     deadline = time.monotonic() + timeout_s
     while True:
+        on_poll()
         if all(_reached(router, name, done) for name in names):
             return time.perf_counter()
         if time.monotonic() > deadline:
@@ -335,7 +359,8 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
     thread_priority.configure(tuning.priority, tuning.switch_interval_s)
     feeds = FeedLoop(router, tuning.slice_s, tuning.slice_events)
     source.start(feeds, names)
-    t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
+    marks = _StartMarks(router, names, t0)
+    t_warm = _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot, on_poll=marks)
     # What the gateway does once warm (--gc-freeze-after-warmup, on by default): without it a
     # full collection walking the warm heap paused the FeedLoop thread 80-130 ms in the live phase.
     frozen = freeze_warm_heap()
@@ -363,6 +388,7 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
         "pools": pools, "pages_per_pool": pages_per_pool, "live_batches_per_pool": live_batches,
         "indexed_pages": st.entries, "snapshot_page_events": snap, "live_page_events": live,
         "restart_to_warm_s": t_warm - t0, "snapshot_page_events_per_s": snap / (t_warm - t0),
+        **marks.summary(),
         **clock.summary(live, source.last_sent()),
         "routing_during_warmup": timed.summary(t0, t_warm),
         "routing_during_ingest": timed.summary(clock.first or t_live, clock.last or t_done),

@@ -74,6 +74,9 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     assert r["live_page_events_per_s"] == r["live_page_events"] / r["live_apply_span_s"]
     assert r["generator_send_span_s"] > 0 and r["generator_cpu_share_live"] >= 0
     assert r["restart_to_warm_s"] > 0 and r["index_evictions"] == 0
+    # How late ingest started, noted on the warm-up's polls (before or at the warm one).
+    assert 0 <= r["warmup_first_page_s"] <= r["restart_to_warm_s"]
+    assert 0 <= r["warmup_all_streaming_s"] <= r["restart_to_warm_s"]
     assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
     assert 50 < index_bytes_per_page(4, 400) < 1000
 
@@ -124,6 +127,7 @@ def test_a_tiny_run_through_a_feed_process_applies_every_item_as_frames():
     want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
     assert r["indexed_pages"] == want and r["feed_process"] and r["frame_items"] == 3
     assert r["live_items_applied"] == 4 * 3 and r["routing_idle"]["decisions"] > 0
+    assert 0 <= r["warmup_all_streaming_s"] <= r["restart_to_warm_s"]  # streaming came through
 
 
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
