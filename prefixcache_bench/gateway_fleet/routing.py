@@ -1,19 +1,18 @@
 """`--routing-only`: the cost of one routing decision with ingest idle (issue 31's "p99 <= 1 ms at
-1,000 workers and 10M indexed pages"). The pools' snapshots go straight into the Router's index
-(no gRPC, no feed threads: nothing else runs in the process; a growth's old table then migrated,
-as an idle gateway's feed loop does), then the same requests as the
-fleet run's routing thread (a pool's conversation or a shared system prompt, then new pages) are
-timed through Router.route + Router.finish, the affinity policy, one after another. Applying
-is timed too: the snapshots, then every pool's live batches (64 stored + 64 removed pages each),
-through Router.on_stream_item on parsed messages. The policy's decision alone is timed apart, both ways,
-interleaved, on each request (a same-minute ratio on a loaded machine): the router's array path
-(`_decide_fast`) and the exhaustive one (`preview`: a WorkerScore per candidate, what
-RoutePreview shows); and the garbage collector's pauses during the decisions are
-counted (gc.callbacks): all of them, and those inside Router.route. Each decision's wall time is
-timed and its thread's CPU time (time.thread_time: on a machine shared with other jobs, the wall
-time's tail is their scheduling), the CPU time also by the request's kind (shared prompt or a
-pool's conversation). Before the decisions the warm
-heap is frozen as the gateway does once its workers' snapshots are in (gateway/core/gc_tuning.py,
+1,000 workers and 10M indexed pages"). The pools' snapshots go straight into the Router's index (no
+gRPC, no feed threads: nothing else runs in the process; a growth's old table then migrated, as an
+idle gateway's feed loop does), then the same requests as the fleet run's routing thread (a pool's
+conversation or a shared system prompt, then new pages) are timed through Router.route +
+Router.finish, the affinity policy, one after another. Applying is timed too: the snapshots, then
+every pool's live batches (64 stored + 64 removed pages each), through Router.on_stream_item on
+parsed messages. The policy's decision alone is timed apart, both ways, interleaved, on each request
+(a same-minute ratio on a loaded machine): the router's array path (`_decide_fast`) and the
+exhaustive one (`preview`: a WorkerScore per candidate, what RoutePreview shows); and the garbage
+collector's pauses during the decisions are counted (gc.callbacks): all of them, and those inside
+Router.route. Each decision's wall time is timed and its thread's CPU time (time.thread_time: on a
+machine shared with other jobs, the wall time's tail is their scheduling), the CPU time also by the
+request's kind (shared prompt or a pool's conversation). Before the decisions the warm heap is
+frozen as the gateway does once its workers' snapshots are in (gateway/core/gc_tuning.py,
 `--gc-freeze-after-warmup`); `--no-gc-freeze` leaves it to the collector."""
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ process, pinned to one core) into one gateway's Router through the real feed cod
 (gateway/core/feeds.py: a grpc.aio channel and `follow_events` per pool on the one `FeedLoop`,
 `BatchApplier` -> `Router.apply_stream_items`), the gateway pinned to the other core, while a
 routing thread times Router.route. Phases: warm (every pool's snapshot applied:
-restart-to-warm; how late ingest started is noted on the way, `_StartMarks`), then live (every pool's recorded live batches applied), timed in the gateway
-from the first slice holding a live batch to the last (live_clock.py). `--no-grpc` (sources.py)
+restart-to-warm; how late ingest started is noted on the way, `_StartMarks`), then live (every
+pool's recorded live batches applied), timed in the gateway from the first slice holding a live
+batch to the last (live_clock.py). `--no-grpc` (sources.py)
 leaves the load generator and the feeds' gRPC out: the apply path alone."""
 from __future__ import annotations
 

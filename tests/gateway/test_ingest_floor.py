@@ -132,6 +132,15 @@ def test_the_feed_loop_pulses_while_it_runs():
     assert router.decisions.pulse is None
 
 
+def _decide_until(router: Router, stop: threading.Event) -> None:
+    """Routing decisions back to back, never asleep, until `stop`."""
+    n = 0
+    while not stop.is_set():
+        if router.route(RouteRequest(f"r{n}", pages(0, 4), 65, 16)) is not None:
+            router.finish(f"r{n}")
+        n += 1
+
+
 PAGES = 20_000  # a snapshot
 
 
@@ -144,11 +153,7 @@ def test_ingest_at_sched_idle_runs_beside_a_request_thread_that_keeps_its_core_b
     stop = threading.Event()
 
     def busy() -> None:
-        n = 0
-        while not stop.is_set():
-            if router.route(RouteRequest(f"r{n}", pages(0, 4), 65, 16)) is not None:
-                router.finish(f"r{n}")
-            n += 1
+        _decide_until(router, stop)
 
     def start() -> None:  # the loop and the busy thread inherit this thread's core
         os.sched_setaffinity(0, {core})
@@ -191,11 +196,7 @@ def test_a_feed_loop_started_beside_busy_decisions_gets_its_turns_from_the_start
 
     def busy() -> None:
         os.sched_setaffinity(0, {core})
-        n = 0
-        while not stop.is_set():
-            if router.route(RouteRequest(f"r{n}", pages(0, 4), 65, 16)) is not None:
-                router.finish(f"r{n}")
-            n += 1
+        _decide_until(router, stop)
 
     def start_loops() -> None:  # the loops' threads inherit this thread's core
         os.sched_setaffinity(0, {core})
