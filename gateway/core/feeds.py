@@ -41,8 +41,7 @@ import grpc
 
 from gateway.core.decisions_first import PULSE_S, DecisionsFirst
 from gateway.core.index import ApplyStatus
-from gateway.core.ingest_slices import (IDLE_SPARE_SLOTS, ITEM_EVENTS, SLICE_S, IdleMigration,
-                                        SliceSize)
+from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration, SliceSize
 from gateway.core.router import Router, log_resync
 from gateway.core.stall_watchdog import StallWatchdog
 from gateway.core.stream_frames import FrameItem, StreamItem
@@ -183,8 +182,7 @@ class BatchApplier:
 
     def __init__(self, router: Router, size: SliceSize, idle: IdleMigration) -> None:
         self.router, self.size, self.idle = router, size, idle
-        # (feed, its generation then, item, the item's page events + ITEM_EVENTS: what it costs a
-        # slice, ingest_slices.py)
+        # (feed, its generation then, item, the item's page events)
         self._pending: deque[tuple[Feed, int, StreamItem, int]] = deque()
         self._queued_events = 0
         self._wake = asyncio.Event()
@@ -218,9 +216,8 @@ class BatchApplier:
             await self._room.wait()
 
     def _queue(self, feed: Feed, item: StreamItem, events: int) -> None:
-        cost = events + ITEM_EVENTS
-        self._pending.append((feed, feed.generation, item, cost))
-        self._queued_events += cost
+        self._pending.append((feed, feed.generation, item, events))
+        self._queued_events += events
 
     async def _fill(self) -> None:
         """A feed reads one message a turn of the loop: with few feeds, one turn queues less than
@@ -252,8 +249,7 @@ class BatchApplier:
                 await asyncio.sleep(0)  # the feeds read on: an item queued ends the migration
 
     def _take_slice(self) -> tuple[list[tuple[Feed, StreamItem]], int]:
-        """The next items, up to the slice's page events (each item counting ITEM_EVENTS more);
-        and what they count."""
+        """The next items, up to the slice's page events; and their page events."""
         out, budget = [], self.size.events
         events = 0
         while self._pending and events < budget:

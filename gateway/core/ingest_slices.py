@@ -1,5 +1,4 @@
-"""How many page events one ingest slice applies under `Router.lock` (design.md §6, issue 31);
-each stream item counts `ITEM_EVENTS` more, its own cost.
+"""How many page events one ingest slice applies under `Router.lock` (design.md §6, issue 31).
 
 A routing decision that arrives while a slice holds the lock waits for the rest of it, but for
 the C loop that applies its page events, which steps aside for it (gateway/core/decisions_first.py).
@@ -25,13 +24,6 @@ from collections.abc import Callable
 # 0.85 ms), 1 ms 1.35M/s and 0.84 ms (1.24M/s, 1.01 ms).
 SLICE_S = 0.00025
 FIRST_SLICE_EVENTS = 1024  # until a cost was measured
-# What one stream item costs a slice besides its page events, in page events: its own Python
-# under the lock (`Router._apply_item`), which decisions cannot interrupt. A heartbeat has no page
-# event but costs 3.6-4.2 us, ~25 page events of a 10M-page index at 1,000 pools (~0.17 us each in
-# a slice). Counted as 0, a burst of the fleet's heartbeats (1,000 pools' streams heartbeat each
-# second, in step after a restart) went whole into one slice: 256 of them held the lock 1.1-1.3 ms,
-# and decisions waited for all of it (issue 31's fleet bench, scratch probe, 2026-11-28).
-ITEM_EVENTS = 24
 # At least a live batch of 64 stored + 64 removed pages; at most a few 4 MiB snapshot batches.
 MIN_SLICE_EVENTS = 128
 MAX_SLICE_EVENTS = 1 << 17

@@ -11,8 +11,8 @@ import pytest
 from gateway.__main__ import config_from_args, parse_args
 from gateway.core.feeds import BatchApplier, Feed, FeedLoop
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
-from gateway.core.ingest_slices import (FIRST_SLICE_EVENTS, ITEM_EVENTS, MAX_SLICE_EVENTS,
-                                        MIN_SLICE_EVENTS, SLICE_S, IdleMigration, SliceSize)
+from gateway.core.ingest_slices import (FIRST_SLICE_EVENTS, MAX_SLICE_EVENTS, MIN_SLICE_EVENTS,
+                                        SLICE_S, IdleMigration, SliceSize)
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker
@@ -183,26 +183,6 @@ def test_the_slice_size_leaves_out_the_hold_that_decisions_interrupt():
     applier._apply_slice(([(Feed("a"), item)], FIRST_SLICE_EVENTS))
     whole = router.held / FIRST_SLICE_EVENTS
     assert 0.25 * whole <= applier.size.seconds_per_event < 0.5 * whole
-
-
-def test_items_without_page_events_count_toward_a_slice():
-    """A burst of heartbeats (no page events, ~4 us of Python each under the lock) is spread over
-    slices of the target size, not taken whole into one that decisions must wait for."""
-    applier = BatchApplier(None, SliceSize(fixed=10 * ITEM_EVENTS), IdleMigration())
-    feed, beat = Feed("a"), cpb.SubscribeResponse(heartbeat=heartbeat("a", 0))
-    live = cpb.SubscribeResponse(batch=batch("a", 1, stored(pages(0, 64))))
-
-    async def queue() -> None:
-        for _ in range(100):
-            await applier.put(feed, beat)
-        await applier.put(feed, live)
-
-    asyncio.run(queue())
-    sizes = []
-    while (taken := applier._take_slice())[0]:
-        sizes.append((len(taken[0]), taken[1]))
-    assert sizes[:10] == [(10, 10 * ITEM_EVENTS)] * 10
-    assert sizes[10:] == [(1, 64 + ITEM_EVENTS)]
 
 
 def test_idle_migration_steps_are_sized_by_the_slice_time():
