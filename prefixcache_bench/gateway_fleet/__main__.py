@@ -105,12 +105,15 @@ def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="the feed loop thread's scheduling priority (the gateway's "
                         "--ingest-priority; default idle, as deploy/k8s runs the gateway: the "
                         "bench's gateway process has its core to itself, as a pod its cgroup)")
+    p.add_argument("--no-spare", action="store_true",
+                   help="the feed loop writes no next growth's arrays ahead (table_arrays.Spare): "
+                        "what writing them costs ingest, and a growth then allocates them")
 
 
 def _tuning(args: argparse.Namespace) -> IngestTuning:
     return IngestTuning(args.ingest_slice_ms / 1e3, args.slice_events,
                         args.switch_interval_ms / 1e3, args.ingest_priority,
-                        args.decision_period_ms / 1e3)
+                        args.decision_period_ms / 1e3, spare=not args.no_spare)
 
 
 def _summary(folder: Path) -> None:

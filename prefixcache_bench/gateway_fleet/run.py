@@ -245,17 +245,20 @@ class IngestTuning:
     (`--ingest-slice-ms`), or a fixed number of page events a slice (the former behaviour), and
     the interpreter's thread switch interval and the feed loop's priority, as the gateway sets
     them (gateway/core/thread_priority.py); and the timed requests' period (`--decision-period-ms`:
-    longer on a machine where route() alone takes most of a millisecond)."""
+    longer on a machine where route() alone takes most of a millisecond); `spare` False: the
+    feed loop writes no growth's arrays ahead (`--no-spare`)."""
     slice_s: float = SLICE_S
     slice_events: int | None = None
     switch_interval_s: float = SWITCH_INTERVAL_S
     priority: str = "idle"
     decision_period_s: float = DECISION_PERIOD_S
+    spare: bool = True
 
     def summary(self) -> dict:
         return {"ingest_slice_ms": self.slice_s * 1e3, "ingest_slice_events_fixed": self.slice_events,
                 "switch_interval_ms": self.switch_interval_s * 1e3,
-                "ingest_priority": self.priority, "decision_period_ms": self.decision_period_s * 1e3}
+                "ingest_priority": self.priority, "decision_period_ms": self.decision_period_s * 1e3,
+                "spare": self.spare}
 
 
 @dataclass(frozen=True)
@@ -352,6 +355,8 @@ def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches:
 def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, pages_per_pool: int,
              live_batches: int, idle_s: float, packed: bool, tuning: IngestTuning) -> dict:
     router, names = _fleet_router(source.address, pools)
+    if not tuning.spare:  # what the feed loop calls to write a growth's arrays ahead: nothing
+        router.prepare_index_growth = lambda chunk=None: False  # type: ignore[method-assign]
     rss0 = _rss_bytes()
     timed = _Router(router, pools, pages_per_pool, live_batches,
                     period_s=tuning.decision_period_s)

@@ -12,7 +12,8 @@ from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
 from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
-from prefixcache_bench.gateway_fleet.run import idle_gateway_bytes_per_page, index_bytes_per_page, run_config
+from prefixcache_bench.gateway_fleet.run import (IngestTuning, idle_gateway_bytes_per_page,
+                                                 index_bytes_per_page, run_config)
 from prefixcache_bench.gateway_fleet.sources import PACE_S
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
@@ -121,13 +122,15 @@ def test_no_grpc_is_refused_where_it_would_be_ignored(capsys):
 
 def test_a_tiny_run_through_a_feed_process_applies_every_item_as_frames():
     """--feed-process: the load generator's streams read by a feed process, sent to the
-    gateway's process as frames of at most 3 items over a Unix socket."""
+    gateway's process as frames of at most 3 items over a Unix socket; --no-spare: the feed
+    loop writes no growth's arrays ahead."""
     r = run_config(pools=4, pages_per_pool=400, live_batches=3, idle_s=0.5, cpus=None,
-                   frame_items=3, feed_process=True)
+                   frame_items=3, feed_process=True, tuning=IngestTuning(spare=False))
     want = sum(len(F.snapshot_pages(i, 400)) for i in range(4))
     assert r["indexed_pages"] == want and r["feed_process"] and r["frame_items"] == 3
     assert r["live_items_applied"] == 4 * 3 and r["routing_idle"]["decisions"] > 0
     assert 0 <= r["warmup_all_streaming_s"] <= r["restart_to_warm_s"]  # streaming came through
+    assert r["spare"] is False
 
 
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
