@@ -52,6 +52,7 @@ _M64 = (1 << 64) - 1
 _MAX_LOAD = 0.7
 _GROWN_LOAD = 0.45
 _SPARE_LOAD = 0.55  # past it, the next growth's arrays are made ready ahead (table_arrays.py)
+_LOOK_LOAD = 0.5  # past it, the spare's looks read how the table fills (Spare.plan's look_only)
 _STAMP_LIMIT = 2**32 - 1
 # Keys left when a vectorised probe goes on to the scalar one: linear probing at 45-70% load has
 # clusters of ~100 slots somewhere, and a numpy round costs ~10 us whatever the keys left.
@@ -433,8 +434,9 @@ class PageTable:
         """Whether k more pages (and those still to come from an old table) stay within 70%.
         Past 55%, plans the next growth's arrays (made ready ahead: `prepare_growth`)."""
         total = self._used_slots()
-        if total >= _SPARE_LOAD * self.cap:
-            self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD)
+        if total >= _LOOK_LOAD * self.cap:
+            self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD,
+                             look_only=total < _SPARE_LOAD * self.cap)
         return total + k <= _MAX_LOAD * self.cap
 
     def prepare_growth(self, chunk: int | None = None) -> bool:

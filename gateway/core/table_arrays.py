@@ -92,20 +92,25 @@ class Spare:
         self._mark = (live, total)
         self._room = 1  # slots the table had left at the plan
 
-    def plan(self, live: int, total: int, room: int, grown_load: float) -> None:
+    def plan(self, live: int, total: int, room: int, grown_load: float, look_only: bool = False
+             ) -> None:
         """The table holds `live` pages in `total` used slots and `room` more are allowed before
         it grows (to `grown_load`): sizes the spare from how live grew per slot used (between 0,
-        pages replaced, and 1, pages added) since the last growth; then again each time a tenth
-        of the room is used, from the slots used since the last look, planning it anew when the
-        growth so predicted would not take it (a fleet that stopped growing)."""
+        pages replaced, and 1, pages added) since the last look (or the last growth); then again
+        each time a tenth of the room is used, planning it anew when the growth so predicted
+        would not take it (a fleet that stopped growing). `look_only`: the table is not yet at
+        the plan's load; its looks each tenth of the room only move the mark, so that the plan
+        reads how the table fills lately: a warm-up's growth that ended just before the plan
+        (1,000 pools, 10M pages: the table at 52%) no longer sizes a spare of ~1.5x for the
+        pages replaced after it, which the next look dropped with what was written of it."""
         mark_live, mark_total = self._mark
         used = total - mark_total
-        if self.planned and used < _RECHECK * self._room:
+        if (self.planned or look_only) and used < _RECHECK * (self._room if self.planned else room):
             return
         added = 0.0 if used <= 0 else min(1.0, max(0.0, (live - mark_live) / used))
         cap = int((live + added * room) / grown_load * _MARGIN) + 1
         self._mark = (live, total)
-        if self.planned and _fits(self.planned, cap / _MARGIN):
+        if look_only or (self.planned and _fits(self.planned, cap / _MARGIN)):
             return
         self.arrays, self.planned = None, 0
         if cap >= SPARE_MIN_SLOTS:

@@ -96,6 +96,28 @@ def test_pages_replaced_as_fast_as_stored_plan_a_spare_of_about_the_same_size():
     assert cap <= table._spare.planned <= 1.15 * cap
 
 
+def test_a_warm_up_that_ends_just_before_the_plan_does_not_size_the_spare_as_a_growth():
+    """Pages added up to 52% of a table (a warm-up), then only replaced: the spare planned at
+    55% is a rebuild's size, read from how the table filled lately, not the ~1.5x of the growth
+    since the table's last one."""
+    table, n = PageTable(), 0
+    while table.cap < 4 * SPARE_MIN_SLOTS or table._old is not None:
+        _stores(table, START + n, 2000)
+        n += 2000
+        table.migrate_some(1 << 20)
+    cap = table.cap
+    while table._used_slots() < 0.52 * cap:
+        _stores(table, START + n, 500)
+        n += 500
+    assert table.cap == cap and not table._spare.planned
+    gone = START
+    while not table._spare.planned:
+        _churn(table, gone, START + n, 256)
+        gone, n = gone + 256, n + 256
+    # A rebuild for the pages there are (45% of it, and the spare's 5% margin), not a growth.
+    assert table.cap == cap and table._spare.planned <= 1.1 * len(table) / 0.45
+
+
 def test_a_fleet_that_stops_growing_gets_its_spare_planned_anew_and_taken(monkeypatch):
     """Planned while pages were being added (~1.6x), then pages only replaced: the growth to
     come is a rebuild of about the same size, which would not take that spare."""
