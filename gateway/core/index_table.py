@@ -432,7 +432,8 @@ class PageTable:
 
     def _has_room(self, k: int) -> bool:
         """Whether k more pages (and those still to come from an old table) stay within 70%.
-        Past 55%, plans the next growth's arrays (made ready ahead: `prepare_growth`)."""
+        Past 55%, plans the next growth's arrays (made ready ahead: `prepare_growth`), from how
+        the table filled since its spare's last look (taken from 50% on)."""
         total = self._used_slots()
         if total >= _LOOK_LOAD * self.cap:
             self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD,
