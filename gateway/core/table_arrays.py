@@ -105,7 +105,10 @@ class Spare:
         pages replaced after it, which the next look dropped with what was written of it."""
         mark_live, mark_total = self._mark
         used = total - mark_total
-        if (self.planned or look_only) and used < _RECHECK * (self._room if self.planned else room):
+        if self.planned:  # a look each tenth of the room it was planned with
+            if used < _RECHECK * self._room:
+                return
+        elif look_only and used < _RECHECK * room:  # a look each tenth of the room left now
             return
         added = 0.0 if used <= 0 else min(1.0, max(0.0, (live - mark_live) / used))
         cap = int((live + added * room) / grown_load * _MARGIN) + 1
