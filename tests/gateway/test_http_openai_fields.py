@@ -95,12 +95,13 @@ def test_greedy_logprobs_sum_to_the_workers_own(chat, client):
     # Chat, whole and streamed: the same logprobs both ways.
     messages = [{"role": "user", "content": text(8)}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
-                                           temperature=0, logprobs=True, top_logprobs=3)
+                                           temperature=0, logprobs=True, top_logprobs=3,
+                                           extra_body={"ignore_eos": True})
     content = whole.choices[0].logprobs.content
     assert len(content) == 6 and all(len(c.top_logprobs) == 3 for c in content)
     chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
                                             temperature=0, logprobs=True, top_logprobs=3,
-                                            stream=True)
+                                            stream=True, extra_body={"ignore_eos": True})
     streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs
                 for c in choice.logprobs.content]
     # Equal up to float rounding: the second call reads the prompt from cache.
@@ -198,7 +199,7 @@ def test_echo_default_temperature_and_fields_refused_by_name(chat, client):
     stack, model, _ = chat
     prompt = text(6)
     r = client.completions.create(model=model, prompt=prompt, max_tokens=3, echo=True,
-                                  temperature=0)
+                                  temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].text.startswith(prompt) and len(r.choices[0].text) > len(prompt)
     events = stream(stack.http_url, "/v1/completions",
                     {"model": model, "prompt": prompt, "max_tokens": 3, "echo": True,
