@@ -16,7 +16,8 @@ Modules:
 - index.py: `KvIndex`, page hash -> which workers hold it on which medium, fed by the workers'
   KV event streams.
 - routed_prefixes.py: `RoutedPrefixes`, what the gateway itself routed where (the index of
-  engines that publish no events, and the affinity policy's memory of recent prompts).
+  engines that publish no events, and the affinity policy's memory of recent prompts); its pages
+  in C (routed_native.py, csrc/routed_table.c) where the page table's library loads.
 - policies/: the routing policies (affinity, approx, and the baselines) and `LoadTracker`.
 - workers.py: worker lifecycle: identify, admit into the fleet (`Fleet`), probe readiness, feed
   the worker's event stream into the router (`WorkerSet`, `WorkerSettings`).

@@ -35,11 +35,23 @@ if TYPE_CHECKING:
 
 CSRC = Path(__file__).with_name("csrc")
 _P, _N = ctypes.c_void_p, ctypes.c_int64
+_S, _K, _W = ctypes.c_int32, ctypes.c_char_p, ctypes.c_uint64  # a slot, packed keys, a word
 SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_find": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
     "pt_place": (_N, [_P, _P, _P, _N, _P, _P, _P, _N, _P]),
     "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
     "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
+    # RoutedPrefixes' pages (csrc/routed_table.c, gateway/core/routed_native.py)
+    "rp_new": (_P, [_N]),
+    "rp_free": (None, [_P]),
+    "rp_record": (ctypes.c_int, [_P, _S, _K, _N]),
+    "rp_extend": (_N, [_P, _S, _K, _N, _N]),
+    "rp_holders": (_N, [_P, _W, _W, _P, _N]),
+    "rp_match": (_N, [_P, _K, _N, _P, _P]),
+    "rp_slots": (_N, [_P, _S]),
+    "rp_size": (_N, [_P, _S]),
+    "rp_remove": (None, [_P, _S]),
+    "rp_bytes": (_N, [_P]),
 }
 
 
@@ -47,8 +59,8 @@ def table_library(defines: tuple[str, ...] = ()) -> NativeLibrary:
     """The kernel's library; `defines` (-D flags) build a variant of it (the table bench's
     baseline without prefetch, -DPREFETCH_AHEAD=0)."""
     return NativeLibrary(
-        "gateway's C page table", ("--index-native", "PREFIXCACHE_INDEX_NATIVE"),
-        "the numpy table",
+        "gateway's C tables (page table, routed pages)",
+        ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table and Python dicts",
         lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
                  "flags": ("-O2", "-shared", "-fPIC", *defines)},
         # Calls of µs, under the router's lock: releasing the GIL for each would let another

@@ -1,46 +1,68 @@
 """`RoutedPrefixes`: what the gateway routed where, for engines that publish no events (and for
-the affinity policy's memory of prompts routed but not yet reported by events)."""
+the affinity policy's memory of prompts routed but not yet reported by events).
+
+Worker names map to slots here; the pages live in a store keyed by slot: `NativePages` (C,
+gateway/core/routed_native.py) when the gateway's C library loads (--index-native), else
+`DictPages` below, the reference (tests/gateway/test_routed_prefixes.py runs both on the same
+calls and compares every result)."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
+from gateway.core import index_native
 from gateway.core.index import bit_positions
 
-# The holders' map is this many dicts, chosen by the key's Python hash (cached on the bytes
-# object, so free after the first lookup; a page hash's own bytes need not be uniform: the fleet
-# bench's synthetic ones start with zeros). One dict of a fleet's recent pages (4,096 a worker:
-# 4M at 1,000 workers) rebuilds its whole table in one step each time inserts and deletions
-# fill it, inside a routing decision: 13-15 ms at ~200k entries in the fleet bench, more the
-# bigger it gets. A shard rebuilds 1/256 of that.
+# DictPages' holders' map is this many dicts, chosen by the key's Python hash (cached on the
+# bytes object, so free after the first lookup; a page hash's own bytes need not be uniform: the
+# fleet bench's synthetic ones start with zeros). One dict of a fleet's recent pages (4,096 a
+# worker: 4M at 1,000 workers) rebuilds its whole table in one step each time inserts and
+# deletions fill it, inside a routing decision: 13-15 ms at ~200k entries in the fleet bench,
+# more the bigger it gets. A shard rebuilds 1/256 of that.
 SHARDS = 256
 _MASK = SHARDS - 1
 
 
-class RoutedPrefixes:
-    """What the gateway routed where, for engines that publish no events: per worker an LRU set
-    of page hashes (bounded by max_pages_per_worker), with the same bitmask layout as KvIndex."""
+class Pages(Protocol):
+    """Per worker slot, an LRU set of the page hashes routed to it (at most max_pages)."""
 
-    def __init__(self, max_pages_per_worker: int) -> None:
-        self.max_pages = max_pages_per_worker
-        # page hash -> mask of the workers remembering it, in SHARDS dicts by the key's hash
+    def record(self, slot: int, hashes: Sequence[bytes]) -> None:
+        """Deepest page first, root last: the root ends most recent, so the LRU drops leaves
+        first and what stays is always a prefix; then the least recent over max_pages go."""
+
+    def match(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """(slot, leading pages) for each slot matching page 0, in the order the runs end
+        (ascending slots within a page)."""
+
+    def extend(self, slot: int, hashes: Sequence[bytes], start: int) -> int:
+        """End of the run of pages remembered for `slot` from position `start` on."""
+
+    def holders(self, h: bytes) -> list[int]:
+        """The slots remembering page `h`, ascending."""
+
+    def size(self, slot: int) -> int: ...
+
+    def remove(self, slot: int) -> None: ...
+
+
+class DictPages:
+    """`Pages` in Python dicts: an OrderedDict a slot, and a page's holders as a bitmask of
+    slots (the layout of KvIndex)."""
+
+    def __init__(self, max_pages: int) -> None:
+        self.max_pages = max_pages
+        # page hash -> mask of the slots remembering it, in SHARDS dicts by the key's hash
         self._holders: list[dict[bytes, int]] = [{} for _ in range(SHARDS)]
-        self._lru: dict[str, OrderedDict[bytes, None]] = {}
-        self._slots: dict[str, int] = {}
-        self._names: dict[int, str] = {}
-        self._free_slots: list[int] = []
+        self._lru: dict[int, OrderedDict[bytes, None]] = {}
         self._all = 0
 
-    def record(self, worker: str, hashes: Sequence[bytes]) -> None:
-        """The prompt with these page hashes was routed to `worker`."""
-        slot = self._slots.get(worker)
-        if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
-            self._slots[worker], self._names[slot], self._lru[worker] = slot, worker, OrderedDict()
+    def record(self, slot: int, hashes: Sequence[bytes]) -> None:
+        lru = self._lru.get(slot)
+        if lru is None:
+            lru = self._lru[slot] = OrderedDict()
             self._all |= 1 << slot
-        lru, holders, bit = self._lru[worker], self._holders, 1 << slot
-        # Deepest page first, root last: the root ends most recent, so the LRU drops leaves first
-        # and what stays is always a prefix.
+        holders, bit = self._holders, 1 << slot
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
@@ -50,16 +72,17 @@ class RoutedPrefixes:
                 shard[h] = shard.get(h, 0) | bit
         nbit = ~bit
         for _ in range(len(lru) - self.max_pages):
-            h = lru.popitem(last=False)[0]
-            shard = holders[hash(h) & _MASK]
-            m = shard[h] & nbit
-            if m:
-                shard[h] = m
-            else:
-                del shard[h]
+            self._forget(lru.popitem(last=False)[0], nbit)
 
-    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """Leading pages per worker (workers matching nothing are absent)."""
+    def _forget(self, h: bytes, nbit: int) -> None:
+        shard = self._holders[hash(h) & _MASK]
+        m = shard[h] & nbit
+        if m:
+            shard[h] = m
+        else:
+            del shard[h]
+
+    def match(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
         holders, alive = self._holders, self._all
         ends: dict[int, int] = {}
         for i, h in enumerate(hashes):
@@ -73,11 +96,10 @@ class RoutedPrefixes:
         else:
             for slot in bit_positions(alive):
                 ends[slot] = len(hashes)
-        return {self._names[slot]: n for slot, n in ends.items() if n}
+        return [(slot, n) for slot, n in ends.items() if n]
 
-    def extend(self, worker: str, hashes: Sequence[bytes], start: int) -> int:
-        """End of the run of pages remembered for `worker` from position `start` on."""
-        lru = self._lru.get(worker)
+    def extend(self, slot: int, hashes: Sequence[bytes], start: int) -> int:
+        lru = self._lru.get(slot)
         if lru is None:
             return start
         n = len(hashes)
@@ -85,28 +107,77 @@ class RoutedPrefixes:
             start += 1
         return start
 
+    def holders(self, h: bytes) -> list[int]:
+        return list(bit_positions(self._holders[hash(h) & _MASK].get(h, 0)))
+
+    def size(self, slot: int) -> int:
+        lru = self._lru.get(slot)
+        return len(lru) if lru is not None else 0
+
+    def remove(self, slot: int) -> None:
+        lru = self._lru.pop(slot, None)
+        if lru is None:
+            return
+        nbit = ~(1 << slot)
+        for h in lru:
+            self._forget(h, nbit)
+        self._all &= nbit
+
+
+def make_pages(max_pages: int, native: bool | None = None) -> Pages:
+    """The C store when the gateway's library loads (or `native` says so), else DictPages."""
+    lib = index_native.kernel() if native is not False else None
+    if native and lib is None:
+        raise RuntimeError(f"routed pages: no C library ({index_native.TABLE.reason})")
+    if lib is None:
+        return DictPages(max_pages)
+    from gateway.core.routed_native import NativePages
+    return NativePages(max_pages, lib)
+
+
+class RoutedPrefixes:
+    """What the gateway routed where, for engines that publish no events: per worker an LRU set
+    of page hashes (bounded by max_pages_per_worker)."""
+
+    def __init__(self, max_pages_per_worker: int, native: bool | None = None) -> None:
+        self.max_pages = max_pages_per_worker
+        self._pages = make_pages(max_pages_per_worker, native)
+        self._slots: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._free_slots: list[int] = []
+
+    def record(self, worker: str, hashes: Sequence[bytes]) -> None:
+        """The prompt with these page hashes was routed to `worker`."""
+        slot = self._slots.get(worker)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[worker], self._names[slot] = slot, worker
+        self._pages.record(slot, hashes)
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """Leading pages per worker (workers matching nothing are absent)."""
+        names = self._names
+        return {names[slot]: n for slot, n in self._pages.match(hashes)}
+
+    def extend(self, worker: str, hashes: Sequence[bytes], start: int) -> int:
+        """End of the run of pages remembered for `worker` from position `start` on."""
+        slot = self._slots.get(worker)
+        return start if slot is None else self._pages.extend(slot, hashes, start)
+
     def holders(self, h: bytes) -> list[str]:
         """The workers remembering page `h` (the only ones whose run from page 0 is not empty)."""
-        mask = self._holders[hash(h) & _MASK].get(h, 0)
-        return [self._names[slot] for slot in bit_positions(mask)]
+        names = self._names
+        return [names[slot] for slot in self._pages.holders(h)]
 
     def size(self, worker: str) -> int:
         """Pages remembered for a worker."""
-        lru = self._lru.get(worker)
-        return len(lru) if lru is not None else 0
+        slot = self._slots.get(worker)
+        return 0 if slot is None else self._pages.size(slot)
 
     def remove_worker(self, worker: str) -> None:
         slot = self._slots.pop(worker, None)
         if slot is None:
             return
-        nbit = ~(1 << slot)
-        for h in self._lru.pop(worker):
-            shard = self._holders[hash(h) & _MASK]
-            m = shard[h] & nbit
-            if m:
-                shard[h] = m
-            else:
-                del shard[h]
+        self._pages.remove(slot)
         del self._names[slot]
-        self._all &= nbit
         self._free_slots.append(slot)

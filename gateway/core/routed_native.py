@@ -1,0 +1,69 @@
+"""`NativePages`: RoutedPrefixes' pages in the gateway's C library (csrc/routed_table.c), with
+the slot-based interface of `routed_prefixes.DictPages` and the same results (keys are the page
+hashes' 16 bytes, as the index's: a hash of another length is cut or zero-padded to 16).
+
+Built and chosen as the page table is (index_native.TABLE: --index-native auto|on|off); calls
+keep the GIL (they take microseconds, under the router's lock)."""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+from gateway.core.index_table import split
+from gateway.core.packed import pack
+
+
+class NativePages:
+    """Per worker slot, an LRU set of the page hashes routed to it (at most `max_pages`)."""
+
+    def __init__(self, max_pages: int, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._handle = lib.rp_new(max_pages)
+        if not self._handle:
+            raise MemoryError("routed pages: rp_new failed")
+        weakref.finalize(self, lib.rp_free, self._handle)
+        self._cap = 0
+        self._reserve(0)
+
+    def _reserve(self, slot: int) -> None:
+        """Room for `slot` in the C arrays and in match's and holders' output buffers."""
+        cap = self._lib.rp_slots(self._handle, slot)
+        if cap < 0:
+            raise MemoryError("routed pages: no memory for another worker")
+        if cap != self._cap:
+            self._cap = cap
+            self._slots_out = np.empty(cap, np.int32)
+            self._ends_out = np.empty(cap, np.int64)
+            self._slots_at = self._slots_out.ctypes.data
+            self._ends_at = self._ends_out.ctypes.data
+
+    def record(self, slot: int, hashes: Sequence[bytes]) -> None:
+        if slot >= self._cap:
+            self._reserve(slot)
+        if self._lib.rp_record(self._handle, slot, pack(hashes), len(hashes)) < 0:
+            raise MemoryError("routed pages: no memory to record a prompt")
+
+    def match(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        k = self._lib.rp_match(self._handle, pack(hashes), len(hashes), self._slots_at,
+                               self._ends_at)
+        return list(zip(self._slots_out[:k].tolist(), self._ends_out[:k].tolist()))
+
+    def extend(self, slot: int, hashes: Sequence[bytes], start: int) -> int:
+        return self._lib.rp_extend(self._handle, slot, pack(hashes), len(hashes), start)
+
+    def holders(self, h: bytes) -> list[int]:
+        lo, hi = split(h)
+        k = self._lib.rp_holders(self._handle, lo, hi, self._slots_at, self._cap)
+        return sorted(self._slots_out[:k].tolist())
+
+    def size(self, slot: int) -> int:
+        return self._lib.rp_size(self._handle, slot)
+
+    def remove(self, slot: int) -> None:
+        self._lib.rp_remove(self._handle, slot)
+
+    def nbytes(self) -> int:
+        return self._lib.rp_bytes(self._handle)
