@@ -10,8 +10,6 @@ import ctypes
 import weakref
 from collections.abc import Sequence
 
-import numpy as np
-
 from gateway.core.index_table import split
 from gateway.core.packed import pack
 
@@ -33,12 +31,10 @@ class NativePages:
         cap = self._lib.rp_slots(self._handle, slot)
         if cap < 0:
             raise MemoryError("routed pages: no memory for another worker")
-        if cap != self._cap:
+        if cap != self._cap:  # ctypes arrays: a slice of one is a list, no numpy call
             self._cap = cap
-            self._slots_out = np.empty(cap, np.int32)
-            self._ends_out = np.empty(cap, np.int64)
-            self._slots_at = self._slots_out.ctypes.data
-            self._ends_at = self._ends_out.ctypes.data
+            self._slots_out = (ctypes.c_int32 * cap)()
+            self._ends_out = (ctypes.c_int64 * cap)()
 
     def record(self, slot: int, hashes: Sequence[bytes]) -> None:
         if slot >= self._cap:
@@ -47,17 +43,17 @@ class NativePages:
             raise MemoryError("routed pages: no memory to record a prompt")
 
     def match(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
-        k = self._lib.rp_match(self._handle, pack(hashes), len(hashes), self._slots_at,
-                               self._ends_at)
-        return list(zip(self._slots_out[:k].tolist(), self._ends_out[:k].tolist()))
+        k = self._lib.rp_match(self._handle, pack(hashes), len(hashes), self._slots_out,
+                               self._ends_out)
+        return list(zip(self._slots_out[:k], self._ends_out[:k]))
 
     def extend(self, slot: int, hashes: Sequence[bytes], start: int) -> int:
-        return self._lib.rp_extend(self._handle, slot, pack(hashes), len(hashes), start)
+        rest = hashes[start:]  # only these are probed
+        return start + self._lib.rp_extend(self._handle, slot, pack(rest), len(rest), 0)
 
     def holders(self, h: bytes) -> list[int]:
-        lo, hi = split(h)
-        k = self._lib.rp_holders(self._handle, lo, hi, self._slots_at, self._cap)
-        return sorted(self._slots_out[:k].tolist())
+        k = self._lib.rp_holders(self._handle, *split(h), self._slots_out, self._cap)
+        return sorted(self._slots_out[:k]) if k > 1 else self._slots_out[:k]
 
     def size(self, slot: int) -> int:
         return self._lib.rp_size(self._handle, slot)

@@ -8,49 +8,81 @@
    dozen dict operations a page, each a cache miss: ~55 us of a ~170 us decision.
 
    Layout. An entry is one (page, slot) pair: its 16-byte key, its slot, its place in the slot's
-   LRU list (prev/next) and in the page's list of holders (kprev/knext). Two open-addressed
-   tables of entry indexes (-1: empty), linear probing with backward-shift deletion (no
-   tombstones, so steady churn never rebuilds a table; only growth does):
+   LRU list (prev/next) and in the page's list of holders (kprev/knext). Entries live in chunks
+   of 2^CHUNK_BITS that are never moved (a new chunk, not a copy, when they run out). Two
+   open-addressed tables of entry indexes (-1: empty), linear probing with backward-shift
+   deletion (no tombstones, so steady churn never rebuilds a table; only growth does):
      by_pair: (page, slot) -> its entry              membership (record, extend)
      by_page: page -> the first entry of its holders (holders, match)
-   Both have 2^bits positions and at most half of them used (pages <= entries). */
+   Both are split in 2^SHARD_BITS shards by the page's hash (a page's pairs in its page's
+   shard), each with 2^bits positions at most half used (pages <= pairs): a growth rehashes one
+   shard, 1/256 of the whole, inside a decision (one table of 4M pairs would take ~10 ms). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define CHUNK_BITS 16
+#define CHUNK ((int64_t)1 << CHUNK_BITS)
+#define SHARD_BITS 8
+#define FIRST_BITS 6 /* a new shard's positions: 2^6 */
 
 static const uint64_t MIX = 0x9E3779B97F4A7C15ULL, MIX_HI = 0xC2B2AE3D27D4EB4FULL,
                       MIX_SLOT = 0x632BE59BD9B4E019ULL;
 
 typedef struct {
-    uint64_t *lo, *hi;
-    int32_t *slot, *prev, *next, *kprev, *knext;
-    int64_t entries_cap, entries_top; /* allocated; ever used (entries_top..cap never were) */
-    int32_t free_entry;               /* free list through next[] */
-    int64_t live, max_pages;
+    uint64_t lo, hi;
+    int32_t slot, prev, next, kprev, knext; /* slot -1: free (next: the next free entry) */
+} Entry;
+
+typedef struct {
+    int32_t *by_pair, *by_page;
+    int64_t live; /* pairs */
+    int bits;
+} Shard;
+
+typedef struct {
+    Entry **chunks;
+    int64_t nchunks, top; /* entries ever used: top (below nchunks * CHUNK) */
+    int32_t free_entry;
+    int64_t max_pages;
     int32_t *head, *tail; /* per slot: most and least recently routed entry */
     int64_t *count, *mark;
-    int32_t *alive; /* match()'s scratch, one per slot */
+    int32_t *alive; /* match's scratch, one per slot */
     int64_t slots_cap, epoch;
-    int32_t *by_pair, *by_page;
-    int bits;
+    Shard shards[1 << SHARD_BITS];
 } Routed;
 
-static inline uint64_t mask_of(const Routed *r) { return ((uint64_t)1 << r->bits) - 1; }
-
-static inline uint64_t page_home(const Routed *r, uint64_t lo, uint64_t hi) {
-    return ((lo ^ (hi * MIX_HI)) * MIX) >> (64 - r->bits);
+static inline Entry *at(const Routed *r, int32_t e) {
+    return &r->chunks[e >> CHUNK_BITS][e & (CHUNK - 1)];
 }
 
-static inline uint64_t pair_home(const Routed *r, uint64_t lo, uint64_t hi, int32_t slot) {
-    return (((lo ^ (hi * MIX_HI)) + (uint64_t)(uint32_t)slot * MIX_SLOT) * MIX) >> (64 - r->bits);
+static inline uint64_t page_mix(uint64_t lo, uint64_t hi) { return (lo ^ (hi * MIX_HI)) * MIX; }
+
+static inline Shard *shard_of(Routed *r, uint64_t lo, uint64_t hi) {
+    return &r->shards[page_mix(lo, hi) >> (64 - SHARD_BITS)];
+}
+
+/* Homes in a shard of 2^bits positions: the page's from the bits after the shard's. */
+static inline uint64_t page_home(uint64_t lo, uint64_t hi, int bits) {
+    return (page_mix(lo, hi) << SHARD_BITS) >> (64 - bits);
+}
+
+static inline uint64_t pair_home(uint64_t lo, uint64_t hi, int32_t slot, int bits) {
+    return (((lo ^ (hi * MIX_HI)) + (uint64_t)(uint32_t)slot * MIX_SLOT) * MIX) >> (64 - bits);
+}
+
+static inline uint64_t home_of(const Entry *x, int by_pair, int bits) {
+    return by_pair ? pair_home(x->lo, x->hi, x->slot, bits) : page_home(x->lo, x->hi, bits);
 }
 
 /* The entry of (lo, hi, slot) or -1; *pos its position or the empty one ending its path. */
-static int32_t find_pair(const Routed *r, uint64_t lo, uint64_t hi, int32_t slot, uint64_t *pos) {
-    uint64_t m = mask_of(r), p = pair_home(r, lo, hi, slot);
+static int32_t find_pair(const Routed *r, const Shard *sh, uint64_t lo, uint64_t hi,
+                         int32_t slot, uint64_t *pos) {
+    uint64_t m = ((uint64_t)1 << sh->bits) - 1, p = pair_home(lo, hi, slot, sh->bits);
     for (;; p = (p + 1) & m) {
-        int32_t e = r->by_pair[p];
-        if (e < 0 || (r->lo[e] == lo && r->hi[e] == hi && r->slot[e] == slot)) {
+        int32_t e = sh->by_pair[p];
+        const Entry *x;
+        if (e < 0 || ((x = at(r, e))->lo == lo && x->hi == hi && x->slot == slot)) {
             *pos = p;
             return e;
         }
@@ -58,29 +90,31 @@ static int32_t find_pair(const Routed *r, uint64_t lo, uint64_t hi, int32_t slot
 }
 
 /* The first holder entry of page (lo, hi) or -1; *pos as find_pair's. */
-static int32_t find_page(const Routed *r, uint64_t lo, uint64_t hi, uint64_t *pos) {
-    uint64_t m = mask_of(r), p = page_home(r, lo, hi);
+static int32_t find_page(const Routed *r, const Shard *sh, uint64_t lo, uint64_t hi,
+                         uint64_t *pos) {
+    uint64_t m = ((uint64_t)1 << sh->bits) - 1, p = page_home(lo, hi, sh->bits);
     for (;; p = (p + 1) & m) {
-        int32_t e = r->by_page[p];
-        if (e < 0 || (r->lo[e] == lo && r->hi[e] == hi)) {
+        int32_t e = sh->by_page[p];
+        const Entry *x;
+        if (e < 0 || ((x = at(r, e))->lo == lo && x->hi == hi)) {
             *pos = p;
             return e;
         }
     }
 }
 
-/* Empties position i of a table, moving later entries of its cluster back so that each stays
-   reachable from its home (nothing after i is before its home, cyclically). */
-static void table_delete(Routed *r, int32_t *table, int by_pair, uint64_t i) {
-    uint64_t m = mask_of(r), j = i;
+/* Empties position i of a shard's table, moving later entries of its cluster back so that each
+   stays reachable from its home (nothing after i is before its home, cyclically). */
+static void table_delete(const Routed *r, Shard *sh, int by_pair, uint64_t i) {
+    int32_t *table = by_pair ? sh->by_pair : sh->by_page;
+    uint64_t m = ((uint64_t)1 << sh->bits) - 1, j = i;
     table[i] = -1;
     for (;;) {
         j = (j + 1) & m;
         int32_t e = table[j];
         if (e < 0)
             return;
-        uint64_t h = by_pair ? pair_home(r, r->lo[e], r->hi[e], r->slot[e])
-                             : page_home(r, r->lo[e], r->hi[e]);
+        uint64_t h = home_of(at(r, e), by_pair, sh->bits);
         if (((j - h) & m) >= ((j - i) & m)) {
             table[i] = e;
             table[j] = -1;
@@ -89,8 +123,22 @@ static void table_delete(Routed *r, int32_t *table, int by_pair, uint64_t i) {
     }
 }
 
-/* Both tables rebuilt with 2^bits positions. */
-static int rehash(Routed *r, int bits) {
+/* One table of a shard moved into `to` (2^bits positions, all empty). */
+static void move_table(const Routed *r, const int32_t *from, int64_t n, int32_t *to, int bits,
+                       int by_pair) {
+    uint64_t m = ((uint64_t)1 << bits) - 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (from[i] < 0)
+            continue;
+        uint64_t p = home_of(at(r, from[i]), by_pair, bits);
+        while (to[p] >= 0)
+            p = (p + 1) & m;
+        to[p] = from[i];
+    }
+}
+
+/* The shard's tables with 2^bits positions (its entries moved over). -1: no memory. */
+static int resize(const Routed *r, Shard *sh, int bits) {
     size_t n = (size_t)1 << bits;
     int32_t *pairs = malloc(n * sizeof(int32_t)), *pages = malloc(n * sizeof(int32_t));
     if (!pairs || !pages) {
@@ -100,22 +148,16 @@ static int rehash(Routed *r, int bits) {
     }
     memset(pairs, 0xff, n * sizeof(int32_t));
     memset(pages, 0xff, n * sizeof(int32_t));
-    free(r->by_pair);
-    free(r->by_page);
-    r->by_pair = pairs;
-    r->by_page = pages;
-    r->bits = bits;
-    for (int32_t e = 0; e < r->entries_top; e++) {
-        if (r->slot[e] < 0)
-            continue;
-        uint64_t p;
-        find_pair(r, r->lo[e], r->hi[e], r->slot[e], &p);
-        pairs[p] = e;
-        if (r->kprev[e] < 0) {
-            find_page(r, r->lo[e], r->hi[e], &p);
-            pages[p] = e;
-        }
+    if (sh->by_pair) {
+        int64_t old = (int64_t)1 << sh->bits;
+        move_table(r, sh->by_pair, old, pairs, bits, 1);
+        move_table(r, sh->by_page, old, pages, bits, 0);
+        free(sh->by_pair);
+        free(sh->by_page);
     }
+    sh->by_pair = pairs;
+    sh->by_page = pages;
+    sh->bits = bits;
     return 0;
 }
 
@@ -127,15 +169,28 @@ static int rehash(Routed *r, int bits) {
         r->field = p_;                                                                        \
     } while (0)
 
-static int grow_entries(Routed *r) {
-    int64_t n = r->entries_cap ? r->entries_cap * 2 : 1024;
-    if (n > INT32_MAX)
-        return -1;
-    GROW(lo, uint64_t, n); GROW(hi, uint64_t, n); GROW(slot, int32_t, n);
-    GROW(prev, int32_t, n); GROW(next, int32_t, n); GROW(kprev, int32_t, n);
-    GROW(knext, int32_t, n);
-    r->entries_cap = n;
-    return 0;
+/* A free entry's index (a new chunk when none is left). -1: no memory. */
+static int32_t alloc_entry(Routed *r) {
+    int32_t e = r->free_entry;
+    if (e >= 0) {
+        r->free_entry = at(r, e)->next;
+        return e;
+    }
+    if (r->top == r->nchunks * CHUNK) {
+        if (r->top + CHUNK > INT32_MAX)
+            return -1;
+        Entry *chunk = malloc(CHUNK * sizeof(Entry));
+        if (!chunk)
+            return -1;
+        void *p = realloc(r->chunks, (size_t)(r->nchunks + 1) * sizeof(Entry *));
+        if (!p) {
+            free(chunk);
+            return -1;
+        }
+        r->chunks = p;
+        r->chunks[r->nchunks++] = chunk;
+    }
+    return (int32_t)r->top++;
 }
 
 static int grow_slots(Routed *r, int32_t slot) {
@@ -152,96 +207,101 @@ static int grow_slots(Routed *r, int32_t slot) {
     return 0;
 }
 
+void rp_free(void *handle) {
+    Routed *r = handle;
+    if (!r)
+        return;
+    for (int64_t c = 0; c < r->nchunks; c++)
+        free(r->chunks[c]);
+    for (int s = 0; s < 1 << SHARD_BITS; s++) {
+        free(r->shards[s].by_pair);
+        free(r->shards[s].by_page);
+    }
+    free(r->chunks); free(r->head); free(r->tail); free(r->count); free(r->mark);
+    free(r->alive);
+    free(r);
+}
+
 void *rp_new(int64_t max_pages) {
     Routed *r = calloc(1, sizeof(Routed));
     if (!r)
         return NULL;
     r->max_pages = max_pages;
     r->free_entry = -1;
-    if (rehash(r, 10) < 0) {
-        free(r);
-        return NULL;
+    for (int s = 0; s < 1 << SHARD_BITS; s++) {
+        if (resize(r, &r->shards[s], FIRST_BITS) < 0) {
+            rp_free(r);
+            return NULL;
+        }
     }
     return r;
 }
 
-void rp_free(void *handle) {
-    Routed *r = handle;
-    if (!r)
-        return;
-    free(r->lo); free(r->hi); free(r->slot); free(r->prev); free(r->next); free(r->kprev);
-    free(r->knext); free(r->head); free(r->tail); free(r->count); free(r->mark); free(r->alive);
-    free(r->by_pair); free(r->by_page);
-    free(r);
+static void lru_unlink(Routed *r, Entry *x) {
+    int32_t p = x->prev, n = x->next;
+    if (p >= 0) at(r, p)->next = n; else r->head[x->slot] = n;
+    if (n >= 0) at(r, n)->prev = p; else r->tail[x->slot] = p;
 }
 
-static void lru_unlink(Routed *r, int32_t e) {
-    int32_t s = r->slot[e], p = r->prev[e], n = r->next[e];
-    if (p >= 0) r->next[p] = n; else r->head[s] = n;
-    if (n >= 0) r->prev[n] = p; else r->tail[s] = p;
-}
-
-static void lru_push_front(Routed *r, int32_t e) {
-    int32_t s = r->slot[e], h = r->head[s];
-    r->prev[e] = -1;
-    r->next[e] = h;
-    if (h >= 0) r->prev[h] = e; else r->tail[s] = e;
-    r->head[s] = e;
+static void lru_push_front(Routed *r, int32_t e, Entry *x) {
+    int32_t h = r->head[x->slot];
+    x->prev = -1;
+    x->next = h;
+    if (h >= 0) at(r, h)->prev = e; else r->tail[x->slot] = e;
+    r->head[x->slot] = e;
 }
 
 /* The entry out of its slot's list, both tables and its page's holders; onto the free list. */
 static void remove_entry(Routed *r, int32_t e) {
+    Entry *x = at(r, e);
+    Shard *sh = shard_of(r, x->lo, x->hi);
     uint64_t pos;
-    lru_unlink(r, e);
-    r->count[r->slot[e]]--;
-    find_pair(r, r->lo[e], r->hi[e], r->slot[e], &pos);
-    table_delete(r, r->by_pair, 1, pos);
-    int32_t kp = r->kprev[e], kn = r->knext[e];
+    lru_unlink(r, x);
+    r->count[x->slot]--;
+    find_pair(r, sh, x->lo, x->hi, x->slot, &pos);
+    table_delete(r, sh, 1, pos);
+    sh->live--;
+    int32_t kp = x->kprev, kn = x->knext;
     if (kn >= 0)
-        r->kprev[kn] = kp;
+        at(r, kn)->kprev = kp;
     if (kp >= 0) {
-        r->knext[kp] = kn;
+        at(r, kp)->knext = kn;
     } else {
-        find_page(r, r->lo[e], r->hi[e], &pos);
+        find_page(r, sh, x->lo, x->hi, &pos);
         if (kn >= 0)
-            r->by_page[pos] = kn;  /* same page, same home: the position stays right */
+            sh->by_page[pos] = kn; /* same page, same home: the position stays right */
         else
-            table_delete(r, r->by_page, 0, pos);
+            table_delete(r, sh, 0, pos);
     }
-    r->slot[e] = -1;
-    r->next[e] = r->free_entry;
+    x->slot = -1;
+    x->next = r->free_entry;
     r->free_entry = e;
-    r->live--;
 }
 
 /* A new entry for (lo, hi, slot), known absent: in both tables, first in its slot's list and
-   first among its page's holders. */
-static int add_entry(Routed *r, uint64_t lo, uint64_t hi, int32_t slot) {
-    if ((r->live + 1) * 2 > ((int64_t)1 << r->bits) && rehash(r, r->bits + 1) < 0)
+   first among its page's holders. -1: no memory. */
+static int add_entry(Routed *r, Shard *sh, uint64_t lo, uint64_t hi, int32_t slot) {
+    if ((sh->live + 1) * 2 > ((int64_t)1 << sh->bits) && resize(r, sh, sh->bits + 1) < 0)
         return -1;
-    int32_t e = r->free_entry;
-    if (e >= 0) {
-        r->free_entry = r->next[e];
-    } else {
-        if (r->entries_top == r->entries_cap && grow_entries(r) < 0)
-            return -1;
-        e = (int32_t)r->entries_top++;
-    }
+    int32_t e = alloc_entry(r);
+    if (e < 0)
+        return -1;
+    Entry *x = at(r, e);
     uint64_t pos;
-    r->lo[e] = lo;
-    r->hi[e] = hi;
-    r->slot[e] = slot;
-    find_pair(r, lo, hi, slot, &pos);
-    r->by_pair[pos] = e;
-    int32_t first = find_page(r, lo, hi, &pos);
-    r->kprev[e] = -1;
-    r->knext[e] = first;
+    x->lo = lo;
+    x->hi = hi;
+    x->slot = slot;
+    find_pair(r, sh, lo, hi, slot, &pos);
+    sh->by_pair[pos] = e;
+    sh->live++;
+    int32_t first = find_page(r, sh, lo, hi, &pos);
+    x->kprev = -1;
+    x->knext = first;
     if (first >= 0)
-        r->kprev[first] = e;
-    r->by_page[pos] = e;
-    lru_push_front(r, e);
+        at(r, first)->kprev = e;
+    sh->by_page[pos] = e;
+    lru_push_front(r, e, x);
     r->count[slot]++;
-    r->live++;
     return 0;
 }
 
@@ -254,11 +314,13 @@ int rp_record(void *handle, int32_t slot, const uint64_t *keys, int64_t n) {
         return -1;
     for (int64_t i = n - 1; i >= 0; i--) {
         uint64_t pos, lo = keys[2 * i], hi = keys[2 * i + 1];
-        int32_t e = find_pair(r, lo, hi, slot, &pos);
+        Shard *sh = shard_of(r, lo, hi);
+        int32_t e = find_pair(r, sh, lo, hi, slot, &pos);
         if (e >= 0) {
-            lru_unlink(r, e);
-            lru_push_front(r, e);
-        } else if (add_entry(r, lo, hi, slot) < 0) {
+            Entry *x = at(r, e);
+            lru_unlink(r, x);
+            lru_push_front(r, e, x);
+        } else if (add_entry(r, sh, lo, hi, slot) < 0) {
             return -1;
         }
     }
@@ -273,8 +335,11 @@ int64_t rp_extend(void *handle, int32_t slot, const uint64_t *keys, int64_t n, i
     uint64_t pos;
     if (slot >= r->slots_cap || r->count[slot] == 0)
         return start;
-    while (start < n && find_pair(r, keys[2 * start], keys[2 * start + 1], slot, &pos) >= 0)
-        start++;
+    for (; start < n; start++) {
+        uint64_t lo = keys[2 * start], hi = keys[2 * start + 1];
+        if (find_pair(r, shard_of(r, lo, hi), lo, hi, slot, &pos) < 0)
+            break;
+    }
     return start;
 }
 
@@ -284,9 +349,10 @@ int64_t rp_holders(void *handle, uint64_t lo, uint64_t hi, int32_t *out, int64_t
     Routed *r = handle;
     uint64_t pos;
     int64_t k = 0;
-    for (int32_t e = find_page(r, lo, hi, &pos); e >= 0; e = r->knext[e], k++)
+    for (int32_t e = find_page(r, shard_of(r, lo, hi), lo, hi, &pos); e >= 0;
+         e = at(r, e)->knext, k++)
         if (k < cap)
-            out[k] = r->slot[e];
+            out[k] = at(r, e)->slot;
     return k;
 }
 
@@ -295,24 +361,27 @@ static int by_slot(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Marks the slots holding page (lo, hi) with `epoch`. */
+static void mark_holders(Routed *r, uint64_t lo, uint64_t hi, int64_t epoch) {
+    uint64_t pos;
+    for (int32_t e = find_page(r, shard_of(r, lo, hi), lo, hi, &pos); e >= 0; e = at(r, e)->knext)
+        r->mark[at(r, e)->slot] = epoch;
+}
+
 /* The leading pages each slot remembers, as (out_slot[k], out_end[k]) for the k returned, in
    the order the runs end (ascending slots within a page); slots matching no page are absent.
    out_* hold one per slot (rp_slots). */
 int64_t rp_match(void *handle, const uint64_t *keys, int64_t n, int32_t *out_slot,
                  int64_t *out_end) {
     Routed *r = handle;
-    uint64_t pos;
     int64_t alive = 0, k = 0;
     if (n == 0)
         return 0;
-    for (int32_t e = find_page(r, keys[0], keys[1], &pos); e >= 0; e = r->knext[e])
-        r->alive[alive++] = r->slot[e];
+    alive = rp_holders(r, keys[0], keys[1], r->alive, r->slots_cap);
     qsort(r->alive, (size_t)alive, sizeof(int32_t), by_slot);
     for (int64_t i = 1; i < n && alive; i++) {
         int64_t epoch = ++r->epoch, kept = 0;
-        for (int32_t e = find_page(r, keys[2 * i], keys[2 * i + 1], &pos); e >= 0;
-             e = r->knext[e])
-            r->mark[r->slot[e]] = epoch;
+        mark_holders(r, keys[2 * i], keys[2 * i + 1], epoch);
         for (int64_t j = 0; j < alive; j++) {
             int32_t s = r->alive[j];
             if (r->mark[s] == epoch) {
@@ -353,8 +422,11 @@ void rp_remove(void *handle, int32_t slot) {
         remove_entry(r, r->tail[slot]);
 }
 
-/* Bytes held: entries, tables and per-slot arrays. */
+/* Bytes held: entry chunks, the shards' tables and the per-slot arrays. */
 int64_t rp_bytes(void *handle) {
     Routed *r = handle;
-    return r->entries_cap * (2 * 8 + 5 * 4) + ((int64_t)2 << r->bits) * 4 + r->slots_cap * 28;
+    int64_t tables = 0;
+    for (int s = 0; s < 1 << SHARD_BITS; s++)
+        tables += ((int64_t)2 << r->shards[s].bits) * (int64_t)sizeof(int32_t);
+    return r->nchunks * CHUNK * (int64_t)sizeof(Entry) + tables + r->slots_cap * 28;
 }
