@@ -158,6 +158,8 @@ def _check_source_flags(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.frame_items is not None and (not (args.no_grpc or args.feed_process)
                                          or args.frame_items < 1):
         p.error("--frame-items: a positive count, with --no-grpc or --feed-process")
+    if args.recent_full and not args.routing_only:
+        p.error("--recent-full: with --routing-only")
     if args.live_rate is not None and (not args.no_grpc or args.live_rate <= 0):
         p.error("--live-rate: a positive rate, with --no-grpc")
 
@@ -177,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-pages", type=int, default=64,
                    help="--routing-only: pages per request (32 held by a pool or a system prompt, "
                         "the rest new)")
+    p.add_argument("--recent-full", action="store_true",
+                   help="--routing-only: the affinity policy's memory of recently routed pages "
+                        "filled to its bound first (4,096 pages a pool), as a gateway's is after "
+                        "a while of routing")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="--routing-only: leave the warm heap to the garbage collector (the gateway's "
                         "--no-gc-freeze-after-warmup)")
@@ -219,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.routing_only:
         results = routing_only(args.pools, per_pool, args.decisions, live,
-                               gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages)
+                               gc_freeze=not args.no_gc_freeze, prompt_pages=args.prompt_pages,
+                               recent_full=args.recent_full)
     else:
         results = _flatten(run_config(args.pools, per_pool, live, cpus=None if args.no_pin else (0, 1),
                                       packed=not args.unpacked, tuning=_tuning(args),

@@ -3,7 +3,8 @@
 gRPC, no feed threads: nothing else runs in the process; a growth's old table then migrated, as an
 idle gateway's feed loop does), then the same requests as the fleet run's routing thread (a pool's
 conversation or a shared system prompt, then new pages) are timed through Router.route +
-Router.finish, the affinity policy, one after another. Applying is timed too: the snapshots, then
+Router.finish, the affinity policy, one after another (`--recent-full`: its memory of recently
+routed pages filled first, as a gateway's is after a while, `fill_recent`). Applying is timed too: the snapshots, then
 every pool's live batches (64 stored + 64 removed pages each), through Router.on_stream_item on
 parsed messages. The policy's decision alone is timed apart, both ways, interleaved, on each request
 (a same-minute ratio on a loaded machine): the router's array path (`_decide_fast`) and the
@@ -61,8 +62,33 @@ class _GcPauses:
                 "gc_max_pause_in_routing_us": max(self.in_route, default=0.0) * 1e6}
 
 
-def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2,
-                 gc_freeze: bool = True, prompt_pages: int = REQUEST_PAGES) -> dict:
+def _timed_records(recent) -> list[float]:
+    """The times of the policy's `recent.record` calls from now on (µs), one a decision."""
+    times, record = [], recent.record
+
+    def timed(worker, hashes) -> None:
+        start = time.perf_counter()
+        record(worker, hashes)
+        times.append((time.perf_counter() - start) * 1e6)
+    recent.record = timed
+    return times
+
+
+def fill_recent(policy, names: list[str]) -> int:
+    """The affinity policy's memory of recently routed pages filled to its bound for every pool
+    with pages no request has (prompts of 32), as a gateway's is after a while of routing: its
+    records then evict as many pages as they add. Returns the pages remembered."""
+    recent, counter = policy.recent, iter(range(1 << 62))
+    bound = recent.max_pages
+    for name in names:
+        for _ in range(-(-bound // 32)):
+            recent.record(name, [(1 << 127 | next(counter)).to_bytes(16, "little")
+                                 for _ in range(32)])
+    return sum(recent.size(name) for name in names)
+
+
+def _built_router(pools: int, pages_per_pool: int, live_batches: int) -> tuple[Router, dict]:
+    """A Router given every pool's snapshot, then their live batches; and the timings."""
     # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
     # reproducible (the time it takes is measured with perf_counter).
     frozen = time.monotonic()
@@ -91,11 +117,24 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     # 1,000 pools and 1M pages every decision probed two (stop 45).
     while router.migrate_index(1 << 20):
         pass
+    return router, {"build_s": load_s,
+                    # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
+                    "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
+                    "live_apply_page_events_per_s": live_events / live_s}
+
+
+def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_batches: int = 2,
+                 gc_freeze: bool = True, prompt_pages: int = REQUEST_PAGES,
+                 recent_full: bool = False) -> dict:
+    router, built = _built_router(pools, pages_per_pool, live_batches)
     requests = _Router(router, pools, pages_per_pool, live_batches, prompt_pages)
+    names = [F.pool_name(i) for i in range(pools)]
+    recent_pages = fill_recent(router.policy, names) if recent_full else 0
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
     cpu_of: dict[str, list[float]] = {"shared": [], "private": []}  # by the request's kind
     fast, exhaustive, collector = [], [], _GcPauses()
+    recorded = _timed_records(router.policy.recent)  # inside route(): its share of a decision
     gc.callbacks.append(collector.on_gc)
     for n in range(decisions):
         req, holder = requests._request(rng, n)
@@ -119,8 +158,8 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
         gc.unfreeze()
     st = router.index.stats()
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
-            "prompt_pages": prompt_pages,
-            "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
+            "prompt_pages": prompt_pages, "recent_full": recent_full,
+            "recent_pages_before": recent_pages, "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
             "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
             # The routing thread's own CPU time per decision: what other processes' use of the
             # cores (the load average) adds to the wall time above is not in it.
@@ -129,11 +168,12 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             # where the p99 comes from, and a pool's conversation (one holder).
             **{f"routing_cpu_{kind}_{name}_us": percentile(times, q) for kind, times in cpu_of.items()
                for name, q in (("p50", 0.5), ("p99", 0.99)) if times},
-            "routed_to_holder": to_holder / max(private, 1), "build_s": load_s,
+            "recent_record_p50_us": percentile(recorded, 0.5),
+            "recent_record_p99_us": percentile(recorded, 0.99),
+            "routed_to_holder": to_holder / max(private, 1), "build_s": built["build_s"],
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
             "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),
             "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
             **collector.summary(), "gc_frozen_objects": frozen_objects,
-            # Router.on_stream_item alone (parsed messages, no gRPC, no other thread)
-            "snapshot_apply_page_events_per_s": snap_events / snapshot_s,
-            "live_apply_page_events_per_s": live_events / live_s}
+            "snapshot_apply_page_events_per_s": built["snapshot_apply_page_events_per_s"],
+            "live_apply_page_events_per_s": built["live_apply_page_events_per_s"]}

@@ -147,6 +147,13 @@ def test_routing_only_times_decisions_by_request_kind():
         assert 0 < r[f"routing_cpu_{kind}_p50_us"] <= r[f"routing_cpu_{kind}_p99_us"]
 
 
+def test_routing_only_with_the_recent_memory_full_starts_from_its_bound():
+    r = routing_only(4, 400, decisions=40, recent_full=True)
+    assert r["recent_full"] and r["recent_pages_before"] == 4 * 4096
+    assert r["decisions"] == 40 and r["routed_to_holder"] > 0.5
+    assert 0 < r["recent_record_p50_us"] <= r["recent_record_p99_us"]  # one a decision
+
+
 def test_the_summary_tabulates_the_committed_runs(capsys):
     assert main(["--summary", str(REPO / "docs" / "results" / "gateway" / "fleet")]) == 0
     out = capsys.readouterr().out
