@@ -4,7 +4,14 @@ the affinity policy's memory of prompts routed but not yet reported by events).
 Worker names map to slots here; the pages live in a store keyed by slot: `NativePages` (C,
 gateway/core/routed_native.py) when the gateway's C library loads (--index-native), else
 `DictPages` below, the reference (tests/gateway/test_routed_prefixes.py runs both on the same
-calls and compares every result)."""
+calls and compares every result).
+
+The policies that match every prompt (approx, sglang) ask for the dicts (`native=False`): a
+page's holders are a mask there, so `match` ANDs one a page (O(workers / 64) words), where the C
+store walks each page's holder list. A 64-page prefix that every worker holds, matched (a scratch
+probe, a day the machine ran ~2.5x slow): 8 workers 9 µs (C) against 23 µs, 100 workers 97
+against 66 µs, 1,000 workers 1.5 against 0.5 ms. The affinity policy's recent pages, the C
+store's user, never `match`: they record, extend and ask a page's holders."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -373,7 +373,8 @@ class ApproxPolicy(AffinityPolicy):
 
     def __init__(self, config: AffinityConfig | None = None, max_pages_per_worker: int = 65536) -> None:
         super().__init__(config)
-        self.routed = RoutedPrefixes(max_pages_per_worker)
+        # The dicts: each decision matches the prompt (routed_prefixes' docstring says why).
+        self.routed = RoutedPrefixes(max_pages_per_worker, native=False)
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)

@@ -88,7 +88,8 @@ class SglangPolicy:
 
     def __init__(self, config: SglangConfig | None = None) -> None:
         self.config = config or SglangConfig()
-        self.routed = RoutedPrefixes(self.config.max_tree_pages)
+        # The dicts: each decision matches the prompt (routed_prefixes' docstring says why).
+        self.routed = RoutedPrefixes(self.config.max_tree_pages, native=False)
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
