@@ -51,6 +51,7 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "rp_slots": (_N, [_P, _S]),
     "rp_size": (_N, [_P, _S]),
     "rp_remove": (None, [_P, _S]),
+    "rp_pages": (_N, [_P]),
     "rp_bytes": (_N, [_P]),
 }
 

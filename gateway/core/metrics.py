@@ -17,7 +17,7 @@ _DECISION_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
 
 
 # (index pages per (worker, medium), workers per state, index totals: entries, capacity,
-# evictions, memory_bytes)
+# evictions, memory_bytes, and the policy's routed_pages, routed_memory_bytes)
 Snapshot = tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]
 
 
@@ -57,6 +57,14 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
                             "dropped at its bound: the fleet outgrew --index-memory-mb.")
     c.add_metric([], totals["evictions"])
     yield c
+    for name, doc in (("pages", "Pages the routing policy remembers as routed to a worker (the "
+                                "affinity policy: until events report them; at most its "
+                                "recent_pages_per_worker a worker)."),
+                      ("memory_bytes", "Memory of the pages the routing policy remembers (the C "
+                                       "store's own count; the Python dicts' estimated).")):
+        g = GaugeMetricFamily(f"prefixcache_gateway_routed_{name}", doc)
+        g.add_metric([], totals[f"routed_{name}"])
+        yield g
 
 
 def reason_kind(reason: str) -> str:

@@ -61,5 +61,9 @@ class NativePages:
     def remove(self, slot: int) -> None:
         self._lib.rp_remove(self._handle, slot)
 
+    def pages(self) -> int:
+        return self._lib.rp_pages(self._handle)
+
     def nbytes(self) -> int:
+        """What the C store holds (entries, tables, per-slot arrays)."""
         return self._lib.rp_bytes(self._handle)

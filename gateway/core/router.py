@@ -424,9 +424,10 @@ class Router:
         rows = self._rows(gauge_rows)
         pages = {(name, medium): n for name, held, _ in rows for medium, n in zip(MEDIA, held)}
         with self.lock:
-            st = self.index.stats()
+            st, (routed, routed_bytes) = self.index.stats(), self.policy.remembered()
         totals = {"entries": st.entries, "capacity": st.capacity,
-                  "evictions": st.evicted_entries, "memory_bytes": st.memory_bytes}
+                  "evictions": st.evicted_entries, "memory_bytes": st.memory_bytes,
+                  "routed_pages": routed, "routed_memory_bytes": routed_bytes}
         return pages, {"known": len(rows), "eligible": sum(e for *_, e in rows)}, totals
 
     def names(self) -> Sequence[str]:

@@ -107,3 +107,30 @@ def test_native_on_without_the_library_refuses():
         assert isinstance(RoutedPrefixes(4)._pages, DictPages)
     finally:
         index_native.configure(*before)
+
+
+@pytest.mark.parametrize("policy", ["affinity", "approx", "sglang", "round_robin"])
+def test_the_gauges_say_what_the_policy_remembers_and_its_memory(policy):
+    import prometheus_client
+
+    from gateway.core.metrics import GatewayMetrics
+    from gateway.core.policies import make_policy
+    from gateway.core.router import Router
+    from gateway.core.routed_prefixes import DICT_BYTES_PER_PAGE
+    metrics = GatewayMetrics()
+    router = Router(make_policy(policy), metrics)
+    stores = [getattr(router.policy, name) for name in ("recent", "routed")
+              if hasattr(router.policy, name)]
+    for i, routed in enumerate(stores):
+        routed.record("a", pages(0, 10 + i))
+        routed.record("b", pages(0, 4))
+    want = sum(14 + i for i in range(len(stores)))
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    assert f"prefixcache_gateway_routed_pages {float(want)}" in text
+    nbytes = sum(r._pages.nbytes() for r in stores)
+    assert metrics.registry.get_sample_value("prefixcache_gateway_routed_memory_bytes") == nbytes
+    for routed in stores:  # the C store counts its own; the dicts' is an estimate
+        if isinstance(routed._pages, DictPages):
+            assert routed._pages.nbytes() == routed._pages.pages() * DICT_BYTES_PER_PAGE
+        else:
+            assert routed._pages.nbytes() > 0 and routed._pages.pages() == 14

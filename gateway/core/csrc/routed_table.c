@@ -422,6 +422,15 @@ void rp_remove(void *handle, int32_t slot) {
         remove_entry(r, r->tail[slot]);
 }
 
+/* Pages remembered, all slots together. */
+int64_t rp_pages(void *handle) {
+    Routed *r = handle;
+    int64_t n = 0;
+    for (int64_t s = 0; s < r->slots_cap; s++)
+        n += r->count[s];
+    return n;
+}
+
 /* Bytes held: entry chunks, the shards' tables and the per-slot arrays. */
 int64_t rp_bytes(void *handle) {
     Routed *r = handle;

@@ -81,6 +81,9 @@ class AffinityPolicy:
     def remove_worker(self, worker: str) -> None:
         self.recent.remove_worker(worker)
 
+    def remembered(self) -> tuple[int, int]:
+        return self.recent.remembered()
+
     def _matches(self, request: RouteRequest, candidates: Sequence[str],
                  index: KvIndex) -> dict[str, PrefixMatch]:
         return self._holders(request, candidates, index).matches()
@@ -378,6 +381,11 @@ class ApproxPolicy(AffinityPolicy):
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
+
+    def remembered(self) -> tuple[int, int]:
+        (recent, recent_bytes), (routed, routed_bytes) = super().remembered(), \
+            self.routed.remembered()
+        return recent + routed, recent_bytes + routed_bytes
 
     def _holders(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex) -> Holders:
         return Holders.from_matches({w: PrefixMatch(n, 0, 0, 1.0)

@@ -79,6 +79,11 @@ class Policy(Protocol):
 
     def remove_worker(self, worker: str) -> None: ...
 
+    def remembered(self) -> tuple[int, int]:
+        """(pages the policy remembers of what it routed, their memory): the gauges
+        prefixcache_gateway_routed_pages and _routed_memory_bytes."""
+        ...
+
 
 def require_candidates(candidates: Sequence[str]) -> None:
     if not candidates:

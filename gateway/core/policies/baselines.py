@@ -20,6 +20,9 @@ class RoundRobinPolicy:
     def remove_worker(self, worker: str) -> None:
         return None
 
+    def remembered(self) -> tuple[int, int]:
+        return 0, 0
+
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
         decision = self.preview(request, candidates, index, load)
@@ -41,6 +44,9 @@ class LeastLoadedPolicy:
 
     def remove_worker(self, worker: str) -> None:
         return None
+
+    def remembered(self) -> tuple[int, int]:
+        return 0, 0
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
@@ -93,6 +99,9 @@ class SglangPolicy:
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
+
+    def remembered(self) -> tuple[int, int]:
+        return self.routed.remembered()
 
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
