@@ -187,6 +187,14 @@ def write_json(path: str | Path, results: Mapping[str, object]) -> Path:
     return path
 
 
+def print_and_write(results: Mapping[str, object], text: str, json_path: str | None) -> None:
+    """Prints a run's text table; with `json_path`, writes the results there and the table beside
+    them (the same name, .txt)."""
+    print(text)
+    if json_path:
+        write_json(json_path, results).with_suffix(".txt").write_text(text + "\n")
+
+
 def report(results: dict, goals: Mapping[str, Goal], title: str, command: str,
            machine: Mapping[str, object], json_path: str | None) -> bool:
     """Judges `results` against `goals`, records the command and the machine in them, prints

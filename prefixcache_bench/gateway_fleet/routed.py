@@ -18,7 +18,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from prefixcache_bench.harness import print_and_write
 
 IMPLS = ("c", "dicts")
 NEW_PAGES = 32
@@ -109,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "pages_per_worker": args.pages, "new_pages_a_call": NEW_PAGES, "calls": args.calls,
         "repeats": args.repeats, "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "rows": rows, "runs": runs}
-    text = _table(result)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        Path(args.json).with_suffix(".txt").write_text(text + "\n")
+    print_and_write(result, _table(result), args.json)
     return 0
 
 

@@ -18,20 +18,19 @@ baseline of the medians over the repeats; the load average is recorded before an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 
 from gateway.core import index_native
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import PageTable
+from prefixcache_bench.harness import print_and_write
 
 # What each implementation is: the kernel's mode and its build's -D flags.
 IMPLS = {"c": ("on", ()), "numpy": ("off", ()), "c_no_prefetch": ("on", ("-DPREFETCH_AHEAD=0",))}
@@ -186,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
               "pages": args.pages, "workers": args.workers, "repeats": args.repeats,
               "baseline": base, "timer": "time.process_time", "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "rows": rows}
-    text = _table(result)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        Path(args.json).with_suffix(".txt").write_text(text + "\n")
+    print_and_write(result, _table(result), args.json)
     return 0
 
 
