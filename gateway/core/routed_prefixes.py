@@ -6,12 +6,11 @@ gateway/core/routed_native.py) when the gateway's C library loads (--index-nativ
 `DictPages` below, the reference (tests/gateway/test_routed_prefixes.py runs both on the same
 calls and compares every result).
 
-The policies that match every prompt (approx, sglang) ask for the dicts (`native=False`): a
-page's holders are a mask there, so `match` ANDs one a page (O(workers / 64) words), where the C
-store walks each page's holder list. A 64-page prefix that every worker holds, matched (a scratch
-probe, a day the machine ran ~2.5x slow): 8 workers 9 µs (C) against 23 µs, 100 workers 97
-against 66 µs, 1,000 workers 1.5 against 0.5 ms. The affinity policy's recent pages, the C
-store's user, never `match`: they record, extend and ask a page's holders."""
+The dicts keep each page's holders as a mask of slots; the C store a list of them and, once a
+page has several, a mask too. So `match` ANDs one mask a page: O(pages x workers / 64) words,
+however many workers share a prefix. A 64-page prefix that every worker holds, matched (a scratch probe, a day the machine ran
+~2.5x slow): 8 workers 6.7 µs (C) against 25 µs, 100 workers 31 against 68 µs, 1,000 workers
+0.19 against 0.53 ms."""
 from __future__ import annotations
 
 from collections import OrderedDict

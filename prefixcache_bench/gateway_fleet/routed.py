@@ -6,7 +6,9 @@ store (csrc/routed_table.c) against the Python dicts (`DictPages`). Each run is 
 - bytes a remembered page: the process's resident memory grown by the fill, over the pages;
 - record: `--calls` prompts of 32 new pages to random workers (each evicting 32), timed one by
   one (perf_counter; p50 / p99 / max);
-- holders + extend: what a decision's `_extenders` asks, timed the same way.
+- holders + extend: what a decision's `_extenders` asks, timed the same way;
+- match: a prompt whose first 64 pages every worker was routed (a system prompt), what the
+  approx and sglang policies ask each decision.
 The ratios are c / dicts of the medians over the repeats; the load average is recorded."""
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from prefixcache_bench.harness import print_and_write
 
 IMPLS = ("c", "dicts")
 NEW_PAGES = 32
+MATCHES = 300  # timed matches of a prefix every worker holds (what approx and sglang ask)
 
 
 def _rss() -> int:
@@ -67,7 +70,17 @@ def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
         routed.holders(hashes[0])
         routed.extend(name, hashes, 0)
         ask.append(time.perf_counter_ns() - t)
+    # A system prompt every worker was routed: 64 pages all of them hold, then 32 nobody does.
+    shared = [(1 << 126 | i).to_bytes(16, "little") for i in range(64)]
+    for name in names:
+        routed.record(name, shared)
+    probe, match = shared + prompt(), []
+    for _ in range(MATCHES):
+        t = time.perf_counter_ns()
+        routed.match(probe)
+        match.append(time.perf_counter_ns() - t)
     return {"impl": impl, "remembered_pages": remembered, "fill_s": fill_s,
+            "match_shared_p50_us": _pct(match, 0.5),
             "bytes_per_page": grown / remembered, "record_p50_us": _pct(record, 0.5),
             "record_p99_us": _pct(record, 0.99), "record_max_us": max(record) / 1e3,
             "holders_extend_p50_us": _pct(ask, 0.5), "holders_extend_p99_us": _pct(ask, 0.99)}
@@ -76,7 +89,8 @@ def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
 ROWS = (("bytes a remembered page (RSS)", "bytes_per_page"), ("fill s", "fill_s"),
         ("record p50 us", "record_p50_us"), ("record p99 us", "record_p99_us"),
         ("record max us", "record_max_us"), ("holders + extend p50 us", "holders_extend_p50_us"),
-        ("holders + extend p99 us", "holders_extend_p99_us"))
+        ("holders + extend p99 us", "holders_extend_p99_us"),
+        ("match, 64 pages all hold, p50 us", "match_shared_p50_us"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ static const uint64_t MIX = 0x9E3779B97F4A7C15ULL, MIX_HI = 0xC2B2AE3D27D4EB4FUL
 typedef struct {
     uint64_t lo, hi;
     int32_t slot, prev, next, kprev, knext; /* slot -1: free (next: the next free entry) */
+    int32_t mask; /* in a page's first holder: the page's holder mask, -1 with one holder */
 } Entry;
 
 typedef struct {
@@ -46,9 +47,13 @@ typedef struct {
     int32_t free_entry;
     int64_t max_pages;
     int32_t *head, *tail; /* per slot: most and least recently routed entry */
-    int64_t *count, *mark;
-    int32_t *alive; /* match's scratch, one per slot */
-    int64_t slots_cap, epoch;
+    int64_t *count;
+    int64_t slots_cap;
+    /* Holder masks of pages with several holders, `words` 64-bit words each (slots_cap bits),
+       free ones chained through their first word; match's alive set in `alive`. */
+    uint64_t *masks, *alive, *one; /* `one`: a single holder's bit as a mask (match) */
+    int64_t words, masks_cap, masks_top;
+    int64_t free_mask;
     Shard shards[1 << SHARD_BITS];
 } Routed;
 
@@ -193,19 +198,60 @@ static int32_t alloc_entry(Routed *r) {
     return (int32_t)r->top++;
 }
 
+/* The masks re-laid with `words` words each (the words added are zero). */
+static int relayout_masks(Routed *r, int64_t words) {
+    if (r->masks_cap) {
+        uint64_t *m = calloc((size_t)(r->masks_cap * words), sizeof(uint64_t));
+        if (!m)
+            return -1;
+        for (int64_t i = 0; i < r->masks_top; i++)
+            memcpy(&m[i * words], &r->masks[i * r->words], (size_t)r->words * sizeof(uint64_t));
+        free(r->masks);
+        r->masks = m;
+    }
+    GROW(alive, uint64_t, words); GROW(one, uint64_t, words);
+    r->words = words;
+    return 0;
+}
+
 static int grow_slots(Routed *r, int32_t slot) {
     int64_t n = r->slots_cap ? r->slots_cap : 64;
     while (n <= slot)
         n *= 2;
     GROW(head, int32_t, n); GROW(tail, int32_t, n); GROW(count, int64_t, n);
-    GROW(mark, int64_t, n); GROW(alive, int32_t, n);
+    if (relayout_masks(r, n / 64) < 0)
+        return -1;
     for (int64_t s = r->slots_cap; s < n; s++) {
         r->head[s] = r->tail[s] = -1;
-        r->count[s] = r->mark[s] = 0;
+        r->count[s] = 0;
     }
     r->slots_cap = n;
     return 0;
 }
+
+/* A zeroed mask's index (the pool doubled when none is free). -1: no memory. */
+static int64_t alloc_mask(Routed *r) {
+    int64_t k = r->free_mask;
+    if (k >= 0) {
+        r->free_mask = (int64_t)r->masks[k * r->words];
+    } else {
+        if (r->masks_top == r->masks_cap) {
+            int64_t n = r->masks_cap ? 2 * r->masks_cap : 64;
+            GROW(masks, uint64_t, n * r->words);
+            r->masks_cap = n;
+        }
+        k = r->masks_top++;
+    }
+    memset(&r->masks[k * r->words], 0, (size_t)r->words * sizeof(uint64_t));
+    return k;
+}
+
+static void free_mask(Routed *r, int64_t k) {
+    r->masks[k * r->words] = (uint64_t)r->free_mask;
+    r->free_mask = k;
+}
+
+static inline uint64_t *mask_at(const Routed *r, int64_t k) { return &r->masks[k * r->words]; }
 
 void rp_free(void *handle) {
     Routed *r = handle;
@@ -217,8 +263,8 @@ void rp_free(void *handle) {
         free(r->shards[s].by_pair);
         free(r->shards[s].by_page);
     }
-    free(r->chunks); free(r->head); free(r->tail); free(r->count); free(r->mark);
-    free(r->alive);
+    free(r->chunks); free(r->head); free(r->tail); free(r->count); free(r->masks);
+    free(r->alive); free(r->one);
     free(r);
 }
 
@@ -228,6 +274,11 @@ void *rp_new(int64_t max_pages) {
         return NULL;
     r->max_pages = max_pages;
     r->free_entry = -1;
+    r->free_mask = -1;
+    if (grow_slots(r, 0) < 0) {
+        rp_free(r);
+        return NULL;
+    }
     for (int s = 0; s < 1 << SHARD_BITS; s++) {
         if (resize(r, &r->shards[s], FIRST_BITS) < 0) {
             rp_free(r);
@@ -262,16 +313,26 @@ static void remove_entry(Routed *r, int32_t e) {
     table_delete(r, sh, 1, pos);
     sh->live--;
     int32_t kp = x->kprev, kn = x->knext;
+    int32_t head = kp < 0 ? e : find_page(r, sh, x->lo, x->hi, &pos), k = at(r, head)->mask;
+    if (k >= 0)
+        mask_at(r, k)[x->slot >> 6] &= ~((uint64_t)1 << (x->slot & 63));
     if (kn >= 0)
         at(r, kn)->kprev = kp;
     if (kp >= 0) {
         at(r, kp)->knext = kn;
     } else {
         find_page(r, sh, x->lo, x->hi, &pos);
-        if (kn >= 0)
+        head = kn;
+        if (kn >= 0) {
             sh->by_page[pos] = kn; /* same page, same home: the position stays right */
-        else
+            at(r, kn)->mask = k;
+        } else {
             table_delete(r, sh, 0, pos);
+        }
+    }
+    if (k >= 0 && head >= 0 && at(r, head)->knext < 0) { /* one holder left: no mask */
+        free_mask(r, k);
+        at(r, head)->mask = -1;
     }
     x->slot = -1;
     x->next = r->free_entry;
@@ -279,27 +340,42 @@ static void remove_entry(Routed *r, int32_t e) {
 }
 
 /* A new entry for (lo, hi, slot), known absent: in both tables, first in its slot's list and
-   first among its page's holders. -1: no memory. */
+   first among its page's holders (a page's second holder gives it a mask). -1: no memory. */
 static int add_entry(Routed *r, Shard *sh, uint64_t lo, uint64_t hi, int32_t slot) {
     if ((sh->live + 1) * 2 > ((int64_t)1 << sh->bits) && resize(r, sh, sh->bits + 1) < 0)
         return -1;
+    uint64_t pos, page_pos;
+    int32_t first = find_page(r, sh, lo, hi, &page_pos);
+    int64_t k = first >= 0 ? at(r, first)->mask : -1;
+    int new_mask = first >= 0 && k < 0;
+    if (new_mask) {
+        if ((k = alloc_mask(r)) < 0)
+            return -1;
+        int32_t other = at(r, first)->slot;
+        mask_at(r, k)[other >> 6] |= (uint64_t)1 << (other & 63);
+    }
     int32_t e = alloc_entry(r);
-    if (e < 0)
+    if (e < 0) {
+        if (new_mask)
+            free_mask(r, k);
         return -1;
+    }
     Entry *x = at(r, e);
-    uint64_t pos;
     x->lo = lo;
     x->hi = hi;
     x->slot = slot;
     find_pair(r, sh, lo, hi, slot, &pos);
     sh->by_pair[pos] = e;
     sh->live++;
-    int32_t first = find_page(r, sh, lo, hi, &pos);
     x->kprev = -1;
     x->knext = first;
-    if (first >= 0)
+    x->mask = (int32_t)k;
+    if (first >= 0) {
         at(r, first)->kprev = e;
-    sh->by_page[pos] = e;
+        at(r, first)->mask = -1;
+        mask_at(r, k)[slot >> 6] |= (uint64_t)1 << (slot & 63);
+    }
+    sh->by_page[page_pos] = e;
     lru_push_front(r, e, x);
     r->count[slot]++;
     return 0;
@@ -356,47 +432,53 @@ int64_t rp_holders(void *handle, uint64_t lo, uint64_t hi, int32_t *out, int64_t
     return k;
 }
 
-static int by_slot(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* Marks the slots holding page (lo, hi) with `epoch`. */
-static void mark_holders(Routed *r, uint64_t lo, uint64_t hi, int64_t epoch) {
+/* Page (lo, hi)'s holders as a mask of `words` words: its own, or r->one set to its single
+   holder's bit; NULL when nobody holds it. */
+static const uint64_t *holder_bits(Routed *r, uint64_t lo, uint64_t hi) {
     uint64_t pos;
-    for (int32_t e = find_page(r, shard_of(r, lo, hi), lo, hi, &pos); e >= 0; e = at(r, e)->knext)
-        r->mark[at(r, e)->slot] = epoch;
+    Shard *sh = shard_of(r, lo, hi);
+    int32_t e = find_page(r, sh, lo, hi, &pos);
+    if (e < 0)
+        return NULL;
+    if (at(r, e)->mask >= 0)
+        return mask_at(r, at(r, e)->mask);
+    int32_t s = at(r, e)->slot;
+    memset(r->one, 0, (size_t)r->words * sizeof(uint64_t));
+    r->one[s >> 6] = (uint64_t)1 << (s & 63);
+    return r->one;
 }
 
 /* The leading pages each slot remembers, as (out_slot[k], out_end[k]) for the k returned, in
    the order the runs end (ascending slots within a page); slots matching no page are absent.
+   A page's holders are ANDed as masks: O(pages x slots / 64) words, however many share them.
    out_* hold one per slot (rp_slots). */
 int64_t rp_match(void *handle, const uint64_t *keys, int64_t n, int32_t *out_slot,
                  int64_t *out_end) {
     Routed *r = handle;
-    int64_t alive = 0, k = 0;
-    if (n == 0)
+    int64_t k = 0, words = r->words;
+    const uint64_t *m = n ? holder_bits(r, keys[0], keys[1]) : NULL;
+    if (!m)
         return 0;
-    alive = rp_holders(r, keys[0], keys[1], r->alive, r->slots_cap);
-    qsort(r->alive, (size_t)alive, sizeof(int32_t), by_slot);
-    for (int64_t i = 1; i < n && alive; i++) {
-        int64_t epoch = ++r->epoch, kept = 0;
-        mark_holders(r, keys[2 * i], keys[2 * i + 1], epoch);
-        for (int64_t j = 0; j < alive; j++) {
-            int32_t s = r->alive[j];
-            if (r->mark[s] == epoch) {
-                r->alive[kept++] = s;
-            } else {
-                out_slot[k] = s;
+    memcpy(r->alive, m, (size_t)words * sizeof(uint64_t));
+    int any = 1;
+    for (int64_t i = 1; i < n && any; i++) {
+        m = holder_bits(r, keys[2 * i], keys[2 * i + 1]);
+        any = 0;
+        for (int64_t w = 0; w < words; w++) {
+            uint64_t keep = m ? r->alive[w] & m[w] : 0, gone = r->alive[w] & ~keep;
+            for (; gone; gone &= gone - 1) {
+                out_slot[k] = (int32_t)(w * 64 + __builtin_ctzll(gone));
                 out_end[k++] = i;
             }
+            r->alive[w] = keep;
+            any |= keep != 0;
         }
-        alive = kept;
     }
-    for (int64_t j = 0; j < alive; j++) {
-        out_slot[k] = r->alive[j];
-        out_end[k++] = n;
-    }
+    for (int64_t w = 0; any && w < words; w++)
+        for (uint64_t left = r->alive[w]; left; left &= left - 1) {
+            out_slot[k] = (int32_t)(w * 64 + __builtin_ctzll(left));
+            out_end[k++] = n;
+        }
     return k;
 }
 
@@ -431,11 +513,12 @@ int64_t rp_pages(void *handle) {
     return n;
 }
 
-/* Bytes held: entry chunks, the shards' tables and the per-slot arrays. */
+/* Bytes held: entry chunks, the shards' tables, the masks and the per-slot arrays. */
 int64_t rp_bytes(void *handle) {
     Routed *r = handle;
     int64_t tables = 0;
     for (int s = 0; s < 1 << SHARD_BITS; s++)
         tables += ((int64_t)2 << r->shards[s].bits) * (int64_t)sizeof(int32_t);
-    return r->nchunks * CHUNK * (int64_t)sizeof(Entry) + tables + r->slots_cap * 28;
+    return r->nchunks * CHUNK * (int64_t)sizeof(Entry) + tables
+           + (r->masks_cap + 2) * r->words * (int64_t)sizeof(uint64_t) + r->slots_cap * 16;
 }

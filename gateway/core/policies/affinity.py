@@ -376,8 +376,7 @@ class ApproxPolicy(AffinityPolicy):
 
     def __init__(self, config: AffinityConfig | None = None, max_pages_per_worker: int = 65536) -> None:
         super().__init__(config)
-        # The dicts: each decision matches the prompt (routed_prefixes' docstring says why).
-        self.routed = RoutedPrefixes(max_pages_per_worker, native=False)
+        self.routed = RoutedPrefixes(max_pages_per_worker)
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)

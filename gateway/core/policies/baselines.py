@@ -94,8 +94,7 @@ class SglangPolicy:
 
     def __init__(self, config: SglangConfig | None = None) -> None:
         self.config = config or SglangConfig()
-        # The dicts: each decision matches the prompt (routed_prefixes' docstring says why).
-        self.routed = RoutedPrefixes(self.config.max_tree_pages, native=False)
+        self.routed = RoutedPrefixes(self.config.max_tree_pages)
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
