@@ -4,8 +4,9 @@
    the fallback, with the same results (tests/gateway/test_routed_prefixes.py compares them).
 
    Why C: at 1,000 workers x 4,096 pages the Python store is 4M entries in 256 dicts plus an
-   OrderedDict a worker, and a decision's record of ~32 new pages (each evicting an old one) is a
-   dozen dict operations a page, each a cache miss: ~55 us of a ~170 us decision.
+   OrderedDict a worker (~286 bytes a page, this store 57.5), and a decision's record of ~32 new
+   pages (each evicting an old one) is a dozen dict operations a page, each a cache miss: ~55 us
+   of a ~170 us decision (docs/results/gateway/fleet/routed_prefixes.txt).
 
    Layout. An entry is one (page, slot) pair: its 16-byte key, its slot, its place in the slot's
    LRU list (prev/next) and in the page's list of holders (kprev/knext). Entries live in chunks
@@ -16,7 +17,13 @@
      by_page: page -> the first entry of its holders (holders, match)
    Both are split in 2^SHARD_BITS shards by the page's hash (a page's pairs in its page's
    shard), each with 2^bits positions at most half used (pages <= pairs): a growth rehashes one
-   shard, 1/256 of the whole, inside a decision (one table of 4M pairs would take ~10 ms). */
+   shard, 1/256 of the whole, inside a decision (one table of 4M pairs would take ~10 ms).
+   A page with several holders also has a holder mask (a bit a slot; its first holder's `mask`
+   names it), so that match ANDs one mask a page however many workers share a prefix.
+
+     by_page[p] ──> entry (page P, slot 7, mask 3) ─knext─> entry (P, slot 2) ─knext─> -1
+                                            └──> masks[3]: bits 2 and 7
+     head[7] ──> most recent entry of slot 7 ─next─> ... ─next─> tail[7] (evicted first) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
