@@ -3,9 +3,21 @@ events of a Server-Sent Events body."""
 from __future__ import annotations
 
 import json
+import secrets
+import string
 from collections.abc import Iterable
 
 import httpx
+
+_TAG_CHARS = string.ascii_letters + string.digits
+
+
+def unique_tag(n: int = 12) -> str:
+    """Random letters and digits to start a prompt no other test sends. The live stacks' pages
+    are 4 tokens, so a prompt shares a cached page with another one as soon as their first 4
+    tokens agree: eight hex digits put ~3 random tokens there, 1 chance in ~4,000 a pair (a CI
+    run once found 4 of a new prompt's tokens cached). 62 symbols make it ~1 in 240,000."""
+    return "".join(secrets.choice(_TAG_CHARS) for _ in range(n))
 
 
 def auth(token: str | None = "tok-a") -> dict[str, str]:

@@ -17,7 +17,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache_client.tokenizer import from_directory
 from tests.gateway.gateway_harness import wait_until
-from tests.gateway.http_helpers import auth, post, stream, streamed_text
+from tests.gateway.http_helpers import auth, post, stream, streamed_text, unique_tag
 from tests.gateway.live_stack import PAGE
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def client(chat):
 
 def text(words: int = 30) -> str:
     """A prompt no other test sends (so nothing of it is cached yet)."""
-    tag = uuid.uuid4().hex[:8]
+    tag = unique_tag()
     return " ".join(f"w{tag}{i % 7}" for i in range(words))
 
 

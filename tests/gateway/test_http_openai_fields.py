@@ -5,7 +5,6 @@ the output as the reference predicts, cache_salt isolation, anonymous access wit
 echo, the default temperature, unknown fields refused by name, and vLLM's extra endpoints."""
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache_client.tokenizer import from_directory
 from tests.gateway.conftest import chat_checkpoint
-from tests.gateway.http_helpers import post, stream
+from tests.gateway.http_helpers import post, stream, unique_tag
 from tests.gateway.live_stack import LiveStacks
 
 
@@ -43,7 +42,7 @@ def client(chat):
 
 
 def text(words: int = 24) -> str:
-    tag = uuid.uuid4().hex[:8]
+    tag = unique_tag()
     return " ".join(f"w{tag}{i % 5}" for i in range(words))
 
 
