@@ -53,7 +53,7 @@ class NativePages:
 
     def holders(self, h: bytes) -> list[int]:
         k = self._lib.rp_holders(self._handle, *split(h), self._slots_out, self._cap)
-        return sorted(self._slots_out[:k]) if k > 1 else self._slots_out[:k]
+        return self._slots_out[:k]
 
     def size(self, slot: int) -> int:
         return self._lib.rp_size(self._handle, slot)

@@ -426,19 +426,6 @@ int64_t rp_extend(void *handle, int32_t slot, const uint64_t *keys, int64_t n, i
     return start;
 }
 
-/* The slots remembering page (lo, hi), most recent holder first; returns how many there are
-   (out gets the first `cap` of them). */
-int64_t rp_holders(void *handle, uint64_t lo, uint64_t hi, int32_t *out, int64_t cap) {
-    Routed *r = handle;
-    uint64_t pos;
-    int64_t k = 0;
-    for (int32_t e = find_page(r, shard_of(r, lo, hi), lo, hi, &pos); e >= 0;
-         e = at(r, e)->knext, k++)
-        if (k < cap)
-            out[k] = at(r, e)->slot;
-    return k;
-}
-
 /* Page (lo, hi)'s holders as a mask of `words` words: its own, or r->one set to its single
    holder's bit; NULL when nobody holds it. */
 static const uint64_t *holder_bits(Routed *r, uint64_t lo, uint64_t hi) {
@@ -453,6 +440,19 @@ static const uint64_t *holder_bits(Routed *r, uint64_t lo, uint64_t hi) {
     memset(r->one, 0, (size_t)r->words * sizeof(uint64_t));
     r->one[s >> 6] = (uint64_t)1 << (s & 63);
     return r->one;
+}
+
+/* The slots remembering page (lo, hi), ascending; returns how many there are (out gets the
+   first `cap` of them). */
+int64_t rp_holders(void *handle, uint64_t lo, uint64_t hi, int32_t *out, int64_t cap) {
+    Routed *r = handle;
+    const uint64_t *m = holder_bits(r, lo, hi);
+    int64_t k = 0;
+    for (int64_t w = 0; m && w < r->words; w++)
+        for (uint64_t left = m[w]; left; left &= left - 1, k++)
+            if (k < cap)
+                out[k] = (int32_t)(w * 64 + __builtin_ctzll(left));
+    return k;
 }
 
 /* The leading pages each slot remembers, as (out_slot[k], out_end[k]) for the k returned, in
