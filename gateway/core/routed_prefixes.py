@@ -8,9 +8,9 @@ calls and compares every result).
 
 The dicts keep each page's holders as a mask of slots; the C store a list of them and, once a
 page has several, a mask too. So `match` ANDs one mask a page: O(pages x workers / 64) words,
-however many workers share a prefix. A 64-page prefix that every worker holds, matched (a scratch probe, a day the machine ran
-~2.5x slow): 8 workers 6.7 µs (C) against 25 µs, 100 workers 31 against 68 µs, 1,000 workers
-0.19 against 0.53 ms."""
+however many workers share a prefix. A 64-page prefix that every worker holds, matched (a
+scratch probe, a day the machine ran ~2.5x slow): 8 workers 6.7 µs (C) against 25 µs, 100
+workers 31 against 68 µs, 1,000 workers 0.19 against 0.53 ms."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -28,8 +28,9 @@ from gateway.core.index import bit_positions
 # more the bigger it gets. A shard rebuilds 1/256 of that.
 SHARDS = 256
 _MASK = SHARDS - 1
-# DictPages' resident memory a remembered page (its nbytes estimate): measured at 1,000 workers x
-# 4,096 pages (prefixcache_bench.gateway_fleet.routed, docs/results/gateway/fleet/routed_prefixes.json).
+# DictPages' resident memory a remembered page (its nbytes estimate): measured at 1,000 workers
+# x 4,096 pages (prefixcache_bench.gateway_fleet.routed,
+# docs/results/gateway/fleet/routed_prefixes.json).
 DICT_BYTES_PER_PAGE = 286
 
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from prefixcache_bench.harness import print_and_write
+from prefixcache_bench.harness import percentile, print_and_write
 
 IMPLS = ("c", "dicts")
 NEW_PAGES = 32
@@ -33,8 +33,20 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _pct(times: list[int], q: float) -> float:
-    return sorted(times)[min(len(times) - 1, int(len(times) * q))] / 1e3
+def _pct(times_ns: list[int], q: float) -> float:
+    return percentile(times_ns, q) / 1e3
+
+
+def fill_routed(routed, names: list[str]) -> int:
+    """Every worker's memory in `routed` (a RoutedPrefixes) filled to its bound with prompts of
+    NEW_PAGES pages no request has, as a gateway's is after a while of routing: its records then
+    evict as many pages as they add. Returns the pages remembered."""
+    counter = iter(range(1 << 62))
+    for name in names:
+        for _ in range(-(-routed.max_pages // NEW_PAGES)):
+            routed.record(name, [(1 << 127 | next(counter)).to_bytes(16, "little")
+                                 for _ in range(NEW_PAGES)])
+    return sum(routed.size(name) for name in names)
 
 
 def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
@@ -51,12 +63,9 @@ def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
 
     gc.collect()
     before, start = _rss(), time.perf_counter()
-    for name in names:
-        for _ in range(-(-pages // NEW_PAGES)):
-            routed.record(name, prompt())
+    remembered = fill_routed(routed, names)
     fill_s = time.perf_counter() - start
     gc.collect()
-    remembered = sum(routed.size(n) for n in names)
     grown = _rss() - before
     rng = random.Random(seed)
     work = [(rng.choice(names), prompt()) for _ in range(calls)]

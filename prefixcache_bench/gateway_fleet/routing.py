@@ -4,8 +4,8 @@ gRPC, no feed threads: nothing else runs in the process; a growth's old table th
 idle gateway's feed loop does), then the same requests as the fleet run's routing thread (a pool's
 conversation or a shared system prompt, then new pages) are timed through Router.route +
 Router.finish, the affinity policy, one after another (`--recent-full`: its memory of recently
-routed pages filled first, as a gateway's is after a while, `fill_recent`). Applying is timed too: the snapshots, then
-every pool's live batches (64 stored + 64 removed pages each), through Router.on_stream_item on
+routed pages filled first, as a gateway's is after a while, `routed.fill_routed`). Applying is
+timed too: the snapshots, then every pool's live batches (64 stored + 64 removed pages each), through Router.on_stream_item on
 parsed messages. The policy's decision alone is timed apart, both ways, interleaved, on each request
 (a same-minute ratio on a loaded machine): the router's array path (`_decide_fast`) and the
 exhaustive one (`preview`: a WorkerScore per candidate, what RoutePreview shows); and the garbage
@@ -29,6 +29,7 @@ from gateway.core.router import Router, Worker
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
+from prefixcache_bench.gateway_fleet.routed import fill_routed
 from prefixcache_bench.gateway_fleet.run import REQUEST_PAGES, _Router
 from prefixcache_bench.harness import percentile
 
@@ -74,19 +75,6 @@ def _timed_records(recent) -> list[float]:
     return times
 
 
-def fill_recent(policy, names: list[str]) -> int:
-    """The affinity policy's memory of recently routed pages filled to its bound for every pool
-    with pages no request has (prompts of 32), as a gateway's is after a while of routing: its
-    records then evict as many pages as they add. Returns the pages remembered."""
-    recent, counter = policy.recent, iter(range(1 << 62))
-    bound = recent.max_pages
-    for name in names:
-        for _ in range(-(-bound // 32)):
-            recent.record(name, [(1 << 127 | next(counter)).to_bytes(16, "little")
-                                 for _ in range(32)])
-    return sum(recent.size(name) for name in names)
-
-
 def _built_router(pools: int, pages_per_pool: int, live_batches: int) -> tuple[Router, dict]:
     """A Router given every pool's snapshot, then their live batches; and the timings."""
     # A frozen clock: every pool stays fresh however long the build takes, and the decisions are
@@ -129,7 +117,7 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     router, built = _built_router(pools, pages_per_pool, live_batches)
     requests = _Router(router, pools, pages_per_pool, live_batches, prompt_pages)
     names = [F.pool_name(i) for i in range(pools)]
-    recent_pages = fill_recent(router.policy, names) if recent_full else 0
+    recent_pages = fill_routed(router.policy.recent, names) if recent_full else 0
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
     cpu_of: dict[str, list[float]] = {"shared": [], "private": []}  # by the request's kind
@@ -159,7 +147,8 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     st = router.index.stats()
     return {"pools": pools, "pages_per_pool": pages_per_pool, "indexed_pages": st.entries,
             "prompt_pages": prompt_pages, "recent_full": recent_full,
-            "recent_pages_before": recent_pages, "decisions": decisions, "routing_p50_idle_us": percentile(lat, 0.5),
+            "recent_pages_before": recent_pages, "decisions": decisions,
+            "routing_p50_idle_us": percentile(lat, 0.5),
             "routing_p99_idle_us": percentile(lat, 0.99), "routing_max_idle_us": max(lat),
             # The routing thread's own CPU time per decision: what other processes' use of the
             # cores (the load average) adds to the wall time above is not in it.

@@ -257,8 +257,8 @@ class IngestTuning:
     def summary(self) -> dict:
         return {"ingest_slice_ms": self.slice_s * 1e3, "ingest_slice_events_fixed": self.slice_events,
                 "switch_interval_ms": self.switch_interval_s * 1e3,
-                "ingest_priority": self.priority, "decision_period_ms": self.decision_period_s * 1e3,
-                "spare": self.spare}
+                "ingest_priority": self.priority,
+                "decision_period_ms": self.decision_period_s * 1e3, "spare": self.spare}
 
 
 @dataclass(frozen=True)

@@ -382,9 +382,8 @@ class ApproxPolicy(AffinityPolicy):
         self.routed.remove_worker(worker)
 
     def remembered(self) -> tuple[int, int]:
-        (recent, recent_bytes), (routed, routed_bytes) = super().remembered(), \
-            self.routed.remembered()
-        return recent + routed, recent_bytes + routed_bytes
+        recent, routed = super().remembered(), self.routed.remembered()
+        return recent[0] + routed[0], recent[1] + routed[1]
 
     def _holders(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex) -> Holders:
         return Holders.from_matches({w: PrefixMatch(n, 0, 0, 1.0)
