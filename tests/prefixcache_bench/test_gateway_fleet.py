@@ -118,6 +118,9 @@ def test_no_grpc_is_refused_where_it_would_be_ignored(capsys):
         with pytest.raises(SystemExit):
             main(["--feed-process", mode])
         assert "--feed-process times the ingest run over gRPC" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--recent-full"])  # it fills the memory --routing-only's decisions read
+    assert "--recent-full: with --routing-only" in capsys.readouterr().err
 
 
 def test_a_tiny_run_through_a_feed_process_applies_every_item_as_frames():
