@@ -173,9 +173,12 @@ def test_ingest_at_sched_idle_runs_beside_a_request_thread_that_keeps_its_core_b
                                                  snapshot=True, snapshot_end=True))
         start = time.monotonic()
         loop.submit(loop.applier.put(Feed("f"), item))
-        while time.monotonic() - start < 10 and len(router.index.pages("f", DEVICE)) < PAGES:
+        # 0.25 s alone here; none in 20 s without the floor. SCHED_IDLE also yields to any other
+        # process on that core (the suite's other worker): 19,830 pages of 20,000 came in 10 s
+        # once in CI, hence a deadline far past what the floor needs and short of never.
+        while time.monotonic() - start < 60 and len(router.index.pages("f", DEVICE)) < PAGES:
             time.sleep(0.05)
-        assert len(router.index.pages("f", DEVICE)) == PAGES  # 0.25 s here; none in 20 s without
+        assert len(router.index.pages("f", DEVICE)) == PAGES
         slept = router.metrics.registry.get_sample_value("prefixcache_gateway_ingest_floor_sleeps_total")
         assert slept > 0  # what an operator sees of it
     finally:
