@@ -46,6 +46,7 @@ import numpy as np
 
 from gateway.core.checkpoint_arrays import compact, expand, masks
 from gateway.core.index import KvIndex, _Worker
+from gateway.core.index_sweep import Sweep
 from gateway.core.index_table import MIGRATE_STEP, MULTI, PageTable
 from gateway.core.table_arrays import Spare
 from service_shell import kv
@@ -117,6 +118,7 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     t.migrate_step, t.migrated_slots = MIGRATE_STEP, 0
     t._old = _table_from(arrays, prefix + "old.", meta) if m["old"] else None
     t._spare = Spare(t.live, t._used + (t._old.live if t._old is not None else 0))
+    t.sweep = Sweep()
     return t
 
 

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
+from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
 from gateway.core.table_arrays import EMPTY, MULTI, TOMB, Spare, TableArrays
 
@@ -106,6 +107,7 @@ class PageTable:
         self._use(TableArrays.empty(capacity))
         self._used = 0  # live + tombstones
         self._spare = Spare()  # the next growth's arrays, made ready ahead
+        self.sweep = Sweep()  # tombstones cleared in place (index_sweep.py)
         self.live = 0  # pages in both tables while an old one remains
         self._clock = 0
         self.multi: dict[int, int] = {}  # slot position -> mask of its holders (2+ bits)
@@ -464,6 +466,7 @@ class PageTable:
         self._use(self._spare.take(need) or TableArrays.empty(need))
         self._used = 0
         self._spare.grew(self.live)
+        self.sweep.at = self.sweep.left = 0  # a round over the old arrays ends with them
         self.multi, self._old, self._cursor = {}, old, 0
         # Scan every old slot (twice over, to spare) before the pages to come fill the room left.
         room = max(1, int(_MAX_LOAD * self.cap) - self.live - extra)
@@ -492,9 +495,13 @@ class PageTable:
     def migrate_some(self, max_slots: int) -> bool:
         """Migrates up to `max_slots` old slots without a mutating call (the feed loop's idle
         steps, gateway/core/feeds.py: a growth's old table otherwise stays until more events
-        come); True while an old table remains."""
-        if max_slots > 0:
-            self._step(0, max_slots)
+        come), or with no old table, sweeps as many slots' tombstones once they are many
+        (index_sweep.py); True while some migration or sweep remains."""
+        if max_slots <= 0:
+            return self._old is not None
+        if self._old is None:
+            return sweep_some(self, max_slots)
+        self._step(0, max_slots)
         return self._old is not None
 
     def _touch_many(self, lo: np.ndarray, hi: np.ndarray) -> None:

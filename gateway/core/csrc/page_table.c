@@ -234,3 +234,59 @@ int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
     *npairs = k;
     return moved;
 }
+
+/* Tombstones cleared in place (gateway/core/index_sweep.py), a cluster at a time: the slots
+   from the first empty one at or after `start` on, `max_slots` of them at least and then to the
+   next empty slot, so that every cluster (a run of used slots between two empty ones) is
+   whole. A cluster with tombstones is written anew, its live keys in their order, each at the
+   first empty slot from its home: every key of a cluster has its home in it (its path holds no
+   empty slot), so each lands in it, at or before its old slot, and stays reachable, without the
+   tombstones. Positions of shared pages that moved go to pairs[2j] (old), pairs[2j+1] (new),
+   *npairs of them, for Python to move their masks in that order. *end gets the empty slot the
+   sweep stopped at, *scanned how many slots it passed; returns the tombstones cleared. */
+int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
+                 int64_t start, int64_t max_slots, int64_t *end, int64_t *scanned,
+                 int64_t *pairs, int64_t *npairs) {
+    int64_t a = start % cap, seen = 0, cleared = 0, k = 0;
+    while (holder[a] != EMPTY && seen <= cap) {
+        if (++a == cap)
+            a = 0;
+        seen++;
+    }
+    while (seen < max_slots && seen <= cap) {
+        int64_t first = a + 1 == cap ? 0 : a + 1, len = 0, tombs = 0;
+        for (int64_t q = first; holder[q] != EMPTY; q = q + 1 == cap ? 0 : q + 1) {
+            len++;
+            tombs += holder[q] == TOMB;
+        }
+        for (int64_t i = 0, q = first; tombs && i < len; i++, q = q + 1 == cap ? 0 : q + 1) {
+            int32_t hv = holder[q];
+            holder[q] = EMPTY;
+            if (hv == TOMB) {
+                cleared++;
+                continue;
+            }
+            int64_t p = home(klo[q], khi[q], cap);
+            while (holder[p] != EMPTY)
+                if (++p == cap)
+                    p = 0;
+            holder[p] = hv;
+            if (p == q)
+                continue;
+            klo[p] = klo[q];
+            khi[p] = khi[q];
+            stamp[p] = stamp[q];
+            if (hv == MULTI) {
+                pairs[2 * k] = q;
+                pairs[2 * k + 1] = p;
+                k++;
+            }
+        }
+        seen += len + 1;
+        a = (first + len) % cap;
+    }
+    *end = a;
+    *scanned = seen;
+    *npairs = k;
+    return cleared;
+}

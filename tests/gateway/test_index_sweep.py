@@ -1,0 +1,191 @@
+"""Tombstones cleared in place (gateway/core/index_sweep.py): a swept table holds the same pages,
+masks and stamps as before, none of its tombstones, and its used slots equal its live pages; C
+and the Python reference leave the same arrays; a table at a steady state (as many pages stored
+as removed) swept by its idle steps neither rebuilds nor plans a spare, and without them it
+does both."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from gateway.core import index_native, index_sweep
+from gateway.core.index_bulk import apply_ops
+from gateway.core.index_sweep import SWEEP_FROM, Sweep, sweep_slots
+from gateway.core.index_table import EMPTY, TOMB, PageTable
+from tests.gateway.index_impls import table_impl, use  # noqa: F401 - the fixture runs each test twice
+
+WORKERS = 70  # masks past one machine word
+
+
+def _page(i: int) -> bytes:
+    return (i * 0x9E3779B97F4A7C15 % 2**64).to_bytes(8, "little") + i.to_bytes(8, "little")
+
+
+def _state(table: PageTable, pages: int) -> list[tuple[int, int]]:
+    """Every page's holder mask and stamp (0, 0 when absent)."""
+    out = []
+    for i in range(pages):
+        h = _page(i)
+        lo, hi = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
+        pos = table._probe(lo, hi)[0]
+        out.append((table.mask(h), table._stamp[pos] if pos >= 0 else 0))
+    return out
+
+
+def _churned(seed: int, pages: int, capacity: int = 64) -> PageTable:
+    """A table after random slices of stores and removals by many workers (shared pages, pages
+    stored again after removal), grown and with its old table migrated away."""
+    rng, table = random.Random(seed), PageTable(capacity=capacity)
+    for _ in range(60):
+        n = rng.choice([1, 20, 200])
+        hashes = [_page(rng.randrange(pages)) for _ in range(n)]
+        slots = [rng.randrange(WORKERS) if rng.random() < 0.5 else rng.randrange(3)
+                 for _ in range(n)]
+        apply_ops(table, hashes, slots, [rng.random() < 0.55 for _ in range(n)])
+    while table._old is not None:
+        table.migrate_some(1 << 20)
+    return table
+
+
+def _sweep_round(table: PageTable, rng: random.Random) -> None:
+    table.sweep.at = rng.randrange(table.cap)  # a round may begin anywhere: clusters wrap
+    table.sweep.left = table.cap
+    while index_sweep.sweep_some(table, rng.choice([1, 7, 100, 5000])):
+        pass
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_swept_table_holds_the_same_pages_masks_and_stamps_and_no_tombstone(seed):
+    pages = 3000
+    table = _churned(seed, pages)
+    before, live = _state(table, pages), len(table)
+    tombs = int(np.count_nonzero(table._mem.holder == TOMB))
+    assert tombs > 0  # the churn left some
+    _sweep_round(table, random.Random(seed))
+    assert _state(table, pages) == before
+    assert len(table) == live and table._used == live  # live + tombstones, and none are left
+    assert not np.count_nonzero(table._mem.holder == TOMB)
+    assert table.sweep.cleared == tombs
+    assert set(table.multi) == set(np.flatnonzero(table._mem.holder == -1).tolist())
+    for i in range(0, pages, 97):  # and it goes on serving stores and removals
+        table.add(_page(i), 5)
+        table.discard(_page(i + 1), 5)
+    assert all(table.mask(_page(i)) >> 5 & 1 for i in range(0, pages, 97))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_c_and_the_python_reference_leave_the_same_arrays(seed, table_impl):  # noqa: F811
+    use("c")  # both, whichever serves the module's run
+    try:
+        _same_arrays(seed)
+    finally:
+        use(table_impl)
+
+
+def _same_arrays(seed: int) -> None:
+    tables = [_churned(seed, 2000) for _ in range(2)]
+    start, step = random.Random(seed).randrange(tables[0].cap), 300
+    out = []
+    for impl, table in zip(("c", "python"), tables):
+        at, results = start, []
+        for _ in range(table.cap // step + 2):
+            if impl == "c":
+                result = index_sweep._sweep_c(table, at, step)
+            else:
+                result = sweep_slots(table, at, step)
+            results.append(result)
+            at = result[2]
+        out.append((results, [a.copy() for a in (table._mem.lo, table._mem.hi, table._mem.holder, table._mem.stamp)]))
+    (c_results, c_arrays), (py_results, py_arrays) = out
+    assert c_results == py_results
+    for a, b in zip(c_arrays, py_arrays):
+        assert np.array_equal(a, b)
+
+
+def test_a_cluster_that_wraps_past_the_tables_end_is_swept_whole():
+    table = PageTable(capacity=64)
+    cap = table.cap
+    # keys whose home is the table's last slot: a cluster from cap-1 over slot 0 on
+    at_end = [h for h in (_page(i) for i in range(200_000))
+              if table._probe(int.from_bytes(h[:8], "little"),
+                              int.from_bytes(h[8:], "little"))[1] == cap - 1][:4]
+    for h in at_end:
+        table.add(h, 1)
+    table.discard(at_end[0], 1)  # a tombstone at the end, the others after it over the wrap
+    holder = table._mem.holder
+    assert holder[cap - 1] == TOMB and holder[0] != EMPTY
+    table.sweep.left = cap
+    while index_sweep.sweep_some(table, 3):
+        pass
+    assert [table.mask(h) for h in at_end] == [0, 2, 2, 2]
+    assert not np.count_nonzero(holder == TOMB) and holder[cap - 1] != EMPTY  # moved back
+
+
+class _NoSweep(Sweep):
+    def due(self, table: PageTable) -> bool:
+        return False
+
+
+def _steady(table: PageTable, rounds: int, pages: int = 45_000) -> tuple[int, int]:
+    """A table grown to `pages` (48% of its slots, and past the smallest spare), then as many
+    stored as removed (the oldest first) in live batches, the idle steps run after each batch
+    as the feed loop does (`migrate_some`); the growths (rebuilds) and the largest spare planned
+    during the churn."""
+    batch, stored = 64, 0
+    for i in range(0, pages, batch):
+        table.add_many(b"".join(_page(j) for j in range(i, i + batch)), i % 8)
+    stored = pages
+    while table._old is not None:
+        table.migrate_some(1 << 20)
+    caps, spare = {table.cap}, 0
+    for _ in range(rounds * pages // batch):
+        new = [_page(j) for j in range(stored, stored + batch)]
+        gone = [_page(j) for j in range(stored - pages, stored - pages + batch)]
+        apply_ops(table, new + gone, [stored % 8] * batch + [(stored - pages) % 8] * batch,
+                  [True] * batch + [False] * batch)
+        stored += batch
+        while table.migrate_some(4096):
+            pass
+        caps.add(table.cap)
+        spare = max(spare, table._spare.planned)
+    assert len(table) == pages
+    return len(caps) - 1, spare
+
+
+def test_a_steady_state_swept_neither_rebuilds_nor_plans_a_spare():
+    grown, spare = _steady(PageTable(), rounds=4)
+    assert (grown, spare) == (0, 0)
+    unswept = PageTable()
+    unswept.sweep = _NoSweep()  # the idle steps as before the sweep: migration only
+    grown, spare = _steady(unswept, rounds=4)
+    assert grown >= 1 and spare > 0  # what the sweep saves
+
+
+def test_no_sweep_until_the_tombstones_pass_their_share():
+    table = PageTable()
+    for i in range(0, 4000, 50):
+        table.add_many(b"".join(_page(j) for j in range(i, i + 50)), 1)
+    few = int(SWEEP_FROM * table.cap) - 1
+    table.discard_many(b"".join(_page(j) for j in range(few)), 1)
+    assert not table.migrate_some(1 << 20) and table.sweep.rounds == 0
+    table.discard_many(_page(few) + _page(few + 1), 1)
+    table.migrate_some(1 << 20)
+    assert table.sweep.rounds == 1 and table._used == len(table)
+
+
+def test_the_feed_loops_idle_steps_sweep(table_impl):  # noqa: F811 - the fixture's parameter
+    """Through the index as the feed loop calls it (KvIndex.migrate_some)."""
+    from gateway.core.index import KvIndex
+
+    index = KvIndex()
+    index.add_worker("w")
+    table = index._tables[0]
+    for i in range(0, 6000, 60):
+        table.add_many(b"".join(_page(j) for j in range(i, i + 60)), 0)
+    table.discard_many(b"".join(_page(j) for j in range(0, 6000, 2)), 0)
+    while index.migrate_some(1000):
+        pass
+    assert table._used == len(table) == 3000
+    assert index_native.implementation() == table_impl
