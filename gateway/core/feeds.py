@@ -41,7 +41,8 @@ import grpc
 
 from gateway.core.decisions_first import PULSE_S, DecisionsFirst
 from gateway.core.index import ApplyStatus
-from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, SLICE_S, IdleMigration, SliceSize
+from gateway.core.ingest_slices import (IDLE_SPARE_DROP_S, IDLE_SPARE_SLOTS, SLICE_S,
+                                        IdleMigration, SliceSize)
 from gateway.core.router import Router, log_resync
 from gateway.core.stall_watchdog import StallWatchdog
 from gateway.core.stream_frames import FrameItem, StreamItem
@@ -192,6 +193,7 @@ class BatchApplier:
         self.max_pending = MAX_PENDING_ITEMS
         self.applied_items = 0
         self.slices = 0
+        self.idle_drop_s = IDLE_SPARE_DROP_S
 
     def set_streaming(self, name: str, streaming: bool) -> None:
         """A feed's Subscribe call delivers (True) or ended (`Router.set_streaming`)."""
@@ -232,7 +234,9 @@ class BatchApplier:
 
     async def run(self) -> None:
         while True:
-            await self._wake.wait()
+            if not await _woken(self._wake, self.idle_drop_s):
+                self.router.drop_index_spares()  # idle that long: no growth to be ready for
+                await self._wake.wait()
             self._wake.clear()
             while self._pending:
                 await self._fill()
@@ -282,6 +286,15 @@ class BatchApplier:
                 feed.generation += 1
                 feed.resync = (result.resume_epoch, result.resume_after_seq)
                 feed.interrupt()
+
+
+async def _woken(event: asyncio.Event, timeout_s: float) -> bool:
+    """Waits for the event; False when `timeout_s` passed first."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 class FeedSink(Protocol):

@@ -187,14 +187,20 @@ class KvIndex:
         return len(self._tables[0]) + len(self._tables[1]) + len(self._tables[2])
 
     def migrate_some(self, max_slots: int) -> bool:
-        """Up to `max_slots` old slots of the media's growths migrated (`PageTable.migrate_some`:
-        the feed loop's steps while ingest is idle); True while an old table remains."""
+        """Up to `max_slots` old slots of the media's growths migrated, or their tombstones swept
+        (`PageTable.migrate_some`: the feed loop's steps while ingest is idle); True while some
+        remain."""
         migrating = False
         for table in self._tables:
             before = table.migrated_slots
             migrating |= table.migrate_some(max_slots)
             max_slots -= table.migrated_slots - before
         return migrating
+
+    def drop_spares(self) -> None:
+        """`PageTable.drop_spare` of every medium (ingest idle for long: feeds.py)."""
+        for table in self._tables:
+            table.drop_spare()
 
     def prepare_growth(self, chunk: int | None = None) -> bool:
         """`PageTable.prepare_growth` of every medium (the ingest thread, without the router's

@@ -48,6 +48,16 @@ class Sweep:
         self.rounds = 0  # rounds begun, ever
         self.cleared = 0  # tombstones cleared, ever
 
+    def holds(self, table: PageTable, max_load: float) -> bool:
+        """Whether the sweep keeps the table below `max_load` (its growth) with room to spare:
+        it has swept it (a feed loop serves it), it keeps up (fewer than twice the tombstones
+        a round waits for: a feed loop that never idles takes no step), and the live pages and
+        that many tombstones fit. The table then plans no spare for a rebuild that will not
+        come."""
+        most = 2 * SWEEP_FROM * table.cap
+        return self.rounds > 0 and table._used - table.live < most \
+            and table.live + most < max_load * table.cap
+
     def due(self, table: PageTable) -> bool:
         """Whether a round goes on or should begin (begins it)."""
         if self.left <= 0 and table._used - table.live >= SWEEP_FROM * table.cap:
@@ -88,8 +98,6 @@ def sweep_slots(table: PageTable, start: int, max_slots: int
                 ) -> tuple[int, int, int, list[tuple[int, int]]]:
     """`pt_sweep` in Python: (tombstones cleared, slots passed, the empty slot it stopped at,
     the (old, new) positions of the shared pages moved)."""
-    from gateway.core.index_table import _home  # noqa: PLC0415 - index_table imports this module
-
     klo, khi, holder, stamp = table._lo, table._hi, table._holder, table._stamp
     cap = table.cap
     a, seen, cleared, moved = start % cap, 0, 0, []
@@ -108,7 +116,7 @@ def sweep_slots(table: PageTable, start: int, max_slots: int
                 if hv == TOMB:
                     cleared += 1
                     continue
-                p = _home(klo[q], khi[q], cap)
+                p = table.home(klo[q], khi[q])
                 while holder[p] != EMPTY:
                     p = (p + 1) % cap
                 holder[p] = hv

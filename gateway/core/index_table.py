@@ -130,6 +130,10 @@ class PageTable:
         old = self._old._mem.nbytes() if self._old is not None else 0
         return self._mem.nbytes() + old + self._spare.nbytes()
 
+    def home(self, lo: int, hi: int) -> int:
+        """A key's first position in this table (`_home`)."""
+        return _home(lo, hi, self.cap)
+
     def _probe(self, lo: int, hi: int) -> tuple[int, int]:
         """(position of the key or -1, the first free position on its probe path)."""
         klo, khi, holder, cap = self._lo, self._hi, self._holder, self.cap
@@ -435,12 +439,20 @@ class PageTable:
     def _has_room(self, k: int) -> bool:
         """Whether k more pages (and those still to come from an old table) stay within 70%.
         Past 55%, plans the next growth's arrays (made ready ahead: `prepare_growth`), from how
-        the table filled since its spare's last look (taken from 50% on)."""
+        the table filled since its spare's last look (taken from 50% on); none while its sweep
+        keeps it from growing (index_sweep.py: a steady state's tombstones cleared in place)."""
         total = self._used_slots()
-        if total >= _LOOK_LOAD * self.cap:
+        if total >= _LOOK_LOAD * self.cap and self._old is None \
+                and self.sweep.holds(self, _MAX_LOAD):
+            self._spare.drop(self.live, total)
+        elif total >= _LOOK_LOAD * self.cap:
             self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD,
                              look_only=total < _SPARE_LOAD * self.cap)
         return total + k <= _MAX_LOAD * self.cap
+
+    def drop_spare(self) -> None:
+        """Ingest idle for long (feeds.py): the next growth's arrays are not kept for it."""
+        self._spare.drop(self.live, self._used_slots())
 
     def prepare_growth(self, chunk: int | None = None) -> bool:
         """The ingest thread, between its slices and without the router's lock: writes the next

@@ -255,6 +255,12 @@ class Router:
         """Ingest, without the lock: writes on the index's next growth's arrays; True while more."""
         return not self.shared and self.index.prepare_growth(chunk)
 
+    def drop_index_spares(self) -> None:
+        """Ingest idle for long: the index's next growths' arrays freed (feeds.py)."""
+        with self.exclusive():
+            if not self.shared:
+                self.index.drop_spares()
+
     def preemptible_seconds(self) -> float:
         """Seconds ingest held the lock where decisions may interrupt it, ever (decisions_first)."""
         return self.decisions.preemptible_s

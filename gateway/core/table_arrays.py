@@ -91,6 +91,7 @@ class Spare:
         # live and used slots (an old table's pages included) at the growth or the last look
         self._mark = (live, total)
         self._room = 1  # slots the table had left at the plan
+        self._waiting = False  # dropped: the next plan waits for a look's worth of room used
 
     def plan(self, live: int, total: int, room: int, grown_load: float, look_only: bool = False
              ) -> None:
@@ -108,14 +109,14 @@ class Spare:
         if self.planned:  # a look each tenth of the room it was planned with
             if used < _RECHECK * self._room:
                 return
-        elif look_only and used < _RECHECK * room:  # a look each tenth of the room left now
-            return
+        elif (look_only or self._waiting) and used < _RECHECK * room:  # a look each tenth of
+            return  # the room left now
         added = 0.0 if used <= 0 else min(1.0, max(0.0, (live - mark_live) / used))
         cap = int((live + added * room) / grown_load * _MARGIN) + 1
         self._mark = (live, total)
         if look_only or (self.planned and _fits(self.planned, cap / _MARGIN)):
             return
-        self.arrays, self.planned = None, 0
+        self.arrays, self.planned, self._waiting = None, 0, False
         if cap >= SPARE_MIN_SLOTS:
             self.planned, self._room = cap, max(1, room)
 
@@ -145,6 +146,12 @@ class Spare:
         if arrays is None or arrays.filled < arrays.cap or not _fits(arrays.cap, need):
             return None
         return arrays
+
+    def drop(self, live: int, total: int) -> None:
+        """No spare: the table's sweep keeps it from growing (index_sweep.py), or ingest has been
+        idle (`feeds.IDLE_SPARE_DROP_S`). The next plan reads how the table fills from here,
+        once a tenth of the room is used."""
+        self.arrays, self.planned, self._mark, self._waiting = None, 0, (live, total), True
 
     def grew(self, live: int) -> None:
         """A growth began with `live` pages (all of them still to place in the new table)."""

@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                                       live_rate=args.live_rate, feed_process=args.feed_process))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
-    results["index_bytes_per_page_idle"] = idle_gateway_bytes_per_page(args.pools, sample)
+    (results["index_bytes_per_page_idle"],
+     results["index_bytes_per_page_idle_spare_freed"]) = idle_gateway_bytes_per_page(args.pools,
+                                                                                     sample)
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
     goals = ROUTING_GOALS if args.routing_only else GOALS
     report(results, goals, f"gateway index, {args.pools} pools", command,

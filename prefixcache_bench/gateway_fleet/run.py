@@ -27,7 +27,7 @@ from gateway.core.feed_process import FRAME_ITEMS
 from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.gc_tuning import freeze_warm_heap
 from gateway.core.index import IndexConfig, KvIndex
-from gateway.core.ingest_slices import SLICE_S
+from gateway.core.ingest_slices import IDLE_SPARE_DROP_S, SLICE_S
 from gateway.core.thread_priority import SWITCH_INTERVAL_S
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
@@ -306,15 +306,19 @@ def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
     return router, names
 
 
-def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int) -> float:
+def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int,
+                                idle_drop_s: float = IDLE_SPARE_DROP_S) -> tuple[float, float]:
     """`index_bytes_per_page` of a gateway's Router fed the same snapshots through its FeedLoop
     (queued on its BatchApplier, no gRPC), once every one is applied and the loop, idle, has
-    finished any growth's migration: tracemalloc's count of what was allocated since the loop
-    started and is still held (the index, and whatever else the gateway kept), per page key."""
+    finished any growth's migration; then once it has been idle long enough to free the next
+    growth's arrays (`idle_drop_s`, the gateway's IDLE_SPARE_DROP_S): tracemalloc's count of what was allocated
+    since the loop started and is still held (the index, and whatever else the gateway kept),
+    per page key."""
     items = [cpb.SubscribeResponse.FromString(b) for i in range(pools)
              for b in F.recorded_stream(i, pages_per_pool, 0)]
     router, names = _fleet_router("bench", pools)
     feeds, loop = {n: Feed(n) for n in names}, FeedLoop(router)
+    loop.applier.idle_drop_s = idle_drop_s
     index_native.kernel()
     tracemalloc.start()
     try:
@@ -324,10 +328,15 @@ def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int) -> float:
         while router.migrate_index(0):  # 0 slots: only asks whether an old table remains
             time.sleep(0.01)
         used, _ = tracemalloc.get_traced_memory()
+        spares = [t._spare for t in router.index._tables]
+        end = time.monotonic() + 3 * idle_drop_s
+        while any(s.planned for s in spares) and time.monotonic() < end:
+            time.sleep(0.1)
+        dropped, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
         loop.close()
-    return used / len(router.index)
+    return used / len(router.index), dropped / len(router.index)
 
 
 def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches: int,

@@ -189,3 +189,27 @@ def test_the_feed_loops_idle_steps_sweep(table_impl):  # noqa: F811 - the fixtur
         pass
     assert table._used == len(table) == 3000
     assert index_native.implementation() == table_impl
+
+
+def test_a_sweep_that_falls_behind_lets_the_spare_be_planned_again():
+    """Tombstones past twice the share a round waits for (a feed loop that never idles): the
+    sweep no longer holds the table, and a rebuild's spare is planned as before."""
+    table = PageTable()
+    for i in range(0, 45_000, 64):
+        table.add_many(b"".join(_page(j) for j in range(i, i + 64)), 1)
+    table.sweep.rounds = 1  # swept before
+    assert table.sweep.holds(table, 0.7)
+    stored = 45_000
+    while table._used - table.live < 2 * SWEEP_FROM * table.cap:  # churn, no idle step
+        gone = b"".join(_page(j) for j in range(stored - 45_000, stored - 45_000 + 64))
+        table.add_many(b"".join(_page(j) for j in range(stored, stored + 64)), 1)
+        table.discard_many(gone, 1)
+        stored += 64
+    assert not table.sweep.holds(table, 0.7)
+    cap = table.cap
+    while not table._spare.planned and table.cap == cap:
+        gone = b"".join(_page(j) for j in range(stored - 45_000, stored - 45_000 + 64))
+        table.add_many(b"".join(_page(j) for j in range(stored, stored + 64)), 1)
+        table.discard_many(gone, 1)
+        stored += 64
+    assert table._spare.planned and table.cap == cap  # planned before the rebuild

@@ -247,45 +247,55 @@ int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
 int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
                  int64_t start, int64_t max_slots, int64_t *end, int64_t *scanned,
                  int64_t *pairs, int64_t *npairs) {
-    int64_t a = start % cap, seen = 0, cleared = 0, k = 0;
-    while (holder[a] != EMPTY && seen <= cap) {
-        if (++a == cap)
-            a = 0;
+    int64_t q = start % cap, seen = 0, cleared = 0, k = 0;
+    while (holder[q] != EMPTY && seen <= cap) {
+        if (++q == cap)
+            q = 0;
         seen++;
     }
-    while (seen < max_slots && seen <= cap) {
-        int64_t first = a + 1 == cap ? 0 : a + 1, len = 0, tombs = 0;
-        for (int64_t q = first; holder[q] != EMPTY; q = q + 1 == cap ? 0 : q + 1) {
-            len++;
-            tombs += holder[q] == TOMB;
+    for (;;) {
+        if (++q == cap)
+            q = 0;
+        seen++;
+        int32_t hv = holder[q];
+        if (hv == EMPTY) {  /* a cluster's end: the step may stop here */
+            if (seen >= max_slots || seen > cap)
+                break;
+            continue;
         }
-        for (int64_t i = 0, q = first; tombs && i < len; i++, q = q + 1 == cap ? 0 : q + 1) {
-            int32_t hv = holder[q];
+        if (hv != TOMB)
+            continue;
+        /* The cluster's first tombstone: the keys before it stay where they are (each is at
+           the first free slot from its home already), those after it are placed anew. */
+        for (; hv != EMPTY; hv = holder[q]) {
             holder[q] = EMPTY;
             if (hv == TOMB) {
                 cleared++;
-                continue;
+            } else {
+                int64_t p = home(klo[q], khi[q], cap);
+                while (holder[p] != EMPTY)
+                    if (++p == cap)
+                        p = 0;
+                holder[p] = hv;
+                if (p != q) {
+                    klo[p] = klo[q];
+                    khi[p] = khi[q];
+                    stamp[p] = stamp[q];
+                    if (hv == MULTI) {
+                        pairs[2 * k] = q;
+                        pairs[2 * k + 1] = p;
+                        k++;
+                    }
+                }
             }
-            int64_t p = home(klo[q], khi[q], cap);
-            while (holder[p] != EMPTY)
-                if (++p == cap)
-                    p = 0;
-            holder[p] = hv;
-            if (p == q)
-                continue;
-            klo[p] = klo[q];
-            khi[p] = khi[q];
-            stamp[p] = stamp[q];
-            if (hv == MULTI) {
-                pairs[2 * k] = q;
-                pairs[2 * k + 1] = p;
-                k++;
-            }
+            if (++q == cap)
+                q = 0;
+            seen++;
         }
-        seen += len + 1;
-        a = (first + len) % cap;
+        if (seen >= max_slots || seen > cap)  /* q: the cluster's end */
+            break;
     }
-    *end = a;
+    *end = q;
     *scanned = seen;
     *npairs = k;
     return cleared;

@@ -1,0 +1,63 @@
+"""The next growth's arrays (table_arrays.Spare) are freed once ingest has been idle for
+`BatchApplier.idle_drop_s`: a warm-up that ended past 55% planned them for a growth that may
+not come. Through a real FeedLoop, its applier and a router; a store after it plans them again
+only once a tenth of the room is used."""
+from __future__ import annotations
+
+import time
+
+from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.index import MEDIUM_TIER
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.policies import make_policy
+from gateway.core.router import Router, Worker
+from prefixcache.v1 import cache_service_pb2 as cpb
+from prefixcache.v1 import compute_service_pb2 as pb
+from tests.gateway.helpers import DEVICE, batch, cleared, pages, stored
+
+PAGES = 40_000  # 66% of the table it grows to: past the spare's 55%, and past its smallest size
+
+
+def _wait(condition, timeout_s: float = 20.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_an_idle_feed_loop_frees_the_spare_and_a_growth_plans_it_again():
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    router.add(Worker("f", "w", "c", None, pb.GetModelInfoResponse(worker="f")))
+    table = router.index._tables[MEDIUM_TIER[DEVICE]]
+    loop = FeedLoop(router)
+    loop.applier.idle_drop_s = 1.0
+    feed = Feed("f")
+    try:
+        item = cpb.SubscribeResponse(batch=batch("f", 0, cleared(), stored(pages(0, PAGES)),
+                                                 snapshot=True, snapshot_end=True))
+        loop.run_sync(loop.applier.put(feed, item), 10.0)
+        assert _wait(lambda: len(table) == PAGES)
+        assert _wait(lambda: table._spare.nbytes() > 0)  # planned, and written while idle
+        with_spare = table.nbytes()
+        assert _wait(lambda: table._spare.nbytes() == 0, 10.0)  # idle for 1 s: freed
+        assert table.nbytes() < 0.5 * with_spare and table._spare.planned == 0
+        loop.applier.idle_drop_s = 3600.0  # no second drop during the rest
+        room = int(0.7 * table.cap) - table._used
+        few = max(1, room // 20)  # half a look: no plan yet
+        item = cpb.SubscribeResponse(batch=batch("f", 1, stored(pages(PAGES, PAGES + few))))
+        loop.run_sync(loop.applier.put(feed, item), 10.0)
+        assert _wait(lambda: len(table) == PAGES + few)
+        assert table._spare.planned == 0
+        more = room // 5  # past a look
+        item = cpb.SubscribeResponse(batch=batch("f", 2, stored(pages(PAGES + few,
+                                                                      PAGES + few + more))))
+        loop.run_sync(loop.applier.put(feed, item), 10.0)
+        assert _wait(lambda: len(table) == PAGES + few + more)
+        assert table._spare.planned == 0  # a plan is made before a call's pages: the next one's
+        item = cpb.SubscribeResponse(batch=batch("f", 3, stored(pages(0, 1))))
+        loop.run_sync(loop.applier.put(feed, item), 10.0)
+        assert _wait(lambda: table._spare.planned > table.cap)  # a growth's, from the fill since
+    finally:
+        loop.close()
