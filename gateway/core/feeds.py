@@ -242,6 +242,8 @@ class BatchApplier:
                 await self._fill()
                 self._apply_slice(self._take_slice())
                 self.router.prepare_index_growth()  # paced by the room the slice used
+                if self.router.index_sweep_due():  # ingest that never idles sweeps too
+                    self.idle.step(self.router.migrate_index)
                 self.router.yield_to_routing()
                 if len(self._pending) < self.max_pending // 2:
                     self._room.set()

@@ -133,7 +133,8 @@ class KvIndex:
     def stats(self) -> IndexStats:
         n = len(self)
         return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
-                          self.page_events)
+                          self.page_events, sum(t.nbytes() for t in self._tables),
+                          sum(t.sweep.cleared for t in self._tables))
 
     # ----- workers -----------------------------------------------------------------------------
 
@@ -196,6 +197,11 @@ class KvIndex:
             migrating |= table.migrate_some(max_slots)
             max_slots -= table.migrated_slots - before
         return migrating
+
+    def sweep_due(self) -> bool:
+        """Whether a medium's table has tombstones to sweep (index_sweep.py; read without the
+        router's lock by the feed loop, the only thread that adds them)."""
+        return any(table.sweep_due() for table in self._tables)
 
     def drop_spares(self) -> None:
         """`PageTable.drop_spare` of every medium (ingest idle for long: feeds.py)."""

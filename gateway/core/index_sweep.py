@@ -10,8 +10,9 @@ ingest from ~1.8M to ~1.2-1.4M page events/s at 10M pages. Swept, the used slots
 live ones: no rebuild and no spare unless the fleet really grows.
 
 How: once the tombstones pass `SWEEP_FROM` of the slots (and no growth migrates), the feed loop
-sweeps the table around once, a step at a time under the router's lock, while ingest is idle
-(`PageTable.migrate_some`, as a growth's migration). A step takes whole clusters (runs of used
+sweeps the table around once, a step at a time under the router's lock: while ingest is idle
+(`PageTable.migrate_some`, as a growth's migration), and after each ingest slice while a round
+goes on (a loop that never idles would otherwise let them pile up). A step takes whole clusters (runs of used
 slots between two empty ones) and writes each one that holds tombstones anew: its live keys in
 their order, each at the first empty slot from its home. Every key of a cluster has its home in
 it, so it lands in it, at or before its old slot, and stays reachable; the holder masks of

@@ -11,7 +11,9 @@ by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 b
 against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
 `multi` dict entry more (~100 bytes plus the mask int). While a growth migrates, the old arrays
 stay allocated beside the new ones (~0.65x their size); so do the next growth's from when the
-table passes 55% (made ready ahead by the ingest thread: gateway/core/table_arrays.py).
+table passes 55% (made ready ahead by the ingest thread: gateway/core/table_arrays.py), unless
+the tombstones of removed pages are what fill it: the feed loop's idle steps sweep them away in
+place (gateway/core/index_sweep.py), so that a steady state neither rebuilds nor holds a spare.
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
@@ -449,6 +451,10 @@ class PageTable:
             self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD,
                              look_only=total < _SPARE_LOAD * self.cap)
         return total + k <= _MAX_LOAD * self.cap
+
+    def sweep_due(self) -> bool:
+        """Whether `migrate_some` would sweep (a round goes on, or its tombstones call for one)."""
+        return self._old is None and self.sweep.due(self)
 
     def drop_spare(self) -> None:
         """Ingest idle for long (feeds.py): the next growth's arrays are not kept for it."""

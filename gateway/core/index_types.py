@@ -132,6 +132,11 @@ class IndexStats:
     # entries x BYTES_PER_ENTRY: an estimate, measured by the fleet benchmark.
     memory_bytes: int
     page_events: int
+    # The page tables' arrays as allocated: a growth's old table and the next one's spare
+    # included (the holder masks of shared pages not).
+    table_bytes: int = 0
+    # Tombstones of removed pages the feed loop's idle steps cleared in place (index_sweep.py).
+    swept_tombstones: int = 0
 
 
 @dataclass(slots=True)

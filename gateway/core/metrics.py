@@ -17,7 +17,8 @@ _DECISION_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
 
 
 # (index pages per (worker, medium), workers per state, index totals: entries, capacity,
-# evictions, memory_bytes, and the policy's routed_pages, routed_memory_bytes)
+# evictions, memory_bytes, table_bytes, swept_tombstones, and the policy's routed_pages,
+# routed_memory_bytes)
 Snapshot = tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]
 
 
@@ -49,13 +50,20 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
     for name, doc in (("entries", "(page hash, medium) keys the routing index holds."),
                       ("capacity", "Keys the routing index may hold (--index-memory-mb)."),
                       ("memory_bytes", "Estimated memory of the routing index (keys x the "
-                                       "measured bytes per key).")):
+                                       "measured bytes per key)."),
+                      ("table_bytes", "The routing index's page tables as allocated, a "
+                                      "growth's old table and the next one's spare included.")):
         g = GaugeMetricFamily(f"prefixcache_gateway_index_{name}", doc)
         g.add_metric([], totals[name])
         yield g
     c = CounterMetricFamily("prefixcache_gateway_index_evictions", "Keys the routing index "
                             "dropped at its bound: the fleet outgrew --index-memory-mb.")
     c.add_metric([], totals["evictions"])
+    yield c
+    c = CounterMetricFamily("prefixcache_gateway_index_tombstones_swept", "Tombstones of removed "
+                            "pages the feed loop cleared in place (a steady state's table then "
+                            "neither rebuilds nor holds a spare).")
+    c.add_metric([], totals["swept_tombstones"])
     yield c
     for name, doc in (("pages", "Pages the routing policy remembers as routed to a worker (the "
                                 "affinity policy: until events report them; at most its "

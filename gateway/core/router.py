@@ -255,6 +255,10 @@ class Router:
         """Ingest, without the lock: writes on the index's next growth's arrays; True while more."""
         return not self.shared and self.index.prepare_growth(chunk)
 
+    def index_sweep_due(self) -> bool:
+        """Whether the index has tombstones to sweep (feeds.py: a step between slices too)."""
+        return not self.shared and self.index.sweep_due()
+
     def drop_index_spares(self) -> None:
         """Ingest idle for long: the index's next growths' arrays freed (feeds.py)."""
         with self.exclusive():
@@ -433,6 +437,7 @@ class Router:
             st, (routed, routed_bytes) = self.index.stats(), self.policy.remembered()
         totals = {"entries": st.entries, "capacity": st.capacity,
                   "evictions": st.evicted_entries, "memory_bytes": st.memory_bytes,
+                  "table_bytes": st.table_bytes, "swept_tombstones": st.swept_tombstones,
                   "routed_pages": routed, "routed_memory_bytes": routed_bytes}
         return pages, {"known": len(rows), "eligible": sum(e for *_, e in rows)}, totals
 

@@ -17,7 +17,9 @@ are what fill it), then written a chunk at a time by the ingest thread between i
 without the lock (no one else sees them yet) and without the GIL (numpy's fill releases it). A
 growth takes them when they are complete and of a fitting size; else it allocates as before.
 The cost: those arrays' memory from then on instead of from the growth (the same peak as the
-growth's migration, old and new tables together, held longer).
+growth's migration, old and new tables together, held longer). So none is planned while the
+table's sweep keeps its tombstones from filling it (gateway/core/index_sweep.py: the rebuild it
+would be for does not come), and an idle feed loop drops a planned one (feeds.py).
 """
 from __future__ import annotations
 

@@ -309,11 +309,10 @@ def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
 def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int,
                                 idle_drop_s: float = IDLE_SPARE_DROP_S) -> tuple[float, float]:
     """`index_bytes_per_page` of a gateway's Router fed the same snapshots through its FeedLoop
-    (queued on its BatchApplier, no gRPC), once every one is applied and the loop, idle, has
-    finished any growth's migration; then once it has been idle long enough to free the next
-    growth's arrays (`idle_drop_s`, the gateway's IDLE_SPARE_DROP_S): tracemalloc's count of what was allocated
-    since the loop started and is still held (the index, and whatever else the gateway kept),
-    per page key."""
+    (queued on its BatchApplier, no gRPC), once every one is applied and the idle loop has
+    finished any growth's migration, then once it has freed the spare (`idle_drop_s`):
+    tracemalloc's count of what was allocated since the loop started and is still held (the
+    index, and whatever else the gateway kept), per page key."""
     items = [cpb.SubscribeResponse.FromString(b) for i in range(pools)
              for b in F.recorded_stream(i, pages_per_pool, 0)]
     router, names = _fleet_router("bench", pools)
@@ -328,9 +327,8 @@ def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int,
         while router.migrate_index(0):  # 0 slots: only asks whether an old table remains
             time.sleep(0.01)
         used, _ = tracemalloc.get_traced_memory()
-        spares = [t._spare for t in router.index._tables]
         end = time.monotonic() + 3 * idle_drop_s
-        while any(s.planned for s in spares) and time.monotonic() < end:
+        while any(t._spare.planned for t in router.index._tables) and time.monotonic() < end:
             time.sleep(0.1)
         dropped, _ = tracemalloc.get_traced_memory()
     finally:

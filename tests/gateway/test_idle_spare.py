@@ -13,7 +13,7 @@ from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
-from tests.gateway.helpers import DEVICE, batch, cleared, pages, stored
+from tests.gateway.helpers import DEVICE, batch, cleared, pages, removed, stored
 
 PAGES = 40_000  # 66% of the table it grows to: past the spare's 55%, and past its smallest size
 
@@ -59,5 +59,39 @@ def test_an_idle_feed_loop_frees_the_spare_and_a_growth_plans_it_again():
         item = cpb.SubscribeResponse(batch=batch("f", 3, stored(pages(0, 1))))
         loop.run_sync(loop.applier.put(feed, item), 10.0)
         assert _wait(lambda: table._spare.planned > table.cap)  # a growth's, from the fill since
+    finally:
+        loop.close()
+
+
+def test_a_feed_loop_that_never_idles_sweeps_between_its_slices():
+    """Items queued back to back (ingest saturated: no idle step): once the tombstones call for
+    a round, the loop takes a sweep step after each slice, while items still wait."""
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    router.add(Worker("f", "w", "c", None, pb.GetModelInfoResponse(worker="f")))
+    table = router.index._tables[MEDIUM_TIER[DEVICE]]
+    loop = FeedLoop(router, slice_events=256, migrate_slots=4096)
+    feed, waiting = Feed("f"), []
+    migrate = router.migrate_index
+
+    def recorded(max_slots: int) -> bool:
+        waiting.append(len(loop.applier._pending))
+        return migrate(max_slots)
+
+    router.migrate_index = recorded
+    try:
+        item = cpb.SubscribeResponse(batch=batch("f", 0, cleared(), stored(pages(0, 20_000)),
+                                                 snapshot=True, snapshot_end=True))
+        loop.run_sync(loop.applier.put(feed, item), 10.0)
+        assert _wait(lambda: len(table) == 20_000)
+        items = [cpb.SubscribeResponse(batch=batch("f", 1 + i, removed(pages(i * 64, i * 64 + 64))))
+                 for i in range(200)]  # 12,800 tombstones, 256 page events a slice
+
+        async def put_all() -> None:
+            for it in items:
+                await loop.applier.put(feed, it)
+
+        loop.run_sync(put_all(), 10.0)
+        assert _wait(lambda: len(table) == 20_000 - 12_800)
+        assert table.sweep.cleared > 0 and any(n > 0 for n in waiting)  # swept with items queued
     finally:
         loop.close()

@@ -61,3 +61,12 @@ def test_index_metrics_report_entries_capacity_memory_and_evictions():
     assert "prefixcache_gateway_index_entries 25.0" in text
     assert f"prefixcache_gateway_index_memory_bytes {25.0 * BYTES_PER_ENTRY}" in text
     assert "prefixcache_gateway_index_evictions_total 35.0" in text
+    tables = sum(t.nbytes() for t in router.index._tables)  # the arrays, allocated
+    assert f"prefixcache_gateway_index_table_bytes {float(tables)}" in text and tables > 0
+    assert "prefixcache_gateway_index_tombstones_swept_total 0.0" in text
+    table = router.index._tables[0]
+    table.sweep.left = table.cap  # a round over the evicted pages' tombstones
+    while router.migrate_index(1 << 16):
+        pass
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    assert "prefixcache_gateway_index_tombstones_swept_total 35.0" in text

@@ -139,12 +139,13 @@ def test_a_tiny_run_through_a_feed_process_applies_every_item_as_frames():
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
     """The default sample at 8 pools (25k pages each) ends right after a growth: applied directly,
     the old table is still there (over issue 31's 64 bytes); a gateway's idle feed loop migrates
-    it away. At 1,000 pools (200 pages each) the warm-up ends past 55%: the spare planned then is
-    held until the loop has been idle long enough (here 0.5 s) to free it."""
+    it away. At 1,000 pools (200 pages each) the warm-up ends past 55%: the spare planned then
+    (allocated once the idle loop writes it: the first sample may come before) is held until the
+    loop has been idle long enough (here 0.5 s) to free it."""
     idle, freed = idle_gateway_bytes_per_page(8, 25_000, idle_drop_s=0.5)
     assert index_bytes_per_page(8, 25_000) > 64 >= idle and freed < idle + 1  # no spare here
     idle, freed = idle_gateway_bytes_per_page(1000, 200, idle_drop_s=0.5)
-    assert idle > 64 >= freed
+    assert 64 >= freed and freed < idle + 1
 
 
 def test_routing_only_times_decisions_by_request_kind():
