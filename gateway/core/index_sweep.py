@@ -12,9 +12,10 @@ live ones: no rebuild and no spare unless the fleet really grows.
 How: once the tombstones pass `SWEEP_FROM` of the slots (and no growth migrates), the feed loop
 sweeps the table around once, a step at a time under the router's lock: while ingest is idle
 (`PageTable.migrate_some`, as a growth's migration), and after each ingest slice while a round
-goes on (a loop that never idles would otherwise let them pile up). A step takes whole clusters (runs of used
-slots between two empty ones) and writes each one that holds tombstones anew: its live keys in
-their order, each at the first empty slot from its home. Every key of a cluster has its home in
+goes on (a loop that never idles would otherwise let them pile up). A step takes whole
+clusters (runs of used slots between two empty ones) and writes each one that holds tombstones
+anew from its first tombstone: its live keys in their order, each at the first empty slot from
+its home. Every key of a cluster has its home in
 it, so it lands in it, at or before its old slot, and stays reachable; the holder masks of
 shared pages that moved follow them. Lookups see the same pages, masks and stamps before and
 after (tests/gateway/test_index_sweep.py). In C (csrc/page_table.c's `pt_sweep`) when the
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from gateway.core.index_table import PageTable
 
 # A sweep starts once tombstones fill this share of the slots: the used slots stay within ~6%
-# of the live ones (a pass over a 10M-page table, 23M slots, ~0.1-0.2 s in C, every few seconds
-# of 1M page events/s), below the 55% at which a spare is planned for a table grown to 45%.
+# of the live ones (a round over 3.9M slots ~25 ms in C, docs/results/gateway/fleet/sweep/),
+# below the 55% at which a spare is planned for a table grown to 45%.
 SWEEP_FROM = 0.05
 
 

@@ -74,7 +74,8 @@ def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
             "bytes_per_page_mean": float(np.mean(per_page)),
             "bytes_per_page_max": float(np.max(per_page)), "bytes_per_page_end": per_page[-1],
             "used_share_end": (table._used) / table.cap,
-            "call_p50_us": percentile(us.tolist(), 0.5), "call_p99_us": percentile(us.tolist(), 0.99),
+            "call_p50_us": percentile(us.tolist(), 0.5),
+            "call_p99_us": percentile(us.tolist(), 0.99),
             "call_max_us": float(us.max()), "calls_s": float(us.sum() / 1e6),
             "idle_steps_s": float(sum(holds)), "idle_step_max_ms": max(holds) * 1e3,
             "spare_writes_s": prepare_s, "load_average_1m": os.getloadavg()[0]}

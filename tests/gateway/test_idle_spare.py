@@ -4,8 +4,6 @@ not come. Through a real FeedLoop, its applier and a router; a store after it pl
 only once a tenth of the room is used."""
 from __future__ import annotations
 
-import time
-
 from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.index import MEDIUM_TIER
 from gateway.core.metrics import GatewayMetrics
@@ -13,18 +11,10 @@ from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
+from tests.gateway.gateway_harness import wait_until
 from tests.gateway.helpers import DEVICE, batch, cleared, pages, removed, stored
 
 PAGES = 40_000  # 66% of the table it grows to: past the spare's 55%, and past its smallest size
-
-
-def _wait(condition, timeout_s: float = 20.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_an_idle_feed_loop_frees_the_spare_and_a_growth_plans_it_again():
@@ -38,27 +28,28 @@ def test_an_idle_feed_loop_frees_the_spare_and_a_growth_plans_it_again():
         item = cpb.SubscribeResponse(batch=batch("f", 0, cleared(), stored(pages(0, PAGES)),
                                                  snapshot=True, snapshot_end=True))
         loop.run_sync(loop.applier.put(feed, item), 10.0)
-        assert _wait(lambda: len(table) == PAGES)
-        assert _wait(lambda: table._spare.nbytes() > 0)  # planned, and written while idle
+        wait_until(lambda: len(table) == PAGES, 20.0)
+        wait_until(lambda: table._spare.nbytes() > 0, 20.0)  # planned, and written while idle
         with_spare = table.nbytes()
-        assert _wait(lambda: table._spare.nbytes() == 0, 10.0)  # idle for 1 s: freed
+        wait_until(lambda: table._spare.nbytes() == 0, 20.0)  # idle for 1 s: freed
         assert table.nbytes() < 0.5 * with_spare and table._spare.planned == 0
         loop.applier.idle_drop_s = 3600.0  # no second drop during the rest
         room = int(0.7 * table.cap) - table._used
         few = max(1, room // 20)  # half a look: no plan yet
         item = cpb.SubscribeResponse(batch=batch("f", 1, stored(pages(PAGES, PAGES + few))))
         loop.run_sync(loop.applier.put(feed, item), 10.0)
-        assert _wait(lambda: len(table) == PAGES + few)
+        wait_until(lambda: len(table) == PAGES + few, 20.0)
         assert table._spare.planned == 0
         more = room // 5  # past a look
         item = cpb.SubscribeResponse(batch=batch("f", 2, stored(pages(PAGES + few,
                                                                       PAGES + few + more))))
         loop.run_sync(loop.applier.put(feed, item), 10.0)
-        assert _wait(lambda: len(table) == PAGES + few + more)
+        wait_until(lambda: len(table) == PAGES + few + more, 20.0)
         assert table._spare.planned == 0  # a plan is made before a call's pages: the next one's
         item = cpb.SubscribeResponse(batch=batch("f", 3, stored(pages(0, 1))))
         loop.run_sync(loop.applier.put(feed, item), 10.0)
-        assert _wait(lambda: table._spare.planned > table.cap)  # a growth's, from the fill since
+        # a growth's spare, sized from the fill since the drop
+        wait_until(lambda: table._spare.planned > table.cap, 20.0)
     finally:
         loop.close()
 
@@ -82,7 +73,7 @@ def test_a_feed_loop_that_never_idles_sweeps_between_its_slices():
         item = cpb.SubscribeResponse(batch=batch("f", 0, cleared(), stored(pages(0, 20_000)),
                                                  snapshot=True, snapshot_end=True))
         loop.run_sync(loop.applier.put(feed, item), 10.0)
-        assert _wait(lambda: len(table) == 20_000)
+        wait_until(lambda: len(table) == 20_000, 20.0)
         items = [cpb.SubscribeResponse(batch=batch("f", 1 + i, removed(pages(i * 64, i * 64 + 64))))
                  for i in range(200)]  # 12,800 tombstones, 256 page events a slice
 
@@ -91,7 +82,7 @@ def test_a_feed_loop_that_never_idles_sweeps_between_its_slices():
                 await loop.applier.put(feed, it)
 
         loop.run_sync(put_all(), 10.0)
-        assert _wait(lambda: len(table) == 20_000 - 12_800)
+        wait_until(lambda: len(table) == 20_000 - 12_800, 20.0)
         assert table.sweep.cleared > 0 and any(n > 0 for n in waiting)  # swept with items queued
     finally:
         loop.close()

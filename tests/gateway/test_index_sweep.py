@@ -14,7 +14,8 @@ from gateway.core import index_native, index_sweep
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_sweep import SWEEP_FROM, Sweep, sweep_slots
 from gateway.core.index_table import EMPTY, TOMB, PageTable
-from tests.gateway.index_impls import table_impl, use  # noqa: F401 - the fixture runs each test twice
+# table_impl: the module fixture that runs each test twice (C and numpy)
+from tests.gateway.index_impls import table_impl, use  # noqa: F401
 
 WORKERS = 70  # masks past one machine word
 
@@ -97,7 +98,8 @@ def _same_arrays(seed: int) -> None:
                 result = sweep_slots(table, at, step)
             results.append(result)
             at = result[2]
-        out.append((results, [a.copy() for a in (table._mem.lo, table._mem.hi, table._mem.holder, table._mem.stamp)]))
+        mem = table._mem
+        out.append((results, [a.copy() for a in (mem.lo, mem.hi, mem.holder, mem.stamp)]))
     (c_results, c_arrays), (py_results, py_arrays) = out
     assert c_results == py_results
     for a, b in zip(c_arrays, py_arrays):
