@@ -43,12 +43,13 @@ SWEEP_FROM = 0.05
 class Sweep:
     """Where a table's sweep is: its cursor, and the slots still to pass in this round."""
 
-    __slots__ = ("at", "left", "rounds", "cleared")
+    __slots__ = ("at", "left", "rounds", "cleared", "scanned")
 
     def __init__(self) -> None:
         self.at, self.left = 0, 0
         self.rounds = 0  # rounds begun, ever
         self.cleared = 0  # tombstones cleared, ever
+        self.scanned = 0  # slots passed, ever (a step's share of the feed loop's idle budget)
 
     def holds(self, table: PageTable, max_load: float) -> bool:
         """Whether the sweep keeps the table below `max_load` (its growth) with room to spare:
@@ -81,7 +82,7 @@ def sweep_some(table: PageTable, max_slots: int) -> bool:
         table.multi[new] = table.multi.pop(old)
     table._used -= cleared
     state.cleared += cleared
-    state.at, state.left = end, state.left - scanned
+    state.at, state.left, state.scanned = end, state.left - scanned, state.scanned + scanned
     return state.left > 0
 
 

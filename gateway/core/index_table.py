@@ -516,7 +516,7 @@ class PageTable:
         come), or with no old table, sweeps as many slots' tombstones once they are many
         (index_sweep.py); True while some migration or sweep remains."""
         if max_slots <= 0:
-            return self._old is not None
+            return self._old is not None or self.sweep.left > 0
         if self._old is None:
             return sweep_some(self, max_slots)
         self._step(0, max_slots)

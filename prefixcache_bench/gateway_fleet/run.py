@@ -324,7 +324,7 @@ def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int,
         for item in items:
             loop.run_sync(loop.applier.put(feeds[item.batch.pool_id], item), 60.0)
         _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
-        while router.migrate_index(0):  # 0 slots: only asks whether an old table remains
+        while router.migrate_index(0):  # 0 slots: asks whether a migration (or sweep) remains
             time.sleep(0.01)
         used, _ = tracemalloc.get_traced_memory()
         end = time.monotonic() + 3 * idle_drop_s

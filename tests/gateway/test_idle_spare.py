@@ -21,7 +21,9 @@ def test_an_idle_feed_loop_frees_the_spare_and_a_growth_plans_it_again():
     router = Router(make_policy("affinity"), GatewayMetrics())
     router.add(Worker("f", "w", "c", None, pb.GetModelInfoResponse(worker="f")))
     table = router.index._tables[MEDIUM_TIER[DEVICE]]
-    loop = FeedLoop(router)
+    # Fixed slices: the snapshot's last ones start past 55%, where the spare is planned (sized by
+    # time, a loaded machine's slices may end the snapshot in one call from below it).
+    loop = FeedLoop(router, slice_events=1024)
     loop.applier.idle_drop_s = 1.0
     feed = Feed("f")
     try:
