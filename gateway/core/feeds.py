@@ -96,6 +96,7 @@ class FeedLoop:
         self.applier: BatchApplier = self.run_sync(_make_applier(router, slices, idle), 10.0)
         self.watchdog = StallWatchdog()
         self.submit(self.applier.run())
+        self.submit(self.applier.drop_spares_when_idle())
         self.submit(self.watchdog.run())
         self.submit(_pulse(router.decisions))
 
@@ -194,6 +195,7 @@ class BatchApplier:
         self.applied_items = 0
         self.slices = 0
         self.idle_drop_s = IDLE_SPARE_DROP_S
+        self._applied_at, self._spares_dropped = time.monotonic(), False
 
     def set_streaming(self, name: str, streaming: bool) -> None:
         """A feed's Subscribe call delivers (True) or ended (`Router.set_streaming`)."""
@@ -234,9 +236,7 @@ class BatchApplier:
 
     async def run(self) -> None:
         while True:
-            if not await _woken(self._wake, self.idle_drop_s):
-                self.router.drop_index_spares()  # idle that long: no growth to be ready for
-                await self._wake.wait()
+            await self._wake.wait()
             self._wake.clear()
             while self._pending:
                 await self._fill()
@@ -253,6 +253,17 @@ class BatchApplier:
                                          or self.router.prepare_index_growth(IDLE_SPARE_SLOTS)):
                 self.router.yield_to_routing()
                 await asyncio.sleep(0)  # the feeds read on: an item queued ends the migration
+
+    async def drop_spares_when_idle(self) -> None:
+        """Frees the index's next growths' arrays once nothing was applied for `idle_drop_s`:
+        no growth to be ready for (table_arrays.Spare). A check a quarter of that apart, so that
+        the slices pay nothing for it but a clock read."""
+        while True:
+            await asyncio.sleep(self.idle_drop_s / 4)
+            idle_s = time.monotonic() - self._applied_at
+            if not self._pending and not self._spares_dropped and idle_s >= self.idle_drop_s:
+                self.router.drop_index_spares()
+                self._spares_dropped = True
 
     def _take_slice(self) -> tuple[list[tuple[Feed, StreamItem]], int]:
         """The next items, up to the slice's page events; and their page events."""
@@ -272,6 +283,7 @@ class BatchApplier:
         if not items:
             return
         start, preemptible = time.perf_counter(), self.router.preemptible_seconds()
+        self._applied_at, self._spares_dropped = time.monotonic(), False
         results = self.router.apply_stream_items([(f.name, item) for f, item in items])
         self.size.measured(events, time.perf_counter() - start  # less what decisions interrupt
                            - (self.router.preemptible_seconds() - preemptible))
@@ -288,15 +300,6 @@ class BatchApplier:
                 feed.generation += 1
                 feed.resync = (result.resume_epoch, result.resume_after_seq)
                 feed.interrupt()
-
-
-async def _woken(event: asyncio.Event, timeout_s: float) -> bool:
-    """Waits for the event; False when `timeout_s` passed first."""
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 class FeedSink(Protocol):
