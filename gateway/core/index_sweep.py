@@ -15,11 +15,11 @@ sweeps the table around once, a step at a time under the router's lock: while in
 goes on (a loop that never idles would otherwise let them pile up). A step takes whole
 clusters (runs of used slots between two empty ones) and writes each one that holds tombstones
 anew from its first tombstone: its live keys in their order, each at the first empty slot from
-its home. Every key of a cluster has its home in
-it, so it lands in it, at or before its old slot, and stays reachable; the holder masks of
-shared pages that moved follow them. Lookups see the same pages, masks and stamps before and
-after (tests/gateway/test_index_sweep.py). In C (csrc/page_table.c's `pt_sweep`) when the
-kernel is loaded; the Python loop below is the reference and the fallback, with the same result.
+its home. Every key of a cluster has its home in it, so it lands in it, at or before its old
+slot, and stays reachable; the holder masks of shared pages that moved follow them. Lookups
+see the same pages, masks and stamps before and after (tests/gateway/test_index_sweep.py). In
+C (csrc/page_table.c's `pt_sweep`) when the kernel is loaded; the Python loop below is the
+reference and the fallback, with the same result.
 """
 from __future__ import annotations
 

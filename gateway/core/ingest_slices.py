@@ -30,10 +30,11 @@ MAX_SLICE_EVENTS = 1 << 17
 # Slots of the next growth's arrays one idle step writes (table_arrays.Spare): 1.5 MiB, ~0.3-2 ms
 # without the lock or the GIL (what fresh memory's page faults cost).
 IDLE_SPARE_SLOTS = 1 << 16
-# Ingest idle this long (no item queued): the next growth's arrays are freed (table_arrays.Spare;
-# a warm-up that ended past 55% planned one for a growth that may not come: ~92 bytes a page
-# held at 1,000 pools instead of ~47). A fleet's feeds deliver every few milliseconds, so only
-# an idle fleet waits this long; a growth after it plans them again from its first look.
+# Ingest idle this long (nothing applied): the next growth's arrays are freed
+# (table_arrays.Spare; a warm-up that ended past 55% planned one for a growth that may not come:
+# ~92 bytes a page held at 1,000 pools, ~36 once freed). A fleet's feeds deliver every few
+# milliseconds, so only an idle fleet waits this long; a growth after it plans them again from
+# its first look.
 IDLE_SPARE_DROP_S = 10.0
 # Weight of the newest full slice in the moving average of seconds per page event.
 _NEWEST = 0.3

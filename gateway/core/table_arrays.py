@@ -151,7 +151,7 @@ class Spare:
 
     def drop(self, live: int, total: int) -> None:
         """No spare: the table's sweep keeps it from growing (index_sweep.py), or ingest has been
-        idle (`feeds.IDLE_SPARE_DROP_S`). The next plan reads how the table fills from here,
+        idle (`ingest_slices.IDLE_SPARE_DROP_S`). The next plan reads how the table fills from here,
         once a tenth of the room is used."""
         self.arrays, self.planned, self._mark, self._waiting = None, 0, (live, total), True
 

@@ -34,7 +34,10 @@ from prefixcache_bench.harness import percentile, print_and_write
 MODES = ("sweep", "no_sweep")
 
 
-class _NoSweep(Sweep):
+class NoSweep(Sweep):
+    """A table's sweep that never begins a round: its idle steps migrate only, as before the
+    sweep (the bench's baseline; tests/gateway/test_index_sweep.py's too)."""
+
     def due(self, table: PageTable) -> bool:
         return False
 
@@ -42,7 +45,7 @@ class _NoSweep(Sweep):
 def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
     table, idle = PageTable(), IdleMigration()
     if mode == "no_sweep":
-        table.sweep = _NoSweep()
+        table.sweep = NoSweep()
     for i, at in enumerate(range(0, pages, batch)):
         table.add_many(keys[at:at + batch].tobytes(), i % 8)
         table.prepare_growth()

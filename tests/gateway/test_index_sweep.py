@@ -12,27 +12,14 @@ import pytest
 
 from gateway.core import index_native, index_sweep
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_sweep import SWEEP_FROM, Sweep, sweep_slots
+from gateway.core.index_sweep import SWEEP_FROM, sweep_slots
 from gateway.core.index_table import EMPTY, TOMB, PageTable
+from prefixcache_bench.gateway_fleet.sweep import NoSweep
+from tests.gateway.helpers import page, pages_and_stamps
 # table_impl: the module fixture that runs each test twice (C and numpy)
 from tests.gateway.index_impls import table_impl, use  # noqa: F401
 
 WORKERS = 70  # masks past one machine word
-
-
-def _page(i: int) -> bytes:
-    return (i * 0x9E3779B97F4A7C15 % 2**64).to_bytes(8, "little") + i.to_bytes(8, "little")
-
-
-def _state(table: PageTable, pages: int) -> list[tuple[int, int]]:
-    """Every page's holder mask and stamp (0, 0 when absent)."""
-    out = []
-    for i in range(pages):
-        h = _page(i)
-        lo, hi = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
-        pos = table._probe(lo, hi)[0]
-        out.append((table.mask(h), table._stamp[pos] if pos >= 0 else 0))
-    return out
 
 
 def _churned(seed: int, pages: int, capacity: int = 64) -> PageTable:
@@ -41,7 +28,7 @@ def _churned(seed: int, pages: int, capacity: int = 64) -> PageTable:
     rng, table = random.Random(seed), PageTable(capacity=capacity)
     for _ in range(60):
         n = rng.choice([1, 20, 200])
-        hashes = [_page(rng.randrange(pages)) for _ in range(n)]
+        hashes = [page(rng.randrange(pages)) for _ in range(n)]
         slots = [rng.randrange(WORKERS) if rng.random() < 0.5 else rng.randrange(3)
                  for _ in range(n)]
         apply_ops(table, hashes, slots, [rng.random() < 0.55 for _ in range(n)])
@@ -61,19 +48,19 @@ def _sweep_round(table: PageTable, rng: random.Random) -> None:
 def test_a_swept_table_holds_the_same_pages_masks_and_stamps_and_no_tombstone(seed):
     pages = 3000
     table = _churned(seed, pages)
-    before, live = _state(table, pages), len(table)
+    before, live = pages_and_stamps(table), len(table)
     tombs = int(np.count_nonzero(table._mem.holder == TOMB))
     assert tombs > 0  # the churn left some
     _sweep_round(table, random.Random(seed))
-    assert _state(table, pages) == before
+    assert pages_and_stamps(table) == before
     assert len(table) == live and table._used == live  # live + tombstones, and none are left
     assert not np.count_nonzero(table._mem.holder == TOMB)
     assert table.sweep.cleared == tombs
     assert set(table.multi) == set(np.flatnonzero(table._mem.holder == -1).tolist())
     for i in range(0, pages, 97):  # and it goes on serving stores and removals
-        table.add(_page(i), 5)
-        table.discard(_page(i + 1), 5)
-    assert all(table.mask(_page(i)) >> 5 & 1 for i in range(0, pages, 97))
+        table.add(page(i), 5)
+        table.discard(page(i + 1), 5)
+    assert all(table.mask(page(i)) >> 5 & 1 for i in range(0, pages, 97))
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -110,7 +97,7 @@ def test_a_cluster_that_wraps_past_the_tables_end_is_swept_whole():
     table = PageTable(capacity=64)
     cap = table.cap
     # keys whose home is the table's last slot: a cluster from cap-1 over slot 0 on
-    at_end = [h for h in (_page(i) for i in range(200_000))
+    at_end = [h for h in (page(i) for i in range(200_000))
               if table._probe(int.from_bytes(h[:8], "little"),
                               int.from_bytes(h[8:], "little"))[1] == cap - 1][:4]
     for h in at_end:
@@ -125,11 +112,6 @@ def test_a_cluster_that_wraps_past_the_tables_end_is_swept_whole():
     assert not np.count_nonzero(holder == TOMB) and holder[cap - 1] != EMPTY  # moved back
 
 
-class _NoSweep(Sweep):
-    def due(self, table: PageTable) -> bool:
-        return False
-
-
 def _steady(table: PageTable, rounds: int, pages: int = 45_000) -> tuple[int, int]:
     """A table grown to `pages` (48% of its slots, and past the smallest spare), then as many
     stored as removed (the oldest first) in live batches, the idle steps run after each batch
@@ -137,14 +119,14 @@ def _steady(table: PageTable, rounds: int, pages: int = 45_000) -> tuple[int, in
     during the churn."""
     batch, stored = 64, 0
     for i in range(0, pages, batch):
-        table.add_many(b"".join(_page(j) for j in range(i, i + batch)), i % 8)
+        table.add_many(b"".join(page(j) for j in range(i, i + batch)), i % 8)
     stored = pages
     while table._old is not None:
         table.migrate_some(1 << 20)
     caps, spare = {table.cap}, 0
     for _ in range(rounds * pages // batch):
-        new = [_page(j) for j in range(stored, stored + batch)]
-        gone = [_page(j) for j in range(stored - pages, stored - pages + batch)]
+        new = [page(j) for j in range(stored, stored + batch)]
+        gone = [page(j) for j in range(stored - pages, stored - pages + batch)]
         apply_ops(table, new + gone, [stored % 8] * batch + [(stored - pages) % 8] * batch,
                   [True] * batch + [False] * batch)
         stored += batch
@@ -160,7 +142,7 @@ def test_a_steady_state_swept_neither_rebuilds_nor_plans_a_spare():
     grown, spare = _steady(PageTable(), rounds=4)
     assert (grown, spare) == (0, 0)
     unswept = PageTable()
-    unswept.sweep = _NoSweep()  # the idle steps as before the sweep: migration only
+    unswept.sweep = NoSweep()  # the idle steps as before the sweep: migration only
     grown, spare = _steady(unswept, rounds=4)
     assert grown >= 1 and spare > 0  # what the sweep saves
 
@@ -168,11 +150,11 @@ def test_a_steady_state_swept_neither_rebuilds_nor_plans_a_spare():
 def test_no_sweep_until_the_tombstones_pass_their_share():
     table = PageTable()
     for i in range(0, 4000, 50):
-        table.add_many(b"".join(_page(j) for j in range(i, i + 50)), 1)
+        table.add_many(b"".join(page(j) for j in range(i, i + 50)), 1)
     few = int(SWEEP_FROM * table.cap) - 1
-    table.discard_many(b"".join(_page(j) for j in range(few)), 1)
+    table.discard_many(b"".join(page(j) for j in range(few)), 1)
     assert not table.migrate_some(1 << 20) and table.sweep.rounds == 0
-    table.discard_many(_page(few) + _page(few + 1), 1)
+    table.discard_many(page(few) + page(few + 1), 1)
     table.migrate_some(1 << 20)
     assert table.sweep.rounds == 1 and table._used == len(table)
 
@@ -185,8 +167,8 @@ def test_the_feed_loops_idle_steps_sweep(table_impl):  # noqa: F811 - the fixtur
     index.add_worker("w")
     table = index._tables[0]
     for i in range(0, 6000, 60):
-        table.add_many(b"".join(_page(j) for j in range(i, i + 60)), 0)
-    table.discard_many(b"".join(_page(j) for j in range(0, 6000, 2)), 0)
+        table.add_many(b"".join(page(j) for j in range(i, i + 60)), 0)
+    table.discard_many(b"".join(page(j) for j in range(0, 6000, 2)), 0)
     while index.migrate_some(1000):
         pass
     assert table._used == len(table) == 3000
@@ -198,20 +180,20 @@ def test_a_sweep_that_falls_behind_lets_the_spare_be_planned_again():
     sweep no longer holds the table, and a rebuild's spare is planned as before."""
     table = PageTable()
     for i in range(0, 45_000, 64):
-        table.add_many(b"".join(_page(j) for j in range(i, i + 64)), 1)
+        table.add_many(b"".join(page(j) for j in range(i, i + 64)), 1)
     table.sweep.rounds = 1  # swept before
     assert table.sweep.holds(table, 0.7)
     stored = 45_000
     while table._used - table.live < 2 * SWEEP_FROM * table.cap:  # churn, no idle step
-        gone = b"".join(_page(j) for j in range(stored - 45_000, stored - 45_000 + 64))
-        table.add_many(b"".join(_page(j) for j in range(stored, stored + 64)), 1)
+        gone = b"".join(page(j) for j in range(stored - 45_000, stored - 45_000 + 64))
+        table.add_many(b"".join(page(j) for j in range(stored, stored + 64)), 1)
         table.discard_many(gone, 1)
         stored += 64
     assert not table.sweep.holds(table, 0.7)
     cap = table.cap
     while not table._spare.planned and table.cap == cap:
-        gone = b"".join(_page(j) for j in range(stored - 45_000, stored - 45_000 + 64))
-        table.add_many(b"".join(_page(j) for j in range(stored, stored + 64)), 1)
+        gone = b"".join(page(j) for j in range(stored - 45_000, stored - 45_000 + 64))
+        table.add_many(b"".join(page(j) for j in range(stored, stored + 64)), 1)
         table.discard_many(gone, 1)
         stored += 64
     assert table._spare.planned and table.cap == cap  # planned before the rebuild
