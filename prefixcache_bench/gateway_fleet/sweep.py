@@ -109,7 +109,7 @@ def table_text(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=2_000_000)
     ap.add_argument("--churn", type=float, default=3.0,
@@ -117,7 +117,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="pages stored (and removed) per call")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
     ap.add_argument("--json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.batch < 1 or a.pages < a.batch or a.churn * a.pages < a.batch or a.repeats < 1:
+        ap.error("needs --batch >= 1, --pages >= --batch, at least one call of churn "
+                 "(--churn x --pages >= --batch) and --repeats >= 1")
     result = measure(a.pages, a.churn, a.batch, a.repeats)
     result["command"] = ("python -m prefixcache_bench.gateway_fleet.sweep --pages "
                          f"{a.pages} --churn {a.churn} --batch {a.batch} --repeats {a.repeats}")

@@ -2,6 +2,7 @@
 the gateway's index ends up holding, and its figures are the ones it says."""
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.run import (IngestTuning, idle_gateway_bytes_per_page,
                                                  index_bytes_per_page, run_config)
 from prefixcache_bench.gateway_fleet.sources import PACE_S
+from prefixcache_bench.gateway_fleet.sweep import main as sweep_main
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
 from prefixcache_bench.harness import REPO
 
@@ -229,3 +231,20 @@ def test_a_tiny_checkpoint_run_resumes_every_pool_from_its_seq():
     assert r["downtime_page_events"] == 4 * 3 * 2 * F.LIVE_PAGES
     assert r["indexed_pages_after_restart"] == r["indexed_pages"]  # as many stored as removed
     assert 0 < r["checkpoint_load_s"] < r["restart_to_warm_s"] and r["checkpoint_unchanged_skipped"]
+
+
+@pytest.mark.parametrize("args", [["--pages", "10", "--batch", "32"], ["--churn", "0"],
+                                  ["--batch", "0"], ["--repeats", "0"]])
+def test_the_sweep_bench_refuses_a_run_with_nothing_to_measure(args, capsys):
+    with pytest.raises(SystemExit):
+        sweep_main(args)
+    assert "needs --batch >= 1" in capsys.readouterr().err
+
+
+def test_the_sweep_bench_reports_both_modes(tmp_path):
+    path = tmp_path / "sweep.json"
+    sweep_main(["--pages", "20000", "--churn", "0.5", "--repeats", "1", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert {r["mode"] for r in result["runs"]} == {"sweep", "no_sweep"}
+    assert result["medians"]["sweep"]["bytes_per_page_mean"] > 0
+    assert (tmp_path / "sweep.txt").read_text().startswith("median over runs")
