@@ -17,9 +17,9 @@ Per worker, as in an engine with continuous batching:
   with R requests decoding prefills 1 / (1 - R * that share) times slower (share capped).
 Workers report their queue (LoadReport) after every change (after the delay), a Heartbeat every `heartbeat_s`.
 
-The gateway side is the gateway's own `Router`: `Router.route` routes each request (timed per
-call as `decision_ns`), `first_token` / `finish` / `on_stream_item` take first tokens, finishes
-and heartbeats; event batches go to its `KvIndex.apply` directly (timed as `index_apply_ns`;
+The gateway side is the gateway's own `Router`: `Router.route` routes each request (timed per call
+as `decision_ns`), `first_token` / `finish` / `on_stream_item` take first tokens, finishes and
+heartbeats; event batches go to its `KvIndex.apply` directly (timed as `index_apply_ns`;
 `Router._apply_item` adds only the "synced" flag the first heartbeat sets).
 
 Shared L3 (`SimConfig.l3_capacity_tokens` > 0), as compute_service's Redis tier works:
@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RECENT_HALFLIFE_S, LoadTracker, Policy, RouteRequest
-from gateway.core.router import Router
-from gateway.core.router import Worker as RouterWorker
+from gateway.core.router import Router, Worker as RouterWorker
 from prefixcache_bench.sim.cache import PageCache, SharedL3
 from prefixcache_bench.sim.index_memory import index_bytes
 from prefixcache_bench.sim.trace import TraceRequest
@@ -66,10 +65,8 @@ class CostModel:
     attention_s_per_pair: float = 9.7e-10
     # 128 KiB of KV per token over ~25 GB/s of PCIe.
     host_load_s_per_token: float = 5e-6
-    # Per prefill step: scheduling plus the first decode step.
-    step_overhead_s: float = 0.010
-    # Uncached prompt tokens one step takes (chunked-prefill budget).
-    step_tokens: int = 8192
+    step_overhead_s: float = 0.010  # per prefill step: scheduling plus the first decode step
+    step_tokens: int = 8192  # uncached prompt tokens one step takes (chunked-prefill budget)
     # Worker compute per output token: a ~25 ms decode step shared by a batch of ~64.
     decode_s_per_token: float = 0.4e-3
     # Time per output token a decoding request sees.
@@ -109,6 +106,7 @@ class SimConfig:
     l3_events: bool = True
     # The gateway's LoadTracker: half-life of its recent routed prefill.
     recent_halflife_s: float = RECENT_HALFLIFE_S
+    index_entries: int = 0  # the gateway index's bound in keys; 0: above all the workers hold
 
 
 @dataclass(slots=True)
@@ -133,6 +131,7 @@ class PolicyResult:
     index_keys: int = 0
     index_apply_ns: int = 0  # time in the gateway's KvIndex.apply (the workers' event batches)
     index_bytes: int = 0
+    index_evictions: int = 0  # keys the index's bound dropped (SimConfig.index_entries)
 
 
 @dataclass(slots=True)
@@ -215,9 +214,8 @@ class _Replay:
         page = cfg.page_size
         index_pages = (cfg.workers * (cfg.capacity_tokens + cfg.host_capacity_tokens)
                        + cfg.l3_capacity_tokens) // page
-        # Sized above everything the workers can hold, so the bound never drops live entries here.
-        self.router = Router(policy, GatewayMetrics(), IndexConfig(max_entries=2 * index_pages + 1024),
-                             clock=self.clock)
+        bound = cfg.index_entries or 2 * index_pages + 1024  # unless set: one that drops nothing
+        self.router = Router(policy, GatewayMetrics(), IndexConfig(max_entries=bound), clock=self.clock)
         self.router.load = LoadTracker(clock=self.clock, recent_halflife_s=cfg.recent_halflife_s)
         self.index, self.load = self.router.index, self.router.load
         self.workers = [_Worker(f"worker-{i:03d}", cfg) for i in range(cfg.workers)]
@@ -411,6 +409,7 @@ class _Replay:
                             l3_hit_tokens=self.l3_tokens,
                             l3_page_writes=l3.writes if l3 else 0, l3_new_pages=l3.new_pages if l3 else 0,
                             l3_evictions=l3.evictions if l3 else 0, index_keys=len(self.index),
+                            index_evictions=self.index.evicted_entries,
                             index_bytes=index_bytes(self.index), index_apply_ns=self.index_apply_ns)
 
 

@@ -49,6 +49,7 @@ def summarize(result: PolicyResult, bound_hit_ratio: float, l3_bound_hit_ratio: 
         "index_resyncs": result.index_resyncs,
         "index_keys": result.index_keys,
         "index_bytes": result.index_bytes,
+        "index_evictions": result.index_evictions,
         "index_bytes_per_key": result.index_bytes / result.index_keys if result.index_keys else 0.0,
         "wall_s": result.wall_s,
         # The replay's wall time spent in the gateway's own code: Router.route, KvIndex.apply.

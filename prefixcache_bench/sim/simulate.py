@@ -2,7 +2,7 @@
 
     python -m prefixcache_bench.sim.simulate --trace PATH --workers 8 --capacity-tokens 1000000 --policy all \\
         --json out.json [--png out.png] [--max-requests N] [--page-size 16] [--time-scale 1] [--bench]
-        [--scale-copies N [--copy-spacing-s 0.5]]
+        [--scale-copies N [--copy-spacing-s 0.5]] [--index-entries N]
         [--l3-capacity-tokens C3 [--l3-write-through] [--l3-load-s-per-token S] [--no-l3-events]]
     python -m prefixcache_bench.sim.simulate --bench --json bench.json      # micro-benchmarks only
 
@@ -17,7 +17,9 @@ hashing excluded since prompts are hashed up front), and optionally a PNG. With 
 the decision latency for 8k-token prompts over 64 workers with hashing included, and the
 index's ingest rate. Progress goes to stderr. Requests are routed by the gateway's own Router
 (`decision_p*_us` times each `Router.route` call), and each policy's JSON has the index's size at
-the end of its replay (`index_keys`, `index_bytes`, `index_bytes_per_key`).
+the end of its replay (`index_keys`, `index_bytes`, `index_bytes_per_key`). --index-entries N
+bounds that index at N keys (by default it holds all the workers can), so that a run shows what
+its eviction order keeps for routing (`index_evictions`: the keys the bound dropped).
 
 With --scale-copies N the trace is N disjoint copies on one timeline, copy k `k x
 --copy-spacing-s` late (prefixcache_bench.sim.trace.scale_copies says why): 125 copies over
@@ -71,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")
     p.add_argument("--scale-copies", type=int, default=1, help="N disjoint copies of the trace (tenants)")
     p.add_argument("--copy-spacing-s", type=float, default=0.5, help="copy k arrives k x this later")
+    p.add_argument("--index-entries", type=int, default=0,
+                   help="the gateway index's bound in (page hash, medium) keys (0: above all the "
+                        "workers hold); past it, its eviction order decides what routing forgets")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--time-scale", type=float, default=1.0, help="> 1 compresses arrival times (more load)")
     p.add_argument("--max-output-tokens", type=int, default=4096)
@@ -156,7 +161,8 @@ def _simulate(args: argparse.Namespace, progress) -> dict:
                                    decode_s_per_token=args.decode_s_per_token, tpot_s=args.tpot_s,
                                    l3_load_s_per_token=args.l3_load_s_per_token),
                     l3_capacity_tokens=args.l3_capacity_tokens, l3_write_through=args.l3_write_through,
-                    l3_events=not args.no_l3_events, recent_halflife_s=args.recent_halflife_s)
+                    l3_events=not args.no_l3_events, recent_halflife_s=args.recent_halflife_s,
+                    index_entries=args.index_entries)
     blobs, source_blobs = _page_hashes(requests, cfg, BlockTokens(args.vocab_size, args.seed), progress)
     t0 = time.perf_counter()
     bound = bound_hit_ratio(requests, blobs, cfg)

@@ -78,6 +78,22 @@ def test_simulator_on_a_scaled_trace_routes_through_the_router_and_sizes_the_ind
     assert table[-1] == one["command"]
 
 
+def test_a_bounded_index_evicts_and_says_how_much(tmp_path):
+    """--index-entries bounds the Router's index: it ends within the bound, counts what the bound
+    dropped, and routing with less prefix knowledge hits no more than with all of it."""
+    out = tmp_path / "sim.json"
+    args = ["--trace", str(CONVERSATION_TRACE), "--workers", "4", "--capacity-tokens", "200000",
+            "--policy", "affinity", "--max-requests", "200", "--json", str(out), "--quiet"]
+    assert main(args) == 0
+    full = json.loads(out.read_text())["policies"]["affinity"]
+    assert full["index_evictions"] == 0
+    assert main(args + ["--index-entries", "2000"]) == 0
+    bounded = json.loads(out.read_text())["policies"]["affinity"]
+    assert bounded["index_keys"] <= 2000 < full["index_keys"]
+    assert bounded["index_evictions"] > 0
+    assert bounded["hit_ratio"] <= full["hit_ratio"]
+
+
 def test_a_copy_alone_replays_as_the_original_and_copies_together_share_no_page():
     # Copy 2 of the trace's first 60 requests, alone on 4 workers: its masked hashes give the
     # same hits, the same prefill per worker and the same index size as the original's own.
