@@ -22,11 +22,12 @@ snapshot that breaks off, is reported as RESYNC with the point to re-subscribe f
 entries are kept (scored with less confidence) until the snapshot that follows replaces them.
 
 Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
-`max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by
-`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of
-`evict_fraction` (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose
-first), within a medium the least recently stored first, and among those a page held by one
-worker before a page several hold (a widely shared prefix serves more requests). An evicted key
+`max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by `BYTES_PER_ENTRY`
+(measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of `evict_fraction`
+(amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose first), within a
+medium the least recently used first (stored, or found by a routed request's lookup:
+`touch_lookups`, which also keeps a prefix's first pages longest), and among those a page held by
+one worker before a page several hold (a widely shared prefix serves more requests). An evicted key
 only turns a hit into a miss for routing; the worker still has the page. `stats()` counts keys,
 evictions and the estimated memory (exported as metrics), and the first eviction, then one per
 minute, is logged as a warning: the fleet has outgrown the budget.
@@ -119,6 +120,13 @@ class KvIndex:
         # Inside `bulk()`: runs of page events per medium waiting for one `apply_ops` run
         # (packed hashes, worker slot, store or not, per run); None outside.
         self._deferred: tuple[tuple[list[bytes], list[int], list[bool]], ...] | None = None
+        # True while lookups are a routed request's (`Router.route`): the pages they find count
+        # as used again, on every medium (`PageTable.touch_stamps`): newer in the eviction order
+        # than a whole bound's worth of stores to come, the first page newest. A page asked for
+        # again then outlives the pages stored since that nobody asked for yet (most of a
+        # fleet's stores), and a prefix goes from its end, not from its first page. Stamps
+        # only: not a change of what the index holds (`changes` stays).
+        self.touch_lookups = False
         if self.capacity() < 1:
             raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
                              f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
@@ -433,8 +441,10 @@ class KvIndex:
             return Holders.empty()
         # The pages' holders in vectorised probes per medium, up to the first page held nowhere;
         # ends past 0 only (see `runs`): workers holding none of the first page cost nothing.
-        devm, hostm, remm = held_masks(dev, host if len(host) else None, rem if len(rem) else None,
-                                       hashes, self.lookup_chunk_pages)
+        media = (dev, host if len(host) else None, rem if len(rem) else None)
+        touch = [t.touch_stamps(len(hashes), self.capacity()) if t is not None and
+                 self.touch_lookups else None for t in media]
+        devm, hostm, remm = held_masks(*media, hashes, self.lookup_chunk_pages, touch)
         if not devm:  # the first page is held nowhere
             return Holders.empty()
         slots, d_end, h_end, r_end = holder_runs(devm, hostm, remm, everyone)

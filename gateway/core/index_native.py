@@ -38,6 +38,7 @@ _P, _N = ctypes.c_void_p, ctypes.c_int64
 _S, _K, _W = ctypes.c_int32, ctypes.c_char_p, ctypes.c_uint64  # a slot, packed keys, a word
 SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_find": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
+    "pt_find_touch": (None, [_P, _P, _P, _P, _N, _P, _P, _P, _N, _P]),
     "pt_place": (_N, [_P, _P, _P, _N, _P, _P, _P, _N, _P]),
     "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
     "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
@@ -125,12 +126,19 @@ def _arrays(table: PageTable) -> tuple[int, int, int]:
     return table._mem.addresses[:3]
 
 
-def find(table: PageTable, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Positions of the keys (uint64 arrays) in this table alone, -1 where absent."""
+def find(table: PageTable, lo: np.ndarray, hi: np.ndarray, stamps: np.ndarray | None = None
+         ) -> np.ndarray:
+    """Positions of the keys (uint64 arrays) in this table alone, -1 where absent; with
+    `stamps` (uint32, one a key), each key found stamped its own (`PageTable._find_many`)."""
     lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
     out = np.empty(len(lo), dtype=np.int64)
-    kernel().pt_find(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data, len(lo),
-                     out.ctypes.data)
+    if stamps is None:
+        kernel().pt_find(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data, len(lo),
+                         out.ctypes.data)
+        return out
+    stamps = np.ascontiguousarray(stamps, np.uint32)
+    kernel().pt_find_touch(*table._mem.addresses, table.cap, lo.ctypes.data, hi.ctypes.data,
+                           stamps.ctypes.data, len(lo), out.ctypes.data)
     return out
 
 

@@ -112,13 +112,15 @@ def ends_of(ends: dict[int, int], slots: np.ndarray) -> np.ndarray:
 
 
 class _Masks(Protocol):
-    def masks(self, hashes: Sequence[bytes]) -> list[int]: ...
+    def masks(self, hashes: Sequence[bytes], touch_from: int | None = None) -> list[int]: ...
 
 
 def held_masks(dev: _Masks, host: _Masks | None, rem: _Masks | None, hashes: Sequence[bytes],
-               first_chunk: int = 64) -> tuple[list[int], list[int] | None, list[int] | None]:
+               first_chunk: int = 64, touch_from: Sequence[int | None] = (None, None, None)
+               ) -> tuple[list[int], list[int] | None, list[int] | None]:
     """The masks of a request's pages on each medium (None for a medium left out: an empty
-    table), up to the first page that no medium holds.
+    table), up to the first page that no medium holds; the pages probed are touched on a
+    medium whose `touch_from` is given (the stamp of page 0: `PageTable.touch_stamps`).
 
     No worker's run, on any medium, goes past a page nobody holds (see `runs`), so the pages
     after it need no probe: a 2,048-page prompt of which 32 pages are cached anywhere costs a
@@ -128,11 +130,14 @@ def held_masks(dev: _Masks, host: _Masks | None, rem: _Masks | None, hashes: Seq
     out_host: list[int] | None = None if host is None else []
     out_rem: list[int] | None = None if rem is None else []
     start, size, n = 0, first_chunk, len(hashes)
+    touch_dev, touch_host, touch_rem = touch_from
     while start < n:
         chunk = hashes[start:start + size]
-        d = dev.masks(chunk)
-        h = host.masks(chunk) if host is not None else None
-        r = rem.masks(chunk) if rem is not None else None
+        d = dev.masks(chunk, None if touch_dev is None else touch_dev - start)
+        h = host.masks(chunk, None if touch_host is None else touch_host - start) \
+            if host is not None else None
+        r = rem.masks(chunk, None if touch_rem is None else touch_rem - start) \
+            if rem is not None else None
         held = d if h is None else [a | b for a, b in zip(d, h)]
         if r is not None:
             held = [a | b for a, b in zip(held, r)]

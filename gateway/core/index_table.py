@@ -1,19 +1,20 @@
 """`PageTable`: one medium of the gateway's KV index (gateway/core/index.py) in flat arrays.
 
-Open addressing with linear probing over four parallel arrays, 24 bytes a slot: the page hash as
-two 64-bit words (all 16 bytes of prefixcache_client.hash's HASH_BYTES, so the table adds no
-collision of its own; a hash of another length is cut or zero-padded to 16 bytes, where two
-such hashes may share a key: that only makes routing count a page a worker may not hold, and
-the worker verifies every page it is sent), the holder (a worker slot, or MULTI: several, their
-bitmask in `multi`), and a stamp (when it was last stored: the eviction order). The table grows
-by ~1.55x when live + deleted slots pass 70%, so 24 bytes / 0.45..0.7 = 34..53 bytes a page
-(from 0.36 when the growth takes arrays written ahead a little larger than it needs),
-against ~160-185 for the dicts, sets and ints it replaces. Pages several workers hold cost one
-`multi` dict entry more (~100 bytes plus the mask int). While a growth migrates, the old arrays
-stay allocated beside the new ones (~0.65x their size); so do the next growth's from when the
-table passes 55% (made ready ahead by the ingest thread: gateway/core/table_arrays.py), unless
-the tombstones of removed pages are what fill it: the feed loop's idle steps sweep them away in
-place (gateway/core/index_sweep.py), so that a steady state neither rebuilds nor holds a spare.
+Open addressing with linear probing over four parallel arrays, 24 bytes a slot: the page hash as two
+64-bit words (all 16 bytes of prefixcache_client.hash's HASH_BYTES, so the table adds no collision
+of its own; a hash of another length is cut or zero-padded to 16 bytes, where two such hashes may
+share a key: that only makes routing count a page a worker may not hold, and the worker verifies
+every page it is sent), the holder (a worker slot, or MULTI: several, their bitmask in `multi`), and
+a stamp (when it was last stored, or found by a routed request's lookup: `touch_stamps`; the
+eviction order). The table grows by ~1.55x when live + deleted slots pass 70%, so 24 bytes /
+0.45..0.7 = 34..53 bytes a page (from 0.36 when the growth takes arrays written ahead a little
+larger than it needs), against ~160-185 for the dicts, sets and ints it replaces. Pages several
+workers hold cost one `multi` dict entry more (~100 bytes plus the mask int). While a growth
+migrates, the old arrays stay allocated beside the new ones (~0.65x their size); so do the next
+growth's from when the table passes 55% (made ready ahead by the ingest thread:
+gateway/core/table_arrays.py), unless the tombstones of removed pages are what fill it: the feed
+loop's idle steps sweep them away in place (gateway/core/index_sweep.py), so that a steady state
+neither rebuilds nor holds a spare.
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
@@ -57,6 +58,10 @@ _GROWN_LOAD = 0.45
 _SPARE_LOAD = 0.55  # past it, the next growth's arrays are made ready ahead (table_arrays.py)
 _LOOK_LOAD = 0.5  # past it, the spare's looks read how the table fills (Spare.plan's look_only)
 _STAMP_LIMIT = 2**32 - 1
+# A touch stamps pages up to this many stores ahead of the clock (`touch`); stores renumber
+# the stamps this far below their limit, so that a touch always finds room.
+_TOUCH_AHEAD_MAX = 2**28
+_STORE_LIMIT = _STAMP_LIMIT - _TOUCH_AHEAD_MAX
 # Keys left when a vectorised probe goes on to the scalar one: linear probing at 45-70% load has
 # clusters of ~100 slots somewhere, and a numpy round costs ~10 us whatever the keys left.
 _SCALAR_REST = 16
@@ -169,7 +174,7 @@ class PageTable:
             self._step(1)
             self._pull(lo, hi)
         pos, free = self._probe(lo, hi)
-        if self._clock >= _STAMP_LIMIT:
+        if self._clock >= _STORE_LIMIT:
             self._renumber()
         self._clock += 1
         if pos < 0:
@@ -248,8 +253,9 @@ class PageTable:
         return mine if self._old is None else mine | self._old.hashes_of(slot)
 
     def evict(self, n: int) -> dict[int, int]:
-        """Drops up to n pages from the least recently stored 2n, pages one worker holds first,
-        then the oldest shared ones. Returns how many pages each worker slot lost."""
+        """Drops up to n pages from the 2n of oldest stamps (stored or touched least recently),
+        pages one worker holds first, then the oldest shared ones. Returns how many pages each
+        worker slot lost."""
         tables = self._tables()
         pos, hv, st, base = [], [], [], 0  # positions in the old table come after the new one's
         for t in tables:
@@ -316,7 +322,7 @@ class PageTable:
 
     def _stamps_for(self, k: int) -> None:
         """Before k stores are stamped: renumbers the stamps when the clock would pass its limit."""
-        if self._clock + k >= _STAMP_LIMIT:
+        if self._clock + k >= _STORE_LIMIT:
             self._renumber()
 
     def add_many(self, hashes: Hashes, slot: int) -> int:
@@ -356,12 +362,31 @@ class PageTable:
         self.live += k
         return new + k
 
-    def masks(self, hashes: Sequence[bytes]) -> list[int]:
-        """`mask` of each hash, in numpy (a request's pages)."""
-        return self._masks_of(*_words(_keys(hashes)))
+    def touch_stamps(self, n: int, ahead: int) -> int | None:
+        """The stamp of the first of a routed request's n pages, which its lookup finds used
+        again (`masks`' `touch_from`): page i gets it less i, so each is newer than any page
+        stored so far and than the next `ahead` stores, the first page newest of all. The
+        eviction order (`evict`) then drops a prefix's deeper pages before the pages they
+        extend, as a radix cache's LRU does (stores alone stamp a chain's root first: the page
+        every deeper one needs to be matched was evicted first). None when the stamps are near
+        their limit (the next store renumbers them, keeping the order, not the stores ahead)."""
+        ahead = min(ahead, _TOUCH_AHEAD_MAX)
+        if not n or self._clock + n + ahead >= _STAMP_LIMIT:
+            return None
+        self._clock += n
+        return self._clock + ahead
 
-    def _masks_of(self, lo: np.ndarray, hi: np.ndarray) -> list[int]:
-        pos = self._find_many(lo, hi)
+    def masks(self, hashes: Sequence[bytes], touch_from: int | None = None) -> list[int]:
+        """`mask` of each hash, in numpy (a request's pages); with `touch_from`, the pages found
+        stamped it less their place in `hashes` (`touch_stamps`)."""
+        lo, hi = _words(_keys(hashes))
+        stamps = None if touch_from is None else \
+            np.arange(touch_from, touch_from - len(lo), -1, dtype=np.uint32)
+        return self._masks_of(lo, hi, stamps)
+
+    def _masks_of(self, lo: np.ndarray, hi: np.ndarray, stamps: np.ndarray | None = None
+                  ) -> list[int]:
+        pos = self._find_many(lo, hi, stamps)
         hv = self._mem.holder[pos].tolist()
         multi = self.multi
         out = [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
@@ -370,7 +395,8 @@ class PageTable:
             # 1,000 workers while a growth migrates, as tombstones make it now and then)
             rest = np.flatnonzero(pos < 0)
             if len(rest):
-                for i, m in zip(rest.tolist(), self._old._masks_of(lo[rest], hi[rest])):
+                rest_stamps = None if stamps is None else stamps[rest]
+                for i, m in zip(rest.tolist(), self._old._masks_of(lo[rest], hi[rest], rest_stamps)):
                     out[i] = m
         return out
 
@@ -411,10 +437,12 @@ class PageTable:
         x = (lo ^ hi * _MIX_HI_NP) * _MIX_NP
         return ((x ^ x >> _SHIFT_NP) % np.uint64(self.cap)).astype(np.int64)
 
-    def _find_many(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Positions of the keys, -1 where absent: `_probe` for all of them at once."""
+    def _find_many(self, lo: np.ndarray, hi: np.ndarray, stamps: np.ndarray | None = None
+                   ) -> np.ndarray:
+        """Positions of the keys, -1 where absent: `_probe` for all of them at once; with
+        `stamps`, each key found stamped its own (`touch_stamps`)."""
         if index_native.kernel() is not None:
-            return index_native.find(self, lo, hi)
+            return index_native.find(self, lo, hi, stamps)
         holder, klo = self._mem.holder, self._mem.lo
         khi = self._mem.hi
         p, out = self._homes(lo, hi), np.full(len(lo), -1, dtype=np.int64)
@@ -428,6 +456,9 @@ class PageTable:
             p[todo] = (p[todo] + 1) % self.cap
         for k in todo.tolist():  # the few in long clusters: one step costs ~0.1 us in Python
             out[k] = self._probe(int(lo[k]), int(hi[k]))[0]
+        if stamps is not None:
+            found = out >= 0
+            self._mem.stamp[out[found]] = stamps[found]
         return out
 
     def _make_room(self, k: int) -> bool:

@@ -299,7 +299,11 @@ class Router:
             if not candidates:
                 return None
             start = time.perf_counter()
-            decision = self._choose(request, candidates)
+            self.index.touch_lookups = not self.shared  # what it reuses outlasts other pages
+            try:
+                decision = self._choose(request, candidates)
+            finally:
+                self.index.touch_lookups = False
             self.metrics.decision_seconds.observe(time.perf_counter() - start)
             self.load.on_route(decision.worker, request.request_id, decision.prefill_tokens)
             worker = self._workers[decision.worker]

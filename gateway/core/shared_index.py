@@ -245,6 +245,10 @@ class SharedIndexView:
     Redis unreachable: `lookup` answers {} (no prefix knowledge: routing by load only),
     `health.redis_down` says so and a warning is logged once per outage; nothing raises."""
 
+    # KvIndex's flag (a routed request's lookups touch the pages they find); the shared
+    # index's keys expire by their own ttl, which only stores refresh: the router leaves it off.
+    touch_lookups = False
+
     def __init__(self, store: SharedIndexStore, index_config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,

@@ -217,7 +217,8 @@ def test_a_lookup_stops_probing_at_the_first_page_held_nowhere():
     probed = []
     table = index._tables[0]
     masks = table.masks
-    table.masks = lambda hashes: probed.append(len(hashes)) or masks(hashes)  # type: ignore[method-assign]
+    table.masks = lambda hashes, touch_from=None: (  # type: ignore[method-assign]
+        probed.append(len(hashes)) or masks(hashes, touch_from))
     result = index.lookup(pages(0, 2048))
     assert sum(probed) == 64
     assert (result["a"].device_pages, result["b"].device_pages, result["b"].host_pages) == (40, 20, 10)

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.core import index_native
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_table import _STAMP_LIMIT, MULTI, TOMB, PageTable
+from gateway.core.index_table import _STORE_LIMIT, MULTI, TOMB, PageTable
 from tests.gateway.index_impls import use
 
 WORKERS = 70
@@ -142,7 +142,7 @@ def test_an_unflagged_slice_is_never_stopped():
 
 
 def test_the_stamp_clock_passing_its_limit_keeps_the_eviction_order():
-    start = _STAMP_LIMIT - 3000  # passed within the run's first slices
+    start = _STORE_LIMIT - 3000  # passed within the run's first slices
     reference = _run("numpy", "one", 5, 800, clock=start)
     for impl in ("c", "numpy"):
         assert _run(impl, "bulk", 5, 800, clock=start) == reference

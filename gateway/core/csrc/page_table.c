@@ -106,6 +106,17 @@ void pt_find(const uint64_t *klo, const uint64_t *khi, const int32_t *holder, in
         out[i] = probe(klo, khi, holder, cap, lo[i], hi[i], home_of(&a, i), &free);
 }
 
+/* pt_find, and each key found stamped stamps[i]: a routed request's pages used again
+   (PageTable.touch_stamps), in the same pass over the probes. */
+void pt_find_touch(const uint64_t *klo, const uint64_t *khi, const int32_t *holder,
+                   uint32_t *stamp, int64_t cap, const uint64_t *lo, const uint64_t *hi,
+                   const uint32_t *stamps, int64_t n, int64_t *out) {
+    pt_find(klo, khi, holder, cap, lo, hi, n, out);
+    for (int64_t i = 0; i < n; i++)
+        if (out[i] >= 0)
+            stamp[out[i]] = stamps[i];
+}
+
 /* Keys known to be absent written with their holders at the first free position of each one's
    path, in order (PageTable._place, and the keys too); out[i] = the position; returns how many
    of them were empty (not deleted) positions: the table's `used` grows by that. */
