@@ -255,6 +255,8 @@ int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
    tombstones. Positions of shared pages that moved go to pairs[2j] (old), pairs[2j+1] (new),
    *npairs of them, for Python to move their masks in that order. *end gets the empty slot the
    sweep stopped at, *scanned how many slots it passed; returns the tombstones cleared. */
+#define SWEEP_BLOCK 8
+
 int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
                  int64_t start, int64_t max_slots, int64_t *end, int64_t *scanned,
                  int64_t *pairs, int64_t *npairs) {
@@ -264,7 +266,21 @@ int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
             q = 0;
         seen++;
     }
-    for (;;) {
+    /* The step may end at that empty slot already (a step shorter than the cluster it began in),
+       as index_sweep.sweep_slots checks before each cluster; else it ends at an empty slot. */
+    if (seen < max_slots && seen <= cap) for (;;) {
+        /* Blocks of SWEEP_BLOCK slots with no tombstone, none of which could end the step (below
+           max_slots, within one round, no wrap), are passed in one test each: a loop the
+           compiler vectorises, where tombstones are few (the usual round). */
+        while (q + SWEEP_BLOCK < cap && seen + SWEEP_BLOCK < max_slots && seen + SWEEP_BLOCK <= cap) {
+            int tomb = 0;
+            for (int j = 1; j <= SWEEP_BLOCK; j++)
+                tomb |= holder[q + j] == TOMB;
+            if (tomb)
+                break;
+            q += SWEEP_BLOCK;
+            seen += SWEEP_BLOCK;
+        }
         if (++q == cap)
             q = 0;
         seen++;
