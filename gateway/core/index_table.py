@@ -58,7 +58,7 @@ _GROWN_LOAD = 0.45
 _SPARE_LOAD = 0.55  # past it, the next growth's arrays are made ready ahead (table_arrays.py)
 _LOOK_LOAD = 0.5  # past it, the spare's looks read how the table fills (Spare.plan's look_only)
 _STAMP_LIMIT = 2**32 - 1
-# A touch stamps pages up to this many stores ahead of the clock (`touch`); stores renumber
+# A touch stamps pages up to this many stores ahead of the clock (`touch_stamps`); stores renumber
 # the stamps this far below their limit, so that a touch always finds room.
 _TOUCH_AHEAD_MAX = 2**28
 _STORE_LIMIT = _STAMP_LIMIT - _TOUCH_AHEAD_MAX
@@ -395,8 +395,8 @@ class PageTable:
             # 1,000 workers while a growth migrates, as tombstones make it now and then)
             rest = np.flatnonzero(pos < 0)
             if len(rest):
-                rest_stamps = None if stamps is None else stamps[rest]
-                for i, m in zip(rest.tolist(), self._old._masks_of(lo[rest], hi[rest], rest_stamps)):
+                touched = None if stamps is None else stamps[rest]
+                for i, m in zip(rest.tolist(), self._old._masks_of(lo[rest], hi[rest], touched)):
                     out[i] = m
         return out
 

@@ -272,7 +272,8 @@ int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
         /* Blocks of SWEEP_BLOCK slots with no tombstone, none of which could end the step (below
            max_slots, within one round, no wrap), are passed in one test each: a loop the
            compiler vectorises, where tombstones are few (the usual round). */
-        while (q + SWEEP_BLOCK < cap && seen + SWEEP_BLOCK < max_slots && seen + SWEEP_BLOCK <= cap) {
+        while (q + SWEEP_BLOCK < cap && seen + SWEEP_BLOCK < max_slots
+               && seen + SWEEP_BLOCK <= cap) {
             int tomb = 0;
             for (int j = 1; j <= SWEEP_BLOCK; j++)
                 tomb |= holder[q + j] == TOMB;
