@@ -1,4 +1,5 @@
-"""Builders of prefixcache.v1 event messages for the gateway tests; a page table's contents."""
+"""Builders of prefixcache.v1 event messages for the gateway tests; a page table's contents; a
+worker client for router tests."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,6 +40,13 @@ def page(i: int) -> bytes:
 
 def pages(start: int, stop: int) -> list[bytes]:
     return [page(i) for i in range(start, stop)]
+
+
+class NoClient:
+    """A worker's compute client in router tests: the router only closes it (when it leaves)."""
+
+    def close(self) -> None:
+        pass
 
 
 class FakeClock:

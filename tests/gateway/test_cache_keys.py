@@ -19,24 +19,18 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
 from tests.gateway.gateway_harness import request, wait_until
-from tests.gateway.helpers import FakeClock, batch, stored
+from tests.gateway.helpers import FakeClock, NoClient, batch, stored
 from tests.gateway.http_helpers import post
 from tests.gateway.server_helpers import fake_fleet, prompt, rpc_error
 
 WORKERS = ("w0", "w1", "w2", "w3")
 
 
-class _NoClient:
-    """The router only closes a worker's client (when it leaves)."""
-    def close(self) -> None:
-        pass
-
-
 def _router(clock: FakeClock, config: CacheKeyConfig | None = None) -> Router:
     router = Router(AffinityPolicy(), GatewayMetrics(), clock=clock,
                     cache_keys=CacheKeyAffinity(config, clock))
     for name in WORKERS:
-        router.add(Worker(name, f"{name}:1", f"{name}:2", client=_NoClient(),  # type: ignore[arg-type]
+        router.add(Worker(name, f"{name}:1", f"{name}:2", client=NoClient(),  # type: ignore[arg-type]
                           info=pb.GetModelInfoResponse()))
     return router
 

@@ -12,7 +12,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import AffinityPolicy, RouteRequest
 from gateway.core.router import Router, Worker
 from prefixcache.v1 import compute_service_pb2 as pb
-from tests.gateway.helpers import batch, page, pages, pages_and_stamps, stored
+from tests.gateway.helpers import NoClient, batch, page, pages, pages_and_stamps, stored
 from tests.gateway.index_impls import table_impl, use  # noqa: F401  (C, then numpy)
 
 
@@ -107,16 +107,11 @@ def test_stores_renumber_before_a_touch_could_pass_the_stamp_limit():
     assert table.touch_stamps(10, 2**28) is not None
 
 
-class _NoClient:
-    def close(self) -> None:
-        pass
-
-
 def _router(max_entries: int) -> Router:
     router = Router(AffinityPolicy(), GatewayMetrics(),
                     IndexConfig(max_entries=max_entries, evict_fraction=0.2))
     for name in ("w0", "w1"):
-        router.add(Worker(name, f"{name}:1", f"{name}:2", client=_NoClient(),  # type: ignore[arg-type]
+        router.add(Worker(name, f"{name}:1", f"{name}:2", client=NoClient(),  # type: ignore[arg-type]
                           info=pb.GetModelInfoResponse()))
     return router
 

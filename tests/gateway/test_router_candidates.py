@@ -16,14 +16,9 @@ from gateway.core.router import Router, Worker
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import common_pb2
 from prefixcache.v1 import compute_service_pb2 as pb
-from tests.gateway.helpers import FakeClock, batch, heartbeat, page, stored
+from tests.gateway.helpers import FakeClock, NoClient, batch, heartbeat, page, stored
 
 FINGERPRINTS = ("tok-a", "tok-b")
-
-
-class _NoClient:
-    def close(self) -> None:
-        pass
 
 
 def _full_scan(router: Router, exclude, fingerprint: str) -> tuple[list[str], bool]:
@@ -56,7 +51,7 @@ class _Fleet:
         router = self.router
         if op == "add" and name not in self.seq:
             info = pb.GetModelInfoResponse(worker=name, tokenizer_fingerprint=rng.choice(FINGERPRINTS))
-            router.add(Worker(name, name, name, _NoClient(), info))  # type: ignore[arg-type]
+            router.add(Worker(name, name, name, NoClient(), info))  # type: ignore[arg-type]
             self.seq[name] = 0
         elif op == "remove" and name in self.seq:
             router.remove(name)
