@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--recent-halflife-s must be > 0")
     if args.scale_copies < 1 or args.copy_spacing_s < 0:
         parser.error("--scale-copies must be >= 1, --copy-spacing-s >= 0")
+    if args.index_entries < 0:
+        parser.error("--index-entries must be >= 1 (a bound in keys), or 0 (no bound)")
     progress = None if args.quiet else log
     out: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "png", "quiet")},
                  "command": "python -m prefixcache_bench.sim.simulate " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -126,6 +126,9 @@ def test_simulator_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main([])
     assert "--trace is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--trace", "x.jsonl", "--index-entries", "-1"])
+    assert "--index-entries must be >= 1" in capsys.readouterr().err
 
 
 def test_micro_benchmark_reports_decision_latency_and_ingest_rate():
