@@ -3,9 +3,9 @@
 A write's cost is its bytes, and most of a table's bytes are empty slots: a table runs at 30-70%
 occupancy, and while it grows its new arrays are mostly empty (at 10M pages mid-growth, 0.85 GB
 of arrays for 0.25 GB of occupied slots). So a table is written as its occupancy, one bit per
-slot (np.packbits of holder != EMPTY), and its four arrays at the occupied slots only (tombstones
+slot (np.packbits of holder != EMPTY), and its three arrays at the occupied slots only (tombstones
 included: probing walks over them), the holders narrowed to 16 bits when every slot number fits
-(a holder is a worker slot, MULTI or TOMB): 22 bytes an occupied slot. Loading puts them back at
+(a holder is a worker slot, MULTI or TOMB): 14 bytes an occupied slot. Loading puts them back at
 their positions in arrays of the table's capacity (empty slots: zero, holder EMPTY), so no key is
 re-inserted. Compression was measured and left out: zlib at level 1 ran at 40-70 MB/s on these arrays here,
 slower than writing the bytes it saves (~0.3 GB/s).
@@ -17,7 +17,7 @@ import numpy as np
 from gateway.core.table_arrays import EMPTY, TableArrays
 
 # A table's arrays (TableArrays' attributes) and their dtypes.
-_ARRAYS = (("lo", np.uint64), ("hi", np.uint64), ("holder", np.int32), ("stamp", np.uint32))
+_ARRAYS = (("key", np.uint64), ("holder", np.int32), ("stamp", np.uint32))
 
 
 def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:

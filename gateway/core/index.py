@@ -64,11 +64,10 @@ log = logging.getLogger("gateway.index")
 MEDIUM_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
-# Bytes one (page hash, medium) key is counted as: a PageTable slot is 24 bytes at 45-70% load
-# (34-53 bytes a page; ~87 at the peak, with a growth's old arrays or, from 55%, the next
-# growth's: table_arrays.py), and a page several workers hold costs ~100-250 bytes more (its mask).
-# tracemalloc measured 39-51 at 8 to 1,000 workers (tests/gateway/test_index_table.py, the
-# fleet benchmark, docs/results/gateway/fleet/); 128 leaves room for shared pages.
+# Bytes one (page hash, medium) key is counted as: a PageTable slot is 16 bytes at 45-70% load
+# (23-36 bytes a page; ~60 with a growth's old arrays beside its new ones, up to ~77 while the next
+# growth's are held from 55%: table_arrays.py), and a page several workers hold costs ~100-250
+# bytes more (its mask). 128 leaves room for shared pages (measured: design.md §6, "Memory").
 BYTES_PER_ENTRY = 128
 # A stored or removed event this long goes to the table in numpy (snapshots: 4,096 pages a batch;
 # live batches of a busy worker: tens); shorter ones page by page (numpy's fixed cost per call,
@@ -178,10 +177,11 @@ class KvIndex:
         w = self._workers.get(pool_id)
         return None if w is None else w.last_seen
 
-    def pages(self, pool_id: str, medium: int) -> frozenset[bytes]:
-        """The page hashes the index holds for a worker on a medium (for tests and debugging)."""
+    def pages(self, pool_id: str, medium: int) -> frozenset[int]:
+        """The keys of the pages the index holds for a worker on a medium (index_table.key_of;
+        `page_keys` gives them for hashes; for tests and debugging)."""
         w = self._workers.get(pool_id)
-        return frozenset(self._tables[MEDIUM_TIER[medium]].hashes_of(w.slot)) if w else frozenset()
+        return frozenset(self._tables[MEDIUM_TIER[medium]].keys_held(w.slot)) if w else frozenset()
 
     def confidence(self, pool_id: str, now: float | None = None) -> float:
         """How much to trust a worker's entries: 1 when fresh and in sync, less when stale."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
-from gateway.core.index_table import MULTI, TOMB, Hashes, PageTable, _keys, _words
+from gateway.core.index_table import MULTI, TOMB, Hashes, PageTable, _fold, _keys
 
 # Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
 SCALAR_OPS = 24
@@ -38,8 +38,7 @@ def apply_ops(table: PageTable, hashes: Hashes, slots: Sequence[int] | np.ndarra
     keys = _keys(hashes)
     n = len(keys)
     if index_native.kernel() is not None:
-        lo, hi = _words(keys)
-        return index_native.apply(table, lo, hi, np.asarray(slots, dtype=np.int32),
+        return index_native.apply(table, _fold(keys), np.asarray(slots, dtype=np.int32),
                                   np.asarray(stores, dtype=bool), preempt)
     delta: dict[int, int] = {}
     if n < SCALAR_OPS:
@@ -55,23 +54,22 @@ def apply_ops(table: PageTable, hashes: Hashes, slots: Sequence[int] | np.ndarra
         s = int(slot[0])
         change = table.add_many(keys, s) if store[0] else -table.discard_many(keys, s)
         return {s: change} if change else {}
-    lo, hi = _words(keys)
-    table._touch_many(lo, hi)  # while the table grows: every position below is the new table's
+    key = _fold(keys)
+    table._touch_many(key)  # while the table grows: every position below is the new table's
     # The last event of each (page, worker) pair: sort by pair, the latest first within it.
     idx = np.arange(n)
-    order = np.lexsort((-idx, slot, hi, lo))
+    order = np.lexsort((-idx, slot, key))
     first = np.ones(n, dtype=bool)
-    same = (lo[order][1:] == lo[order][:-1]) & (hi[order][1:] == hi[order][:-1]) \
-        & (slot[order][1:] == slot[order][:-1])
+    same = (key[order][1:] == key[order][:-1]) & (slot[order][1:] == slot[order][:-1])
     first[1:] = ~same
     last = order[first]
     rem = last[~store[last]]
     if len(rem):
-        _remove(table, lo[rem], hi[rem], slot[rem], delta)
+        _remove(table, key[rem], slot[rem], delta)
     add = np.sort(last[store[last]])
     if len(add):
-        _store(table, lo[add], hi[add], slot[add], delta)
-    _stamp(table, lo, hi, store)
+        _store(table, key[add], slot[add], delta)
+    _stamp(table, key, store)
     return delta
 
 
@@ -85,9 +83,8 @@ def _count(delta: dict[int, int], slots: np.ndarray, sign: int) -> None:
             delta[int(s)] = delta.get(int(s), 0) + sign * int(c)
 
 
-def _remove(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
-            delta: dict[int, int]) -> None:
-    pos = table._find_many(lo, hi)
+def _remove(table: PageTable, key: np.ndarray, slot: np.ndarray, delta: dict[int, int]) -> None:
+    pos = table._find_many(key)
     found = pos >= 0
     pos, slot = pos[found], slot[found]
     holder = table._mem.holder
@@ -107,9 +104,8 @@ def _remove(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
         delta[s] = delta.get(s, 0) - 1
 
 
-def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
-           delta: dict[int, int]) -> None:
-    pos = table._find_many(lo, hi)
+def _store(table: PageTable, key: np.ndarray, slot: np.ndarray, delta: dict[int, int]) -> None:
+    pos = table._find_many(key)
     found = pos >= 0
     holder = table._mem.holder
     # Found and held by another worker (or several): the masks, one by one.
@@ -122,27 +118,25 @@ def _store(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     if not len(absent):
         return
     # An absent page several workers store: the first places it, the others join it after.
-    keys = np.stack([lo[absent], hi[absent]], axis=1).view("V16").ravel()
-    _, head = np.unique(keys, return_index=True)
+    _, head = np.unique(key[absent], return_index=True)
     head = np.sort(head)
     placed = absent[head]
     k = len(placed)
     table._make_room(k)
-    at = table._place(lo[placed], hi[placed], slot[placed].astype(np.int32))
-    table._mem.lo[at] = lo[placed]
-    table._mem.hi[at] = hi[placed]
+    at = table._place(key[placed], slot[placed].astype(np.int32))
+    table._mem.key[at] = key[placed]
     table.live += k
     _count(delta, slot[placed], +1)
     if k < len(absent):
         rest = np.ones(len(absent), dtype=bool)
         rest[head] = False
         more = absent[rest]
-        for p, s in zip(table._find_many(lo[more], hi[more]).tolist(), slot[more].tolist()):
+        for p, s in zip(table._find_many(key[more]).tolist(), slot[more].tolist()):
             if table._join(p, s):
                 delta[s] = delta.get(s, 0) + 1
 
 
-def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) -> None:
+def _stamp(table: PageTable, key: np.ndarray, store: np.ndarray) -> None:
     """Every page stored in the run gets the stamp of its last store, numbered from the table's
     clock in the order of the stores (as `add` one by one)."""
     stored = np.flatnonzero(store)
@@ -152,10 +146,9 @@ def _stamp(table: PageTable, lo: np.ndarray, hi: np.ndarray, store: np.ndarray) 
     table._stamps_for(k)
     number = table._clock + 1 + np.arange(k)
     table._clock += k
-    keys = np.stack([lo[stored], hi[stored]], axis=1).view("V16").ravel()
-    _, last_rev = np.unique(keys[::-1], return_index=True)
+    _, last_rev = np.unique(key[stored][::-1], return_index=True)
     last = k - 1 - last_rev
-    table._pull_many(lo[stored[last]], hi[stored[last]])  # `_store` may have started a growth
-    pos = table._find_many(lo[stored[last]], hi[stored[last]])
+    table._pull_many(key[stored[last]])  # `_store` may have started a growth
+    pos = table._find_many(key[stored[last]])
     live = pos >= 0
     table._mem.stamp[pos[live]] = number[last[live]].astype(np.uint32)

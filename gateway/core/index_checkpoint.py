@@ -23,8 +23,8 @@ spec, or one that does not parse, is ignored with a warning.
 
 What a write costs is its bytes (copying them into the page cache at ~0.3 GB/s here; the zip's
 CRC and the fsync are ~20% of it), so the file holds only the occupied slots of each table
-(gateway/core/checkpoint_arrays.py: 22 bytes a slot and a bit per slot, where a table's arrays
-are 24 bytes a slot at 30-70% occupancy, and a growing table's new arrays are mostly empty), and
+(gateway/core/checkpoint_arrays.py: 14 bytes a slot and a bit per slot, where a table's arrays
+are 16 bytes a slot at 30-70% occupancy, and a growing table's new arrays are mostly empty), and
 a write is skipped when the index has not changed since the last one (`KvIndex.changes`).
 
 This module reads the tables' and the index's private fields on purpose: it is their on-disk
@@ -54,8 +54,8 @@ from service_shell import kv
 log = logging.getLogger("gateway.checkpoint")
 
 # Bumped whenever the layout below or PageTable's hashing (its `_home`) changes. 2: only the
-# occupied slots (checkpoint_arrays.py).
-VERSION = 2
+# occupied slots (checkpoint_arrays.py); 3: one 64-bit key a slot (index_table.key_of).
+VERSION = 3
 _MEDIA = 3
 
 
@@ -69,8 +69,7 @@ class Captured:
 
 def _own_views(t: PageTable, prefix: str) -> dict[str, np.ndarray]:
     """numpy views of one table's own arrays."""
-    return {prefix + "lo": t._mem.lo,
-            prefix + "hi": t._mem.hi,
+    return {prefix + "key": t._mem.key,
             prefix + "holder": t._mem.holder,
             prefix + "stamp": t._mem.stamp}
 

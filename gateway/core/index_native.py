@@ -37,12 +37,12 @@ CSRC = Path(__file__).with_name("csrc")
 _P, _N = ctypes.c_void_p, ctypes.c_int64
 _S, _K, _W = ctypes.c_int32, ctypes.c_char_p, ctypes.c_uint64  # a slot, packed keys, a word
 SIGNATURES = {  # C function -> (restype, argtypes)
-    "pt_find": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
-    "pt_find_touch": (None, [_P, _P, _P, _P, _N, _P, _P, _P, _N, _P]),
-    "pt_place": (_N, [_P, _P, _P, _N, _P, _P, _P, _N, _P]),
-    "pt_apply": (_N, [_P, _P, _P, _P, _N, _P, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
-    "pt_migrate": (_N, [_P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P, _P, _P]),
-    "pt_sweep": (_N, [_P, _P, _P, _P, _N, _N, _N, _P, _P, _P, _P]),
+    "pt_find": (None, [_P, _P, _N, _P, _N, _P]),
+    "pt_find_touch": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
+    "pt_place": (_N, [_P, _P, _N, _P, _P, _N, _P]),
+    "pt_apply": (_N, [_P, _P, _P, _N, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
+    "pt_migrate": (_N, [_P, _P, _P, _N, _N, _P, _P, _P, _N, _P, _P, _P]),
+    "pt_sweep": (_N, [_P, _P, _P, _N, _N, _N, _P, _P, _P, _P]),
     # RoutedPrefixes' pages (csrc/routed_table.c, gateway/core/routed_native.py)
     "rp_new": (_P, [_N]),
     "rp_free": (None, [_P]),
@@ -121,35 +121,33 @@ def _without_gil(name: str) -> Callable[..., int]:
     return fn
 
 
-def _arrays(table: PageTable) -> tuple[int, int, int]:
+def _arrays(table: PageTable) -> tuple[int, int]:
     """The addresses of the table's keys and holders (the calls that read no stamp)."""
-    return table._mem.addresses[:3]
+    return table._mem.addresses[:2]
 
 
-def find(table: PageTable, lo: np.ndarray, hi: np.ndarray, stamps: np.ndarray | None = None
-         ) -> np.ndarray:
-    """Positions of the keys (uint64 arrays) in this table alone, -1 where absent; with
-    `stamps` (uint32, one a key), each key found stamped its own (`PageTable._find_many`)."""
-    lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
-    out = np.empty(len(lo), dtype=np.int64)
+def find(table: PageTable, key: np.ndarray, stamps: np.ndarray | None = None) -> np.ndarray:
+    """Positions of the keys (uint64) in this table alone, -1 where absent; with `stamps`
+    (uint32, one a key), each key found stamped its own (`PageTable._find_many`)."""
+    key = np.ascontiguousarray(key, np.uint64)
+    out = np.empty(len(key), dtype=np.int64)
     if stamps is None:
-        kernel().pt_find(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data, len(lo),
-                         out.ctypes.data)
+        kernel().pt_find(*_arrays(table), table.cap, key.ctypes.data, len(key), out.ctypes.data)
         return out
     stamps = np.ascontiguousarray(stamps, np.uint32)
-    kernel().pt_find_touch(*table._mem.addresses, table.cap, lo.ctypes.data, hi.ctypes.data,
-                           stamps.ctypes.data, len(lo), out.ctypes.data)
+    kernel().pt_find_touch(*table._mem.addresses, table.cap, key.ctypes.data,
+                           stamps.ctypes.data, len(key), out.ctypes.data)
     return out
 
 
-def place(table: PageTable, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
+def place(table: PageTable, key: np.ndarray, holders: np.ndarray) -> np.ndarray:
     """Keys known to be absent written (keys and holders) at the first free position of each
     one's path, in order; their positions."""
-    lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
+    key = np.ascontiguousarray(key, np.uint64)
     holders = np.ascontiguousarray(holders, np.int32)
-    out = np.empty(len(lo), dtype=np.int64)
-    table._used += kernel().pt_place(*_arrays(table), table.cap, lo.ctypes.data, hi.ctypes.data,
-                                     holders.ctypes.data, len(lo), out.ctypes.data)
+    out = np.empty(len(key), dtype=np.int64)
+    table._used += kernel().pt_place(*_arrays(table), table.cap, key.ctypes.data,
+                                     holders.ctypes.data, len(key), out.ctypes.data)
     return out
 
 
@@ -166,15 +164,15 @@ def migrate(table: PageTable, start: int, end: int) -> None:
         table.multi[shared[j + 1]] = old.multi.pop(shared[j])
 
 
-def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
-          store: np.ndarray, preempt: Preemption | None = None) -> dict[int, int]:
+def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray,
+          preempt: Preemption | None = None) -> dict[int, int]:
     """Event i (store[i]: `add`, else `discard` of key i by worker slot[i]) in order; the change
     of each worker slot's page count. With `preempt`, a routing decision may read the table
     between two events (never change it: the router's mutations wait for the whole slice)."""
-    n = len(lo)
+    n = len(key)
     if not n:
         return {}
-    lo, hi = np.ascontiguousarray(lo, np.uint64), np.ascontiguousarray(hi, np.uint64)
+    key = np.ascontiguousarray(key, np.uint64)
     slot = np.ascontiguousarray(slot, np.int32)
     if slot.min() < 0:  # the C loop indexes its per-slot counts with them
         raise ValueError(f"worker slot {int(slot.min())}")
@@ -183,10 +181,10 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
     table._stamps_for(len(stored))
     # Every key of the slice in the new table (or in neither), and room for every placement: a
     # growth makes the current table the old one, and the keys are pulled out of it again.
-    table._touch_many(lo, hi)
+    table._touch_many(key)
     if len(stored) and not table._has_room(len(stored)) \
-            and table._make_room(_new_keys(table, lo[stored], hi[stored])):
-        table._pull_many(lo, hi)
+            and table._make_room(_new_keys(table, key[stored])):
+        table._pull_many(key)
     delta = np.zeros(int(slot.max()) + 1, dtype=np.int64)
     rec, nrec, stopped = np.empty(3 * n, dtype=np.int64), ctypes.c_int64(), ctypes.c_int64()
     shared: dict[int, int] = {}  # the deltas Python counts (masks of shared pages)
@@ -196,7 +194,7 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
         state = np.array([table._used, table.live, table._clock], dtype=np.int64)
         start = time.perf_counter()
         i = fn(*table._mem.addresses, table.cap, state.ctypes.data,
-               lo.ctypes.data, hi.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
+               key.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
                delta.ctypes.data, rec.ctypes.data, ctypes.byref(nrec), stop, before_stop,
                ctypes.byref(stopped))
         if preempt is not None:
@@ -211,7 +209,7 @@ def apply(table: PageTable, lo: np.ndarray, hi: np.ndarray, slot: np.ndarray,
             before_stop = AFTER_PAUSE
         elif i < n:  # a removal from a page several workers hold
             s = int(slot[i])
-            pos = int(find(table, lo[i:i + 1], hi[i:i + 1])[0])
+            pos = int(find(table, key[i:i + 1])[0])
             if table._leave(pos, s):
                 shared[s] = shared.get(s, 0) - 1
             i += 1
@@ -240,10 +238,10 @@ def _share(multi: dict[int, int], rec: list[int], counts: dict[int, int]) -> Non
         counts[s] = counts.get(s, 0) + 1
 
 
-def _new_keys(table: PageTable, lo: np.ndarray, hi: np.ndarray) -> int:
+def _new_keys(table: PageTable, key: np.ndarray) -> int:
     """How many of the stored keys are in neither table (an upper bound of the placements: a
     key stored twice counts twice), for `_make_room`."""
-    absent = find(table, lo, hi) < 0
+    absent = find(table, key) < 0
     if table._old is not None and absent.any():
-        return int(np.count_nonzero(find(table._old, lo[absent], hi[absent]) < 0))
+        return int(np.count_nonzero(find(table._old, key[absent]) < 0))
     return int(np.count_nonzero(absent))

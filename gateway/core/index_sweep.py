@@ -101,7 +101,7 @@ def sweep_slots(table: PageTable, start: int, max_slots: int
                 ) -> tuple[int, int, int, list[tuple[int, int]]]:
     """`pt_sweep` in Python: (tombstones cleared, slots passed, the empty slot it stopped at,
     the (old, new) positions of the shared pages moved)."""
-    klo, khi, holder, stamp = table._lo, table._hi, table._holder, table._stamp
+    keys, holder, stamp = table._key, table._holder, table._stamp
     cap = table.cap
     a, seen, cleared, moved = start % cap, 0, 0, []
     while holder[a] != EMPTY and seen <= cap:
@@ -119,12 +119,12 @@ def sweep_slots(table: PageTable, start: int, max_slots: int
                 if hv == TOMB:
                     cleared += 1
                     continue
-                p = table.home(klo[q], khi[q])
+                p = table.home(keys[q])
                 while holder[p] != EMPTY:
                     p = (p + 1) % cap
                 holder[p] = hv
                 if p != q:
-                    klo[p], khi[p], stamp[p] = klo[q], khi[q], stamp[q]
+                    keys[p], stamp[p] = keys[q], stamp[q]
                     if hv == MULTI:
                         moved.append((q, p))
         seen += len(cluster) + 1

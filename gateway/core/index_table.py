@@ -1,14 +1,18 @@
 """`PageTable`: one medium of the gateway's KV index (gateway/core/index.py) in flat arrays.
 
-Open addressing with linear probing over four parallel arrays, 24 bytes a slot: the page hash as two
-64-bit words (all 16 bytes of prefixcache_client.hash's HASH_BYTES, so the table adds no collision
-of its own; a hash of another length is cut or zero-padded to 16 bytes, where two such hashes may
-share a key: that only makes routing count a page a worker may not hold, and the worker verifies
-every page it is sent), the holder (a worker slot, or MULTI: several, their bitmask in `multi`), and
-a stamp (when it was last stored, or found by a routed request's lookup: `touch_stamps`; the
-eviction order). The table grows by ~1.55x when live + deleted slots pass 70%, so 24 bytes /
-0.45..0.7 = 34..53 bytes a page (from 0.36 when the growth takes arrays written ahead a little
-larger than it needs), against ~160-185 for the dicts, sets and ints it replaces. Pages several
+Open addressing with linear probing over three parallel arrays, 16 bytes a slot: a key of 64 bits
+(`key_of`: the two 64-bit words of prefixcache_client.hash's 16-byte HASH_BYTES folded into one; a
+hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, or
+MULTI: several, their bitmask in `multi`), and a stamp (when it was last stored, or found by a
+routed request's lookup: `touch_stamps`; the eviction order). Two hashes sharing a key count as
+one page: with n pages indexed, a lookup of a page nobody holds matches one with probability
+~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability ~n**2 / 2**65
+(3e-6 at 10M). Either only makes routing credit a worker with a page it may not hold, or miss one
+it holds: a mis-scored decision, never a wrong answer (the worker's cache service matches whole
+hashes and computes what it lacks). The table grows by ~1.55x when live + deleted slots pass 70%,
+so 16 bytes / 0.45..0.7 = 23..36 bytes a page (from 0.36 when the growth takes arrays written
+ahead a little larger than it needs), against ~160-185 for the dicts, sets and ints it replaces
+(24 bytes a slot while the key was the whole 16-byte hash). Pages several
 workers hold cost one `multi` dict entry more (~100 bytes plus the mask int). While a growth
 migrates, the old arrays stay allocated beside the new ones (~0.65x their size); so do the next
 growth's from when the table passes 55% (made ready ahead by the ingest thread:
@@ -50,7 +54,7 @@ from gateway.core.packed import pack
 from gateway.core.table_arrays import EMPTY, MULTI, TOMB, Spare, TableArrays
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
-_MIX_HI = 0xC2B2AE3D27D4EB4F
+_MIX_HI = 0xC2B2AE3D27D4EB4F  # a hash's second word, multiplied in as it is folded into its key
 _MIX_NP, _MIX_HI_NP, _SHIFT_NP = np.uint64(_MIX), np.uint64(_MIX_HI), np.uint64(29)
 _M64 = (1 << 64) - 1
 _MAX_LOAD = 0.7
@@ -74,10 +78,23 @@ _unpack = struct.Struct("<QQ").unpack
 
 
 def split(h: bytes) -> tuple[int, int]:
-    """The table's key for a page hash: its first and second 8 bytes as integers."""
+    """A page hash's first and second 8 bytes as integers (cut or zero-padded to 16 bytes)."""
     if len(h) == 16:
         return _unpack(h)
     return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")
+
+
+def key_of(h: bytes) -> int:
+    """The table's key for a page hash: its first word, xor its second multiplied by an odd
+    constant (`_fold` in numpy). For either word fixed it is a bijection of the other, so a
+    hash of 8 bytes or fewer keeps all of them."""
+    lo, hi = split(h)
+    return lo ^ ((hi * _MIX_HI) & _M64)
+
+
+def page_keys(hashes: Sequence[bytes]) -> frozenset[int]:
+    """The keys of these page hashes: what `KvIndex.pages` holds for them."""
+    return frozenset(key_of(h) for h in hashes)
 
 
 # Page hashes as the bulk calls take them: a sequence of hashes, or already packed (16 bytes each,
@@ -94,16 +111,17 @@ def _keys(hashes: Hashes) -> np.ndarray:
     return np.frombuffer(pack(hashes), dtype="V16")
 
 
-def _words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _fold(keys: np.ndarray) -> np.ndarray:
+    """`key_of` of 16-byte keys, in numpy (uint64 array products wrap silently, as `& _M64`)."""
     pairs = keys.view(np.uint64).reshape(-1, 2)
-    return pairs[:, 0].copy(), pairs[:, 1].copy()
+    return pairs[:, 0] ^ pairs[:, 1] * _MIX_HI_NP
 
 
-def _home(lo: int, hi: int, cap: int) -> int:
-    """A key's first position: both words multiplied in, then the product's high bits folded
-    into its low ones (a bare product modulo cap left half the positions unused for the
-    benchmark's structured hashes, and linear probing then walks long clusters)."""
-    x = ((lo ^ ((hi * _MIX_HI) & _M64)) * _MIX) & _M64
+def _home(key: int, cap: int) -> int:
+    """A key's first position: the key multiplied, then the product's high bits folded into its
+    low ones (a bare product modulo cap left half the positions unused for the benchmark's
+    structured hashes, and linear probing then walks long clusters)."""
+    x = (key * _MIX) & _M64
     return (x ^ x >> 29) % cap
 
 
@@ -126,7 +144,7 @@ class PageTable:
     def _use(self, arrays: TableArrays) -> None:
         """Takes these arrays as the table's slots, as they are written."""
         self._mem, self.cap = arrays, arrays.cap
-        self._lo, self._hi, self._holder, self._stamp = arrays.views()
+        self._key, self._holder, self._stamp = arrays.views()
 
     def __len__(self) -> int:
         return self.live
@@ -137,14 +155,14 @@ class PageTable:
         old = self._old._mem.nbytes() if self._old is not None else 0
         return self._mem.nbytes() + old + self._spare.nbytes()
 
-    def home(self, lo: int, hi: int) -> int:
+    def home(self, key: int) -> int:
         """A key's first position in this table (`_home`)."""
-        return _home(lo, hi, self.cap)
+        return _home(key, self.cap)
 
-    def _probe(self, lo: int, hi: int) -> tuple[int, int]:
+    def _probe(self, key: int) -> tuple[int, int]:
         """(position of the key or -1, the first free position on its probe path)."""
-        klo, khi, holder, cap = self._lo, self._hi, self._holder, self.cap
-        p, free = _home(lo, hi, cap), -1
+        keys, holder, cap = self._key, self._holder, self.cap
+        p, free = _home(key, cap), -1
         while True:
             hv = holder[p]
             if hv == EMPTY:
@@ -152,7 +170,7 @@ class PageTable:
             if hv == TOMB:
                 if free < 0:
                     free = p
-            elif klo[p] == lo and khi[p] == hi:
+            elif keys[p] == key:
                 return p, -1
             p += 1
             if p == cap:
@@ -160,8 +178,7 @@ class PageTable:
 
     def mask(self, h: bytes) -> int:
         """Bitmask of the worker slots holding the page (0: none)."""
-        lo, hi = split(h)
-        pos = self._probe(lo, hi)[0]
+        pos = self._probe(key_of(h))[0]
         if pos < 0:
             return 0 if self._old is None else self._old.mask(h)
         hv = self._holder[pos]
@@ -169,20 +186,20 @@ class PageTable:
 
     def add(self, h: bytes, slot: int) -> bool:
         """Records the page on a worker as stored now; True when the worker did not hold it."""
-        lo, hi = split(h)
+        key = key_of(h)
         if self._old is not None:
             self._step(1)
-            self._pull(lo, hi)
-        pos, free = self._probe(lo, hi)
+            self._pull(key)
+        pos, free = self._probe(key)
         if self._clock >= _STORE_LIMIT:
             self._renumber()
         self._clock += 1
         if pos < 0:
             if self._make_room(1):
-                free = self._probe(lo, hi)[1]
+                free = self._probe(key)[1]
             if self._holder[free] == EMPTY:
                 self._used += 1
-            self._lo[free], self._hi[free], self._holder[free] = lo, hi, slot
+            self._key[free], self._holder[free] = key, slot
             self._stamp[free] = self._clock
             self.live += 1
             return True
@@ -191,11 +208,11 @@ class PageTable:
 
     def discard(self, h: bytes, slot: int) -> bool:
         """Drops the page from a worker; True when it held it."""
-        lo, hi = split(h)
+        key = key_of(h)
         if self._old is not None:
             self._step(1)
-            self._pull(lo, hi)
-        pos = self._probe(lo, hi)[0]
+            self._pull(key)
+        pos = self._probe(key)[0]
         if pos < 0:
             return False
         hv = self._holder[pos]
@@ -244,13 +261,14 @@ class PageTable:
             self._leave(pos, slot)
         return len(mine) + len(shared)
 
-    def hashes_of(self, slot: int) -> set[bytes]:
-        """The page hashes one worker holds (for tests and debugging: a full scan)."""
+    def keys_held(self, slot: int) -> set[int]:
+        """The keys of the pages one worker holds (`key_of`; for tests and debugging: a full
+        scan)."""
         holder = self._mem.holder
         pos = np.flatnonzero(holder == slot).tolist()
         pos += [p for p, m in self.multi.items() if m >> slot & 1]
-        mine = {self._lo[p].to_bytes(8, "little") + self._hi[p].to_bytes(8, "little") for p in pos}
-        return mine if self._old is None else mine | self._old.hashes_of(slot)
+        mine = {self._key[p] for p in pos}
+        return mine if self._old is None else mine | self._old.keys_held(slot)
 
     def evict(self, n: int) -> dict[int, int]:
         """Drops up to n pages from the 2n of oldest stamps (stored or touched least recently),
@@ -328,21 +346,20 @@ class PageTable:
     def add_many(self, hashes: Hashes, slot: int) -> int:
         """`add` for every hash in order, in C or numpy (a snapshot's thousands of pages); how
         many the worker did not hold."""
-        keys = _keys(hashes)
-        n = len(keys)
+        key = _fold(_keys(hashes))
+        n = len(key)
         if index_native.kernel() is not None:
-            lo, hi = _words(keys)
-            return index_native.apply(self, lo, hi, np.full(n, slot, dtype=np.int32),
+            return index_native.apply(self, key, np.full(n, slot, dtype=np.int32),
                                       np.ones(n, dtype=bool)).get(slot, 0)
         self._stamps_for(n)
         # A page listed twice counts once, at its last position (as `add` one by one would).
-        _, last = np.unique(keys[::-1], return_index=True)
+        _, last = np.unique(key[::-1], return_index=True)
         order = np.sort(n - 1 - last)
-        lo, hi = _words(keys[order])
-        self._touch_many(lo, hi)
+        key = key[order]
+        self._touch_many(key)
         stamps = (self._clock + 1 + order).astype(np.uint32)
         self._clock += n
-        pos = self._find_many(lo, hi)
+        pos = self._find_many(key)
         found = pos >= 0
         self._mem.stamp[pos[found]] = stamps[found]
         new = int(np.count_nonzero(self._mem.holder[pos[found]] != slot))
@@ -354,10 +371,9 @@ class PageTable:
         absent = ~found
         k = int(np.count_nonzero(absent))
         self._make_room(k)  # may move every found page into an old table: they are done
-        lo, hi = lo[absent], hi[absent]
-        at = self._place(lo, hi, np.full(k, slot, dtype=np.int32))
-        self._mem.lo[at] = lo
-        self._mem.hi[at] = hi
+        key = key[absent]
+        at = self._place(key, np.full(k, slot, dtype=np.int32))
+        self._mem.key[at] = key
         self._mem.stamp[at] = stamps[absent]
         self.live += k
         return new + k
@@ -379,35 +395,34 @@ class PageTable:
     def masks(self, hashes: Sequence[bytes], touch_from: int | None = None) -> list[int]:
         """`mask` of each hash, in numpy (a request's pages); with `touch_from`, the pages found
         stamped it less their place in `hashes` (`touch_stamps`)."""
-        lo, hi = _words(_keys(hashes))
+        key = _fold(_keys(hashes))
         stamps = None if touch_from is None else \
-            np.arange(touch_from, touch_from - len(lo), -1, dtype=np.uint32)
-        return self._masks_of(lo, hi, stamps)
+            np.arange(touch_from, touch_from - len(key), -1, dtype=np.uint32)
+        return self._masks_of(key, stamps)
 
-    def _masks_of(self, lo: np.ndarray, hi: np.ndarray, stamps: np.ndarray | None = None
-                  ) -> list[int]:
-        pos = self._find_many(lo, hi, stamps)
+    def _masks_of(self, key: np.ndarray, stamps: np.ndarray | None = None) -> list[int]:
+        pos = self._find_many(key, stamps)
         hv = self._mem.holder[pos].tolist()
         multi = self.multi
         out = [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
         if self._old is not None:  # the pages not in the new table may be in the old one
-            # (their words reused, not packed again: 35 against 39 us a 64-page request at
+            # (their keys reused, not packed again: 35 against 39 us a 64-page request at
             # 1,000 workers while a growth migrates, as tombstones make it now and then)
             rest = np.flatnonzero(pos < 0)
             if len(rest):
                 touched = None if stamps is None else stamps[rest]
-                for i, m in zip(rest.tolist(), self._old._masks_of(lo[rest], hi[rest], touched)):
+                for i, m in zip(rest.tolist(), self._old._masks_of(key[rest], touched)):
                     out[i] = m
         return out
 
     def discard_many(self, hashes: Hashes, slot: int) -> int:
         """`discard` of every hash, in C or numpy; how many the worker held."""
-        lo, hi = _words(np.unique(_keys(hashes)))
+        key = np.unique(_fold(_keys(hashes)))
         if index_native.kernel() is not None:
-            return -index_native.apply(self, lo, hi, np.full(len(lo), slot, dtype=np.int32),
-                                       np.zeros(len(lo), dtype=bool)).get(slot, 0)
-        self._touch_many(lo, hi)
-        pos = self._find_many(lo, hi)
+            return -index_native.apply(self, key, np.full(len(key), slot, dtype=np.int32),
+                                       np.zeros(len(key), dtype=bool)).get(slot, 0)
+        self._touch_many(key)
+        pos = self._find_many(key)
         pos = pos[pos >= 0]
         holder = self._mem.holder
         hv = holder[pos]
@@ -432,30 +447,28 @@ class PageTable:
             self.multi[pos] = 1 << hv | 1 << slot
         return True
 
-    def _homes(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    def _homes(self, key: np.ndarray) -> np.ndarray:
         # `_home`, in numpy: uint64 array products wrap silently, as `& _M64` does.
-        x = (lo ^ hi * _MIX_HI_NP) * _MIX_NP
+        x = key * _MIX_NP
         return ((x ^ x >> _SHIFT_NP) % np.uint64(self.cap)).astype(np.int64)
 
-    def _find_many(self, lo: np.ndarray, hi: np.ndarray, stamps: np.ndarray | None = None
-                   ) -> np.ndarray:
+    def _find_many(self, key: np.ndarray, stamps: np.ndarray | None = None) -> np.ndarray:
         """Positions of the keys, -1 where absent: `_probe` for all of them at once; with
         `stamps`, each key found stamped its own (`touch_stamps`)."""
         if index_native.kernel() is not None:
-            return index_native.find(self, lo, hi, stamps)
-        holder, klo = self._mem.holder, self._mem.lo
-        khi = self._mem.hi
-        p, out = self._homes(lo, hi), np.full(len(lo), -1, dtype=np.int64)
-        todo = np.arange(len(lo))
+            return index_native.find(self, key, stamps)
+        holder, keys = self._mem.holder, self._mem.key
+        p, out = self._homes(key), np.full(len(key), -1, dtype=np.int64)
+        todo = np.arange(len(key))
         while len(todo) > _SCALAR_REST:
             cand = p[todo]
             hv = holder[cand]
-            hit = (hv >= MULTI) & (klo[cand] == lo[todo]) & (khi[cand] == hi[todo])
+            hit = (hv >= MULTI) & (keys[cand] == key[todo])
             out[todo[hit]] = cand[hit]
             todo = todo[~hit & (hv != EMPTY)]
             p[todo] = (p[todo] + 1) % self.cap
         for k in todo.tolist():  # the few in long clusters: one step costs ~0.1 us in Python
-            out[k] = self._probe(int(lo[k]), int(hi[k]))[0]
+            out[k] = self._probe(int(key[k]))[0]
         if stamps is not None:
             found = out >= 0
             self._mem.stamp[out[found]] = stamps[found]
@@ -553,33 +566,33 @@ class PageTable:
         self._step(0, max_slots)
         return self._old is not None
 
-    def _touch_many(self, lo: np.ndarray, hi: np.ndarray) -> None:
+    def _touch_many(self, key: np.ndarray) -> None:
         """Before a mutating call on these keys: a migration step, then the keys still in the
         old table moved into the new one (so the call's positions are all the new table's)."""
         if self._old is not None:
-            self._step(len(lo))
-            self._pull_many(lo, hi)
+            self._step(len(key))
+            self._pull_many(key)
 
-    def _pull_many(self, lo: np.ndarray, hi: np.ndarray) -> None:
+    def _pull_many(self, key: np.ndarray) -> None:
         """The keys still in the old table moved into this one."""
         if self._old is not None:
-            pos = self._old._find_many(lo, hi)
+            pos = self._old._find_many(key)
             pos = np.unique(pos[pos >= 0])
             if len(pos):
                 self._move(pos)
 
-    def _pull(self, lo: int, hi: int) -> None:
+    def _pull(self, key: int) -> None:
         """`_touch_many` of one key, without numpy."""
         old = self._old
         if old is None:
             return
-        pos = old._probe(lo, hi)[0]
+        pos = old._probe(key)[0]
         if pos < 0:
             return
-        free = self._probe(lo, hi)[1]
+        free = self._probe(key)[1]
         self._used += self._holder[free] == EMPTY
         hv = old._holder[pos]
-        self._lo[free], self._hi[free], self._holder[free] = lo, hi, hv
+        self._key[free], self._holder[free] = key, hv
         self._stamp[free] = old._stamp[pos]
         if hv == MULTI:
             self.multi[free] = old.multi.pop(pos)
@@ -591,11 +604,9 @@ class PageTable:
         the old table's other keys reachable)."""
         old = self._old
         hv = old._mem.holder[pos]
-        lo = old._mem.lo[pos]
-        hi = old._mem.hi[pos]
-        at = self._place(lo, hi, hv)
-        self._mem.lo[at] = lo
-        self._mem.hi[at] = hi
+        key = old._mem.key[pos]
+        at = self._place(key, hv)
+        self._mem.key[at] = key
         self._mem.stamp[at] = old._mem.stamp[pos]
         shared = hv == MULTI
         for p, a in zip(pos[shared].tolist(), at[shared].tolist()):
@@ -603,17 +614,17 @@ class PageTable:
         old._mem.holder[pos] = TOMB
         old.live -= len(pos)
 
-    def _place(self, lo: np.ndarray, hi: np.ndarray, holders: np.ndarray) -> np.ndarray:
+    def _place(self, key: np.ndarray, holders: np.ndarray) -> np.ndarray:
         """Writes the holders of keys known to be absent at the first free (empty or deleted)
         position of each one's probe path, as `add` would one by one; returns the positions.
         All keys advance together; where several reach one free position, one takes it and the
         others go on (every position they pass is taken, so each stays reachable from its home)."""
         if index_native.kernel() is not None:
-            return index_native.place(self, lo, hi, holders)
+            return index_native.place(self, key, holders)
         holder = self._mem.holder
-        p = self._homes(lo, hi)
-        out = np.empty(len(lo), dtype=np.int64)
-        todo = np.arange(len(lo))
+        p = self._homes(key)
+        out = np.empty(len(key), dtype=np.int64)
+        todo = np.arange(len(key))
         while len(todo):
             cand = p[todo]
             free = np.flatnonzero(holder[cand] < MULTI)

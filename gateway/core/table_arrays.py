@@ -1,8 +1,8 @@
-"""A `PageTable`'s four slot arrays (gateway/core/index_table.py), and a growth's made ready ahead.
+"""A `PageTable`'s three slot arrays (gateway/core/index_table.py), and a growth's made ready ahead.
 
-    slot i:  lo[i] hi[i]  the page hash (uint64 words)     16 B
-             holder[i]    worker slot, MULTI, TOMB, EMPTY    4 B
-             stamp[i]     when last stored (eviction order)  4 B
+    slot i:  key[i]       the page hash's two words folded into one (index_table.key_of)   8 B
+             holder[i]    worker slot, MULTI, TOMB, EMPTY                                 4 B
+             stamp[i]     when last stored or routed (eviction order)                     4 B
 
 numpy owns the memory (C and numpy calls take it as it is); the table reads and writes single
 slots through memoryviews of it, as fast as `array.array` (~45 ns an element).
@@ -26,19 +26,19 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
-_SLOT_BYTES = 24
+_SLOT_BYTES = 16
 
 
 class TableArrays:
     """The arrays of `cap` slots; `filled` slots from 0 written empty (the rest not yet)."""
 
-    __slots__ = ("cap", "lo", "hi", "holder", "stamp", "addresses", "filled")
+    __slots__ = ("cap", "key", "holder", "stamp", "addresses", "filled")
 
     def __init__(self, cap: int) -> None:
         self.cap, self.filled = cap, 0
-        self.lo, self.hi = np.empty(cap, dtype=np.uint64), np.empty(cap, dtype=np.uint64)
+        self.key = np.empty(cap, dtype=np.uint64)
         self.holder, self.stamp = np.empty(cap, dtype=np.int32), np.empty(cap, dtype=np.uint32)
-        self.addresses = tuple(a.ctypes.data for a in (self.lo, self.hi, self.holder, self.stamp))
+        self.addresses = tuple(a.ctypes.data for a in (self.key, self.holder, self.stamp))
 
     @classmethod
     def empty(cls, cap: int) -> TableArrays:
@@ -50,16 +50,15 @@ class TableArrays:
     def fill(self, slots: int) -> bool:
         """Writes the next `slots` slots empty; True once every slot is."""
         start, end = self.filled, min(self.cap, self.filled + slots)
-        self.lo[start:end] = 0
-        self.hi[start:end] = 0
+        self.key[start:end] = 0
         self.holder[start:end] = EMPTY
         self.stamp[start:end] = 0
         self.filled = end
         return end == self.cap
 
-    def views(self) -> tuple[memoryview, memoryview, memoryview, memoryview]:
-        """lo, hi, holder and stamp as memoryviews (single elements, read and written)."""
-        return memoryview(self.lo), memoryview(self.hi), memoryview(self.holder), memoryview(self.stamp)
+    def views(self) -> tuple[memoryview, memoryview, memoryview]:
+        """key, holder and stamp as memoryviews (single elements, read and written)."""
+        return memoryview(self.key), memoryview(self.holder), memoryview(self.stamp)
 
     def nbytes(self) -> int:
         return self.cap * _SLOT_BYTES

@@ -57,13 +57,13 @@ class FakeClock:
         return self.now
 
 
-def pages_and_stamps(table: PageTable) -> dict[tuple[int, int], tuple[int, int]]:
+def pages_and_stamps(table: PageTable) -> dict[int, tuple[int, int]]:
     """Every live key of both tables -> (its holders' mask, its stamp)."""
     out = {}
     for t in table._tables():
         holder, stamp = t._mem.holder, np.frombuffer(t._stamp, dtype=np.uint32)
         for p in np.flatnonzero(holder >= MULTI).tolist():
             mask = t.multi[p] if holder[p] == MULTI else 1 << int(holder[p])
-            out[t._lo[p], t._hi[p]] = (mask, int(stamp[p]))
+            out[t._key[p]] = (mask, int(stamp[p]))
     return out
 

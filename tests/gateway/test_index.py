@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.core.index import ApplyStatus, IndexConfig, KvIndex, PrefixMatch
+from gateway.core.index_table import page_keys
 from gateway.core.routed_prefixes import RoutedPrefixes
 from tests.gateway.helpers import (DEVICE, HOST, REMOTE, FakeClock, batch, cleared, heartbeat, page, pages,
                                    removed, stored)
@@ -16,7 +17,7 @@ MEDIA = (DEVICE, HOST, REMOTE)
 
 def _check_consistent(index: KvIndex, model: dict[tuple[str, int], set[bytes]]) -> None:
     for (pool, medium), expected in model.items():
-        assert index.pages(pool, medium) == expected, (pool, medium)
+        assert index.pages(pool, medium) == page_keys(expected), (pool, medium)
     assert len(index) == len({(h, m) for (_, m), hs in model.items() for h in hs})
 
 
@@ -67,7 +68,7 @@ def test_gap_is_reported_with_the_resume_point_and_a_replay_heals_it():
     assert res.status is ApplyStatus.RESYNC and "gap" in res.reason
     assert (res.resume_epoch, res.resume_after_seq) == (1, 0)
     assert index.info("a").needs_resync
-    assert index.pages("a", DEVICE) == set(pages(0, 4))  # kept, with less confidence
+    assert index.pages("a", DEVICE) == page_keys(pages(0, 4))  # kept, with less confidence
     assert index.apply(batch("a", 1, stored(pages(4, 6)))).status is ApplyStatus.APPLIED
     assert not index.info("a").needs_resync
     assert index.apply(batch("a", 1, stored(pages(9, 10)))).status is ApplyStatus.DUPLICATE
@@ -81,7 +82,7 @@ def test_new_epoch_clears_and_needs_a_snapshot_unless_it_starts_at_seq_0():
     assert (res.resume_epoch, res.resume_after_seq) == (2, -1)
     assert index.pages("a", DEVICE) == frozenset()
     assert index.apply(batch("a", 0, stored(pages(20, 22)), epoch=3)).status is ApplyStatus.APPLIED
-    assert index.pages("a", DEVICE) == set(pages(20, 22))
+    assert index.pages("a", DEVICE) == page_keys(pages(20, 22))
     assert index.info("a").epoch == 3
 
 
@@ -96,14 +97,14 @@ def test_snapshot_replaces_the_workers_entries():
     index.apply(batch("b", 0, stored(pages(0, 4))))
     res = index.apply(batch("a", 9, cleared(), stored(pages(10, 12)), snapshot=True))
     assert res.status is ApplyStatus.APPLIED and index.info("a").in_snapshot
-    assert index.pages("a", DEVICE) == set(pages(10, 12)) and index.pages("a", HOST) == frozenset()
+    assert index.pages("a", DEVICE) == page_keys(pages(10, 12)) and index.pages("a", HOST) == frozenset()
     index.apply(batch("a", 9, stored(pages(12, 14)), snapshot=True, snapshot_end=True))
     info = index.info("a")
     assert not info.in_snapshot and info.last_seq == 9
-    assert index.pages("a", DEVICE) == set(pages(10, 14))
-    assert index.pages("b", DEVICE) == set(pages(0, 4))  # other workers untouched
+    assert index.pages("a", DEVICE) == page_keys(pages(10, 14))
+    assert index.pages("b", DEVICE) == page_keys(pages(0, 4))  # other workers untouched
     assert index.apply(batch("a", 10, removed(pages(10, 11)))).status is ApplyStatus.APPLIED
-    assert index.pages("a", DEVICE) == set(pages(11, 14))
+    assert index.pages("a", DEVICE) == page_keys(pages(11, 14))
 
 
 def test_broken_snapshots_are_resynced():
@@ -144,7 +145,7 @@ def test_memory_bound_evicts_remote_first_then_least_recently_stored():
     assert len(index) <= 100
     assert index.pages("a", REMOTE) == frozenset()  # the cheapest hits went first
     kept = index.pages("a", DEVICE)
-    assert set(pages(100, 110)) <= kept  # the newest survive
+    assert page_keys(pages(100, 110)) <= kept  # the newest survive
     assert index.evicted_entries == 130 - len(index)
     # Internal sets and masks agree: every kept page is found, no evicted one is.
     assert index.lookup(pages(100, 110))["a"].device_pages == 10

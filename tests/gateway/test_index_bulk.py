@@ -38,14 +38,14 @@ def _stream(spec):
     return out
 
 
-def _stamps(table: PageTable) -> dict[bytes, int]:
+def _stamps(table: PageTable) -> dict[int, int]:
     """Every live page's stamp, an old table's too: a slice makes room for all its stores, so
     bulk apply may grow a table that one-by-one apply does not, and be mid-migration at the end."""
     out = {}
     for t in table._tables():
         holder = np.frombuffer(t._holder, dtype=np.int32)
         for p in np.flatnonzero(holder >= MULTI).tolist():
-            out[t._lo[p].to_bytes(8, "little") + t._hi[p].to_bytes(8, "little")] = t._stamp[p]
+            out[t._key[p]] = t._stamp[p]
     return out
 
 

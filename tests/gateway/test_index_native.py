@@ -13,7 +13,7 @@ import pytest
 
 from gateway.core import index_native
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_table import _STORE_LIMIT, MULTI, TOMB, PageTable
+from gateway.core.index_table import _STORE_LIMIT, MULTI, TOMB, PageTable, key_of
 from tests.gateway.index_impls import use
 
 WORKERS = 70
@@ -59,9 +59,8 @@ def _by_one(table: PageTable, hashes, slots, stores) -> dict[int, int]:
 
 
 def _stamp(table: PageTable, h: bytes) -> int:
-    lo, hi = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
     for t in table._tables():
-        pos = t._probe(lo, hi)[0]
+        pos = t._probe(key_of(h))[0]
         if pos >= 0:
             return t._stamp[pos]
     raise AssertionError("a live page without a stamp")

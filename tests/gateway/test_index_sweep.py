@@ -13,7 +13,7 @@ import pytest
 from gateway.core import index_native, index_sweep
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_sweep import SWEEP_FROM, sweep_slots
-from gateway.core.index_table import EMPTY, TOMB, PageTable
+from gateway.core.index_table import EMPTY, TOMB, PageTable, key_of
 from prefixcache_bench.gateway_fleet.sweep import NoSweep
 from tests.gateway.helpers import page, pages_and_stamps
 # table_impl: the module fixture that runs each test twice (C and numpy)
@@ -109,7 +109,7 @@ def _same_arrays(seed: int, pages: int = 2000, churn: bool = True, step: int = 3
             results.append(result)
             at = result[2]
         mem = table._mem
-        out.append((results, [a.copy() for a in (mem.lo, mem.hi, mem.holder, mem.stamp)]))
+        out.append((results, [a.copy() for a in (mem.key, mem.holder, mem.stamp)]))
     (c_results, c_arrays), (py_results, py_arrays) = out
     assert c_results == py_results
     for a, b in zip(c_arrays, py_arrays):
@@ -121,8 +121,7 @@ def test_a_cluster_that_wraps_past_the_tables_end_is_swept_whole():
     cap = table.cap
     # keys whose home is the table's last slot: a cluster from cap-1 over slot 0 on
     at_end = [h for h in (page(i) for i in range(200_000))
-              if table._probe(int.from_bytes(h[:8], "little"),
-                              int.from_bytes(h[8:], "little"))[1] == cap - 1][:4]
+              if table._probe(key_of(h))[1] == cap - 1][:4]
     for h in at_end:
         table.add(h, 1)
     table.discard(at_end[0], 1)  # a tombstone at the end, the others after it over the wrap

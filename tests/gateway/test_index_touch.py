@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from gateway.core.index import IndexConfig
-from gateway.core.index_table import _STAMP_LIMIT, _STORE_LIMIT, PageTable
+from gateway.core.index_table import _STAMP_LIMIT, _STORE_LIMIT, PageTable, key_of
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import AffinityPolicy, RouteRequest
 from gateway.core.router import Router, Worker
@@ -19,8 +19,7 @@ from tests.gateway.index_impls import table_impl, use  # noqa: F401  (C, then nu
 def _stamps(table: PageTable, hashes: list[bytes]) -> list[int]:
     """The stamp of each page (all held)."""
     every = pages_and_stamps(table)
-    words = [(int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")) for h in hashes]
-    return [every[w][1] for w in words]
+    return [every[key_of(h)][1] for h in hashes]
 
 
 def _table_with_a_chain(chain: list[bytes], later: list[bytes]) -> PageTable:

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from gateway.core.index import IndexConfig, KvIndex
+from gateway.core.index_table import key_of
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.__main__ import main
@@ -30,7 +31,7 @@ def test_a_recorded_stream_is_a_snapshot_then_live_batches_the_index_accepts():
         assert index.apply(b).status.value == "applied"
     held = index.pages(F.pool_name(3), 1)
     assert len(held) == len(F.snapshot_pages(3, 5000))  # 4 x 64 stored, 4 x 64 removed
-    assert F.private_page(3, 0) not in held and F.private_page(3, 5000 + 4 * 64 - 1) in held
+    assert key_of(F.private_page(3, 0)) not in held and key_of(F.private_page(3, 5000 + 4 * 64 - 1)) in held
 
 
 class _Context:
@@ -140,12 +141,12 @@ def test_a_tiny_run_through_a_feed_process_applies_every_item_as_frames():
 
 def test_the_memory_sample_right_after_a_growth_and_the_idle_gateways():
     """The default sample at 8 pools (25k pages each) ends right after a growth: applied directly,
-    the old table is still there (over issue 31's 64 bytes); a gateway's idle feed loop migrates
-    it away. At 1,000 pools (200 pages each) the warm-up ends past 55%: the spare planned then
+    the old table is still there (53-59 bytes a page); a gateway's idle feed loop migrates it
+    away (~32). At 1,000 pools (200 pages each) the warm-up ends past 55%: the spare planned then
     (allocated once the idle loop writes it: the first sample may come before) is held until the
     loop has been idle long enough (here 0.5 s) to free it."""
     idle, freed = idle_gateway_bytes_per_page(8, 25_000, idle_drop_s=0.5)
-    assert index_bytes_per_page(8, 25_000) > 64 >= idle and freed < idle + 1  # no spare here
+    assert index_bytes_per_page(8, 25_000) > idle + 10 and 64 >= idle and freed < idle + 1
     idle, freed = idle_gateway_bytes_per_page(1000, 200, idle_drop_s=0.5)
     assert 64 >= freed and freed < idle + 1
 

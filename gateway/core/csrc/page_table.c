@@ -22,19 +22,20 @@
 #define PREFETCH_AHEAD 16
 #endif
 
-static const uint64_t MIX = 0x9E3779B97F4A7C15ULL, MIX_HI = 0xC2B2AE3D27D4EB4FULL;
+static const uint64_t MIX = 0x9E3779B97F4A7C15ULL;
 
-/* index_table._home: both words multiplied in, the product's high bits folded into its low. */
-static inline int64_t home(uint64_t lo, uint64_t hi, int64_t cap) {
-    uint64_t x = (lo ^ (hi * MIX_HI)) * MIX;
+/* index_table._home: the key multiplied, the product's high bits folded into its low. A key is
+   the page hash's two words folded into one (index_table.key_of). */
+static inline int64_t home(uint64_t key, int64_t cap) {
+    uint64_t x = key * MIX;
     return (int64_t)((x ^ (x >> 29)) % (uint64_t)cap);
 }
 
-/* Keys lo/hi[0..n) taken in order, each one's home slot asked for (`ask`) PREFETCH_AHEAD keys
+/* Keys[0..n) taken in order, each one's home slot asked for (`ask`) PREFETCH_AHEAD keys
    before it is taken (`home_of`); the homes asked for and not yet taken wait in a ring, so that
    each is computed once. `stamp` NULL: a loop that writes no stamp. */
 typedef struct {
-    const uint64_t *klo, *khi, *lo, *hi;
+    const uint64_t *tkey, *key;
     const int32_t *holder;
     const uint32_t *stamp;
     int64_t cap, n;
@@ -44,10 +45,9 @@ typedef struct {
 static inline void ask(Ahead *a, int64_t i) {
 #if PREFETCH_AHEAD > 0
     if (i < a->n) {
-        int64_t p = a->ring[i & (PREFETCH_AHEAD - 1)] = home(a->lo[i], a->hi[i], a->cap);
+        int64_t p = a->ring[i & (PREFETCH_AHEAD - 1)] = home(a->key[i], a->cap);
         __builtin_prefetch(&a->holder[p]);
-        __builtin_prefetch(&a->klo[p]);
-        __builtin_prefetch(&a->khi[p]);
+        __builtin_prefetch(&a->tkey[p]);
         if (a->stamp)
             __builtin_prefetch(&a->stamp[p], 1);
     }
@@ -69,14 +69,14 @@ static inline int64_t home_of(Ahead *a, int64_t i) {
     ask(a, i + PREFETCH_AHEAD);
     return p;
 #else
-    return home(a->lo[i], a->hi[i], a->cap);
+    return home(a->key[i], a->cap);
 #endif
 }
 
 /* The key's position (-1: absent), probing from its home p; *free gets the first empty or
    deleted position of its path. */
-static inline int64_t probe(const uint64_t *klo, const uint64_t *khi, const int32_t *holder,
-                            int64_t cap, uint64_t lo, uint64_t hi, int64_t p, int64_t *free) {
+static inline int64_t probe(const uint64_t *tkey, const int32_t *holder, int64_t cap,
+                            uint64_t key, int64_t p, int64_t *free) {
     int64_t first_free = -1;
     for (;;) {
         int32_t hv = holder[p];
@@ -87,7 +87,7 @@ static inline int64_t probe(const uint64_t *klo, const uint64_t *khi, const int3
         if (hv == TOMB) {
             if (first_free < 0)
                 first_free = p;
-        } else if (klo[p] == lo && khi[p] == hi) {
+        } else if (tkey[p] == key) {
             *free = -1;
             return p;
         }
@@ -97,21 +97,20 @@ static inline int64_t probe(const uint64_t *klo, const uint64_t *khi, const int3
 }
 
 /* out[i] = position of key i, -1 where absent (PageTable._find_many). */
-void pt_find(const uint64_t *klo, const uint64_t *khi, const int32_t *holder, int64_t cap,
-             const uint64_t *lo, const uint64_t *hi, int64_t n, int64_t *out) {
+void pt_find(const uint64_t *tkey, const int32_t *holder, int64_t cap, const uint64_t *key,
+             int64_t n, int64_t *out) {
     int64_t free;
-    Ahead a = {klo, khi, lo, hi, holder, NULL, cap, n, {0}};
+    Ahead a = {tkey, key, holder, NULL, cap, n, {0}};
     ask_from(&a, 0);
     for (int64_t i = 0; i < n; i++)
-        out[i] = probe(klo, khi, holder, cap, lo[i], hi[i], home_of(&a, i), &free);
+        out[i] = probe(tkey, holder, cap, key[i], home_of(&a, i), &free);
 }
 
 /* pt_find, and each key found stamped stamps[i]: a routed request's pages used again
    (PageTable.touch_stamps), in the same pass over the probes. */
-void pt_find_touch(const uint64_t *klo, const uint64_t *khi, const int32_t *holder,
-                   uint32_t *stamp, int64_t cap, const uint64_t *lo, const uint64_t *hi,
-                   const uint32_t *stamps, int64_t n, int64_t *out) {
-    pt_find(klo, khi, holder, cap, lo, hi, n, out);
+void pt_find_touch(const uint64_t *tkey, const int32_t *holder, uint32_t *stamp, int64_t cap,
+                   const uint64_t *key, const uint32_t *stamps, int64_t n, int64_t *out) {
+    pt_find(tkey, holder, cap, key, n, out);
     for (int64_t i = 0; i < n; i++)
         if (out[i] >= 0)
             stamp[out[i]] = stamps[i];
@@ -120,11 +119,10 @@ void pt_find_touch(const uint64_t *klo, const uint64_t *khi, const int32_t *hold
 /* Keys known to be absent written with their holders at the first free position of each one's
    path, in order (PageTable._place, and the keys too); out[i] = the position; returns how many
    of them were empty (not deleted) positions: the table's `used` grows by that. */
-int64_t pt_place(uint64_t *klo, uint64_t *khi, int32_t *holder, int64_t cap,
-                 const uint64_t *lo, const uint64_t *hi, const int32_t *holders, int64_t n,
-                 int64_t *out) {
+int64_t pt_place(uint64_t *tkey, int32_t *holder, int64_t cap, const uint64_t *key,
+                 const int32_t *holders, int64_t n, int64_t *out) {
     int64_t fresh = 0;
-    Ahead a = {klo, khi, lo, hi, holder, NULL, cap, n, {0}};
+    Ahead a = {tkey, key, holder, NULL, cap, n, {0}};
     ask_from(&a, 0);
     for (int64_t i = 0; i < n; i++) {
         int64_t p = home_of(&a, i);
@@ -132,8 +130,7 @@ int64_t pt_place(uint64_t *klo, uint64_t *khi, int32_t *holder, int64_t cap,
             if (++p == cap)
                 p = 0;
         fresh += holder[p] == EMPTY;
-        klo[p] = lo[i];
-        khi[p] = hi[i];
+        tkey[p] = key[i];
         holder[p] = holders[i];
         out[i] = p;
     }
@@ -155,13 +152,12 @@ int64_t pt_place(uint64_t *klo, uint64_t *khi, int32_t *holder, int64_t cap,
    this call (so that ingest goes on however many decisions come), the loop looks at it every
    STOP_EVERY events and, set, returns with *stopped = 1, every event before the returned index
    applied, for Python to let the decision in and call again from there. */
-int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
-                 int64_t *state, const uint64_t *lo, const uint64_t *hi, const int32_t *slot,
-                 const uint8_t *store, int64_t start, int64_t n, int64_t *delta, int64_t *rec,
-                 int64_t *nrec, const volatile int64_t *stop, int64_t before_stop,
-                 int64_t *stopped) {
+int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, int64_t *state,
+                 const uint64_t *key, const int32_t *slot, const uint8_t *store, int64_t start,
+                 int64_t n, int64_t *delta, int64_t *rec, int64_t *nrec,
+                 const volatile int64_t *stop, int64_t before_stop, int64_t *stopped) {
     int64_t used = state[0], live = state[1], clock = state[2], k = 0, i = start;
-    Ahead a = {klo, khi, lo, hi, holder, stamp, cap, n, {0}};
+    Ahead a = {tkey, key, holder, stamp, cap, n, {0}};
     *stopped = 0;
     ask_from(&a, start);
     for (; i < n; i++) {
@@ -169,14 +165,13 @@ int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
             *stopped = 1;
             break;
         }
-        int64_t free, p = probe(klo, khi, holder, cap, lo[i], hi[i], home_of(&a, i), &free);
+        int64_t free, p = probe(tkey, holder, cap, key[i], home_of(&a, i), &free);
         int32_t s = slot[i];
         if (store[i]) {
             clock++;
             if (p < 0) {
                 used += holder[free] == EMPTY;
-                klo[free] = lo[i];
-                khi[free] = hi[i];
+                tkey[free] = key[i];
                 holder[free] = s;
                 stamp[free] = (uint32_t)clock;
                 live++;
@@ -215,22 +210,20 @@ int64_t pt_apply(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
    old slot made a tombstone (which keeps the old table's other keys reachable). Positions of
    shared pages go to pairs[2j] (old) and pairs[2j+1] (new), *npairs of them, for Python to move
    their masks. Returns how many moved; *fresh gets how many empty positions they took. */
-int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
-                   const uint32_t *ostamp, int64_t start, int64_t end, uint64_t *klo,
-                   uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap, int64_t *fresh,
-                   int64_t *pairs, int64_t *npairs) {
+int64_t pt_migrate(const uint64_t *okey, int32_t *oholder, const uint32_t *ostamp,
+                   int64_t start, int64_t end, uint64_t *tkey, int32_t *holder, uint32_t *stamp,
+                   int64_t cap, int64_t *fresh, int64_t *pairs, int64_t *npairs) {
     int64_t moved = 0, empties = 0, k = 0;
     for (int64_t q = start; q < end; q++) {
         int32_t hv = oholder[q];
         if (hv < MULTI)
             continue;
-        int64_t p = home(olo[q], ohi[q], cap);
+        int64_t p = home(okey[q], cap);
         while (holder[p] >= MULTI)
             if (++p == cap)
                 p = 0;
         empties += holder[p] == EMPTY;
-        klo[p] = olo[q];
-        khi[p] = ohi[q];
+        tkey[p] = okey[q];
         holder[p] = hv;
         stamp[p] = ostamp[q];
         oholder[q] = TOMB;
@@ -257,7 +250,7 @@ int64_t pt_migrate(const uint64_t *olo, const uint64_t *ohi, int32_t *oholder,
    sweep stopped at, *scanned how many slots it passed; returns the tombstones cleared. */
 #define SWEEP_BLOCK 8
 
-int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp, int64_t cap,
+int64_t pt_sweep(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap,
                  int64_t start, int64_t max_slots, int64_t *end, int64_t *scanned,
                  int64_t *pairs, int64_t *npairs) {
     int64_t q = start % cap, seen = 0, cleared = 0, k = 0;
@@ -300,14 +293,13 @@ int64_t pt_sweep(uint64_t *klo, uint64_t *khi, int32_t *holder, uint32_t *stamp,
             if (hv == TOMB) {
                 cleared++;
             } else {
-                int64_t p = home(klo[q], khi[q], cap);
+                int64_t p = home(tkey[q], cap);
                 while (holder[p] != EMPTY)
                     if (++p == cap)
                         p = 0;
                 holder[p] = hv;
                 if (p != q) {
-                    klo[p] = klo[q];
-                    khi[p] = khi[q];
+                    tkey[p] = tkey[q];
                     stamp[p] = stamp[q];
                     if (hv == MULTI) {
                         pairs[2 * k] = q;
