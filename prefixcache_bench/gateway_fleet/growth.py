@@ -34,6 +34,8 @@ from gateway.core.index_table import PageTable
 
 MODES = {"spare": {}, "incremental": {}, "stop_the_world": {"migrate_step": 2**62}}
 PHASES = ("grow", "churn")
+_SAMPLE_FROM = 65_536
+_GOAL_BYTES_PER_PAGE = 64  # issue 31's goal for an indexed page
 
 
 class _Calls:
@@ -42,6 +44,7 @@ class _Calls:
     def __init__(self, table: PageTable, prepare: bool) -> None:
         self.table, self.prepare = table, prepare
         self.times, self.moved, self.grew, self.prepare_ns = [], [], [], 0
+        self.bytes_per_page: list[float] = []  # after each call, once the table is not tiny
 
     def call(self, fn, *args) -> None:
         table, before, mem = self.table, self.table.migrated_slots, self.table._mem
@@ -54,6 +57,8 @@ class _Calls:
             t0 = time.perf_counter_ns()
             table.prepare_growth()
             self.prepare_ns += time.perf_counter_ns() - t0
+        if len(table) >= _SAMPLE_FROM:
+            self.bytes_per_page.append(table.nbytes() / len(table))
 
     def summary(self) -> dict:
         us = np.array(self.times) / 1e3
@@ -66,7 +71,13 @@ class _Calls:
                 # migrated (a whole table in stop_the_world), or neither (the machine's scheduling).
                 "worst_call_grew": self.grew[worst], "worst_call_migrated_slots": self.moved[worst],
                 "max_migrated_slots_per_call": max(self.moved),
-                "calls_s": float(us.sum() / 1e6), "prepare_s": self.prepare_ns / 1e9}
+                "calls_s": float(us.sum() / 1e6), "prepare_s": self.prepare_ns / 1e9,
+                # The arrays' bytes a page (an old table and the spare included), from
+                # _SAMPLE_FROM pages on: the peak is a growth's, old and new arrays together.
+                "bytes_per_page_max": max(self.bytes_per_page, default=0.0),
+                "bytes_per_page_mean": statistics.fmean(self.bytes_per_page or [0.0]),
+                "share_over_goal_bytes": float(np.mean(np.array(self.bytes_per_page or [0.0])
+                                                       > _GOAL_BYTES_PER_PAGE))}
 
 
 def _run(mode: str, pages: np.ndarray, churn: np.ndarray, batch: int) -> dict:
@@ -87,13 +98,14 @@ def _run(mode: str, pages: np.ndarray, churn: np.ndarray, batch: int) -> dict:
     return out
 
 
-def measure(pages: int, churn_pages: int, batch: int, repeats: int, seed: int = 31) -> dict:
+def measure(pages: int, churn_pages: int, batch: int, repeats: int, seed: int = 31,
+            modes: tuple[str, ...] = tuple(MODES)) -> dict:
     rng = np.random.default_rng(seed)
     keys = np.frombuffer(rng.bytes(16 * pages), dtype="V16")
     churn = np.frombuffer(rng.bytes(16 * min(churn_pages, pages)), dtype="V16")
     runs = []
     for _ in range(repeats):
-        for mode in MODES:
+        for mode in modes:
             runs.append(_run(mode, keys, churn, batch))
             print(json.dumps(runs[-1]))
 
@@ -103,9 +115,9 @@ def measure(pages: int, churn_pages: int, batch: int, repeats: int, seed: int = 
     ratios = {f"{mode}_over_incremental": {
         f"{phase}_{key}": median(mode, phase, key) / max(median("incremental", phase, key), 1e-9)
         for phase in PHASES for key in ("max_call_us", "p999_call_us", "p99_call_us", "calls_s")}
-        for mode in MODES if mode != "incremental"}
+        for mode in modes if mode != "incremental" and "incremental" in modes}
     return {"config": {"pages": pages, "churn_pages": len(churn), "batch": batch, "repeats": repeats,
-                       "seed": seed},
+                       "seed": seed, "modes": list(modes)},
             "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0], "runs": runs, **ratios}
 
 
@@ -116,9 +128,12 @@ def main() -> None:
                     help="pages stored (and as many removed) after the growth; default --pages")
     ap.add_argument("--batch", type=int, default=32, help="pages per call (a live batch)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                    help="which modes to run (the ratios need incremental)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    result = measure(a.pages, a.pages if a.churn_pages is None else a.churn_pages, a.batch, a.repeats)
+    result = measure(a.pages, a.pages if a.churn_pages is None else a.churn_pages, a.batch, a.repeats,
+                     modes=tuple(a.modes))
     print(json.dumps({k: v for k, v in result.items() if k.endswith("_over_incremental")}))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -219,6 +219,16 @@ def test_the_growth_bench_times_every_mode_on_the_same_pages_and_the_spare_takes
     assert set(r["spare_over_incremental"]) == {f"{phase}_{key}" for phase in ("grow", "churn")
                                                 for key in ("max_call_us", "p999_call_us",
                                                             "p99_call_us", "calls_s")}
+    # The arrays' bytes a page: 16 a slot at 45-70% used, more while the spare is held beside.
+    grow = spare["grow"]
+    assert 16 / 0.7 < grow["bytes_per_page_mean"] < grow["bytes_per_page_max"] < 16 * 3 / 0.55
+    assert 0 < grow["share_over_goal_bytes"] < 1 and incremental["grow"]["share_over_goal_bytes"] < 1
+
+
+def test_the_growth_bench_runs_the_modes_asked_for():
+    from prefixcache_bench.gateway_fleet.growth import measure
+    r = measure(pages=70_000, churn_pages=1_000, batch=512, repeats=1, modes=("spare",))
+    assert [run["mode"] for run in r["runs"]] == ["spare"] and "spare_over_incremental" not in r
 
 
 @pytest.mark.timeout(60)
