@@ -141,7 +141,9 @@ class KvIndex:
         n = len(self)
         return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
                           self.page_events, sum(t.nbytes() for t in self._tables),
-                          sum(t.sweep.cleared for t in self._tables))
+                          sum(t.sweep.cleared for t in self._tables),
+                          sum(t.growths()[0] for t in self._tables),
+                          sum(t.growths()[1] for t in self._tables))
 
     # ----- workers -----------------------------------------------------------------------------
 

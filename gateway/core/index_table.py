@@ -155,6 +155,11 @@ class PageTable:
         old = self._old._mem.nbytes() if self._old is not None else 0
         return self._mem.nbytes() + old + self._spare.nbytes()
 
+    def growths(self) -> tuple[int, int]:
+        """(growths that took arrays written ahead, growths that wrote fresh ones under the
+        router's lock), of tables large enough for a spare (table_arrays.Spare.take)."""
+        return self._spare.taken, self._spare.missed
+
     def home(self, key: int) -> int:
         """A key's first position in this table (`_home`)."""
         return _home(key, self.cap)

@@ -65,6 +65,13 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
                             "neither rebuilds nor holds a spare).")
     c.add_metric([], totals["swept_tombstones"])
     yield c
+    c = CounterMetricFamily("prefixcache_gateway_index_growths", "Growths of the routing index's "
+                            "page tables: arrays=ready took arrays the feed loop wrote ahead; "
+                            "unready wrote fresh ones under the routing lock (decisions wait: up "
+                            "to ~0.2 s at 10M pages).", labels=["arrays"])
+    c.add_metric(["ready"], totals["growths_ready"])
+    c.add_metric(["unready"], totals["growths_unready"])
+    yield c
     for name, doc in (("pages", "Pages the routing policy remembers as routed to a worker (the "
                                 "affinity policy: until events report them; at most its "
                                 "recent_pages_per_worker a worker)."),

@@ -70,6 +70,8 @@ def test_a_growth_takes_the_arrays_written_ahead_and_writes_none(monkeypatch):
         n += 2000
     assert table._mem is spare and spare.filled == spare.cap
     assert [c for c in fresh if c >= SPARE_MIN_SLOTS] == []
+    assert table.growths() == (1, 0)  # counted: the gateway's growths metric
+    assert shadow.growths()[0] == 0 < shadow.growths()[1]  # no feed loop: fresh arrays
     # Pages only added: sized as a growth (~1.55x), not as a table of replaced pages.
     assert 1.4 * cap < table.cap < 1.7 * cap
     while table.migrate_some(1 << 20):
@@ -152,6 +154,7 @@ def test_a_spare_not_complete_at_the_growth_is_dropped_and_its_late_writes_touch
         _stores(table, START + n, 2000)
         n += 2000
     assert table._mem is not spare and table._spare.arrays is None
+    assert table.growths() == (0, 1)
     before = pages_and_stamps(table)
     spare.fill(spare.cap)  # what the ingest thread's call in flight still does
     assert pages_and_stamps(table) == before and len(table) == n
