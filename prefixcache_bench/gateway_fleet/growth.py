@@ -61,8 +61,9 @@ class _Calls:
         if len(table) >= _SAMPLE_FROM:
             spare = table._spare.arrays  # allocated whole, faulted in as the feed loop writes it
             unwritten = 0 if spare is None else spare.nbytes() * (1 - spare.filled / spare.cap)
-            self.bytes_per_page.append(table.nbytes() / len(table))
-            self.written_per_page.append((table.nbytes() - unwritten) / len(table))
+            allocated = table.nbytes()
+            self.bytes_per_page.append(allocated / len(table))
+            self.written_per_page.append((allocated - unwritten) / len(table))
 
     def summary(self) -> dict:
         us = np.array(self.times) / 1e3
@@ -80,12 +81,15 @@ class _Calls:
                 # _SAMPLE_FROM pages on: the peak is a growth's, old and new arrays together.
                 "bytes_per_page_max": max(self.bytes_per_page, default=0.0),
                 "bytes_per_page_mean": statistics.fmean(self.bytes_per_page or [0.0]),
-                "share_over_goal_bytes": float(np.mean(np.array(self.bytes_per_page or [0.0])
-                                                       > _GOAL_BYTES_PER_PAGE)),
+                "share_over_goal_bytes": _share_over_goal(self.bytes_per_page),
                 # Written memory (what the process holds resident): the spare as far as written.
                 "written_bytes_per_page_max": max(self.written_per_page, default=0.0),
-                "written_share_over_goal_bytes": float(np.mean(
-                    np.array(self.written_per_page or [0.0]) > _GOAL_BYTES_PER_PAGE))}
+                "written_share_over_goal_bytes": _share_over_goal(self.written_per_page)}
+
+
+def _share_over_goal(bytes_per_page: list[float]) -> float:
+    """The share of the samples over issue 31's goal (0 with none)."""
+    return float(np.mean(np.array(bytes_per_page or [0.0]) > _GOAL_BYTES_PER_PAGE))
 
 
 def _run(mode: str, pages: np.ndarray, churn: np.ndarray, batch: int) -> dict:
