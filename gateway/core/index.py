@@ -139,10 +139,10 @@ class KvIndex:
 
     def stats(self) -> IndexStats:
         n = len(self)
-        ready, unready = map(sum, zip(*(t.growths() for t in self._tables)))
+        ready, partial, unready = map(sum, zip(*(t.growths() for t in self._tables)))
         return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
                           self.page_events, sum(t.nbytes() for t in self._tables),
-                          sum(t.sweep.cleared for t in self._tables), ready, unready)
+                          sum(t.sweep.cleared for t in self._tables), ready, partial, unready)
 
     # ----- workers -----------------------------------------------------------------------------
 

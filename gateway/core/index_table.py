@@ -149,16 +149,18 @@ class PageTable:
     def __len__(self) -> int:
         return self.live
 
-    def nbytes(self) -> int:
+    def nbytes(self, written: bool = False) -> int:
         """Bytes of the arrays, an old table's and the spare's (once allocated) included (the
-        `multi` entries not)."""
+        `multi` entries not). `written`: the spare's only as far as written, what the process
+        holds (the rest is address space until written)."""
         old = self._old._mem.nbytes() if self._old is not None else 0
-        return self._mem.nbytes() + old + self._spare.nbytes()
+        return self._mem.nbytes() + old + self._spare.nbytes(written)
 
-    def growths(self) -> tuple[int, int]:
-        """(growths that took arrays written ahead, growths that wrote fresh ones under the
-        router's lock), of tables large enough for a spare (table_arrays.Spare.take)."""
-        return self._spare.taken, self._spare.missed
+    def growths(self) -> tuple[int, int, int]:
+        """(growths that took arrays written ahead, that took them partly written and wrote the
+        rest under the router's lock, that wrote fresh ones there), of tables large enough for a
+        spare (table_arrays.Spare.take)."""
+        return self._spare.taken, self._spare.finished, self._spare.missed
 
     def home(self, key: int) -> int:
         """A key's first position in this table (`_home`)."""
@@ -512,8 +514,12 @@ class PageTable:
     def prepare_growth(self, chunk: int | None = None) -> bool:
         """The ingest thread, between its slices and without the router's lock: writes the next
         part of the next growth's arrays (`chunk` slots, or paced by the room used:
-        table_arrays.Spare.fill_some); True while some remains."""
-        return self._spare.fill_some(int(_MAX_LOAD * self.cap) - self._used_slots(), chunk)
+        table_arrays.Spare.fill_some, within its bytes a page); True while some remains that
+        it may write now."""
+        old = self._old  # read once, as in _used_slots
+        slots = self.cap + (old.cap if old is not None else 0)
+        return self._spare.fill_some(int(_MAX_LOAD * self.cap) - self._used_slots(), self.live,
+                                     slots, chunk)
 
     def _used_slots(self) -> int:
         """Slots used (live and deleted), the pages still to come from an old table included."""

@@ -137,9 +137,11 @@ class IndexStats:
     table_bytes: int = 0
     # Tombstones of removed pages the feed loop's idle steps cleared in place (index_sweep.py).
     swept_tombstones: int = 0
-    # Growths (of a table's size worth a spare) that took arrays written ahead, and that wrote
-    # fresh ones under the router's lock (table_arrays.Spare.take).
+    # Growths (of a table's size worth a spare) that took arrays written ahead, that took them
+    # partly written (the rest written under the router's lock), and that wrote fresh ones there
+    # (table_arrays.Spare.take).
     growths_ready: int = 0
+    growths_partial: int = 0
     growths_unready: int = 0
 
 

@@ -67,10 +67,11 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
     yield c
     c = CounterMetricFamily("prefixcache_gateway_index_growths", "Growths of the routing index's "
                             "page tables: arrays=ready took arrays the feed loop wrote ahead; "
-                            "unready wrote fresh ones under the routing lock (decisions wait: up "
+                            "partial took them partly written and wrote the rest under the "
+                            "routing lock; unready wrote fresh ones there (decisions wait: up "
                             "to ~0.2 s at 10M pages).", labels=["arrays"])
-    c.add_metric(["ready"], totals["growths_ready"])
-    c.add_metric(["unready"], totals["growths_unready"])
+    for arrays in ("ready", "partial", "unready"):
+        c.add_metric([arrays], totals[f"growths_{arrays}"])
     yield c
     for name, doc in (("pages", "Pages the routing policy remembers as routed to a worker (the "
                                 "affinity policy: until events report them; at most its "

@@ -15,13 +15,20 @@ once the table passes 55% from the way it has been filling since its last growth
 growing: up to 1.6x; pages stored and removed as fast: about the same size, its tombstones
 are what fill it), then written a chunk at a time by the ingest thread between its slices,
 without the lock (no one else sees them yet) and without the GIL (numpy's fill releases it). A
-growth takes them when they are complete and of a fitting size; else it allocates as before.
-The cost: those arrays' memory from then on instead of from the growth (the same peak as the
-growth's migration, old and new tables together, held longer). So none is planned while the
-table's sweep keeps its tombstones from filling it (gateway/core/index_sweep.py: the rebuild it
-would be for does not come), and an idle feed loop drops a planned one (feeds.py).
+growth takes them when of a fitting size, and writes what is not yet written; else it
+allocates as before.
+
+The cost: their memory before the growth instead of from it, as far as written (an array's
+unwritten part is address space only). So they are written no further than keeps the table and
+the spare within 62 bytes a live page (issue 31's goal is 64 for the whole index), an idle feed
+loop's writes included, or within what the growth will hold anyway when more (the pages it is
+for replacing others: as many pages then as now). And none is planned while the table's sweep
+keeps its tombstones from filling it (gateway/core/index_sweep.py: the rebuild it would be for
+does not come), and an idle feed loop drops a planned one (feeds.py).
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -71,6 +78,13 @@ SPARE_MIN_SLOTS = 1 << 16
 _MARGIN, _TAKE_FROM, _TAKE_UP_TO = 1.05, 0.9, 1.25
 # Fill pacing: the spare complete once this share of the room left at its start is used.
 _READY_AT = 0.5
+# The table's arrays and the spare's written part within this many bytes a live page, unless
+# the growth itself will hold more (`Spare.fill_some`): issue 31's goal is 64 for the whole
+# index, and shared pages' masks and the rest take ~1-3 (an idle gateway at 100 pools held 64.5
+# with 64 here). A growing fleet's spare of ~1.63x the slots, planned at 55% (76.6 bytes a page
+# were it written whole), is then complete at ~68%, a growth at 70% (one that comes first
+# writes the rest: `take`).
+WRITTEN_BYTES_PER_PAGE = 62
 _MIN_CHUNK = 4096
 # The share of the room used between two looks at the spare's planned size.
 _RECHECK = 0.1
@@ -84,7 +98,12 @@ def _fits(cap: int, need: float) -> bool:
 class Spare:
     """The next growth's arrays: planned under the router's lock (`plan`: a size), allocated and
     written by the ingest thread (`fill_some`; a table no feed loop serves never pays for them),
-    taken by the growth (`take`)."""
+    taken by the growth (`take`), which writes what is not yet written.
+
+    Invariant: a growth's arrays are written by no one else once it took them. `fill_some`
+    writes (without the GIL) only while holding `_writing`, and reads the arrays anew under it;
+    `take` clears them under it, so it waits for a chunk in flight (one slice's pace at most)
+    and then finishes the rest alone."""
 
     def __init__(self, live: int = 0, total: int = 0) -> None:
         self.arrays: TableArrays | None = None
@@ -92,11 +111,14 @@ class Spare:
         # live and used slots (an old table's pages included) at the growth or the last look
         self._mark = (live, total)
         self._room = 1  # slots the table had left at the plan
+        self._grown_live = 1  # the live pages the plan predicts at the growth
         self._waiting = False  # dropped: the next plan waits for a look's worth of room used
-        # Growths of SPARE_MIN_SLOTS or more since start: that took the spare, and that wrote
-        # fresh arrays under the router's lock instead (none ready: a stall of up to ~0.2 s at
-        # 10M pages; a table no feed loop serves always does).
-        self.taken = self.missed = 0
+        self._writing = threading.Lock()
+        # Growths of SPARE_MIN_SLOTS or more since start: that took the spare complete, that
+        # took it partly written (and wrote the rest under the router's lock), and that wrote
+        # fresh arrays there instead (none fitting: a stall of up to ~0.2 s at 10M pages; a table
+        # no feed loop serves always does).
+        self.taken = self.finished = self.missed = 0
 
     def plan(self, live: int, total: int, room: int, grown_load: float, look_only: bool = False
              ) -> None:
@@ -124,12 +146,21 @@ class Spare:
         self.arrays, self.planned, self._waiting = None, 0, False
         if cap >= SPARE_MIN_SLOTS:
             self.planned, self._room = cap, max(1, room)
+            self._grown_live = max(1, int(live + added * room))
 
-    def fill_some(self, room: int, chunk: int | None = None) -> bool:
+    def fill_some(self, room: int, live: int, table_slots: int, chunk: int | None = None
+                  ) -> bool:
         """Writes the next part of the planned spare (without the lock): `chunk` slots, or as
         many as keep pace to complete it once `_READY_AT` of the room it was planned with is
-        used (`room` left now). True while some remains."""
-        arrays = self.arrays  # a growth on another thread may drop it meanwhile: then unused
+        used (`room` left now). With `live` pages in tables of `table_slots`, no further than
+        `WRITTEN_BYTES_PER_PAGE`, or the bytes a page of the growth it is for (its old and new
+        arrays for the pages predicted then) when more. True while some remains that it may
+        write now."""
+        with self._writing:
+            return self._fill_some(room, live, table_slots, chunk)
+
+    def _fill_some(self, room: int, live: int, table_slots: int, chunk: int | None) -> bool:
+        arrays = self.arrays
         if arrays is None:
             planned = self.planned
             if not planned:
@@ -137,22 +168,35 @@ class Spare:
             arrays = self.arrays = TableArrays(planned)
         if arrays.filled == arrays.cap:
             return False
+        slots_per_page = max(WRITTEN_BYTES_PER_PAGE / _SLOT_BYTES,
+                             (table_slots + arrays.cap) / self._grown_live)
+        allowed = int(slots_per_page * live) - table_slots - arrays.filled
+        if allowed <= 0:
+            return False  # more pages first
         if chunk is None:
             due = arrays.cap * (self._room - room) / (_READY_AT * self._room)
             chunk = int(due) - arrays.filled
             if chunk <= 0:
                 return True
-        return not arrays.fill(max(_MIN_CHUNK, chunk))
+        slots = min(allowed, max(_MIN_CHUNK, chunk))
+        return not arrays.fill(slots) and slots < allowed
 
     def take(self, need: int) -> TableArrays | None:
-        """At a growth that would allocate `need` slots: the spare when complete and of a fitting
-        size, else None (dropped either way: the next one is planned from this growth on)."""
-        arrays, self.arrays, self.planned = self.arrays, None, 0
-        ready = arrays is not None and arrays.filled == arrays.cap and _fits(arrays.cap, need)
+        """At a growth that would allocate `need` slots: the spare when of a fitting size and
+        some of it written, its rest written now; else None (dropped either way: the next one is
+        planned from this growth on)."""
+        with self._writing:
+            arrays, self.arrays, self.planned = self.arrays, None, 0
+        fits = arrays is not None and arrays.filled > 0 and _fits(arrays.cap, need)
         if need >= SPARE_MIN_SLOTS:
-            self.taken += ready
-            self.missed += not ready
-        return arrays if ready else None
+            complete = fits and arrays.filled == arrays.cap
+            self.taken += complete
+            self.finished += fits and not complete
+            self.missed += not fits
+        if not fits:
+            return None
+        arrays.fill(arrays.cap - arrays.filled)
+        return arrays
 
     def drop(self, live: int, total: int) -> None:
         """No spare: the table's sweep keeps it from growing (index_sweep.py), or ingest has been
@@ -164,7 +208,9 @@ class Spare:
         """A growth began with `live` pages (all of them still to place in the new table)."""
         self._mark = (live, live)
 
-    def nbytes(self) -> int:
-        """The spare's memory once allocated (written a part at a time)."""
+    def nbytes(self, written: bool = False) -> int:
+        """The spare's memory once allocated (written a part at a time), or as far as written."""
         arrays = self.arrays
-        return 0 if arrays is None else arrays.nbytes()
+        if arrays is None:
+            return 0
+        return arrays.filled * _SLOT_BYTES if written else arrays.nbytes()

@@ -17,9 +17,9 @@ from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from gateway.core.ingest_slices import SLICE_S
 from gateway.core.thread_priority import PRIORITIES, SWITCH_INTERVAL_S
-from prefixcache_bench.gateway_fleet.run import (DECISION_PERIOD_S, IngestTuning,
-                                                 idle_gateway_bytes_per_page,
-                                                 index_bytes_per_page, run_config)
+from prefixcache_bench.gateway_fleet.index_memory import (idle_gateway_bytes_per_page,
+                                                          index_bytes_per_page)
+from prefixcache_bench.gateway_fleet.run import DECISION_PERIOD_S, IngestTuning, run_config
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
 # The issue's goals (issue 31): judged on every configuration, so a FAIL is a gap, not a bug.
@@ -31,6 +31,8 @@ GOALS = {
     "routing_p99_from_wake_during_ingest_us": Goal("<=", 1000),
     "routing_p99_from_due_during_ingest_us": Goal("<=", 1000),
     "index_bytes_per_page": Goal("<=", 64),
+    # an idle gateway: what it holds, its next growth's arrays as far as written
+    "index_bytes_per_page_idle_written": Goal("<=", 64),
     "restart_to_warm_s": Goal("<=", 5),
 }
 # --routing-only: the decision's own cost with ingest idle, and the index's size.
@@ -234,9 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                       live_rate=args.live_rate, feed_process=args.feed_process))
     sample = min(per_pool, max(1, args.memory_sample_pages // args.pools))
     results["index_bytes_per_page"] = index_bytes_per_page(args.pools, sample)
-    (results["index_bytes_per_page_idle"],
-     results["index_bytes_per_page_idle_spare_freed"]) = idle_gateway_bytes_per_page(args.pools,
-                                                                                     sample)
+    results.update(idle_gateway_bytes_per_page(args.pools, sample))
     command = "python -m prefixcache_bench.gateway_fleet " + " ".join(argv or sys.argv[1:])
     goals = ROUTING_GOALS if args.routing_only else GOALS
     report(results, goals, f"gateway index, {args.pools} pools", command,

@@ -43,6 +43,7 @@ class _Calls:
 
     def __init__(self, table: PageTable, prepare: bool) -> None:
         self.table, self.prepare = table, prepare
+        self.growths_before = table.growths()  # (written ahead, partly, fresh ones: Spare.take)
         self.times, self.moved, self.grew, self.prepare_ns = [], [], [], 0
         self.bytes_per_page: list[float] = []  # after each call, once the table is not tiny
         self.written_per_page: list[float] = []  # the same, less the spare's part not yet written
@@ -59,16 +60,18 @@ class _Calls:
             table.prepare_growth()
             self.prepare_ns += time.perf_counter_ns() - t0
         if len(table) >= _SAMPLE_FROM:
-            spare = table._spare.arrays  # allocated whole, faulted in as the feed loop writes it
-            unwritten = 0 if spare is None else spare.nbytes() * (1 - spare.filled / spare.cap)
-            allocated = table.nbytes()
-            self.bytes_per_page.append(allocated / len(table))
-            self.written_per_page.append((allocated - unwritten) / len(table))
+            # The spare is allocated whole, faulted in as the feed loop writes it.
+            self.bytes_per_page.append(table.nbytes() / len(table))
+            self.written_per_page.append(table.nbytes(written=True) / len(table))
 
     def summary(self) -> dict:
         us = np.array(self.times) / 1e3
         worst = int(us.argmax())
+        ready, partial, unready = (n - before for n, before in zip(self.table.growths(),
+                                                                    self.growths_before))
         return {"calls": len(us), "growths": int(sum(self.grew)),
+                # of those of SPARE_MIN_SLOTS or more (table_arrays.Spare.take)
+                "growths_ready": ready, "growths_partial": partial, "growths_unready": unready,
                 "max_call_us": float(us.max()), "p999_call_us": float(np.percentile(us, 99.9)),
                 "p99_call_us": float(np.percentile(us, 99)), "p50_call_us": float(np.median(us)),
                 "calls_over_10ms": int(np.count_nonzero(us > 10_000)),

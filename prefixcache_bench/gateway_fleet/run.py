@@ -16,23 +16,21 @@ import os
 import random
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core import index_native, thread_priority
+from gateway.core import thread_priority
 from gateway.core.feed_process import FRAME_ITEMS
-from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.feeds import FeedLoop
 from gateway.core.gc_tuning import freeze_warm_heap
-from gateway.core.index import IndexConfig, KvIndex
-from gateway.core.ingest_slices import IDLE_SPARE_DROP_S, SLICE_S
+from gateway.core.index import IndexConfig
+from gateway.core.ingest_slices import SLICE_S
 from gateway.core.thread_priority import SWITCH_INTERVAL_S
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker
-from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.live_clock import LiveClock
@@ -48,24 +46,6 @@ REQUEST_PAGES = 64  # a 1,024-token prompt: a held conversation or system prompt
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def index_bytes_per_page(pools: int, pages_per_pool: int) -> float:
-    """tracemalloc's count of the index's own memory after the pools' snapshots, per page key,
-    applied directly to a KvIndex: right after the last batch (a growth's old table may still be
-    there: `idle_gateway_bytes_per_page` is the gateway's figure once its feed loop is idle)."""
-    msgs = [cpb.SubscribeResponse.FromString(b).batch for i in range(pools)
-            for b in F.recorded_stream(i, pages_per_pool, 0)]
-    index = KvIndex(IndexConfig(max_entries=1 << 40))
-    index_native.kernel()  # loaded (or built) before tracing: its allocations are not the index's
-    tracemalloc.start()
-    try:
-        for m in msgs:
-            index.apply(m)
-        used, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return used / len(index)
 
 
 # The timed routing thread's requests: one due every millisecond.
@@ -306,37 +286,6 @@ def _fleet_router(address: str, pools: int) -> tuple[Router, list[str]]:
     return router, names
 
 
-def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int,
-                                idle_drop_s: float = IDLE_SPARE_DROP_S) -> tuple[float, float]:
-    """`index_bytes_per_page` of a gateway's Router fed the same snapshots through its FeedLoop
-    (queued on its BatchApplier, no gRPC), once every one is applied and the idle loop has
-    finished any growth's migration, then once it has freed the spare (`idle_drop_s`):
-    tracemalloc's count of what was allocated since the loop started and is still held (the
-    index, and whatever else the gateway kept), per page key."""
-    items = [cpb.SubscribeResponse.FromString(b) for i in range(pools)
-             for b in F.recorded_stream(i, pages_per_pool, 0)]
-    router, names = _fleet_router("bench", pools)
-    feeds, loop = {n: Feed(n) for n in names}, FeedLoop(router)
-    loop.applier.idle_drop_s = idle_drop_s
-    index_native.kernel()
-    tracemalloc.start()
-    try:
-        for item in items:
-            loop.run_sync(loop.applier.put(feeds[item.batch.pool_id], item), 60.0)
-        _wait(router, names, lambda i: i.last_seq >= 0 and not i.in_snapshot)
-        while router.migrate_index(0):  # 0 slots: asks whether a migration (or sweep) remains
-            time.sleep(0.01)
-        used, _ = tracemalloc.get_traced_memory()
-        end = time.monotonic() + 3 * idle_drop_s
-        while any(t._spare.planned for t in router.index._tables) and time.monotonic() < end:
-            time.sleep(0.1)
-        dropped, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-        loop.close()
-    return used / len(router.index), dropped / len(router.index)
-
-
 def _measure_warmup(address: str, pools: int, pages_per_pool: int, live_batches: int,
                     packed: bool) -> dict:
     """The cold warm-up alone, routed by both policies (warmup.py)."""
@@ -409,7 +358,8 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
         "routed_to_holder": timed.to_holder / max(timed.private, 1),
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
-        "index_growths_ready": st.growths_ready, "index_growths_unready": st.growths_unready,
+        "index_growths_ready": st.growths_ready, "index_growths_partial": st.growths_partial,
+        "index_growths_unready": st.growths_unready,
         "live_slice_events_mean": live / max(slices, 1),
         "slice_events_at_end": feeds.applier.size.events, **tuning.summary(),
         "packed_hashes": packed, "feeds_grpc": isinstance(source, GrpcSource),

@@ -12,7 +12,8 @@ idle: the spare's writes (`prepare_growth`, outside the lock) and one idle step
 runs) and `no_sweep` (the idle steps migrate only: the table before the sweep).
 
 Reported per run: the table's bytes per page (`nbytes()`, the spare's and an old table's
-arrays included) sampled after every call (mean, max, at the end), its rebuilds, the calls'
+arrays included) sampled after every call (mean, max, at the end; the max also with the spare
+only as far as written, what the process holds), its rebuilds, the calls'
 p50 / p99 / worst, the idle steps' total and longest hold, the spare's writes, and the
 used slots' share at the end.
 """
@@ -51,7 +52,7 @@ def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
         table.prepare_growth()
     while table.migrate_some(1 << 20):
         pass
-    caps, calls, holds, per_page, prepare_s = 1, [], [], [], 0.0
+    caps, calls, holds, per_page, written_per_page, prepare_s = 1, [], [], [], [], 0.0
     stored, start = pages, table._mem
     while stored + batch <= len(keys):
         gone, new = keys[stored - pages:stored - pages + batch], keys[stored:stored + batch]
@@ -68,6 +69,7 @@ def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
         prepare_s += t2 - t1
         holds.append(t3 - t2)
         per_page.append(table.nbytes() / len(table))
+        written_per_page.append(table.nbytes(written=True) / len(table))
         if table._mem is not start:
             caps, start = caps + 1, table._mem
         stored += batch
@@ -76,6 +78,8 @@ def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
             "rebuilds": caps - 1, "sweep_rounds": table.sweep.rounds,
             "bytes_per_page_mean": float(np.mean(per_page)),
             "bytes_per_page_max": float(np.max(per_page)), "bytes_per_page_end": per_page[-1],
+            # the spare as far as written: what the process holds
+            "written_bytes_per_page_max": float(np.max(written_per_page)),
             "used_share_end": (table._used) / table.cap,
             "call_p50_us": percentile(us.tolist(), 0.5),
             "call_p99_us": percentile(us.tolist(), 0.99),
@@ -92,7 +96,8 @@ def measure(pages: int, churn: float, batch: int, repeats: int, seed: int = 31) 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["mode"] == mode)
 
-    keys_shown = ("bytes_per_page_mean", "bytes_per_page_max", "bytes_per_page_end", "rebuilds",
+    keys_shown = ("bytes_per_page_mean", "bytes_per_page_max", "bytes_per_page_end",
+                  "written_bytes_per_page_max", "rebuilds",
                   "call_p99_us", "call_max_us", "calls_s", "idle_steps_s", "idle_step_max_ms",
                   "spare_writes_s", "used_share_end")
     return {"config": {"pages": pages, "churn": churn, "batch": batch, "repeats": repeats,
@@ -103,9 +108,9 @@ def measure(pages: int, churn: float, batch: int, repeats: int, seed: int = 31) 
 
 def table_text(result: dict) -> str:
     medians = result["medians"]
-    rows = [f"{'median over runs':<22}" + "".join(f"{m:>14}" for m in MODES)]
+    rows = [f"{'median over runs':<28}" + "".join(f"{m:>14}" for m in MODES)]
     for key in medians["sweep"]:
-        rows.append(f"{key:<22}" + "".join(f"{medians[m][key]:>14.3f}" for m in MODES))
+        rows.append(f"{key:<28}" + "".join(f"{medians[m][key]:>14.3f}" for m in MODES))
     return "\n".join(rows)
 
 

@@ -65,7 +65,7 @@ def test_index_metrics_report_entries_capacity_memory_and_evictions():
     tables = sum(t.nbytes() for t in router.index._tables)  # the arrays, allocated
     assert f"prefixcache_gateway_index_table_bytes {float(tables)}" in text and tables > 0
     assert "prefixcache_gateway_index_tombstones_swept_total 0.0" in text
-    for arrays in ("ready", "unready"):  # tables of 64 slots: no growth worth a spare
+    for arrays in ("ready", "partial", "unready"):  # tables of 64 slots: no growth worth a spare
         assert f'prefixcache_gateway_index_growths_total{{arrays="{arrays}"}} 0.0' in text
     table = router.index._tables[0]
     table.sweep.left = table.cap  # a round over the evicted pages' tombstones
@@ -73,7 +73,9 @@ def test_index_metrics_report_entries_capacity_memory_and_evictions():
         pass
     text = prometheus_client.generate_latest(metrics.registry).decode()
     assert "prefixcache_gateway_index_tombstones_swept_total 35.0" in text
-    table._spare.taken, table._spare.missed = 2, 1  # as two growths with a spare and one without
+    # as two growths with a spare written whole, three with one partly written and one without
+    table._spare.taken, table._spare.finished, table._spare.missed = 2, 3, 1
     text = prometheus_client.generate_latest(metrics.registry).decode()
     assert 'prefixcache_gateway_index_growths_total{arrays="ready"} 2.0' in text
+    assert 'prefixcache_gateway_index_growths_total{arrays="partial"} 3.0' in text
     assert 'prefixcache_gateway_index_growths_total{arrays="unready"} 1.0' in text

@@ -3,12 +3,15 @@ sized by how the table fills, written between ingest slices without the router's
 by the growth, which then writes no fresh arrays; and the same table either way."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from gateway.core import table_arrays
 from gateway.core.feeds import Feed, FeedLoop
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_table import PageTable
+from gateway.core.index_table import PageTable, page_keys
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker
@@ -70,8 +73,8 @@ def test_a_growth_takes_the_arrays_written_ahead_and_writes_none(monkeypatch):
         n += 2000
     assert table._mem is spare and spare.filled == spare.cap
     assert [c for c in fresh if c >= SPARE_MIN_SLOTS] == []
-    assert table.growths() == (1, 0)  # counted: the gateway's growths metric
-    assert shadow.growths()[0] == 0 < shadow.growths()[1]  # no feed loop: fresh arrays
+    assert table.growths() == (1, 0, 0)  # counted: the gateway's growths metric
+    assert shadow.growths()[:2] == (0, 0) < shadow.growths()[2:]  # no feed loop: fresh arrays
     # Pages only added: sized as a growth (~1.55x), not as a table of replaced pages.
     assert 1.4 * cap < table.cap < 1.7 * cap
     while table.migrate_some(1 << 20):
@@ -141,38 +144,69 @@ def test_a_fleet_that_stops_growing_gets_its_spare_planned_anew_and_taken(monkey
     assert len(table) == live
 
 
-def test_a_spare_not_complete_at_the_growth_is_dropped_and_its_late_writes_touch_nothing():
-    """A growth on another thread while the ingest thread still writes the spare: the table
-    allocates its own arrays, and the writes that follow go to the dropped ones."""
-    table = PageTable()
+def test_a_spare_partly_written_at_the_growth_is_taken_and_finished_under_the_lock():
+    """A growth before the spare is complete (a slice larger than the room the pace left): it
+    takes what was written and writes the rest itself (counted `partial`), and the table equals
+    one that grew into fresh arrays."""
+    table, shadow = PageTable(), PageTable()
     n = _grow_past_the_plan(table)
+    _stores(shadow, START, n)
     table.prepare_growth(4096)
     spare = table._spare.arrays
     assert spare is not None and 0 < spare.filled < spare.cap
     cap = table.cap
     while table.cap == cap:
         _stores(table, START + n, 2000)
+        _stores(shadow, START + n, 2000)
         n += 2000
-    assert table._mem is not spare and table._spare.arrays is None
-    assert table.growths() == (0, 1)
-    before = pages_and_stamps(table)
-    spare.fill(spare.cap)  # what the ingest thread's call in flight still does
-    assert pages_and_stamps(table) == before and len(table) == n
+    assert table._mem is spare and spare.filled == spare.cap and table._spare.arrays is None
+    assert table.growths() == (0, 1, 0)
+    assert table.prepare_growth(1 << 20) is False  # nothing planned: nothing written
+    while table.migrate_some(1 << 20) or shadow.migrate_some(1 << 20):
+        pass
+    assert pages_and_stamps(table) == pages_and_stamps(shadow) and len(table) == n
+
+
+def test_a_growth_waits_for_the_spare_write_in_flight_and_then_writes_alone():
+    """The ingest thread writes a chunk of the spare without the router's lock while a growth
+    comes: the growth waits for that chunk (the spare's write lock) before it takes the arrays,
+    so no write lands after its pages (as an EMPTY over a placed key would)."""
+    table = PageTable()
+    n = _grow_past_the_plan(table)
+    table.prepare_growth(4096)
+    spare, cap = table._spare.arrays, table.cap
+    stores = [START + n]
+
+    def grow() -> None:
+        while table.cap == cap:
+            _stores(table, stores[0], 2000)
+            stores[0] += 2000
+    table._spare._writing.acquire()  # a chunk in flight
+    grower = threading.Thread(target=grow)
+    grower.start()
+    grower.join(0.5)
+    assert grower.is_alive() and table._mem is not spare  # the growth waits in take()
+    table._spare._writing.release()
+    grower.join(10)
+    assert not grower.is_alive() and table._mem is spare
+    assert table.prepare_growth(1 << 20) is False
+    stored_keys = page_keys([k.to_bytes(8, "little") * 2 for k in range(START, stores[0])])
+    assert len(table) == stores[0] - START and table.keys_held(1) == stored_keys
 
 
 def test_a_spare_too_small_for_the_growth_is_not_taken():
     spare = Spare()
     spare.plan(live=100_000, total=100_000, room=0, grown_load=0.45)
     assert spare.planned >= SPARE_MIN_SLOTS
-    while spare.fill_some(0, chunk=1 << 16):
+    while spare.fill_some(0, 100_000, 0, chunk=1 << 16):
         pass
     assert spare.take(int(spare.planned / 0.9) + 2) is None and spare.arrays is None and not spare.planned
     spare.plan(live=100_000, total=100_000, room=0, grown_load=0.45)
-    while spare.fill_some(0, chunk=1 << 16):
+    while spare.fill_some(0, 100_000, 0, chunk=1 << 16):
         pass
     assert spare.take(int(spare.planned / 1.3)) is None  # too big: memory for nothing
     spare.plan(live=100_000, total=100_000, room=0, grown_load=0.45)
-    while spare.fill_some(0, chunk=1 << 16):
+    while spare.fill_some(0, 100_000, 0, chunk=1 << 16):
         pass
     arrays = spare.take(int(spare.planned / 1.1))
     assert arrays is not None and (arrays.holder == table_arrays.EMPTY).all()
@@ -180,17 +214,56 @@ def test_a_spare_too_small_for_the_growth_is_not_taken():
 
 def test_the_spare_is_written_at_the_pace_of_the_room_used():
     """Complete once half the room left at the plan is used: a slice's share, not all at once."""
-    spare = Spare()
+    spare, live, slots = Spare(), 10**7, 0  # no bound on the bytes a page
     spare.plan(live=100_000, total=150_000, room=60_000, grown_load=0.45)
-    assert spare.fill_some(60_000) and spare.arrays.filled == 0  # no room used yet
-    spare.fill_some(57_000)  # a tenth of the half
+    assert spare.fill_some(60_000, live, slots) and spare.arrays.filled == 0  # no room used yet
+    spare.fill_some(57_000, live, slots)  # a tenth of the half
     assert 0.09 * spare.planned <= spare.arrays.filled <= 0.11 * spare.planned
-    assert spare.fill_some(30_000) is False and spare.arrays.filled == spare.planned
+    assert spare.fill_some(30_000, live, slots) is False and spare.arrays.filled == spare.planned
+
+
+def test_a_growing_table_and_its_spare_hold_at_most_62_bytes_a_live_page():
+    """Pages only added: the spare (~1.63x the slots, planned at 55%: 76.6 bytes a page were it
+    written whole) is written, paced or all it may (an idle feed loop), no further than keeps
+    the arrays' written bytes within 62 a page; still complete before the growth, which takes
+    it. (Those bytes: the table's arrays and the spare's written part, what the process holds.)"""
+    for chunk in (None, 1 << 30):
+        table, n, peak = PageTable(), 0, 0.0
+        while table.cap < 4 * SPARE_MIN_SLOTS or table._old is not None:
+            _stores(table, START + n, 2000)
+            n += 2000
+            table.migrate_some(1 << 20)
+        cap, (taken, finished, missed) = table.cap, table.growths()  # so far none written ahead
+        while table.cap == cap:
+            more = table.prepare_growth(chunk)
+            spare = table._spare.arrays
+            peak = max(peak, table.nbytes(written=True) / len(table))
+            if chunk and spare is not None and spare.filled < spare.cap:
+                assert not more  # all it may write for now: the idle loop waits for pages
+            _stores(table, START + n, 500)
+            n += 500
+        assert table._mem is spare and table.growths() == (taken + 1, finished, missed)
+        assert 61 < peak <= table_arrays.WRITTEN_BYTES_PER_PAGE == 62, (chunk, peak)
+
+
+def test_a_spare_for_pages_replaced_is_written_whole_when_the_growth_holds_as_much():
+    """Live pages at 55% of the table and only replaced (no sweep: a table no feed loop
+    sweeps): the rebuild to come holds its old and new arrays for as many pages as now, over 64
+    bytes a page. Writing its spare ahead adds nothing to that peak, so the bound lets it."""
+    spare = Spare()
+    spare.plan(live=550_000, total=550_000, room=150_000, grown_load=0.45)  # first look: added
+    spare.plan(live=550_000, total=700_000, room=0, grown_load=0.45)  # replaced: a rebuild
+    assert 1.2e6 < spare.planned < 1.35e6
+    while spare.fill_some(0, 550_000, 1_000_000, chunk=1 << 16):
+        pass
+    assert spare.arrays.filled == spare.planned
+    assert (1_000_000 + spare.planned) * 16 / 550_000 > 64
 
 
 def test_the_feed_loop_writes_the_spare_while_ingest_is_idle():
-    """Pages stored up to past 55% and then nothing: the idle feed loop writes the whole spare
-    (and its memory counts in the table's bytes)."""
+    """Pages stored up to past 55% and then nothing: the idle feed loop writes the spare as far
+    as 62 bytes a live page allow (its allocated memory counts in the table's bytes whole), and
+    then stops asking to (no busy loop)."""
     pool = "spare"
     router = Router(make_policy("affinity"), GatewayMetrics())
     router.add(Worker(pool, "w", "c", None, pb.GetModelInfoResponse(worker=pool)))
@@ -204,10 +277,15 @@ def test_the_feed_loop_writes_the_spare_while_ingest_is_idle():
     try:
         item = cpb.SubscribeResponse(heartbeat=heartbeat(pool, seq - 1))
         feeds.run_sync(feeds.applier.put(Feed(pool), item), 10)
+        allowed = table_arrays.WRITTEN_BYTES_PER_PAGE * len(table) // 16 - table.cap
         wait_until(lambda: table._spare.arrays is not None
-                   and table._spare.arrays.filled == table._spare.planned,
+                   and table._spare.arrays.filled == allowed,
                    timeout_s=30, what="spare written")
+        cpu = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - cpu < 0.5  # idle: not a loop asking to write on
     finally:
         feeds.close()
+    assert 0 < allowed < table._spare.planned
     assert table.nbytes() == bytes_before + table._spare.planned * 16
 
