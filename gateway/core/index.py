@@ -142,7 +142,8 @@ class KvIndex:
         ready, partial, unready = map(sum, zip(*(t.growths() for t in self._tables)))
         return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
                           self.page_events, sum(t.nbytes() for t in self._tables),
-                          sum(t.sweep.cleared for t in self._tables), ready, partial, unready)
+                          sum(t.sweep.cleared for t in self._tables), ready, partial, unready,
+                          shared_pages=sum(t.shared_pages() for t in self._tables))
 
     # ----- workers -----------------------------------------------------------------------------
 

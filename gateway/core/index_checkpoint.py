@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.core.checkpoint_arrays import compact, expand, masks
+from gateway.core.holder_masks import HolderMasks
 from gateway.core.index import KvIndex, _Worker
 from gateway.core.index_sweep import Sweep
 from gateway.core.index_table import MIGRATE_STEP, MULTI, PageTable
@@ -109,8 +110,8 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     m = meta[prefix]
     t = PageTable.__new__(PageTable)
     t._use(expand(arrays, prefix, int(m["cap"])))
-    masks = arrays[prefix + "multi_mask"]
-    t.multi = {int(p): int.from_bytes(row.tobytes(), "little")
+    masks, t.holder_masks = arrays[prefix + "multi_mask"], HolderMasks()
+    t.multi = {int(p): t.holder_masks(int.from_bytes(row.tobytes(), "little"))
                for p, row in zip(arrays[prefix + "multi_pos"].tolist(), masks)}
     t._used, t.live, t._clock = int(m["used"]), int(m["live"]), int(m["clock"])
     t._cursor, t.rate = int(m["cursor"]), int(m["rate"])

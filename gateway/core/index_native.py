@@ -200,7 +200,7 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
         if preempt is not None:
             preempt.preemptible_s += time.perf_counter() - start
         table._used, table.live, table._clock = state.tolist()
-        _share(table.multi, rec[:3 * nrec.value].tolist(), shared)
+        _share(table, rec[:3 * nrec.value].tolist(), shared)
         before_stop = STOP_EVERY
         if stopped.value:  # the table is whole between two events: a decision may read it
             start = time.perf_counter()
@@ -223,18 +223,19 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
     return out
 
 
-def _share(multi: dict[int, int], rec: list[int], counts: dict[int, int]) -> None:
+def _share(table: PageTable, rec: list[int], counts: dict[int, int]) -> None:
     """The records of one `pt_apply` call, in order: a mask begun (seed, slot) or a slot joining
     one; each slot that newly holds a page counted."""
+    multi, masks = table.multi, table.holder_masks
     for j in range(0, len(rec), 3):
         pos, seed, s = rec[j], rec[j + 1], rec[j + 2]
         if seed >= 0:
-            multi[pos] = 1 << seed | 1 << s
+            multi[pos] = masks(1 << seed | 1 << s)
         else:
             m = multi[pos]
             if m >> s & 1:
                 continue
-            multi[pos] = m | 1 << s
+            multi[pos] = masks(m | 1 << s)
         counts[s] = counts.get(s, 0) + 1
 
 

@@ -13,7 +13,8 @@ hashes and computes what it lacks). The table grows by ~1.55x when live + delete
 so 16 bytes / 0.45..0.7 = 23..36 bytes a page (from 0.36 when the growth takes arrays written
 ahead a little larger than it needs), against ~160-185 for the dicts, sets and ints it replaces
 (24 bytes a slot while the key was the whole 16-byte hash). Pages several
-workers hold cost one `multi` dict entry more (~100 bytes plus the mask int). While a growth
+workers hold cost one `multi` dict entry more (~85 bytes, and the mask int, ~160 bytes at 1,000
+workers, which pages with the same holders share: gateway/core/holder_masks.py). While a growth
 migrates, the old arrays stay allocated beside the new ones (~0.65x their size); so do the next
 growth's from when the table passes 55% (made ready ahead by the ingest thread:
 gateway/core/table_arrays.py), unless the tombstones of removed pages are what fill it: the feed
@@ -49,6 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
+from gateway.core.holder_masks import HolderMasks
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
 from gateway.core.table_arrays import EMPTY, MULTI, TOMB, Spare, TableArrays
@@ -136,6 +138,7 @@ class PageTable:
         self.live = 0  # pages in both tables while an old one remains
         self._clock = 0
         self.multi: dict[int, int] = {}  # slot position -> mask of its holders (2+ bits)
+        self.holder_masks = HolderMasks()  # each distinct mask stored once (holder_masks.py)
         self._old: PageTable | None = None  # the table being migrated from, if any
         self._cursor = 0  # old slots below it are migrated
         self.migrate_step, self.rate = migrate_step, 0
@@ -155,6 +158,11 @@ class PageTable:
         holds (the rest is address space until written)."""
         old = self._old._mem.nbytes() if self._old is not None else 0
         return self._mem.nbytes() + old + self._spare.nbytes(written)
+
+    def shared_pages(self) -> int:
+        """Pages two or more workers hold (a `multi` mask each), an old table's included."""
+        old = self._old
+        return len(self.multi) + (len(old.multi) if old is not None else 0)
 
     def growths(self) -> tuple[int, int, int]:
         """(growths that took arrays written ahead, that took them partly written and wrote the
@@ -235,7 +243,7 @@ class PageTable:
             return False
         m &= ~(1 << slot)
         if m & (m - 1):
-            self.multi[pos] = m
+            self.multi[pos] = self.holder_masks(m)
         else:
             del self.multi[pos]
             self._holder[pos] = m.bit_length() - 1
@@ -448,10 +456,10 @@ class PageTable:
             m = self.multi[pos]
             if m >> slot & 1:
                 return False
-            self.multi[pos] = m | 1 << slot
+            self.multi[pos] = self.holder_masks(m | 1 << slot)
         else:
             self._holder[pos] = MULTI
-            self.multi[pos] = 1 << hv | 1 << slot
+            self.multi[pos] = self.holder_masks(1 << hv | 1 << slot)
         return True
 
     def _homes(self, key: np.ndarray) -> np.ndarray:
@@ -534,6 +542,7 @@ class PageTable:
             self._step(0, self._old.cap - self._cursor)
         old = PageTable.__new__(PageTable)
         old._used, old.live, old.multi, old._old = self._used, self.live, self.multi, None
+        old.holder_masks = self.holder_masks
         old._use(self._mem)
         need = max(64, int((self.live + extra) / _GROWN_LOAD) + 1)
         self._use(self._spare.take(need) or TableArrays.empty(need))

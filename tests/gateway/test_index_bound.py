@@ -65,6 +65,10 @@ def test_index_metrics_report_entries_capacity_memory_and_evictions():
     tables = sum(t.nbytes() for t in router.index._tables)  # the arrays, allocated
     assert f"prefixcache_gateway_index_table_bytes {float(tables)}" in text and tables > 0
     assert "prefixcache_gateway_index_tombstones_swept_total 0.0" in text
+    assert "prefixcache_gateway_index_shared_pages 0.0" in text
+    router.index.apply(batch("v", 0, stored(pages(55, 60))))  # 5 of w's also held by v
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    assert "prefixcache_gateway_index_shared_pages 5.0" in text
     for arrays in ("ready", "partial", "unready"):  # tables of 64 slots: no growth worth a spare
         assert f'prefixcache_gateway_index_growths_total{{arrays="{arrays}"}} 0.0' in text
     table = router.index._tables[0]

@@ -17,6 +17,7 @@ from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.index_memory import (idle_gateway_bytes_per_page,
                                                           index_bytes_per_page)
 from prefixcache_bench.gateway_fleet.run import IngestTuning, run_config
+from prefixcache_bench.gateway_fleet.shared_masks import measure_case
 from prefixcache_bench.gateway_fleet.sources import PACE_S
 from prefixcache_bench.gateway_fleet.sweep import main as sweep_main
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
@@ -263,3 +264,19 @@ def test_the_sweep_bench_reports_both_modes(tmp_path):
     assert {r["mode"] for r in result["runs"]} == {"sweep", "no_sweep"}
     assert result["medians"]["sweep"]["bytes_per_page_mean"] > 0
     assert (tmp_path / "sweep.txt").read_text().startswith("median over runs")
+
+
+def test_the_shared_masks_bench_counts_what_pages_several_workers_hold_cost():
+    """Pages held by pairs of workers each take a `multi` entry beside the arrays. Pairs that
+    hold many pages share one mask object (cheap at 1,000 workers as at 8); pages each with their
+    own random pair pay for a mask int that grows with the highest worker slot."""
+    cases = {(w, k, c): measure_case(w, k, 40_000, c) for w, k, c in
+             ((8, 1, "groups"), (8, 2, "groups"), (1000, 2, "groups"), (1000, 2, "random"))}
+    alone, pairs, fleet, spread = cases.values()
+    assert alone["shared_pages"] == 0
+    for case in (pairs, fleet, spread):
+        assert case["shared_pages"] == case["pages"] == 40_000
+    assert fleet["distinct_masks"] == 500 and spread["distinct_masks"] > 38_000
+    assert pairs["other_bytes_per_page"] > alone["other_bytes_per_page"] + 25
+    assert abs(fleet["other_bytes_per_page"] - pairs["other_bytes_per_page"]) < 20
+    assert spread["other_bytes_per_page"] > fleet["other_bytes_per_page"] + 50

@@ -1,0 +1,112 @@
+"""`python -m prefixcache_bench.gateway_fleet.shared_masks --json PATH`: the routing index's
+memory a page when pages are held by several workers (issue 31's goal: 64 bytes an indexed page
+at 1,000 workers).
+
+A page one worker holds lives in its page table's flat arrays alone (16 bytes a slot). A page
+two or more hold also takes an entry in the table's `multi` dict (slot position -> a Python int
+mask of its holders' worker slots, gateway/core/index_table.py): the dict's entry, the position's
+int and the mask's int, whose size follows the highest worker slot among the holders, not how
+many they are; pages with the same holders share one mask object (gateway/core/holder_masks.py).
+For each case (workers, holders a page, how they are chosen), either the workers are split into
+groups of that many, each group storing its own pages (`--pages` in all; fewer where every worker
+holds every page, to keep the holders' additions at 2M), or each page gets its own random set of
+holders (no two pages alike: the masks' worst case), and tracemalloc counts what the index
+allocated, per page. The arrays' part depends on where the last growth left the table (a table
+fresh from one holds about half its slots empty), as in the index's tests.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tracemalloc
+
+from gateway.core import index_native
+from gateway.core.index import IndexConfig, KvIndex
+from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache_bench.harness import print_and_write
+
+CASES = ((8, 1, "groups"), (8, 2, "groups"), (8, 8, "groups"), (1000, 1, "groups"),
+         (1000, 2, "groups"), (1000, 8, "groups"), (1000, 1000, "groups"), (1000, 2, "random"))
+_MAX_ADDITIONS = 2_000_000
+_GOAL_BYTES_PER_PAGE = 64
+
+
+def _batch(worker: int, pages: list[bytes]) -> events_pb2.EventBatch:
+    stored = events_pb2.BlockStored(block_hashes=pages, block_size=16, model_id="m",
+                                    medium=common_pb2.MEDIUM_DEVICE)
+    return events_pb2.EventBatch(pool_id=f"w{worker}", epoch=1, seq=0,
+                                 events=[events_pb2.KvEvent(stored=stored)])
+
+
+def _holdings(workers: int, holders: int, pages: int, chosen: str) -> dict[int, list[bytes]]:
+    """Each worker's pages: its group's, or (`random`) those whose random holders include it."""
+    held: dict[int, list[bytes]] = {w: [] for w in range(workers)}
+    if chosen == "random":
+        rng = random.Random(31)
+        for j in range(pages):
+            for w in rng.sample(range(workers), holders):
+                held[w].append((1 << 40 | j).to_bytes(16, "little"))
+        return held
+    groups = workers // holders
+    for g in range(groups):
+        own = [((g + 1) << 40 | j).to_bytes(16, "little") for j in range(pages // groups)]
+        for w in range(g * holders, (g + 1) * holders):
+            held[w] = own
+    return held
+
+
+def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups") -> dict:
+    pages = min(pages, _MAX_ADDITIONS // holders)
+    held = _holdings(workers, holders, pages, chosen)
+    batches = [_batch(w, own) for w, own in held.items() if own]
+    index = KvIndex(IndexConfig(max_entries=1 << 40))
+    for w in range(workers):  # every worker known first: slots 0..workers-1, as in a fleet
+        index.add_worker(f"w{w}")
+    index_native.kernel()  # loaded before tracing: its allocations are not the index's
+    tracemalloc.start()
+    try:
+        for b in batches:
+            index.apply(b)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    arrays = sum(t.nbytes(written=True) for t in index._tables)  # noqa: SLF001 (a bench's view)
+    shared = index.stats().shared_pages
+    distinct = len({id(m) for t in index._tables for m in t.multi.values()})  # noqa: SLF001
+    n = len(index)
+    return {"workers": workers, "holders_per_page": holders, "holders_chosen": chosen,
+            "pages": n, "shared_pages": shared, "distinct_masks": distinct,
+            "bytes_per_page": used / n, "arrays_bytes_per_page": arrays / n,
+            "other_bytes_per_page": (used - arrays) / n}
+
+
+def table_text(result: dict) -> str:
+    rows = [f"{'workers':>8}{'holders':>9}{'chosen':>8}{'pages':>10}{'masks':>8}"
+            f"{'bytes/page':>12}{'arrays':>9}{'masks+rest':>12}"]
+    for c in result["cases"]:
+        rows.append(f"{c['workers']:>8}{c['holders_per_page']:>9}{c['holders_chosen']:>8}"
+                    f"{c['pages']:>10,}{c['distinct_masks']:>8,}"
+                    f"{c['bytes_per_page']:>12.1f}{c['arrays_bytes_per_page']:>9.1f}"
+                    f"{c['other_bytes_per_page']:>12.1f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pages", type=int, default=200_000)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    if a.pages < 1000:
+        ap.error("needs --pages >= 1000 (every group of holders gets its own pages)")
+    cases = [measure_case(w, k, a.pages, chosen) for w, k, chosen in CASES]
+    result = {"config": {"pages": a.pages, "cases": [list(c) for c in CASES]},
+              "goal_bytes_per_page": _GOAL_BYTES_PER_PAGE, "cpus": os.cpu_count(),
+              "python": sys.version.split()[0], "cases": cases,
+              "command": f"python -m prefixcache_bench.gateway_fleet.shared_masks --pages {a.pages}"}
+    print_and_write(result, table_text(result), a.json)
+
+
+if __name__ == "__main__":
+    main()
