@@ -11,7 +11,9 @@ For each case (workers, holders a page, how they are chosen), either the workers
 groups of that many, each group storing its own pages (`--pages` in all; fewer where every worker
 holds every page, to keep the holders' additions at 2M), or each page gets its own random set of
 holders (no two pages alike: the masks' worst case), and tracemalloc counts what the index
-allocated, per page. The arrays' part depends on where the last growth left the table (a table
+allocated, per page. Then the same batches are applied `--repeats` times more without tracing,
+alternating with a baseline whose `HolderMasks` stores nothing (every mask its own object, as
+before the store): the process CPU time of each, and the ratio of their medians. The arrays' part depends on where the last growth left the table (a table
 fresh from one holds about half its slots empty), as in the index's tests.
 """
 from __future__ import annotations
@@ -19,10 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
+import time
 import tracemalloc
 
 from gateway.core import index_native
+from gateway.core.holder_masks import HolderMasks
 from gateway.core.index import IndexConfig, KvIndex
 from prefixcache.v1 import common_pb2, events_pb2
 from prefixcache_bench.harness import print_and_write
@@ -57,13 +62,34 @@ def _holdings(workers: int, holders: int, pages: int, chosen: str) -> dict[int, 
     return held
 
 
-def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups") -> dict:
-    pages = min(pages, _MAX_ADDITIONS // holders)
-    held = _holdings(workers, holders, pages, chosen)
-    batches = [_batch(w, own) for w, own in held.items() if own]
+def _index(workers: int) -> KvIndex:
     index = KvIndex(IndexConfig(max_entries=1 << 40))
     for w in range(workers):  # every worker known first: slots 0..workers-1, as in a fleet
         index.add_worker(f"w{w}")
+    return index
+
+
+def _apply_cpu_s(workers: int, batches: list, store: bool) -> float:
+    """Process CPU time of applying the batches to a fresh index, with or without the store."""
+    stores = HolderMasks.__call__
+    if not store:
+        HolderMasks.__call__ = lambda self, mask: mask  # type: ignore[method-assign]
+    try:
+        index = _index(workers)
+        start = time.process_time()
+        for b in batches:
+            index.apply(b)
+        return time.process_time() - start
+    finally:
+        HolderMasks.__call__ = stores  # type: ignore[method-assign]
+
+
+def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups",
+                 repeats: int = 0) -> dict:
+    pages = min(pages, _MAX_ADDITIONS // holders)
+    held = _holdings(workers, holders, pages, chosen)
+    batches = [_batch(w, own) for w, own in held.items() if own]
+    index = _index(workers)
     index_native.kernel()  # loaded before tracing: its allocations are not the index's
     tracemalloc.start()
     try:
@@ -76,35 +102,47 @@ def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups")
     shared = index.stats().shared_pages
     distinct = len({id(m) for t in index._tables for m in t.multi.values()})  # noqa: SLF001
     n = len(index)
+    times: dict[str, list[float]] = {"store": [], "no_store": []}
+    for _ in range(repeats):
+        for mode in times:
+            times[mode].append(_apply_cpu_s(workers, batches, mode == "store"))
+    timed = {} if not repeats else {
+        "apply_cpu_s": times, "apply_store_over_no_store":
+            statistics.median(times["store"]) / statistics.median(times["no_store"])}
     return {"workers": workers, "holders_per_page": holders, "holders_chosen": chosen,
             "pages": n, "shared_pages": shared, "distinct_masks": distinct,
             "bytes_per_page": used / n, "arrays_bytes_per_page": arrays / n,
-            "other_bytes_per_page": (used - arrays) / n}
+            "other_bytes_per_page": (used - arrays) / n, **timed}
 
 
 def table_text(result: dict) -> str:
     rows = [f"{'workers':>8}{'holders':>9}{'chosen':>8}{'pages':>10}{'masks':>8}"
-            f"{'bytes/page':>12}{'arrays':>9}{'masks+rest':>12}"]
+            f"{'bytes/page':>12}{'arrays':>9}{'masks+rest':>12}{'apply time':>12}"]
     for c in result["cases"]:
         rows.append(f"{c['workers']:>8}{c['holders_per_page']:>9}{c['holders_chosen']:>8}"
                     f"{c['pages']:>10,}{c['distinct_masks']:>8,}"
                     f"{c['bytes_per_page']:>12.1f}{c['arrays_bytes_per_page']:>9.1f}"
-                    f"{c['other_bytes_per_page']:>12.1f}")
+                    f"{c['other_bytes_per_page']:>12.1f}"
+                    f"{c.get('apply_store_over_no_store', float('nan')):>11.2f}x")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="untraced applies of each case with the store and without, alternating")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.pages < 1000:
         ap.error("needs --pages >= 1000 (every group of holders gets its own pages)")
-    cases = [measure_case(w, k, a.pages, chosen) for w, k, chosen in CASES]
-    result = {"config": {"pages": a.pages, "cases": [list(c) for c in CASES]},
+    cases = [measure_case(w, k, a.pages, chosen, a.repeats) for w, k, chosen in CASES]
+    result = {"config": {"pages": a.pages, "repeats": a.repeats, "cases": [list(c) for c in CASES]},
               "goal_bytes_per_page": _GOAL_BYTES_PER_PAGE, "cpus": os.cpu_count(),
               "python": sys.version.split()[0], "cases": cases,
-              "command": f"python -m prefixcache_bench.gateway_fleet.shared_masks --pages {a.pages}"}
+              "load_average_1m": os.getloadavg()[0],
+              "command": "python -m prefixcache_bench.gateway_fleet.shared_masks "
+                         f"--pages {a.pages} --repeats {a.repeats}"}
     print_and_write(result, table_text(result), a.json)
 
 

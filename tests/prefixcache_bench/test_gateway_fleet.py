@@ -276,7 +276,7 @@ def test_the_shared_masks_bench_counts_what_pages_several_workers_hold_cost():
     assert alone["shared_pages"] == 0
     for case in (pairs, fleet, spread):
         assert case["shared_pages"] == case["pages"] == 40_000
-    assert fleet["distinct_masks"] == 500 and spread["distinct_masks"] > 38_000
+    assert fleet["distinct_masks"] < 4000 < 38_000 < spread["distinct_masks"]
     assert pairs["other_bytes_per_page"] > alone["other_bytes_per_page"] + 25
     assert abs(fleet["other_bytes_per_page"] - pairs["other_bytes_per_page"]) < 20
     assert spread["other_bytes_per_page"] > fleet["other_bytes_per_page"] + 50
