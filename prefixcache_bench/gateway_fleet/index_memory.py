@@ -22,15 +22,20 @@ def index_bytes_per_page(pools: int, pages_per_pool: int) -> float:
     msgs = [cpb.SubscribeResponse.FromString(b).batch for i in range(pools)
             for b in F.recorded_stream(i, pages_per_pool, 0)]
     index = KvIndex(IndexConfig(max_entries=1 << 40))
+    return traced_apply(index, msgs) / len(index)
+
+
+def traced_apply(index: KvIndex, batches: list) -> int:
+    """The bytes the index allocated applying the batches and still holds (tracemalloc)."""
     index_native.kernel()  # loaded (or built) before tracing: its allocations are not the index's
     tracemalloc.start()
     try:
-        for m in msgs:
-            index.apply(m)
+        for batch in batches:
+            index.apply(batch)
         used, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    return used / len(index)
+    return used
 
 
 def idle_gateway_bytes_per_page(pools: int, pages_per_pool: int,

@@ -24,12 +24,11 @@ import random
 import statistics
 import sys
 import time
-import tracemalloc
 
-from gateway.core import index_native
 from gateway.core.holder_masks import HolderMasks
 from gateway.core.index import IndexConfig, KvIndex
 from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache_bench.gateway_fleet.index_memory import traced_apply
 from prefixcache_bench.harness import print_and_write
 
 CASES = ((8, 1, "groups"), (8, 2, "groups"), (8, 8, "groups"), (1000, 1, "groups"),
@@ -90,14 +89,7 @@ def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups",
     held = _holdings(workers, holders, pages, chosen)
     batches = [_batch(w, own) for w, own in held.items() if own]
     index = _index(workers)
-    index_native.kernel()  # loaded before tracing: its allocations are not the index's
-    tracemalloc.start()
-    try:
-        for b in batches:
-            index.apply(b)
-        used, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    used = traced_apply(index, batches)
     arrays = sum(t.nbytes(written=True) for t in index._tables)  # noqa: SLF001 (a bench's view)
     shared = index.stats().shared_pages
     distinct = len({id(m) for t in index._tables for m in t.multi.values()})  # noqa: SLF001
@@ -123,7 +115,8 @@ def table_text(result: dict) -> str:
                     f"{c['pages']:>10,}{c['distinct_masks']:>8,}"
                     f"{c['bytes_per_page']:>12.1f}{c['arrays_bytes_per_page']:>9.1f}"
                     f"{c['other_bytes_per_page']:>12.1f}"
-                    f"{c.get('apply_store_over_no_store', float('nan')):>11.2f}x")
+                    + (f"{c['apply_store_over_no_store']:>11.2f}x"
+                       if "apply_store_over_no_store" in c else f"{'-':>12}"))
     return "\n".join(rows)
 
 
