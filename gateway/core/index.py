@@ -65,9 +65,11 @@ MEDIUM_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
 # Bytes one (page hash, medium) key is counted as: a PageTable slot is 16 bytes at 45-70% load
-# (23-36 bytes a page; ~60 with a growth's old arrays beside its new ones, up to ~77 while the next
-# growth's are held from 55%: table_arrays.py), and a page several workers hold costs ~100-250
-# bytes more (its mask). 128 leaves room for shared pages (measured: design.md §6, "Memory").
+# (23-36 bytes a page; ~60 with a growth's old arrays beside its new ones, at most 62 with the
+# next growth's as far as written: table_arrays.py), and a page several workers hold costs its
+# `multi` entry more (~85 bytes, and its mask where no other page has the same holders: 117-119
+# bytes a page in all at 1,000 workers where holders repeat, 265 where none do:
+# holder_masks.py). 128 leaves room for shared pages (measured: design.md §6, "Memory").
 BYTES_PER_ENTRY = 128
 # A stored or removed event this long goes to the table in numpy (snapshots: 4,096 pages a batch;
 # live batches of a busy worker: tens); shorter ones page by page (numpy's fixed cost per call,
