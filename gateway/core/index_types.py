@@ -143,9 +143,10 @@ class IndexStats:
     growths_ready: int = 0
     growths_partial: int = 0
     growths_unready: int = 0
-    # Keys two or more workers hold: each has a holder mask beside the arrays (a dict entry and
-    # a Python int, ~85 bytes at 8 workers and ~180 at 1,000; gateway_fleet/shared_masks.py),
-    # counted in neither table_bytes nor memory_bytes.
+    # Keys two or more workers hold: each has a `multi` entry beside the arrays (~85 bytes, and
+    # its mask int, ~150 more at 1,000 workers unless pages with the same holders share it:
+    # holder_masks.py, gateway_fleet/shared_masks.py), counted in neither table_bytes nor
+    # memory_bytes.
     shared_pages: int = 0
 
 

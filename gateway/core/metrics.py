@@ -54,8 +54,8 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
                       ("table_bytes", "The routing index's page tables as allocated, a "
                                       "growth's old table and the next one's spare included."),
                       ("shared_pages", "Keys two or more workers hold: each has a holder mask "
-                                       "beside the page tables (~180 bytes at 1,000 workers), "
-                                       "in neither table_bytes nor memory_bytes.")):
+                                       "beside the page tables (~85-235 bytes at 1,000 "
+                                       "workers), in neither table_bytes nor memory_bytes.")):
         g = GaugeMetricFamily(f"prefixcache_gateway_index_{name}", doc)
         g.add_metric([], totals[name])
         yield g
