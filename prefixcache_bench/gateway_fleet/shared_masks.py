@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="untraced applies of each case with the store and without, alternating")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    if a.pages < 1000:
-        ap.error("needs --pages >= 1000 (every group of holders gets its own pages)")
+    if a.pages < 1000 or a.repeats < 0:
+        ap.error("needs --pages >= 1000 (every group of holders gets its own pages) and "
+                 "--repeats >= 0")
     cases = [measure_case(w, k, a.pages, chosen, a.repeats) for w, k, chosen in CASES]
     result = {"config": {"pages": a.pages, "repeats": a.repeats, "cases": [list(c) for c in CASES]},
               "goal_bytes_per_page": _GOAL_BYTES_PER_PAGE, "cpus": os.cpu_count(),

@@ -17,6 +17,7 @@ from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.index_memory import (idle_gateway_bytes_per_page,
                                                           index_bytes_per_page)
 from prefixcache_bench.gateway_fleet.run import IngestTuning, run_config
+from prefixcache_bench.gateway_fleet.shared_masks import main as shared_masks_main
 from prefixcache_bench.gateway_fleet.shared_masks import measure_case
 from prefixcache_bench.gateway_fleet.sources import PACE_S
 from prefixcache_bench.gateway_fleet.sweep import main as sweep_main
@@ -280,3 +281,11 @@ def test_the_shared_masks_bench_counts_what_pages_several_workers_hold_cost():
     assert pairs["other_bytes_per_page"] > alone["other_bytes_per_page"] + 25
     assert abs(fleet["other_bytes_per_page"] - pairs["other_bytes_per_page"]) < 20
     assert spread["other_bytes_per_page"] > fleet["other_bytes_per_page"] + 50
+
+
+@pytest.mark.parametrize("argv", [["--pages", "999"], ["--repeats", "-1"]])
+def test_the_shared_masks_bench_refuses_sizes_it_cannot_measure(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        shared_masks_main([*argv, "--json", str(tmp_path / "r.json")])
+    assert "needs --pages >= 1000" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
