@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import multiprocessing
 import os
 import random
@@ -80,7 +81,9 @@ class _Router:
         # its arrival on the schedule to route()'s end: a stall delays every decision due in it)
         self.samples: list[tuple[float, float, float, float]] = []
         self.cpu: list[tuple[float, float]] = []  # (start, this thread's CPU time then)
-        self.to_holder = self.private = 0
+        # (start, routed to the holder) of each request for a pool's conversation: counted by
+        # phase, since during the warm-up the holder's pages are not all indexed yet
+        self.held: list[tuple[float, bool]] = []
         self.new_phase = threading.Event()  # set: the schedule starts again now (no backlog)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
@@ -121,10 +124,14 @@ class _Router:
             if route is not None:
                 self.router.finish(req.request_id)
                 if holder is not None and self.router.index.info(holder) is not None:
-                    self.private += 1
-                    self.to_holder += route.worker.name == holder
+                    self.held.append((start, route.worker.name == holder))
             n += 1
             due += self.period_s
+
+    def to_holder(self, t0: float, t1: float = math.inf) -> float | None:
+        """The share of conversation requests started in [t0, t1) routed to their pool."""
+        hits = [hit for t, hit in self.held if t0 <= t < t1]
+        return sum(hits) / len(hits) if hits else None
 
     def summary(self, t0: float, t1: float) -> dict:
         phase = [x for x in self.samples if t0 <= x[0] < t1]
@@ -133,7 +140,7 @@ class _Router:
         lat, woken, due = ([x[i] * 1e6 for x in phase] for i in (1, 2, 3))
         out = {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
                "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99),
-               "p99_from_due_us": percentile(due, 0.99)}
+               "p99_from_due_us": percentile(due, 0.99), "routed_to_holder": self.to_holder(t0, t1)}
         cpu = [(t, c) for t, c in self.cpu if t0 <= t < t1]
         if len(cpu) > 1:  # the routing thread's share of its core over the phase
             out["cpu_share"] = (cpu[-1][1] - cpu[0][1]) / max(cpu[-1][0] - cpu[0][0], 1e-9)
@@ -355,7 +362,7 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
         "routing_during_warmup": timed.summary(t0, t_warm),
         "routing_during_ingest": timed.summary(clock.first or t_live, clock.last or t_done),
         "routing_idle": timed.summary(t_done, t_done + idle_s + 1),
-        "routed_to_holder": timed.to_holder / max(timed.private, 1),
+        "routed_to_holder": timed.to_holder(t_warm),  # once warm: the index holds every pool's
         "gateway_threads": threads, "rss_growth_bytes_per_page": rss / max(st.entries, 1),
         "index_evictions": st.evicted_entries, "live_apply_slices": slices,
         "index_growths_ready": st.growths_ready, "index_growths_partial": st.growths_partial,

@@ -84,7 +84,10 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     # How late ingest started, noted on the warm-up's polls (before or at the warm one).
     assert 0 <= r["warmup_first_page_s"] <= r["restart_to_warm_s"]
     assert 0 <= r["warmup_all_streaming_s"] <= r["restart_to_warm_s"]
+    # Counted once warm: a CI run counting the warm-up too (holders' pages not yet indexed, and a
+    # slow warm-up on a loaded machine) measured 0.48. Once warm, runs here measured 0.81-0.86.
     assert r["routing_idle"]["decisions"] > 0 and r["routed_to_holder"] > 0.5
+    assert r["routing_idle"]["routed_to_holder"] > 0.5
     assert 50 < index_bytes_per_page(4, 400) < 1000
 
 
