@@ -4,8 +4,10 @@ A write's cost is its bytes, and most of a table's bytes are empty slots: a tabl
 occupancy, and while it grows its new arrays are mostly empty (at 10M pages mid-growth, 0.85 GB
 of arrays for 0.25 GB of occupied slots). So a table is written as its occupancy, one bit per
 slot (np.packbits of holder != EMPTY), and its three arrays at the occupied slots only (tombstones
-included: probing walks over them), the holders narrowed to 16 bits when every slot number fits
-(a holder is a worker slot, MULTI or TOMB): 14 bytes an occupied slot. Loading puts them back at
+included: probing walks over them), the holders narrowed to 16 bits when every value fits: 14
+bytes an occupied slot. A holder is a worker slot, TOMB, or SHARED + a set's id
+(gateway/core/holder_sets.py), written as -4 - the id, so that the ids of a few thousand sets
+fit too. Loading puts them back at
 their positions in arrays of the table's capacity (empty slots: zero, holder EMPTY), so no key is
 re-inserted. Compression was measured and left out: zlib at level 1 ran at 40-70 MB/s on these arrays here,
 slower than writing the bytes it saves (~0.3 GB/s).
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from gateway.core.holder_sets import SHARED
 from gateway.core.table_arrays import EMPTY, TableArrays
 
 # A table's arrays (TableArrays' attributes) and their dtypes.
 _ARRAYS = (("key", np.uint64), ("holder", np.int32), ("stamp", np.uint32))
+# A shared page's holder as written: this, less its set's id (below EMPTY and TOMB).
+_SET_WRITTEN = -4
 
 
 def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -29,7 +34,10 @@ def compact(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]
     for name, _ in _ARRAYS:
         out[prefix + name] = np.take(arrays[prefix + name], at)
     held = out[prefix + "holder"]
-    if not len(held) or held.max() <= np.iinfo(np.int16).max:
+    shared = held >= SHARED
+    held[shared] = _SET_WRITTEN - (held[shared] - SHARED)
+    small = np.iinfo(np.int16)
+    if not len(held) or small.min <= held.min() and held.max() <= small.max:
         out[prefix + "holder"] = held.astype(np.int16)
     return out
 
@@ -49,13 +57,21 @@ def expand(arrays: dict[str, np.ndarray], prefix: str, cap: int) -> TableArrays:
     out = TableArrays.empty(cap)
     for name, _ in _ARRAYS:
         getattr(out, name)[at] = arrays[prefix + name]
+    holder = out.holder[at]
+    shared = holder <= _SET_WRITTEN
+    holder[shared] = SHARED + (_SET_WRITTEN - holder[shared])
+    out.holder[at] = holder
     return out
 
 
-def masks(name: str, multi: dict[int, int]) -> dict[str, np.ndarray]:
-    """A table's `multi` as arrays: positions, and masks of 2+ holders (up to as many bits as
-    slots: 1,000 workers) as rows of bytes."""
-    width = max((m.bit_length() + 7) // 8 for m in multi.values()) if multi else 1
-    return {name + "_pos": np.fromiter(multi.keys(), dtype=np.int64, count=len(multi)),
-            name + "_mask": np.frombuffer(b"".join(m.to_bytes(width, "little") for m in multi.values()),
-                                          dtype=np.uint8).reshape(len(multi), width)}
+def sets(name: str, masks: list[int]) -> dict[str, np.ndarray]:
+    """The sets of holders by id (0 where an id is free; up to as many bits as slots: 1,000
+    workers) as rows of bytes."""
+    width = max((m.bit_length() + 7) // 8 for m in masks) if masks else 1
+    rows = b"".join(m.to_bytes(width, "little") for m in masks)
+    return {name: np.frombuffer(rows, dtype=np.uint8).reshape(len(masks), width)}
+
+
+def masks_of(rows: np.ndarray) -> list[int]:
+    """`sets`' rows as the masks again."""
+    return [int.from_bytes(row.tobytes(), "little") for row in rows]

@@ -22,8 +22,9 @@ snapshot that breaks off, is reported as RESYNC with the point to re-subscribe f
 entries are kept (scored with less confidence) until the snapshot that follows replaces them.
 
 Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
-`max_entries` or, when that is 0, the memory budget `memory_budget_mb` divided by `BYTES_PER_ENTRY`
-(measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of `evict_fraction`
+`max_entries` or, when that is 0, the memory budget `memory_budget_mb`, less
+`BYTES_PER_HOLDER_SET` for each distinct set of holders of shared pages, divided by
+`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of `evict_fraction`
 (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose first), within a
 medium the least recently used first (stored, or found by a routed request's lookup:
 `touch_lookups`, which also keeps a prefix's first pages longest), and among those a page held by
@@ -55,8 +56,8 @@ from gateway.core.packed import packed_hashes
 from prefixcache.v1 import common_pb2, events_pb2
 from service_shell import kv
 
-__all__ = ["BYTES_PER_ENTRY", "ApplyResult", "ApplyStatus", "Holders", "IndexConfig", "IndexStats", "KvIndex",
-           "PrefixMatch", "WorkerInfo", "bit_positions"]
+__all__ = ["BYTES_PER_ENTRY", "BYTES_PER_HOLDER_SET", "ApplyResult", "ApplyStatus", "Holders",
+           "IndexConfig", "IndexStats", "KvIndex", "PrefixMatch", "WorkerInfo", "bit_positions"]
 
 log = logging.getLogger("gateway.index")
 
@@ -66,11 +67,14 @@ MEDIUM_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb
 _EVICT_ORDER = (2, 1, 0)
 # Bytes one (page hash, medium) key is counted as: a PageTable slot is 16 bytes at 45-70% load
 # (23-36 bytes a page; ~60 with a growth's old arrays beside its new ones, at most 62 with the
-# next growth's as far as written: table_arrays.py), and a page several workers hold costs its
-# `multi` entry more (~85 bytes, and its mask where no other page has the same holders: 117-119
-# bytes a page in all at 1,000 workers where holders repeat, 265 where none do:
-# holder_masks.py). 128 leaves room for shared pages (measured: design.md §6, "Memory").
-BYTES_PER_ENTRY = 128
+# next growth's as far as written: table_arrays.py), a page several workers hold too (its holder
+# names a set: holder_sets.py). 128 until stop 52, when a shared page's mask sat in a dict beside
+# the arrays (117-265 bytes a page at 1,000 workers).
+BYTES_PER_ENTRY = 64
+# Bytes each distinct set of holders is counted as: its mask (an int of as many bits as the
+# highest worker slot in it), list entries, count and the dict entry finding it; measured at
+# 1,000 workers' slots (`HolderSets.nbytes`, tests/gateway/test_holder_sets.py).
+BYTES_PER_HOLDER_SET = 320
 # A stored or removed event this long goes to the table in numpy (snapshots: 4,096 pages a batch;
 # live batches of a busy worker: tens); shorter ones page by page (numpy's fixed cost per call,
 # ~20-40 us, is more than a few probes in Python).
@@ -128,24 +132,32 @@ class KvIndex:
         # fleet's stores), and a prefix goes from its end, not from its first page. Stamps
         # only: not a change of what the index holds (`changes` stays).
         self.touch_lookups = False
-        if self.capacity() < 1:
+        if (self.config.max_entries or self.config.memory_budget_mb * 2**20 // BYTES_PER_ENTRY) < 1:
             raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
                              f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
 
     def capacity(self) -> int:
-        """The most (page hash, medium) keys held: max_entries, else from the memory budget."""
+        """The most (page hash, medium) keys held: max_entries, else from the memory budget,
+        less what the sets of holders of shared pages take of it (at least one key)."""
         cfg = self.config
         if cfg.max_entries:
             return cfg.max_entries
-        return int(cfg.memory_budget_mb * 2**20 // BYTES_PER_ENTRY)
+        room = cfg.memory_budget_mb * 2**20 - self._holder_sets() * BYTES_PER_HOLDER_SET
+        return max(1, int(room // BYTES_PER_ENTRY))
+
+    def _holder_sets(self) -> int:
+        return sum(len(t.holder_sets) for t in self._tables)
 
     def stats(self) -> IndexStats:
         n = len(self)
         ready, partial, unready = map(sum, zip(*(t.growths() for t in self._tables)))
-        return IndexStats(n, self.capacity(), self.evicted_entries, n * BYTES_PER_ENTRY,
+        sets = self._holder_sets()
+        return IndexStats(n, self.capacity(), self.evicted_entries,
+                          n * BYTES_PER_ENTRY + sets * BYTES_PER_HOLDER_SET,
                           self.page_events, sum(t.nbytes() for t in self._tables),
                           sum(t.sweep.cleared for t in self._tables), ready, partial, unready,
-                          shared_pages=sum(t.shared_pages() for t in self._tables))
+                          shared_pages=sum(t.shared_pages() for t in self._tables),
+                          holder_sets=sets)
 
     # ----- workers -----------------------------------------------------------------------------
 

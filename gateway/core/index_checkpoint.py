@@ -3,7 +3,8 @@ rebuilding it (issue 31; design.md §6, "Restarts").
 
 A restart used to start every feed from a full snapshot: 10M pages at ~1M pages/s of table
 inserts is ~30 s cold. A checkpoint holds the `PageTable` arrays of each medium (their occupied
-slots, below; an old table too while a growth migrates), the `multi` masks, and per worker its
+slots, below; an old table too while a growth migrates), the sets of holders of shared pages
+by id, and per worker its
 pool id, address, slot, epoch and last applied seq. On start the arrays are rebuilt at their
 positions (no insert) and the workers restored; when a worker is admitted again its feed subscribes from the
 checkpoint's (epoch, seq) (`Router.resume_point`): the cache service replays what came since, or,
@@ -44,26 +45,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.core.checkpoint_arrays import compact, expand, masks
-from gateway.core.holder_masks import HolderMasks
+from gateway.core.checkpoint_arrays import compact, expand, masks_of, sets
+from gateway.core.holder_sets import SHARED, HolderSets
 from gateway.core.index import KvIndex, _Worker
 from gateway.core.index_sweep import Sweep
-from gateway.core.index_table import MIGRATE_STEP, MULTI, PageTable
+from gateway.core.index_table import MIGRATE_STEP, PageTable
 from gateway.core.table_arrays import Spare
 from service_shell import kv
 
 log = logging.getLogger("gateway.checkpoint")
 
 # Bumped whenever the layout below or PageTable's hashing (its `_home`) changes. 2: only the
-# occupied slots (checkpoint_arrays.py); 3: one 64-bit key a slot (index_table.key_of).
-VERSION = 3
+# occupied slots (checkpoint_arrays.py); 3: one 64-bit key a slot (index_table.key_of); 4: shared
+# pages' holders as the ids of sets (holder_sets.py), not masks by position.
+VERSION = 4
 _MEDIA = 3
 
 
 @dataclass(slots=True)
 class Captured:
     """A consistent copy of the index, ready to write."""
-    arrays: dict[str, np.ndarray | dict[int, int]]  # the tables' `multi` dicts, copied
+    arrays: dict[str, np.ndarray | list[int]]  # each table's sets of holders by id, copied
     meta: dict
     lock_held_s: float = 0.0
 
@@ -89,7 +91,7 @@ def sizes(index: KvIndex) -> dict[str, tuple[np.dtype, int]]:
 
 def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
                   into: dict[str, np.ndarray]) -> None:
-    """Copies of one table's arrays (into `into`'s where the sizes still match) and `multi`."""
+    """Copies of one table's arrays (into `into`'s where the sizes still match)."""
     for name, view in _own_views(t, prefix).items():
         buf = into.get(name)
         if buf is not None and buf.shape == view.shape:
@@ -97,7 +99,6 @@ def _table_arrays(t: PageTable, prefix: str, out: dict, meta: dict,
             out[name] = buf
         else:
             out[name] = view.copy()
-    out[prefix + "multi"] = t.multi.copy()  # encoded by `write`, without the lock
     # A growth's old table (PageTable._grow) has no clock, cursor or rate of its own.
     meta[prefix] = {"cap": len(t._holder), "used": t._used, "live": t.live, "clock": getattr(t, "_clock", 0),
                     "cursor": getattr(t, "_cursor", 0), "rate": getattr(t, "rate", 0),
@@ -110,15 +111,26 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     m = meta[prefix]
     t = PageTable.__new__(PageTable)
     t._use(expand(arrays, prefix, int(m["cap"])))
-    masks, t.holder_masks = arrays[prefix + "multi_mask"], HolderMasks()
-    t.multi = {int(p): t.holder_masks(int.from_bytes(row.tobytes(), "little"))
-               for p, row in zip(arrays[prefix + "multi_pos"].tolist(), masks)}
     t._used, t.live, t._clock = int(m["used"]), int(m["live"]), int(m["clock"])
     t._cursor, t.rate = int(m["cursor"]), int(m["rate"])
     t.migrate_step, t.migrated_slots = MIGRATE_STEP, 0
     t._old = _table_from(arrays, prefix + "old.", meta) if m["old"] else None
     t._spare = Spare(t.live, t._used + (t._old.live if t._old is not None else 0))
     t.sweep = Sweep()
+    return t
+
+
+def _medium_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageTable:
+    """A medium's table (and a growth's old one), sharing their sets of holders, each set
+    counted from the pages of both that hold it."""
+    t = _table_from(arrays, prefix, meta)
+    tables = t._tables()
+    held = np.concatenate([x._mem.holder[x._mem.holder >= SHARED] for x in tables])
+    values, pages = np.unique(held, return_counts=True)
+    holder_sets = HolderSets.restored(masks_of(arrays[prefix + "sets"]),
+                                      zip(values.tolist(), pages.tolist()))
+    for x in tables:
+        x.holder_sets = holder_sets
     return t
 
 
@@ -133,6 +145,7 @@ def capture(index: KvIndex, addresses: dict[str, str], namespace: str, hash_spec
     tables: dict = {}
     for tier, table in enumerate(index._tables):
         _table_arrays(table, f"t{tier}.", arrays, tables, into or {})
+        arrays[f"t{tier}.sets"] = list(table.holder_sets.masks)  # encoded by `write`
     workers = [{"pool_id": w.pool_id, "address": addresses.get(w.pool_id, ""), "slot": w.slot,
                 "epoch": w.epoch, "last_seq": w.last_seq, "started": w.started,
                 "in_snapshot": w.in_snapshot or w.needs_resync, "held": list(w.held)}
@@ -164,8 +177,8 @@ def write(captured: Captured, path: str) -> None:
     tmp = temporary_path(path)
     arrays = {}
     for name, value in captured.arrays.items():
-        if isinstance(value, dict):
-            arrays.update(masks(name, value))
+        if isinstance(value, list):
+            arrays.update(sets(name, value))
         elif name.endswith("holder"):
             arrays.update(compact(captured.arrays, name.removesuffix("holder")))
     try:
@@ -195,7 +208,7 @@ def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]
                 log.warning(kv("index_checkpoint_ignored", path=path, reason=why))
                 return []
             arrays = {k: z[k] for k in z.files if k != "meta"}
-        tables = tuple(_table_from(arrays, f"t{tier}.", meta["tables"]) for tier in range(_MEDIA))
+        tables = tuple(_medium_from(arrays, f"t{tier}.", meta["tables"]) for tier in range(_MEDIA))
         workers = _workers(meta, index._clock())
         _check_holders(tables, {w.slot for w in workers})
         free_slots = [int(s) for s in meta["free_slots"]]
@@ -238,14 +251,11 @@ def _check_holders(tables: tuple[PageTable, ...], slots: set[int]) -> None:
     for table in tables:
         for t in (table, table._old) if table._old is not None else (table,):
             holder = t._mem.holder
-            single = holder[holder >= 0]
+            single = holder[(holder >= 0) & (holder < SHARED)]
             if len(single) and (single.max() >= len(known) or not known[single].all()):
                 raise ValueError("a page held by a slot no worker has")
-            shared = np.flatnonzero(holder == MULTI)
-            if len(shared) != len(t.multi) or not all(p in t.multi for p in shared.tolist()):
-                raise ValueError("shared pages and their masks do not match")
-            for m in t.multi.values():
-                every |= m
+        for m in table.holder_sets.masks:
+            every |= m
     if every >> len(known) or any(every >> s & 1 and not known[s] for s in range(len(known))):
         raise ValueError("a shared page held by a slot no worker has")
 

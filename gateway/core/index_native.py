@@ -10,9 +10,10 @@ start without it, off never builds it. Without it the numpy code of index_table.
 index_bulk.py serves: the same results (tests/gateway/test_index_native.py compares the two
 and `add` / `discard` one by one), slower.
 
-`apply` is `PageTable.add` / `discard` of every event, in order. The holder masks of pages
-several workers hold stay Python ints in `PageTable.multi`: the C loop records each new sharer
-for Python to OR into the mask, and stops at a removal from a shared page (Python clears the
+`apply` is `PageTable.add` / `discard` of every event, in order. The sets of holders of pages
+several workers hold are Python ints (gateway/core/holder_sets.py): the C loop records each
+worker joining a page another holds, marks the page PENDING, and Python gives it the id of its
+new set before the call returns; a removal from a shared page stops the loop (Python clears the
 bit, then the loop goes on at the next event). Its loop runs without the GIL and, given a
 `Preemption`, steps aside for a routing decision: the decision's thread runs meanwhile, flags
 that it waits for the router's lock, and the loop returns within `STOP_EVERY` events so that
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from gateway.core.holder_sets import SHARED
 from service_shell.native_build import NativeLibrary
 
 if TYPE_CHECKING:
@@ -41,8 +43,8 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_find_touch": (None, [_P, _P, _P, _N, _P, _P, _N, _P]),
     "pt_place": (_N, [_P, _P, _N, _P, _P, _N, _P]),
     "pt_apply": (_N, [_P, _P, _P, _N, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
-    "pt_migrate": (_N, [_P, _P, _P, _N, _N, _P, _P, _P, _N, _P, _P, _P]),
-    "pt_sweep": (_N, [_P, _P, _P, _N, _N, _N, _P, _P, _P, _P]),
+    "pt_migrate": (_N, [_P, _P, _P, _N, _N, _P, _P, _P, _N, _P]),
+    "pt_sweep": (_N, [_P, _P, _P, _N, _N, _N, _P, _P]),
     # RoutedPrefixes' pages (csrc/routed_table.c, gateway/core/routed_native.py)
     "rp_new": (_P, [_N]),
     "rp_free": (None, [_P]),
@@ -153,15 +155,11 @@ def place(table: PageTable, key: np.ndarray, holders: np.ndarray) -> np.ndarray:
 
 def migrate(table: PageTable, start: int, end: int) -> None:
     """The live slots [start, end) of the table's old table moved into it (`PageTable._step`)."""
-    old = table._old
-    pairs, npairs, fresh = np.empty(2 * (end - start), dtype=np.int64), _N(), _N()
+    old, fresh = table._old, _N()
     moved = kernel().pt_migrate(*old._mem.addresses, start, end, *table._mem.addresses, table.cap,
-                                ctypes.byref(fresh), pairs.ctypes.data, ctypes.byref(npairs))
+                                ctypes.byref(fresh))
     table._used += fresh.value
     old.live -= moved
-    shared = pairs[:2 * npairs.value].tolist()
-    for j in range(0, len(shared), 2):
-        table.multi[shared[j + 1]] = old.multi.pop(shared[j])
 
 
 def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray,
@@ -224,19 +222,32 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
 
 
 def _share(table: PageTable, rec: list[int], counts: dict[int, int]) -> None:
-    """The records of one `pt_apply` call, in order: a mask begun (seed, slot) or a slot joining
-    one; each slot that newly holds a page counted."""
-    multi, masks = table.multi, table.holder_masks
+    """The records of one `pt_apply` call, in order: (position, its holder before, a slot
+    joining it); each page joined given the set of its holders once all of them are in, each
+    slot that newly holds a page counted."""
+    if not rec:
+        return
+    sets = table.holder_sets
+    joined: dict[int, int] = {}  # position -> the mask of its holders so far
+    before: list[int] = []  # the sets pages held before: released once the new ones are held
     for j in range(0, len(rec), 3):
-        pos, seed, s = rec[j], rec[j + 1], rec[j + 2]
-        if seed >= 0:
-            multi[pos] = masks(1 << seed | 1 << s)
-        else:
-            m = multi[pos]
-            if m >> s & 1:
-                continue
-            multi[pos] = masks(m | 1 << s)
-        counts[s] = counts.get(s, 0) + 1
+        pos, hv, s = rec[j], rec[j + 1], rec[j + 2]
+        m = joined.get(pos)
+        if m is None:  # the page's first record this call: hv is its holder before (no PENDING)
+            if hv >= SHARED:
+                m = sets.mask(hv)
+                before.append(hv)
+            else:
+                m = 1 << hv
+        if not m >> s & 1:
+            m |= 1 << s
+            counts[s] = counts.get(s, 0) + 1
+        joined[pos] = m
+    holder = table._holder
+    for pos, m in joined.items():
+        holder[pos] = sets.hold(m)
+    for hv in before:
+        sets.release(hv)
 
 
 def _new_keys(table: PageTable, key: np.ndarray) -> int:

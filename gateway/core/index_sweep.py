@@ -16,7 +16,7 @@ goes on (a loop that never idles would otherwise let them pile up). A step takes
 clusters (runs of used slots between two empty ones) and writes each one that holds tombstones
 anew from its first tombstone: its live keys in their order, each at the first empty slot from
 its home. Every key of a cluster has its home in it, so it lands in it, at or before its old
-slot, and stays reachable; the holder masks of shared pages that moved follow them. Lookups
+slot, and stays reachable; a shared page's holder (its set's id) moves with it. Lookups
 see the same pages, masks and stamps before and after (tests/gateway/test_index_sweep.py). In
 C (csrc/page_table.c's `pt_sweep`) when the kernel is loaded; the Python loop below is the
 reference and the fallback, with the same result.
@@ -26,10 +26,8 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from gateway.core import index_native
-from gateway.core.table_arrays import EMPTY, MULTI, TOMB
+from gateway.core.table_arrays import EMPTY, TOMB
 
 if TYPE_CHECKING:
     from gateway.core.index_table import PageTable
@@ -75,35 +73,29 @@ def sweep_some(table: PageTable, max_slots: int) -> bool:
     if not state.due(table):
         return False
     if index_native.kernel() is not None:
-        cleared, scanned, end, moved = _sweep_c(table, state.at, max_slots)
+        cleared, scanned, end = _sweep_c(table, state.at, max_slots)
     else:
-        cleared, scanned, end, moved = sweep_slots(table, state.at, max_slots)
-    for old, new in moved:  # in order: a slot vacated may be taken by the next one moved
-        table.multi[new] = table.multi.pop(old)
+        cleared, scanned, end = sweep_slots(table, state.at, max_slots)
     table._used -= cleared
     state.cleared += cleared
     state.at, state.left, state.scanned = end, state.left - scanned, state.scanned + scanned
     return state.left > 0
 
 
-def _sweep_c(table: PageTable, start: int, max_slots: int
-             ) -> tuple[int, int, int, list[tuple[int, int]]]:
-    pairs = np.empty(2 * len(table.multi) + 2, dtype=np.int64)
-    end, scanned, npairs = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+def _sweep_c(table: PageTable, start: int, max_slots: int) -> tuple[int, int, int]:
+    end, scanned = ctypes.c_int64(), ctypes.c_int64()
     cleared = index_native.kernel().pt_sweep(
         *table._mem.addresses, table.cap, start, max_slots, ctypes.byref(end),
-        ctypes.byref(scanned), pairs.ctypes.data, ctypes.byref(npairs))
-    flat = pairs[:2 * npairs.value].tolist()
-    return cleared, scanned.value, end.value, list(zip(flat[::2], flat[1::2]))
+        ctypes.byref(scanned))
+    return cleared, scanned.value, end.value
 
 
-def sweep_slots(table: PageTable, start: int, max_slots: int
-                ) -> tuple[int, int, int, list[tuple[int, int]]]:
-    """`pt_sweep` in Python: (tombstones cleared, slots passed, the empty slot it stopped at,
-    the (old, new) positions of the shared pages moved)."""
+def sweep_slots(table: PageTable, start: int, max_slots: int) -> tuple[int, int, int]:
+    """`pt_sweep` in Python: (tombstones cleared, slots passed, the empty slot it stopped at).
+    A shared page's holder (its set's id) moves with it."""
     keys, holder, stamp = table._key, table._holder, table._stamp
     cap = table.cap
-    a, seen, cleared, moved = start % cap, 0, 0, []
+    a, seen, cleared = start % cap, 0, 0
     while holder[a] != EMPTY and seen <= cap:
         a, seen = (a + 1) % cap, seen + 1
     while seen < max_slots and seen <= cap:
@@ -125,8 +117,6 @@ def sweep_slots(table: PageTable, start: int, max_slots: int
                 holder[p] = hv
                 if p != q:
                     keys[p], stamp[p] = keys[q], stamp[q]
-                    if hv == MULTI:
-                        moved.append((q, p))
         seen += len(cluster) + 1
         a = (first + len(cluster)) % cap
-    return cleared, seen, a, moved
+    return cleared, seen, a

@@ -3,7 +3,7 @@
 Open addressing with linear probing over three parallel arrays, 16 bytes a slot: a key of 64 bits
 (`key_of`: the two 64-bit words of prefixcache_client.hash's 16-byte HASH_BYTES folded into one; a
 hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, or
-MULTI: several, their bitmask in `multi`), and a stamp (when it was last stored, or found by a
+SHARED + the id of a set of several in `holder_sets`), and a stamp (when it was last stored, or found by a
 routed request's lookup: `touch_stamps`; the eviction order). Two hashes sharing a key count as
 one page: with n pages indexed, a lookup of a page nobody holds matches one with probability
 ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability ~n**2 / 2**65
@@ -13,8 +13,8 @@ hashes and computes what it lacks). The table grows by ~1.55x when live + delete
 so 16 bytes / 0.45..0.7 = 23..36 bytes a page (from 0.36 when the growth takes arrays written
 ahead a little larger than it needs), against ~160-185 for the dicts, sets and ints it replaces
 (24 bytes a slot while the key was the whole 16-byte hash). Pages several
-workers hold cost one `multi` dict entry more (~85 bytes, and the mask int, ~160 bytes at 1,000
-workers, which pages with the same holders share: gateway/core/holder_masks.py). While a growth
+workers hold cost the same, and each distinct set of holders its mask once (~300 bytes at 1,000
+workers, shared by every page with those holders: gateway/core/holder_sets.py). While a growth
 migrates, the old arrays stay allocated beside the new ones (~0.65x their size); so do the next
 growth's from when the table passes 55% (made ready ahead by the ingest thread:
 gateway/core/table_arrays.py), unless the tombstones of removed pages are what fill it: the feed
@@ -23,7 +23,7 @@ neither rebuilds nor holds a spare.
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
-PageTable of its own, positions and `multi` per table); a key lives in exactly one of them.
+PageTable of its own, positions per table, the sets shared); a key lives in exactly one of them.
 Lookups try the new table, then the old. Each mutating call first moves the keys it touches into
 the new table, then migrates the next `migrate_step + rate * len(call)` old slots (rate chosen at
 growth so that the old table empties before the new one fills); the old table goes when empty.
@@ -50,10 +50,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
-from gateway.core.holder_masks import HolderMasks
+from gateway.core.holder_sets import SHARED, HolderSets
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
-from gateway.core.table_arrays import EMPTY, MULTI, TOMB, Spare, TableArrays
+from gateway.core.table_arrays import EMPTY, TOMB, Spare, TableArrays
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
 _MIX_HI = 0xC2B2AE3D27D4EB4F  # a hash's second word, multiplied in as it is folded into its key
@@ -137,8 +137,7 @@ class PageTable:
         self.sweep = Sweep()  # tombstones cleared in place (index_sweep.py)
         self.live = 0  # pages in both tables while an old one remains
         self._clock = 0
-        self.multi: dict[int, int] = {}  # slot position -> mask of its holders (2+ bits)
-        self.holder_masks = HolderMasks()  # each distinct mask stored once (holder_masks.py)
+        self.holder_sets = HolderSets()  # shared pages' holders, each set once (holder_sets.py)
         self._old: PageTable | None = None  # the table being migrated from, if any
         self._cursor = 0  # old slots below it are migrated
         self.migrate_step, self.rate = migrate_step, 0
@@ -154,15 +153,14 @@ class PageTable:
 
     def nbytes(self, written: bool = False) -> int:
         """Bytes of the arrays, an old table's and the spare's (once allocated) included (the
-        `multi` entries not). `written`: the spare's only as far as written, what the process
+        sets of holders not). `written`: the spare's only as far as written, what the process
         holds (the rest is address space until written)."""
         old = self._old._mem.nbytes() if self._old is not None else 0
         return self._mem.nbytes() + old + self._spare.nbytes(written)
 
     def shared_pages(self) -> int:
-        """Pages two or more workers hold (a `multi` mask each), an old table's included."""
-        old = self._old
-        return len(self.multi) + (len(old.multi) if old is not None else 0)
+        """Pages two or more workers hold, an old table's included."""
+        return self.holder_sets.pages
 
     def growths(self) -> tuple[int, int, int]:
         """(growths that took arrays written ahead, that took them partly written and wrote the
@@ -197,7 +195,7 @@ class PageTable:
         if pos < 0:
             return 0 if self._old is None else self._old.mask(h)
         hv = self._holder[pos]
-        return self.multi[pos] if hv == MULTI else 1 << hv
+        return self.holder_sets.mask(hv) if hv >= SHARED else 1 << hv
 
     def add(self, h: bytes, slot: int) -> bool:
         """Records the page on a worker as stored now; True when the worker did not hold it."""
@@ -234,24 +232,24 @@ class PageTable:
         if hv == slot:
             self._kill(pos)
             return True
-        return hv == MULTI and self._leave(pos, slot)
+        return hv >= SHARED and self._leave(pos, slot)
 
     def _leave(self, pos: int, slot: int) -> bool:
         """Drops a worker from a shared position's holders; True when it was one."""
-        m = self.multi[pos]
+        sets, hv = self.holder_sets, self._holder[pos]
+        m = sets.mask(hv)
         if not m >> slot & 1:
             return False
         m &= ~(1 << slot)
-        if m & (m - 1):
-            self.multi[pos] = self.holder_masks(m)
-        else:
-            del self.multi[pos]
-            self._holder[pos] = m.bit_length() - 1
+        self._holder[pos] = sets.hold(m) if m & (m - 1) else m.bit_length() - 1
+        sets.release(hv)
         return True
 
     def _kill(self, pos: int) -> None:
+        hv = self._holder[pos]
+        if hv >= SHARED:
+            self.holder_sets.release(hv)
         self._holder[pos] = TOMB
-        self.multi.pop(pos, None)
         self.live -= 1
 
     def clear_slot(self, slot: int) -> int:
@@ -270,18 +268,22 @@ class PageTable:
         mine = np.flatnonzero(holder == slot)
         holder[mine] = TOMB
         self.live -= len(mine)
-        bit = 1 << slot
-        shared = [p for p, m in self.multi.items() if m & bit]
+        shared = self._shared_with(slot).tolist()
         for pos in shared:
             self._leave(pos, slot)
         return len(mine) + len(shared)
+
+    def _shared_with(self, slot: int) -> np.ndarray:
+        """Positions of this table's shared pages that this worker holds."""
+        holder = self._mem.holder
+        pos = np.flatnonzero(holder >= SHARED)
+        return pos[np.isin(holder[pos], self.holder_sets.with_slot(slot))]
 
     def keys_held(self, slot: int) -> set[int]:
         """The keys of the pages one worker holds (`key_of`; for tests and debugging: a full
         scan)."""
         holder = self._mem.holder
-        pos = np.flatnonzero(holder == slot).tolist()
-        pos += [p for p, m in self.multi.items() if m >> slot & 1]
+        pos = np.flatnonzero(holder == slot).tolist() + self._shared_with(slot).tolist()
         mine = {self._key[p] for p in pos}
         return mine if self._old is None else mine | self._old.keys_held(slot)
 
@@ -293,7 +295,7 @@ class PageTable:
         pos, hv, st, base = [], [], [], 0  # positions in the old table come after the new one's
         for t in tables:
             holder, stamp = t._mem.holder, t._mem.stamp
-            live = np.flatnonzero(holder >= MULTI)
+            live = np.flatnonzero(holder >= 0)
             if 2 * n < len(live):
                 live = live[np.argpartition(stamp[live], 2 * n)[:2 * n]]
             pos.append(live + base)
@@ -306,10 +308,11 @@ class PageTable:
             pos, hv, st = pos[keep], hv[keep], st[keep]
         order = np.argsort(st, kind="stable")
         pos, hv = pos[order], hv[order]
-        chosen = pos[hv >= 0][:n]
-        shared = pos[hv == MULTI][:max(0, n - len(chosen))]
+        single = hv < SHARED
+        chosen = pos[single][:n]
+        shared = pos[~single][:max(0, n - len(chosen))]
         lost: dict[int, int] = {}
-        for slot, count in zip(*np.unique(hv[hv >= 0][:n], return_counts=True)):
+        for slot, count in zip(*np.unique(hv[single][:n], return_counts=True)):
             lost[int(slot)] = int(count)
         base, old_live = 0, tables[-1].live
         for t in tables:
@@ -323,14 +326,15 @@ class PageTable:
 
     def _drop(self, single: np.ndarray, shared: np.ndarray, lost: dict[int, int]) -> None:
         """Kills positions of this table (`evict`'s choice), counting the shared ones' holders."""
-        for pos in shared.tolist():
-            m = self.multi.pop(pos)
+        holder, sets = self._mem.holder, self.holder_sets
+        for hv, pages in zip(*np.unique(holder[shared], return_counts=True)):
+            m, pages = sets.mask(int(hv)), int(pages)
+            sets.release(int(hv), pages)
             while m:
                 low = m & -m
                 s = low.bit_length() - 1
-                lost[s] = lost.get(s, 0) + 1
+                lost[s] = lost.get(s, 0) + pages
                 m ^= low
-        holder = self._mem.holder
         holder[single] = TOMB
         holder[shared] = TOMB
         self.live -= len(single) + len(shared)
@@ -342,7 +346,7 @@ class PageTable:
         """Stamps near their limit: keep their order (across both tables), renumber them from 1."""
         tables = self._tables()
         stamps = [t._mem.stamp for t in tables]
-        lives = [np.flatnonzero(t._mem.holder >= MULTI) for t in tables]
+        lives = [np.flatnonzero(t._mem.holder >= 0) for t in tables]
         every = np.concatenate([s[live] for s, live in zip(stamps, lives)])
         rank = np.empty(len(every), dtype=np.uint32)
         rank[np.argsort(every, kind="stable")] = np.arange(1, len(every) + 1, dtype=np.uint32)
@@ -418,8 +422,9 @@ class PageTable:
     def _masks_of(self, key: np.ndarray, stamps: np.ndarray | None = None) -> list[int]:
         pos = self._find_many(key, stamps)
         hv = self._mem.holder[pos].tolist()
-        multi = self.multi
-        out = [0 if p < 0 else 1 << v if v >= 0 else multi[p] for p, v in zip(pos.tolist(), hv)]
+        masks = self.holder_sets.masks
+        out = [0 if p < 0 else 1 << v if v < SHARED else masks[v - SHARED]
+               for p, v in zip(pos.tolist(), hv)]
         if self._old is not None:  # the pages not in the new table may be in the old one
             # (their keys reused, not packed again: 35 against 39 us a 64-page request at
             # 1,000 workers while a growth migrates, as tombstones make it now and then)
@@ -444,7 +449,7 @@ class PageTable:
         mine = pos[hv == slot]
         holder[mine] = TOMB
         self.live -= len(mine)
-        shared = sum(self._leave(p, slot) for p in pos[hv == MULTI].tolist())
+        shared = sum(self._leave(p, slot) for p in pos[hv >= SHARED].tolist())
         return len(mine) + shared
 
     def _join(self, pos: int, slot: int) -> bool:
@@ -452,14 +457,15 @@ class PageTable:
         hv = self._holder[pos]
         if hv == slot:
             return False
-        if hv == MULTI:
-            m = self.multi[pos]
+        sets = self.holder_sets
+        if hv >= SHARED:
+            m = sets.mask(hv)
             if m >> slot & 1:
                 return False
-            self.multi[pos] = self.holder_masks(m | 1 << slot)
+            self._holder[pos] = sets.hold(m | 1 << slot)
+            sets.release(hv)
         else:
-            self._holder[pos] = MULTI
-            self.multi[pos] = self.holder_masks(1 << hv | 1 << slot)
+            self._holder[pos] = sets.hold(1 << hv | 1 << slot)
         return True
 
     def _homes(self, key: np.ndarray) -> np.ndarray:
@@ -478,7 +484,7 @@ class PageTable:
         while len(todo) > _SCALAR_REST:
             cand = p[todo]
             hv = holder[cand]
-            hit = (hv >= MULTI) & (keys[cand] == key[todo])
+            hit = (hv >= 0) & (keys[cand] == key[todo])
             out[todo[hit]] = cand[hit]
             todo = todo[~hit & (hv != EMPTY)]
             p[todo] = (p[todo] + 1) % self.cap
@@ -541,15 +547,15 @@ class PageTable:
         if self._old is not None:
             self._step(0, self._old.cap - self._cursor)
         old = PageTable.__new__(PageTable)
-        old._used, old.live, old.multi, old._old = self._used, self.live, self.multi, None
-        old.holder_masks = self.holder_masks
+        old._used, old.live, old._old = self._used, self.live, None
+        old.holder_sets = self.holder_sets
         old._use(self._mem)
         need = max(64, int((self.live + extra) / _GROWN_LOAD) + 1)
         self._use(self._spare.take(need) or TableArrays.empty(need))
         self._used = 0
         self._spare.grew(self.live)
         self.sweep.at = self.sweep.left = 0  # a round over the old arrays ends with them
-        self.multi, self._old, self._cursor = {}, old, 0
+        self._old, self._cursor = old, 0
         # Scan every old slot (twice over, to spare) before the pages to come fill the room left.
         room = max(1, int(_MAX_LOAD * self.cap) - self.live - extra)
         self.rate = -(-2 * old.cap // room)
@@ -566,7 +572,7 @@ class PageTable:
             index_native.migrate(self, self._cursor, end)
         else:
             seg = old._mem.holder[self._cursor:end]
-            pos = self._cursor + np.flatnonzero(seg >= MULTI)
+            pos = self._cursor + np.flatnonzero(seg >= 0)
             if len(pos):
                 self._move(pos)
         self.migrated_slots += end - self._cursor
@@ -614,8 +620,6 @@ class PageTable:
         hv = old._holder[pos]
         self._key[free], self._holder[free] = key, hv
         self._stamp[free] = old._stamp[pos]
-        if hv == MULTI:
-            self.multi[free] = old.multi.pop(pos)
         old._holder[pos] = TOMB
         old.live -= 1
 
@@ -628,9 +632,6 @@ class PageTable:
         at = self._place(key, hv)
         self._mem.key[at] = key
         self._mem.stamp[at] = old._mem.stamp[pos]
-        shared = hv == MULTI
-        for p, a in zip(pos[shared].tolist(), at[shared].tolist()):
-            self.multi[a] = old.multi.pop(p)
         old._mem.holder[pos] = TOMB
         old.live -= len(pos)
 
@@ -647,7 +648,7 @@ class PageTable:
         todo = np.arange(len(key))
         while len(todo):
             cand = p[todo]
-            free = np.flatnonzero(holder[cand] < MULTI)
+            free = np.flatnonzero(holder[cand] < 0)
             spots = cand[free]
             was_empty = holder[spots] == EMPTY
             # Claim with a marker below EMPTY (one write wins per position), then keep the winners.
@@ -666,7 +667,7 @@ class PageTable:
         scalar, cap = self._holder, self.cap  # the same memory, read faster one by one
         for k in todo.tolist():  # the few in long clusters, one by one
             at = int(p[k])
-            while scalar[at] >= MULTI:
+            while scalar[at] >= 0:
                 at = at + 1 if at + 1 < cap else 0
             self._used += scalar[at] == EMPTY
             scalar[at] = int(holders[k])

@@ -11,8 +11,8 @@ import numpy as np
 
 @dataclass(slots=True)
 class IndexConfig:
-    # Memory the index may use, in MiB: its bound is memory_budget_mb / BYTES_PER_ENTRY keys
-    # (--index-memory-mb). 1024 MiB: ~8.4M keys.
+    # Memory the index may use, in MiB: its bound is memory_budget_mb / BYTES_PER_ENTRY keys,
+    # less the sets of holders' share (--index-memory-mb). 1024 MiB: ~16.8M keys.
     memory_budget_mb: float = 1024.0
     # Explicit bound on (page hash, medium) keys; 0 = from memory_budget_mb.
     max_entries: int = 0
@@ -129,11 +129,12 @@ class IndexStats:
     capacity: int
     # Keys dropped under the bound since start: > 0 means the fleet outgrew the budget.
     evicted_entries: int
-    # entries x BYTES_PER_ENTRY: an estimate, measured by the fleet benchmark.
+    # entries x BYTES_PER_ENTRY + holder_sets x BYTES_PER_HOLDER_SET: an estimate, measured by
+    # the fleet benchmarks.
     memory_bytes: int
     page_events: int
     # The page tables' arrays as allocated: a growth's old table and the next one's spare
-    # included (the holder masks of shared pages not).
+    # included (the sets of holders of shared pages not).
     table_bytes: int = 0
     # Tombstones of removed pages the feed loop's idle steps cleared in place (index_sweep.py).
     swept_tombstones: int = 0
@@ -143,11 +144,12 @@ class IndexStats:
     growths_ready: int = 0
     growths_partial: int = 0
     growths_unready: int = 0
-    # Keys two or more workers hold: each has a `multi` entry beside the arrays (~85 bytes, and
-    # its mask int, ~150 more at 1,000 workers unless pages with the same holders share it:
-    # holder_masks.py, gateway_fleet/shared_masks.py), counted in neither table_bytes nor
-    # memory_bytes.
+    # Keys two or more workers hold: each names a set of holders, which every key with the same
+    # holders shares (holder_sets.py, gateway_fleet/shared_masks.py).
     shared_pages: int = 0
+    # Distinct sets of holders those keys name (~300 bytes each at 1,000 workers: its mask),
+    # counted in memory_bytes and in the bound, not in table_bytes.
+    holder_sets: int = 0
 
 
 @dataclass(slots=True)

@@ -49,13 +49,15 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
     """The routing index's bound and how full it is (gateway/core/index.py)."""
     for name, doc in (("entries", "(page hash, medium) keys the routing index holds."),
                       ("capacity", "Keys the routing index may hold (--index-memory-mb)."),
-                      ("memory_bytes", "Estimated memory of the routing index (keys x the "
-                                       "measured bytes per key)."),
+                      ("memory_bytes", "Estimated memory of the routing index (keys and sets "
+                                       "of holders x their measured bytes)."),
                       ("table_bytes", "The routing index's page tables as allocated, a "
                                       "growth's old table and the next one's spare included."),
-                      ("shared_pages", "Keys two or more workers hold: each has a holder mask "
-                                       "beside the page tables (~85-235 bytes at 1,000 "
-                                       "workers), in neither table_bytes nor memory_bytes.")):
+                      ("shared_pages", "Keys two or more workers hold: each names a set of "
+                                       "holders, shared by every key with the same holders."),
+                      ("holder_sets", "Distinct sets of holders of shared keys (~300 bytes "
+                                      "each at 1,000 workers), in memory_bytes and the bound, "
+                                      "not in table_bytes.")):
         g = GaugeMetricFamily(f"prefixcache_gateway_index_{name}", doc)
         g.add_metric([], totals[name])
         yield g

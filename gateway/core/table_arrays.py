@@ -1,8 +1,14 @@
 """A `PageTable`'s three slot arrays (gateway/core/index_table.py), and a growth's made ready ahead.
 
     slot i:  key[i]       the page hash's two words folded into one (index_table.key_of)   8 B
-             holder[i]    worker slot, MULTI, TOMB, EMPTY                                 4 B
+             holder[i]    a worker's slot, SHARED + a set's id, TOMB or EMPTY             4 B
              stamp[i]     when last stored or routed (eviction order)                     4 B
+
+    holder:  EMPTY (-3) | TOMB (-2) | PENDING (-1) | 0 .. SHARED-1     | SHARED .. 2^31-1
+             never used | deleted   | C apply only | one worker's slot | 2+ workers: the set of
+                                                                         that id (holder_sets.py)
+    A slot is live when its holder is >= 0 (in C, >= PENDING: a page joined within one apply
+    call, whose set Python makes before the call returns: gateway/core/index_native.py).
 
 numpy owns the memory (C and numpy calls take it as it is); the table reads and writes single
 slots through memoryviews of it, as fast as `array.array` (~45 ns an element).
@@ -32,7 +38,7 @@ import threading
 
 import numpy as np
 
-EMPTY, TOMB, MULTI = -3, -2, -1  # holder values below 0; a live slot's holder is >= MULTI
+EMPTY, TOMB = -3, -2  # holder values below 0 (the diagram above)
 _SLOT_BYTES = 16
 
 

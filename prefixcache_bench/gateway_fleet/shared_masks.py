@@ -2,20 +2,19 @@
 memory a page when pages are held by several workers (issue 31's goal: 64 bytes an indexed page
 at 1,000 workers).
 
-A page one worker holds lives in its page table's flat arrays alone (16 bytes a slot). A page
-two or more hold also takes an entry in the table's `multi` dict (slot position -> a Python int
-mask of its holders' worker slots, gateway/core/index_table.py): the dict's entry, the position's
-int and the mask's int, whose size follows the highest worker slot among the holders, not how
-many they are; pages with the same holders share one mask object (gateway/core/holder_masks.py).
-For each case (workers, holders a page, how they are chosen), either the workers are split into
+A page one worker holds lives in its page table's flat arrays alone (16 bytes a slot, the
+holder that worker's slot). A page two or more hold does too, its holder the id of its set of
+holders (gateway/core/holder_sets.py), where each distinct set is stored once: a Python int
+mask, whose size follows the highest worker slot among the holders, not how many they are, and
+a dict entry to find it. Until stop 51 such a page also took an entry in a dict by slot position
+(~85 bytes), and its own mask unless another page's equalled it. For each case (workers, holders a page, how they are chosen), either the workers are split into
 groups of that many, each group storing its own pages (`--pages` in all; fewer where every worker
 holds every page, to keep the holders' additions at 2M), or each page gets its own random set of
 holders (no two pages alike: the masks' worst case), and tracemalloc counts what the index
 allocated, per page. The arrays' part depends on where the last growth left the table (a table
 fresh from one holds about half its slots empty), as in the index's tests. Then the same batches
-are applied `--repeats` times more without tracing, alternating with a baseline whose tables
-store no mask (every mask its own object, as before the store): the process CPU time of each,
-and the ratio of their medians.
+are applied `--repeats` times more to a fresh index without tracing: the process CPU time of
+each, and their median (compared with another commit's by running both, alternated).
 """
 from __future__ import annotations
 
@@ -68,16 +67,9 @@ def _index(workers: int) -> KvIndex:
     return index
 
 
-def _mask_itself(mask: int) -> int:
-    return mask
-
-
-def _apply_cpu_s(workers: int, batches: list, store: bool) -> float:
-    """Process CPU time of applying the batches to a fresh index, with or without the store."""
+def _apply_cpu_s(workers: int, batches: list) -> float:
+    """Process CPU time of applying the batches to a fresh index."""
     index = _index(workers)
-    if not store:
-        for table in index._tables:  # noqa: SLF001 (a bench's view; kept through growths)
-            table.holder_masks = _mask_itself
     start = time.process_time()
     for b in batches:
         index.apply(b)
@@ -93,15 +85,10 @@ def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups",
     used = traced_apply(index, batches)
     arrays = sum(t.nbytes(written=True) for t in index._tables)  # noqa: SLF001 (a bench's view)
     shared = index.stats().shared_pages
-    distinct = len({id(m) for t in index._tables for m in t.multi.values()})  # noqa: SLF001
+    distinct = sum(len(t.holder_sets) for t in index._tables)  # noqa: SLF001
     n = len(index)
-    times: dict[str, list[float]] = {"store": [], "no_store": []}
-    for _ in range(repeats):
-        for mode in times:
-            times[mode].append(_apply_cpu_s(workers, batches, mode == "store"))
-    timed = {} if not repeats else {
-        "apply_cpu_s": times, "apply_store_over_no_store":
-            statistics.median(times["store"]) / statistics.median(times["no_store"])}
+    times = [_apply_cpu_s(workers, batches) for _ in range(repeats)]
+    timed = {"apply_cpu_s": times, "apply_cpu_s_median": statistics.median(times)} if times else {}
     return {"workers": workers, "holders_per_page": holders, "holders_chosen": chosen,
             "pages": n, "shared_pages": shared, "distinct_masks": distinct,
             "bytes_per_page": used / n, "arrays_bytes_per_page": arrays / n,
@@ -110,14 +97,14 @@ def measure_case(workers: int, holders: int, pages: int, chosen: str = "groups",
 
 def table_text(result: dict) -> str:
     rows = [f"{'workers':>8}{'holders':>9}{'chosen':>8}{'pages':>10}{'masks':>8}"
-            f"{'bytes/page':>12}{'arrays':>9}{'masks+rest':>12}{'apply time':>12}"]
+            f"{'bytes/page':>12}{'arrays':>9}{'masks+rest':>12}{'apply CPU s':>12}"]
     for c in result["cases"]:
         rows.append(f"{c['workers']:>8}{c['holders_per_page']:>9}{c['holders_chosen']:>8}"
                     f"{c['pages']:>10,}{c['distinct_masks']:>8,}"
                     f"{c['bytes_per_page']:>12.1f}{c['arrays_bytes_per_page']:>9.1f}"
                     f"{c['other_bytes_per_page']:>12.1f}"
-                    + (f"{c['apply_store_over_no_store']:>11.2f}x"
-                       if "apply_store_over_no_store" in c else f"{'-':>12}"))
+                    + (f"{c['apply_cpu_s_median']:>12.3f}"
+                       if "apply_cpu_s_median" in c else f"{'-':>12}"))
     return "\n".join(rows)
 
 
@@ -125,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=3,
-                    help="untraced applies of each case with the store and without, alternating")
+                    help="untraced applies of each case to a fresh index, timed")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.pages < 1000 or a.repeats < 0:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.core.index_table import MULTI, PageTable
+from gateway.core.holder_sets import SHARED
+from gateway.core.index_table import PageTable
 from prefixcache.v1 import common_pb2, events_pb2
 
 DEVICE, HOST, REMOTE = common_pb2.MEDIUM_DEVICE, common_pb2.MEDIUM_HOST, common_pb2.MEDIUM_REMOTE
@@ -62,8 +63,22 @@ def pages_and_stamps(table: PageTable) -> dict[int, tuple[int, int]]:
     out = {}
     for t in table._tables():
         holder, stamp = t._mem.holder, np.frombuffer(t._stamp, dtype=np.uint32)
-        for p in np.flatnonzero(holder >= MULTI).tolist():
-            mask = t.multi[p] if holder[p] == MULTI else 1 << int(holder[p])
+        for p in np.flatnonzero(holder >= 0).tolist():
+            hv = int(holder[p])
+            mask = t.holder_sets.mask(hv) if hv >= SHARED else 1 << hv
             out[t._key[p]] = (mask, int(stamp[p]))
     return out
+
+
+def check_holder_sets(table: PageTable) -> None:
+    """The table's sets of holders are what its pages hold: each set's count is the pages (of
+    both tables while a growth migrates) whose holder names it, every set held has 2+ holders,
+    and an id no page holds is free."""
+    sets = table.holder_sets
+    assert all(t.holder_sets is sets for t in table._tables())
+    held = np.concatenate([t._mem.holder[t._mem.holder >= SHARED] for t in table._tables()])
+    counts = np.bincount(held - SHARED, minlength=len(sets.masks)).tolist()
+    assert counts == sets.refs and sets.pages == len(held)
+    for mask, refs in zip(sets.masks, sets.refs):
+        assert (mask & (mask - 1) != 0) if refs else mask == 0
 

@@ -6,7 +6,7 @@ import logging
 import prometheus_client
 import pytest
 
-from gateway.core.index import BYTES_PER_ENTRY, IndexConfig, KvIndex
+from gateway.core.index import BYTES_PER_ENTRY, BYTES_PER_HOLDER_SET, IndexConfig, KvIndex
 from gateway.core.index_table import page_keys
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
@@ -18,8 +18,23 @@ from tests.gateway.index_impls import table_impl  # noqa: F401  (each test with 
 def test_capacity_comes_from_the_memory_budget_unless_set():
     assert KvIndex(IndexConfig(memory_budget_mb=1.0)).capacity() == 2**20 // BYTES_PER_ENTRY
     assert KvIndex(IndexConfig(memory_budget_mb=1.0, max_entries=7)).capacity() == 7
-    with pytest.raises(ValueError, match="memory_budget_mb=0.0001"):
-        KvIndex(IndexConfig(memory_budget_mb=0.0001))
+    with pytest.raises(ValueError, match="memory_budget_mb=5e-05"):
+        KvIndex(IndexConfig(memory_budget_mb=0.00005))  # 52 bytes
+
+
+def test_the_sets_of_holders_take_their_share_of_the_budget():
+    """Each distinct set of holders of shared pages is counted in the memory estimate and
+    taken from the budget's room for keys: pages each with its own holders cannot outgrow it."""
+    index = KvIndex(IndexConfig(memory_budget_mb=1.0))
+    for w in range(40):
+        index.apply(batch(f"w{w}", 0, stored(pages(0, 40))))  # one set: all 40
+    index.apply(batch("w0", 1, stored(pages(100, 110))))
+    for i in range(10):  # ten sets: w0 and one other
+        index.apply(batch(f"w{i + 1}", 1, stored(pages(100 + i, 101 + i))))
+    st = index.stats()
+    assert st.shared_pages == 50 and st.holder_sets == 11
+    assert st.memory_bytes == st.entries * BYTES_PER_ENTRY + 11 * BYTES_PER_HOLDER_SET
+    assert st.capacity == (2**20 - 11 * BYTES_PER_HOLDER_SET) // BYTES_PER_ENTRY
 
 
 def test_a_full_index_says_so_in_stats_and_a_rate_limited_warning(caplog):
@@ -69,6 +84,7 @@ def test_index_metrics_report_entries_capacity_memory_and_evictions():
     router.index.apply(batch("v", 0, stored(pages(55, 60))))  # 5 of w's also held by v
     text = prometheus_client.generate_latest(metrics.registry).decode()
     assert "prefixcache_gateway_index_shared_pages 5.0" in text
+    assert "prefixcache_gateway_index_holder_sets 1.0" in text
     for arrays in ("ready", "partial", "unready"):  # tables of 64 slots: no growth worth a spare
         assert f'prefixcache_gateway_index_growths_total{{arrays="{arrays}"}} 0.0' in text
     table = router.index._tables[0]

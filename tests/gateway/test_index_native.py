@@ -13,7 +13,8 @@ import pytest
 
 from gateway.core import index_native
 from gateway.core.index_bulk import apply_ops
-from gateway.core.index_table import _STORE_LIMIT, MULTI, TOMB, PageTable, key_of
+from gateway.core.holder_sets import SHARED
+from gateway.core.index_table import _STORE_LIMIT, TOMB, PageTable, key_of
 from tests.gateway.index_impls import use
 
 WORKERS = 70
@@ -108,7 +109,7 @@ class _AlwaysWaiting:
     def pause(self) -> None:
         self.pauses += 1
         live = [t for t in self.table._tables() if t.live]
-        assert sum(int(np.count_nonzero(t._mem.holder >= MULTI)) for t in live) == len(self.table)
+        assert sum(int(np.count_nonzero(t._mem.holder >= 0)) for t in live) == len(self.table)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -191,14 +192,15 @@ def test_masks_past_64_workers_and_the_leaving_of_shared_pages():
     h = _page(7)
     slots = list(range(WORKERS))
     assert apply_ops(table, [h] * WORKERS, slots, [True] * WORKERS) == {s: 1 for s in slots}
-    assert table.mask(h) == (1 << WORKERS) - 1 and table._mem.holder.max() == MULTI
+    assert table.mask(h) == (1 << WORKERS) - 1 and table._mem.holder.max() == SHARED
     # Removals from a shared page stop the C loop each time; the stores between them go on.
     gone = apply_ops(table, [h] * 60 + [_page(8)] * 2, list(range(60)) + [69, 69],
                      [False] * 60 + [True, False])
     assert gone == {**{s: -1 for s in range(60)}}
     assert table.mask(h) == sum(1 << s for s in range(60, WORKERS)) and len(table) == 1
     assert apply_ops(table, [h] * 9, list(range(60, 69)), [False] * 9) == {s: -1 for s in range(60, 69)}
-    assert table.mask(h) == 1 << 69 and table._mem.holder.max() == 69 and not table.multi
+    assert table.mask(h) == 1 << 69 and table._mem.holder.max() == 69
+    assert table.shared_pages() == 0 and len(table.holder_sets) == 0
     with pytest.raises(ValueError, match="worker slot -1"):  # never an index out of the counts
         apply_ops(table, [h] * 2, [3, -1], [True, True])
 

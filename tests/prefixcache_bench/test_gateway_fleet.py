@@ -271,9 +271,10 @@ def test_the_sweep_bench_reports_both_modes(tmp_path):
 
 
 def test_the_shared_masks_bench_counts_what_pages_several_workers_hold_cost():
-    """Pages held by pairs of workers each take a `multi` entry beside the arrays. Pairs that
-    hold many pages share one mask object (cheap at 1,000 workers as at 8); pages each with their
-    own random pair pay for a mask int that grows with the highest worker slot."""
+    """Pages held by pairs of workers cost their table slot, as pages one worker holds, and each
+    pair its set once (cheap at 1,000 workers as at 8: within the goal of 64 bytes a page); pages
+    each with their own random pair pay for a set a page, whose mask grows with the highest
+    worker slot."""
     cases = {(w, k, c): measure_case(w, k, 40_000, c) for w, k, c in
              ((8, 1, "groups"), (8, 2, "groups"), (1000, 2, "groups"), (1000, 2, "random"))}
     alone, pairs, fleet, spread = cases.values()
@@ -281,8 +282,9 @@ def test_the_shared_masks_bench_counts_what_pages_several_workers_hold_cost():
     for case in (pairs, fleet, spread):
         assert case["shared_pages"] == case["pages"] == 40_000
     assert fleet["distinct_masks"] < 4000 < 38_000 < spread["distinct_masks"]
-    assert pairs["other_bytes_per_page"] > alone["other_bytes_per_page"] + 25
-    assert abs(fleet["other_bytes_per_page"] - pairs["other_bytes_per_page"]) < 20
+    assert pairs["other_bytes_per_page"] < alone["other_bytes_per_page"] + 5
+    assert fleet["other_bytes_per_page"] < alone["other_bytes_per_page"] + 10
+    assert fleet["bytes_per_page"] < 64
     assert spread["other_bytes_per_page"] > fleet["other_bytes_per_page"] + 50
 
 

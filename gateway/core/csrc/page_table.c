@@ -1,14 +1,18 @@
 /* The gateway's page table (gateway/core/index_table.py) in C: lookups, placements and a slice
    of page events on the arrays of one table, one event after another, with exactly the result of
    PageTable.add / discard called one by one (gateway/core/index_native.py drives them; the numpy
-   code stays as the reference and the fallback). Holder masks of pages several workers hold stay
-   in Python (a dict of ints of any width): the C loop records what Python must do with them. */
+   code stays as the reference and the fallback). The sets of holders of pages several workers
+   hold stay in Python (ints of any width, by id: gateway/core/holder_sets.py): the C loop
+   records what Python must do with them. A holder (gateway/core/table_arrays.py): EMPTY, TOMB,
+   PENDING (a page joined in this pt_apply call, its set Python's to make), a worker's slot, or
+   SHARED + the id of a set of several. */
 #include <stddef.h>
 #include <stdint.h>
 
 #define EMPTY (-3)
 #define TOMB (-2)
-#define MULTI (-1)
+#define PENDING (-1)
+#define SHARED (1 << 30)
 /* Events between two looks at pt_apply's stop flag: ~5-20 us of work. */
 #define STOP_EVERY 64
 /* How many keys ahead a loop asks for its home slot's cache lines (a power of two): a table of
@@ -126,7 +130,7 @@ int64_t pt_place(uint64_t *tkey, int32_t *holder, int64_t cap, const uint64_t *k
     ask_from(&a, 0);
     for (int64_t i = 0; i < n; i++) {
         int64_t p = home_of(&a, i);
-        while (holder[p] >= MULTI)
+        while (holder[p] >= PENDING)
             if (++p == cap)
                 p = 0;
         fresh += holder[p] == EMPTY;
@@ -141,11 +145,10 @@ int64_t pt_place(uint64_t *tkey, int32_t *holder, int64_t cap, const uint64_t *k
    table (every key of the slice is in it, or absent from both tables: the caller pulled them out
    of an old one and made room for every placement). state = {used, live, clock}, updated.
    delta[slot] += pages the worker gained (stores) or lost (removals) here.
-   What only Python can do is recorded, rec[3k..3k+2] = (position, seed, slot), *nrec of them:
-   seed >= 0: a page `seed` alone held is now held by `slot` too (the holder is now MULTI; the
-   mask is Python's to make, and the count of `slot`'s delta); seed == -1: `slot` joins a page
-   several held (Python adds its bit, and counts it when new). A removal from a page several hold
-   stops the loop: the return value is its index (n when every event is done); Python applies the
+   What only Python can do is recorded, rec[3k..3k+2] = (position, holder before, slot), *nrec
+   of them: `slot` joins a page another worker, several or PENDING held (the holder is now
+   PENDING; its set is Python's to make, and the count of `slot`'s delta when new to it). A
+   removal from a page several hold (or PENDING) stops the loop: the return value is its index (n when every event is done); Python applies the
    records so far, then that removal, then calls again from the next event.
    Called without the GIL (index_native.apply): a routing decision that wants the router's lock
    meanwhile sets *stop (gateway/core/decisions_first.py); once `before_stop` events are done in
@@ -183,17 +186,17 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
             if (hv == s)
                 continue;
             rec[3 * k] = p;
-            rec[3 * k + 1] = hv;  /* MULTI (-1): a join; a worker slot: the seed of a mask */
+            rec[3 * k + 1] = hv;
             rec[3 * k + 2] = s;
             k++;
-            holder[p] = MULTI;
+            holder[p] = PENDING;
         } else if (p >= 0) {
             int32_t hv = holder[p];
             if (hv == s) {
                 holder[p] = TOMB;
                 live--;
                 delta[s]--;
-            } else if (hv == MULTI) {
+            } else if (hv == PENDING || hv >= SHARED) {
                 break;
             }
         }
@@ -207,19 +210,18 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
 
 /* The live slots of an old table in [start, end) moved into the new one (PageTable._step): each
    key written at the first free position of its path there, with its holder and stamp, and its
-   old slot made a tombstone (which keeps the old table's other keys reachable). Positions of
-   shared pages go to pairs[2j] (old) and pairs[2j+1] (new), *npairs of them, for Python to move
-   their masks. Returns how many moved; *fresh gets how many empty positions they took. */
+   old slot made a tombstone (which keeps the old table's other keys reachable). Returns how
+   many moved; *fresh gets how many empty positions they took. */
 int64_t pt_migrate(const uint64_t *okey, int32_t *oholder, const uint32_t *ostamp,
                    int64_t start, int64_t end, uint64_t *tkey, int32_t *holder, uint32_t *stamp,
-                   int64_t cap, int64_t *fresh, int64_t *pairs, int64_t *npairs) {
-    int64_t moved = 0, empties = 0, k = 0;
+                   int64_t cap, int64_t *fresh) {
+    int64_t moved = 0, empties = 0;
     for (int64_t q = start; q < end; q++) {
         int32_t hv = oholder[q];
-        if (hv < MULTI)
+        if (hv < PENDING)
             continue;
         int64_t p = home(okey[q], cap);
-        while (holder[p] >= MULTI)
+        while (holder[p] >= PENDING)
             if (++p == cap)
                 p = 0;
         empties += holder[p] == EMPTY;
@@ -227,15 +229,9 @@ int64_t pt_migrate(const uint64_t *okey, int32_t *oholder, const uint32_t *ostam
         holder[p] = hv;
         stamp[p] = ostamp[q];
         oholder[q] = TOMB;
-        if (hv == MULTI) {
-            pairs[2 * k] = q;
-            pairs[2 * k + 1] = p;
-            k++;
-        }
         moved++;
     }
     *fresh = empties;
-    *npairs = k;
     return moved;
 }
 
@@ -245,15 +241,13 @@ int64_t pt_migrate(const uint64_t *okey, int32_t *oholder, const uint32_t *ostam
    whole. A cluster with tombstones is written anew, its live keys in their order, each at the
    first empty slot from its home: every key of a cluster has its home in it (its path holds no
    empty slot), so each lands in it, at or before its old slot, and stays reachable, without the
-   tombstones. Positions of shared pages that moved go to pairs[2j] (old), pairs[2j+1] (new),
-   *npairs of them, for Python to move their masks in that order. *end gets the empty slot the
-   sweep stopped at, *scanned how many slots it passed; returns the tombstones cleared. */
+   tombstones. *end gets the empty slot the sweep stopped at, *scanned how many slots it passed;
+   returns the tombstones cleared. */
 #define SWEEP_BLOCK 8
 
 int64_t pt_sweep(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap,
-                 int64_t start, int64_t max_slots, int64_t *end, int64_t *scanned,
-                 int64_t *pairs, int64_t *npairs) {
-    int64_t q = start % cap, seen = 0, cleared = 0, k = 0;
+                 int64_t start, int64_t max_slots, int64_t *end, int64_t *scanned) {
+    int64_t q = start % cap, seen = 0, cleared = 0;
     while (holder[q] != EMPTY && seen <= cap) {
         if (++q == cap)
             q = 0;
@@ -301,11 +295,6 @@ int64_t pt_sweep(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap,
                 if (p != q) {
                     tkey[p] = tkey[q];
                     stamp[p] = stamp[q];
-                    if (hv == MULTI) {
-                        pairs[2 * k] = q;
-                        pairs[2 * k + 1] = p;
-                        k++;
-                    }
                 }
             }
             if (++q == cap)
@@ -317,6 +306,5 @@ int64_t pt_sweep(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap,
     }
     *end = q;
     *scanned = seen;
-    *npairs = k;
     return cleared;
 }

@@ -1,0 +1,120 @@
+"""The holders of pages several workers hold, each distinct set stored once (issue 31's memory
+goal: ≤ 64 bytes an indexed page at 1,000 workers, shared pages included).
+
+A page one worker holds keeps that worker's slot in its holder (gateway/core/table_arrays.py). A
+page two or more hold keeps `SHARED + id` there: the id of its set of holders here, a bitmask
+(a Python int of as many bits as the highest slot among them: ~160 bytes at 1,000 workers).
+Pages with the same holders (a conversation's pages on the workers that served it, a system
+prompt everywhere) share one id, so a shared page costs its table slot alone, and each distinct
+set its mask, its list entries and a dict entry (~300 bytes at 1,000 workers) once. The value
+moves with the slot (a growth's migration, a sweep), so those need no bookkeeping; a page
+joined or left gets the id of its new set, and the old set's count drops.
+
+Sets are counted (`refs`): one no page holds any more is forgotten, its id reused. The lookup
+of a mask is keyed by its residue modulo a prime below 2^61, not by the mask: Python hashes an
+int modulo 2^61 - 1, where 2^a and 2^(a + 61) are one value, so the masks of 1,000 workers' pairs
+fell in ~1,900 hash values (a dict keyed by them ran 4x slower, measured). The residues of 2^a
+modulo this prime are distinct for every a below 200,000. Two masks with one residue (~n / 2^61)
+each get an id; the second is not found by the lookup and stays apart (stored twice if made
+again: memory, never a wrong answer).
+
+Before stop 52 a shared page kept its mask in a dict by slot position: ~85 bytes of entry and
+position int beside the slot, and the mask's int unless another page shared it (117-119 bytes a
+page where sets repeat, 265 where they do not: docs/results/gateway/fleet/shared_masks/).
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+# Holder values from here on name a set of holders (below it: a worker's slot). Worker slots are
+# far below (a fleet of 2^30 workers), ids far above (2^30 distinct sets, a holder being int32).
+SHARED = 1 << 30
+_PRIME = 0x1FFFFFFFFFFFFFE1  # the largest prime below 2^61 - 1
+
+
+class HolderSets:
+    """Sets of 2+ holders (bitmasks) by id, counted by the pages that hold them. A table and the
+    old table of its growth share one: ids stay valid as pages move between them."""
+
+    __slots__ = ("masks", "refs", "pages", "_ids", "_free")
+
+    def __init__(self) -> None:
+        self.masks: list[int] = []  # id -> mask (0: the id is free)
+        self.refs: list[int] = []  # id -> how many pages hold it
+        self.pages = 0  # pages holding some set: the shared pages of both tables
+        self._ids: dict[int, int] = {}  # mask % _PRIME -> id
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        """Distinct sets held by some page."""
+        return len(self.masks) - len(self._free)
+
+    def mask(self, hv: int) -> int:
+        """The bitmask of a shared page's holder value."""
+        return self.masks[hv - SHARED]
+
+    def hold(self, mask: int, pages: int = 1) -> int:
+        """The holder value of `pages` pages held by the workers of `mask` (2+ bits), counted."""
+        key = mask % _PRIME
+        i = self._ids.get(key)
+        if i is None or self.masks[i] != mask:
+            i = self._new(mask, key, register=i is None)
+        self.refs[i] += pages
+        self.pages += pages
+        return SHARED + i
+
+    def release(self, hv: int, pages: int = 1) -> None:
+        """`pages` pages hold the set of `hv` no more."""
+        i = hv - SHARED
+        left = self.refs[i] = self.refs[i] - pages
+        self.pages -= pages
+        if not left:
+            key = self.masks[i] % _PRIME
+            if self._ids.get(key) == i:
+                del self._ids[key]
+            self.masks[i] = 0
+            self._free.append(i)
+
+    def _new(self, mask: int, key: int, register: bool) -> int:
+        if self._free:
+            i = self._free.pop()
+            self.masks[i], self.refs[i] = mask, 0
+        else:
+            i = len(self.masks)
+            if SHARED + i >= 1 << 31:
+                raise OverflowError("2^30 distinct sets of holders: the holder's int32 is full")
+            self.masks.append(mask)
+            self.refs.append(0)
+        if register:
+            self._ids[key] = i
+        return i
+
+    def nbytes(self) -> int:
+        """Bytes of the sets as sys.getsizeof counts them: lists, dict, masks and the ints of
+        counts and keys (a scan of every set: for benchmarks and tests, not a metric)."""
+        ints = self.masks + self.refs + list(self._ids)
+        return sum(map(sys.getsizeof, (self.masks, self.refs, self._ids, self._free, *ints)))
+
+    def with_slot(self, slot: int) -> list[int]:
+        """The holder values of the sets that include this worker (a scan of every set)."""
+        return [SHARED + i for i, m in enumerate(self.masks) if m >> slot & 1]
+
+    @classmethod
+    def restored(cls, masks: Iterable[int], values_held: Iterable[tuple[int, int]]) -> HolderSets:
+        """Sets as a checkpoint holds them (id -> mask, 0 where free), counted from (holder
+        value, pages) of the tables' shared pages."""
+        sets = cls()
+        for mask in masks:
+            key = mask % _PRIME
+            sets._new(mask, key, register=bool(mask) and key not in sets._ids)
+        for hv, pages in values_held:
+            i = hv - SHARED
+            if not 0 <= i < len(sets.masks) or sets.masks[i] & (sets.masks[i] - 1) == 0:
+                raise ValueError(f"a shared page names set {i}, which has fewer than 2 holders")
+            sets.refs[i] += pages
+            sets.pages += pages
+        for i, refs in enumerate(sets.refs):
+            if not refs:
+                sets.release(SHARED + i, 0)
+        return sets
