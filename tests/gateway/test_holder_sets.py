@@ -11,6 +11,7 @@ import pytest
 
 from gateway.core import holder_sets
 from gateway.core.holder_sets import SHARED, HolderSets
+from gateway.core.index import BYTES_PER_HOLDER_SET
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import PageTable
 from tests.gateway.helpers import check_holder_sets, page, pages
@@ -122,3 +123,13 @@ def test_a_checkpoints_sets_restored_counted_and_a_set_of_one_holder_refused():
     assert restored.hold(3 << 4) == SHARED + 1 and restored.hold(9) in (SHARED, SHARED + 2)
     with pytest.raises(ValueError, match="fewer than 2"):
         HolderSets.restored([1 << 3], [(SHARED, 4)])
+
+
+def test_a_set_at_1000_workers_costs_what_the_budget_counts():
+    """BYTES_PER_HOLDER_SET (gateway/core/index.py): sets whose highest slot is 999, each held by
+    300 pages, as `HolderSets.nbytes` counts them."""
+    sets, rng = HolderSets(), random.Random(1)
+    for _ in range(20_000):
+        a, b = rng.sample(range(999), 2)
+        sets.hold(1 << a | 1 << b | 1 << 999, 300)
+    assert 200 < sets.nbytes() / len(sets) <= BYTES_PER_HOLDER_SET
