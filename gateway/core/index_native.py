@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from gateway.core.holder_sets import SHARED
+from gateway.core.holder_sets import SHARED, HolderSets
 from service_shell.native_build import NativeLibrary
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
         if preempt is not None:
             preempt.preemptible_s += time.perf_counter() - start
         table._used, table.live, table._clock = state.tolist()
-        _share(table, rec[:3 * nrec.value].tolist(), shared)
+        _share(table, rec[:3 * nrec.value], shared)
         before_stop = STOP_EVERY
         if stopped.value:  # the table is whole between two events: a decision may read it
             start = time.perf_counter()
@@ -221,33 +221,48 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
     return out
 
 
-def _share(table: PageTable, rec: list[int], counts: dict[int, int]) -> None:
+def _share(table: PageTable, rec: np.ndarray, counts: dict[int, int]) -> None:
     """The records of one `pt_apply` call, in order: (position, its holder before, a slot
-    joining it); each page joined given the set of its holders once all of them are in, each
-    slot that newly holds a page counted."""
-    if not rec:
+    joining it). Each page joined gets the set of its holders once all of them are in, each slot
+    that newly holds a page counted. Pages joined once in the call, with the same holder before
+    and the same slot joining (a snapshot's batch: one worker joining many pages of one set),
+    make their new set once, and their holders are written in numpy."""
+    if not len(rec):
         return
+    pos, hv, slot = rec[0::3], rec[1::3], rec[2::3]
+    _, at, times = np.unique(pos, return_inverse=True, return_counts=True)
+    again = times[at] > 1  # joined twice or more in the call (its later records: hv PENDING)
     sets = table.holder_sets
-    joined: dict[int, int] = {}  # position -> the mask of its holders so far
-    before: list[int] = []  # the sets pages held before: released once the new ones are held
-    for j in range(0, len(rec), 3):
-        pos, hv, s = rec[j], rec[j + 1], rec[j + 2]
-        m = joined.get(pos)
-        if m is None:  # the page's first record this call: hv is its holder before (no PENDING)
-            if hv >= SHARED:
-                m = sets.mask(hv)
-                before.append(hv)
-            else:
-                m = 1 << hv
+    once = ~again
+    kinds, kind = np.unique(hv[once] << 31 | slot[once], return_inverse=True)
+    made = np.empty(len(kinds), dtype=np.int32)
+    for k, (n, key) in enumerate(zip(np.bincount(kind).tolist(), kinds.tolist())):
+        made[k] = _joined(sets, key >> 31, [key & 0x7FFFFFFF], n, counts)
+    table._mem.holder[pos[once]] = made[kind]
+    if again.any():
+        steps: dict[int, list[int]] = {}  # position -> [its holder before, the slots joining]
+        for p, h, s in zip(pos[again].tolist(), hv[again].tolist(), slot[again].tolist()):
+            steps.setdefault(p, [h]).append(s)
+        for p, (h, *joining) in steps.items():
+            table._holder[p] = _joined(sets, h, joining, 1, counts)
+
+
+def _joined(sets: HolderSets, hv: int, joining: list[int], pages: int,
+            counts: dict[int, int]) -> int:
+    """The holder of `pages` pages held by `hv` that these slots joined, in order; each slot new
+    to them counted once a page."""
+    before = sets.mask(hv) if hv >= SHARED else 1 << hv
+    m = before
+    for s in joining:
         if not m >> s & 1:
             m |= 1 << s
-            counts[s] = counts.get(s, 0) + 1
-        joined[pos] = m
-    holder = table._holder
-    for pos, m in joined.items():
-        holder[pos] = sets.hold(m)
-    for hv in before:
-        sets.release(hv)
+            counts[s] = counts.get(s, 0) + pages
+    if m == before:  # stored again by holders: the same set
+        return hv
+    new = sets.hold(m, pages)
+    if hv >= SHARED:
+        sets.release(hv, pages)
+    return new
 
 
 def _new_keys(table: PageTable, key: np.ndarray) -> int:
