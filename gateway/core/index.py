@@ -156,6 +156,7 @@ class KvIndex:
                           n * BYTES_PER_ENTRY + sets * BYTES_PER_HOLDER_SET,
                           self.page_events, sum(t.nbytes() for t in self._tables),
                           sum(t.sweep.cleared for t in self._tables), ready, partial, unready,
+                          shrinks=sum(t.shrinks for t in self._tables),
                           shared_pages=sum(t.shared_pages() for t in self._tables),
                           holder_sets=sets)
 
@@ -217,9 +218,9 @@ class KvIndex:
         remain."""
         migrating = False
         for table in self._tables:
-            before = table.migrated_slots + table.sweep.scanned
+            before = table.migrated_slots + table.sweep.scanned + table.shrink_slots
             migrating |= table.migrate_some(max_slots)
-            max_slots -= table.migrated_slots + table.sweep.scanned - before
+            max_slots -= table.migrated_slots + table.sweep.scanned + table.shrink_slots - before
         return migrating
 
     def sweep_due(self) -> bool:

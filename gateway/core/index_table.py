@@ -53,7 +53,7 @@ from gateway.core import index_native
 from gateway.core.holder_sets import SHARED, HolderSets
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
-from gateway.core.table_arrays import EMPTY, TOMB, Spare, TableArrays
+from gateway.core.table_arrays import EMPTY, SPARE_MIN_SLOTS, TOMB, Spare, TableArrays
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
 _MIX_HI = 0xC2B2AE3D27D4EB4F  # a hash's second word, multiplied in as it is folded into its key
@@ -62,6 +62,9 @@ _M64 = (1 << 64) - 1
 _MAX_LOAD = 0.7
 _GROWN_LOAD = 0.45
 _SPARE_LOAD = 0.55  # past it, the next growth's arrays are made ready ahead (table_arrays.py)
+# Live pages under this share of the slots (16 bytes a slot: 80 bytes a page, over issue 31's 64):
+# a fleet scaled down, whose pages were cleared and swept. The table shrinks to _GROWN_LOAD.
+_SHRINK_LOAD = 0.2
 _LOOK_LOAD = 0.5  # past it, the spare's looks read how the table fills (Spare.plan's look_only)
 _STAMP_LIMIT = 2**32 - 1
 # A touch stamps pages up to this many stores ahead of the clock (`touch_stamps`); stores renumber
@@ -142,6 +145,8 @@ class PageTable:
         self._cursor = 0  # old slots below it are migrated
         self.migrate_step, self.rate = migrate_step, 0
         self.migrated_slots = 0  # old slots scanned by migration, ever (tests bound it per call)
+        self.shrink_slots = 0  # slots of smaller arrays written by idle steps, ever
+        self.shrinks = 0  # migrations into smaller arrays begun
 
     def _use(self, arrays: TableArrays) -> None:
         """Takes these arrays as the table's slots, as they are written."""
@@ -584,13 +589,33 @@ class PageTable:
         """Migrates up to `max_slots` old slots without a mutating call (the feed loop's idle
         steps, gateway/core/feeds.py: a growth's old table otherwise stays until more events
         come), or with no old table, sweeps as many slots' tombstones once they are many
-        (index_sweep.py); True while some migration or sweep remains."""
+        (index_sweep.py), or else writes as many slots of a smaller table's arrays when the
+        pages fill under a fifth of this one (`_shrink_some`); True while some migration, sweep
+        or shrink remains."""
         if max_slots <= 0:
             return self._old is not None or self.sweep.left > 0
         if self._old is None:
-            return sweep_some(self, max_slots)
+            return sweep_some(self, max_slots) or self._shrink_some(max_slots)
         self._step(0, max_slots)
         return self._old is not None
+
+    def _shrink_some(self, max_slots: int) -> bool:
+        """A table whose live pages fill under `_SHRINK_LOAD` of its slots, tombstones swept (a
+        fleet scaled down: the table never shrank, and held 16 bytes a slot over few pages):
+        the arrays of one at `_GROWN_LOAD` written `max_slots` at a time (the spare, as for a
+        growth: no page fault under a long hold), then a growth into them, whose migration the
+        next steps do. True while it goes on."""
+        if self.cap < 2 * SPARE_MIN_SLOTS or self.live >= _SHRINK_LOAD * self.cap \
+                or self._used > _LOOK_LOAD * self.cap:
+            return False
+        chunk = max(1, max_slots)
+        left = self._spare.shrink_some(max(64, int(self.live / _GROWN_LOAD) + 1), self.live, chunk)
+        self.shrink_slots += chunk
+        if left:
+            return True
+        self.shrinks += 1
+        self._grow(0)
+        return True
 
     def _touch_many(self, key: np.ndarray) -> None:
         """Before a mutating call on these keys: a migration step, then the keys still in the

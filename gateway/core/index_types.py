@@ -144,6 +144,9 @@ class IndexStats:
     growths_ready: int = 0
     growths_partial: int = 0
     growths_unready: int = 0
+    # Tables moved into smaller arrays once their pages filled under a fifth of them (a fleet
+    # scaled down: PageTable._shrink_some).
+    shrinks: int = 0
     # Keys two or more workers hold: each names a set of holders, which every key with the same
     # holders shares (holder_sets.py, gateway_fleet/shared_masks.py).
     shared_pages: int = 0

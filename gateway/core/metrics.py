@@ -78,6 +78,11 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
     for arrays in ("ready", "partial", "unready"):
         c.add_metric([arrays], totals[f"growths_{arrays}"])
     yield c
+    c = CounterMetricFamily("prefixcache_gateway_index_shrinks", "Page tables of the routing "
+                            "index moved into smaller arrays once their pages filled under a "
+                            "fifth of them (a fleet scaled down), in the feed loop's idle steps.")
+    c.add_metric([], totals["shrinks"])
+    yield c
     for name, doc in (("pages", "Pages the routing policy remembers as routed to a worker (the "
                                 "affinity policy: until events report them; at most its "
                                 "recent_pages_per_worker a worker)."),

@@ -443,8 +443,9 @@ class Router:
                   "evictions": st.evicted_entries, "memory_bytes": st.memory_bytes,
                   "table_bytes": st.table_bytes, "swept_tombstones": st.swept_tombstones,
                   "growths_ready": st.growths_ready, "growths_partial": st.growths_partial,
-                  "growths_unready": st.growths_unready, "shared_pages": st.shared_pages,
-                  "holder_sets": st.holder_sets, "routed_pages": routed, "routed_memory_bytes": routed_bytes}
+                  "growths_unready": st.growths_unready, "shrinks": st.shrinks,
+                  "shared_pages": st.shared_pages, "holder_sets": st.holder_sets,
+                  "routed_pages": routed, "routed_memory_bytes": routed_bytes}
         return pages, {"known": len(rows), "eligible": sum(e for *_, e in rows)}, totals
 
     def names(self) -> Sequence[str]:

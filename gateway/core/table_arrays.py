@@ -154,6 +154,21 @@ class Spare:
             self.planned, self._room = cap, max(1, room)
             self._grown_live = max(1, int(live + added * room))
 
+    def shrink_some(self, slots: int, live: int, chunk: int) -> int:
+        """A table that shrinks to `slots` (index_table.PageTable's `_shrink_some`: its `live`
+        pages fill under a fifth of its slots): its arrays planned (unless a fitting spare is),
+        and their next `chunk` slots written, under the router's lock. No bound of bytes a page:
+        they are a fraction of the table's. How many slots are left to write."""
+        with self._writing:
+            if not (self.planned and _fits(self.planned, slots)):
+                self.arrays, self.planned, self._waiting = TableArrays(slots), slots, False
+                self._room, self._grown_live = 1, max(1, live)
+            elif self.arrays is None:
+                self.arrays = TableArrays(self.planned)
+            arrays = self.arrays
+            arrays.fill(chunk)
+            return arrays.cap - arrays.filled
+
     def fill_some(self, room: int, live: int, table_slots: int, chunk: int | None = None
                   ) -> bool:
         """Writes the next part of the planned spare (without the lock): `chunk` slots, or as

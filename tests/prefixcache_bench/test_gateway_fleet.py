@@ -19,6 +19,7 @@ from prefixcache_bench.gateway_fleet.index_memory import (idle_gateway_bytes_per
 from prefixcache_bench.gateway_fleet.run import IngestTuning, run_config
 from prefixcache_bench.gateway_fleet.shared_masks import main as shared_masks_main
 from prefixcache_bench.gateway_fleet.shared_masks import measure_case
+from prefixcache_bench.gateway_fleet.shrink import main as shrink_main
 from prefixcache_bench.gateway_fleet.sources import PACE_S
 from prefixcache_bench.gateway_fleet.sweep import main as sweep_main
 from prefixcache_bench.gateway_fleet.warmup import PHASE_NAMES, POLICIES, WarmupTally, phase_of
@@ -294,3 +295,17 @@ def test_the_shared_masks_bench_refuses_sizes_it_cannot_measure(argv, tmp_path, 
         shared_masks_main([*argv, "--json", str(tmp_path / "r.json")])
     assert "needs --pages >= 1000" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_shrink_bench_moves_a_scaled_down_fleets_table_into_smaller_arrays(tmp_path):
+    """100 workers' 200,000 pages (tables under 131,072 slots do not shrink), 90 leave: with the
+    shrink the table's arrays come back under 64 bytes a page, without it they stay at 16 bytes a
+    slot over the pages left; the pages left are found either way."""
+    shrink_main(["--pages", "200000", "--workers", "100", "--keep", "10", "--json",
+                 str(tmp_path / "s.json")])
+    runs = {r["mode"]: r for r in json.loads((tmp_path / "s.json").read_text())["runs"]}
+    assert runs["shrink"]["bytes_per_page_end"] < 64 < runs["no_shrink"]["bytes_per_page_end"]
+    assert runs["shrink"]["shrinks"] == 1 and runs["no_shrink"]["shrinks"] == 0
+    assert all(r["pages_left_found"] and r["pages_left"] == 20_000 for r in runs.values())
+    with pytest.raises(SystemExit):
+        shrink_main(["--keep", "100", "--workers", "100"])
