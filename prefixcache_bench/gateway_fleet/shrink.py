@@ -23,7 +23,7 @@ import time
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import IdleMigration
 from prefixcache.v1 import common_pb2, events_pb2
-from prefixcache_bench.harness import percentile, print_and_write
+from prefixcache_bench.harness import columns_table, percentile, print_and_write
 
 MODES = ("shrink", "no_shrink")
 
@@ -81,14 +81,13 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
 
 
 def table_text(result: dict) -> str:
-    rows = [f"{'mode':>10}{'left':>10}{'before':>8}{'left':>8}{'peak':>8}{'end':>8}"
-            f"{'steps':>7}{'hold p99':>10}{'max ms':>8}"]
-    for r in result["runs"]:
-        rows.append(f"{r['mode']:>10}{r['pages_left']:>10,}{r['bytes_per_page_before']:>8.1f}"
-                    f"{r['bytes_per_page_after_leave']:>8.1f}{r['bytes_per_page_peak']:>8.1f}"
-                    f"{r['bytes_per_page_end']:>8.1f}{r['idle_steps']:>7}"
-                    f"{r['hold_p99_ms']:>10.3f}{r['hold_max_ms']:>8.3f}")
-    return "bytes a page of the table's arrays, as written\n" + "\n".join(rows)
+    keys = ("mode", "pages_left", "bytes_per_page_before", "bytes_per_page_after_leave",
+            "bytes_per_page_peak", "bytes_per_page_end", "idle_steps", "hold_p99_ms",
+            "hold_max_ms")
+    header = ("mode", "pages left", "before", "left", "peak", "end", "steps", "hold p99 ms",
+              "max ms")
+    return ("bytes a page of the table's arrays, as written\n"
+            + columns_table(header, [[r[k] for k in keys] for r in result["runs"]]))
 
 
 def main(argv: list[str] | None = None) -> None:
