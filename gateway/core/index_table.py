@@ -3,9 +3,9 @@
 Open addressing with linear probing over three parallel arrays, 16 bytes a slot: a key of 64 bits
 (`key_of`: the two 64-bit words of prefixcache_client.hash's 16-byte HASH_BYTES folded into one; a
 hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, or
-SHARED + the id of a set of several in `holder_sets`), and a stamp (when it was last stored, or found by a
-routed request's lookup: `touch_stamps`; the eviction order). Two hashes sharing a key count as
-one page: with n pages indexed, a lookup of a page nobody holds matches one with probability
+SHARED + the id of a set of several in `holder_sets`), and a stamp (when it was last stored, or
+found by a routed request's lookup: `touch_stamps`; the eviction order). Two hashes sharing a key
+count as one page: with n pages indexed, a lookup of a page nobody holds matches one with probability
 ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability ~n**2 / 2**65
 (3e-6 at 10M). Either only makes routing credit a worker with a page it may not hold, or miss one
 it holds: a mis-scored decision, never a wrong answer (the worker's cache service matches whole

@@ -7,11 +7,12 @@ holder that worker's slot). A page two or more hold does too, its holder the id 
 holders (gateway/core/holder_sets.py), where each distinct set is stored once: a Python int
 mask, whose size follows the highest worker slot among the holders, not how many they are, and
 a dict entry to find it. Until stop 51 such a page also took an entry in a dict by slot position
-(~85 bytes), and its own mask unless another page's equalled it. For each case (workers, holders a page, how they are chosen), either the workers are split into
-groups of that many, each group storing its own pages (`--pages` in all; fewer where every worker
-holds every page, to keep the holders' additions at 2M), or each page gets its own random set of
-holders (no two pages alike: the masks' worst case), and tracemalloc counts what the index
-allocated, per page. The arrays' part depends on where the last growth left the table (a table
+(~85 bytes), and its own mask unless another page's equalled it. For each case (workers,
+holders a page, how they are chosen), either the workers are split into groups of that many,
+each group storing its own pages (`--pages` in all; fewer where every worker holds every page,
+to keep the holders' additions at 2M), or each page gets its own random set of holders (no two
+pages alike: the masks' worst case), and tracemalloc counts what the index allocated, per
+page. The arrays' part depends on where the last growth left the table (a table
 fresh from one holds about half its slots empty), as in the index's tests. Then the same batches
 are applied `--repeats` times more to a fresh index without tracing: the process CPU time of
 each, and their median (compared with another commit's by running both, alternated).

@@ -29,7 +29,8 @@ def test_pages_with_the_same_holders_name_one_set():
         table.add_many(pages(5000, 6000), slot)
     sets = table.holder_sets
     assert table.shared_pages() == 6000 and len(sets) == 2
-    assert sorted(m for m in sets.masks if m) == [1 << HIGH | 1 << HIGH + 7, 1 << HIGH | 1 << HIGH + 9]
+    assert sorted(m for m in sets.masks if m) == [1 << HIGH | 1 << HIGH + 7,
+                                                  1 << HIGH | 1 << HIGH + 9]
     table.discard_many(shared[:10], HIGH + 7)  # alone again: a worker's slot, no set
     assert table.shared_pages() == 5990 and table.masks(shared[:1]) == [1 << HIGH]
     table.add_many(shared[:10], HIGH + 9)  # now held as the second set's pages: its id

@@ -148,7 +148,8 @@ int64_t pt_place(uint64_t *tkey, int32_t *holder, int64_t cap, const uint64_t *k
    What only Python can do is recorded, rec[3k..3k+2] = (position, holder before, slot), *nrec
    of them: `slot` joins a page another worker, several or PENDING held (the holder is now
    PENDING; its set is Python's to make, and the count of `slot`'s delta when new to it). A
-   removal from a page several hold (or PENDING) stops the loop: the return value is its index (n when every event is done); Python applies the
+   removal from a page several hold (or PENDING) stops the loop: the return value is its index
+   (n when every event is done); Python applies the
    records so far, then that removal, then calls again from the next event.
    Called without the GIL (index_native.apply): a routing decision that wants the router's lock
    meanwhile sets *stop (gateway/core/decisions_first.py); once `before_stop` events are done in
