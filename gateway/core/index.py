@@ -22,16 +22,16 @@ snapshot that breaks off, is reported as RESYNC with the point to re-subscribe f
 entries are kept (scored with less confidence) until the snapshot that follows replaces them.
 
 Bound, on purpose and never silent: at most `capacity()` (page hash, medium) keys, which is
-`max_entries` or, when that is 0, the memory budget `memory_budget_mb`, less
-`BYTES_PER_HOLDER_SET` for each distinct set of holders of shared pages, divided by
-`BYTES_PER_ENTRY` (measured: prefixcache_bench/gateway_fleet/). Over it, keys go in batches of
-`evict_fraction` (amortised O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose
-first), within a medium the least recently used first (stored, or found by a routed request's lookup:
-`touch_lookups`, which also keeps a prefix's first pages longest), and among those a page held by
-one worker before a page several hold (a widely shared prefix serves more requests). An evicted key
-only turns a hit into a miss for routing; the worker still has the page. `stats()` counts keys,
-evictions and the estimated memory (exported as metrics), and the first eviction, then one per
-minute, is logged as a warning: the fleet has outgrown the budget.
+`max_entries` or, when that is 0, the memory budget `memory_budget_mb`, less `BYTES_PER_HOLDER_SET`
+for each distinct set of holders of shared pages, divided by `BYTES_PER_ENTRY` (measured:
+prefixcache_bench/gateway_fleet/). Over it, keys go in batches of `evict_fraction` (amortised
+O(1)): REMOTE before HOST before DEVICE (the cheapest hits to lose first), within a medium the
+least recently used first (stored, or found by a routed request's lookup: `touch_lookups`, which
+also keeps a prefix's first pages longest), and among those a page held by one worker before a page
+several hold (a widely shared prefix serves more requests). An evicted key only turns a hit into a
+miss for routing; the worker still has the page. `stats()` counts keys, evictions and the estimated
+memory (exported as metrics), and the first eviction, then one per minute, is logged as a warning:
+the fleet has outgrown the budget.
 
 `routed_prefixes.RoutedPrefixes` is the event-less variant: what the gateway itself routed where.
 """
