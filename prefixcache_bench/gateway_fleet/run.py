@@ -81,6 +81,9 @@ class _Router:
         # its arrival on the schedule to route()'s end: a stall delays every decision due in it)
         self.samples: list[tuple[float, float, float, float]] = []
         self.cpu: list[tuple[float, float]] = []  # (start, this thread's CPU time then)
+        # (start, this thread's CPU seconds in route()): against its wall time, what the other
+        # threads and processes on the cores took of it
+        self.route_cpu: list[tuple[float, float]] = []
         # (start, routed to the holder) of each request for a pool's conversation: counted by
         # phase, since during the warm-up the holder's pages are not all indexed yet
         self.held: list[tuple[float, bool]] = []
@@ -116,10 +119,11 @@ class _Router:
             if (ahead := wake - time.perf_counter()) > 0:
                 time.sleep(ahead)
             req, holder = self._request(rng, n)
-            start = time.perf_counter()
-            self.cpu.append((start, time.thread_time()))
+            start, cpu = time.perf_counter(), time.thread_time()
+            self.cpu.append((start, cpu))
             route = self.router.route(req)
             end = time.perf_counter()
+            self.route_cpu.append((start, time.thread_time() - cpu))
             self.samples.append((start, end - start, end - wake, end - due))
             if route is not None:
                 self.router.finish(req.request_id)
@@ -141,6 +145,9 @@ class _Router:
         out = {"decisions": len(lat), "p50_us": percentile(lat, 0.5), "p99_us": percentile(lat, 0.99),
                "max_us": max(lat), "p99_from_wake_us": percentile(woken, 0.99),
                "p99_from_due_us": percentile(due, 0.99), "routed_to_holder": self.to_holder(t0, t1)}
+        own = [c * 1e6 for t, c in self.route_cpu if t0 <= t < t1]
+        if own:  # (warmup.py fills `samples` with its own loop, not this)
+            out["cpu_p50_us"], out["cpu_p99_us"] = percentile(own, 0.5), percentile(own, 0.99)
         cpu = [(t, c) for t, c in self.cpu if t0 <= t < t1]
         if len(cpu) > 1:  # the routing thread's share of its core over the phase
             out["cpu_share"] = (cpu[-1][1] - cpu[0][1]) / max(cpu[-1][0] - cpu[0][0], 1e-9)
