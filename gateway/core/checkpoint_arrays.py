@@ -7,9 +7,8 @@ slot (np.packbits of holder != EMPTY), and its three arrays at the occupied slot
 included: probing walks over them), the holders narrowed to 16 bits when every value fits: 14
 bytes an occupied slot. A holder is a worker slot, TOMB, or SHARED + a set's id
 (gateway/core/holder_sets.py), written as -4 - the id, so that the ids of a few thousand sets
-fit too. Loading puts them back at
-their positions in arrays of the table's capacity (empty slots: zero, holder EMPTY), so no key is
-re-inserted. Compression was measured and left out: zlib at level 1 ran at 40-70 MB/s on these arrays here,
+fit too. Loading puts them back at their positions in arrays of the table's capacity (empty
+slots: zero, holder EMPTY), so no key is re-inserted. Compression was measured and left out: zlib at level 1 ran at 40-70 MB/s on these arrays here,
 slower than writing the bytes it saves (~0.3 GB/s).
 """
 from __future__ import annotations

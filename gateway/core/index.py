@@ -132,7 +132,7 @@ class KvIndex:
         # fleet's stores), and a prefix goes from its end, not from its first page. Stamps
         # only: not a change of what the index holds (`changes` stays).
         self.touch_lookups = False
-        if (self.config.max_entries or self.config.memory_budget_mb * 2**20 // BYTES_PER_ENTRY) < 1:
+        if (self.config.max_entries or self._budget_keys(holder_sets=0)) < 1:
             raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
                              f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
 
@@ -142,8 +142,12 @@ class KvIndex:
         cfg = self.config
         if cfg.max_entries:
             return cfg.max_entries
-        room = cfg.memory_budget_mb * 2**20 - self._holder_sets() * BYTES_PER_HOLDER_SET
-        return max(1, int(room // BYTES_PER_ENTRY))
+        return max(1, self._budget_keys(self._holder_sets()))
+
+    def _budget_keys(self, holder_sets: int) -> int:
+        """Keys the memory budget has room for beside this many sets of holders."""
+        room = self.config.memory_budget_mb * 2**20 - holder_sets * BYTES_PER_HOLDER_SET
+        return int(room // BYTES_PER_ENTRY)
 
     def _holder_sets(self) -> int:
         return sum(len(t.holder_sets) for t in self._tables)

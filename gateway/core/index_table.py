@@ -121,6 +121,12 @@ def _fold(keys: np.ndarray) -> np.ndarray:
     return pairs[:, 0] ^ pairs[:, 1] * _MIX_HI_NP
 
 
+def _grown_slots(pages: int) -> int:
+    """The slots of the table a growth (or a shrink, whose arrays it takes) moves these pages
+    into: they fill `_GROWN_LOAD` of it."""
+    return max(64, int(pages / _GROWN_LOAD) + 1)
+
+
 def _home(key: int, cap: int) -> int:
     """A key's first position: the key multiplied, then the product's high bits folded into its
     low ones (a bare product modulo cap left half the positions unused for the benchmark's
@@ -554,7 +560,7 @@ class PageTable:
         old._used, old.live, old._old = self._used, self.live, None
         old.holder_sets = self.holder_sets
         old._use(self._mem)
-        need = max(64, int((self.live + extra) / _GROWN_LOAD) + 1)
+        need = _grown_slots(self.live + extra)
         self._use(self._spare.take(need) or TableArrays.empty(need))
         self._used = 0
         self._spare.grew(self.live)
@@ -608,7 +614,7 @@ class PageTable:
                 or self._used > _LOOK_LOAD * self.cap:
             return False
         chunk = max(1, max_slots)
-        left = self._spare.shrink_some(max(64, int(self.live / _GROWN_LOAD) + 1), self.live, chunk)
+        left = self._spare.shrink_some(_grown_slots(self.live), self.live, chunk)
         self.shrink_slots += chunk
         if left:
             return True
