@@ -2,7 +2,11 @@
 goal: ≤ 64 bytes an indexed page at 1,000 workers, shared pages included).
 
 A page one worker holds keeps that worker's slot in its holder (gateway/core/table_arrays.py). A
-page two or more hold keeps `SHARED + id` there: the id of its set of holders here, a bitmask
+page two workers hold keeps both slots there, `PAIR + (high << PAIR_BITS) + low` (slots below
+2^14: a fleet of 16,384 workers), with no set at all: a page another worker fetched or
+recomputed, whose pair no other page has, costs its table slot alone (until stop 53 it named a
+set: ~218 bytes a page where each page had a pair of its own). A page three or more hold (or two of
+which one slot is 2^14 or more) keeps `SHARED + id`: the id of its set of holders here, a bitmask
 (a Python int of as many bits as the highest slot among them: ~160 bytes at 1,000 workers).
 Pages with the same holders (a conversation's pages on the workers that served it, a system
 prompt everywhere) share one id, so a shared page costs its table slot alone, and each distinct
@@ -27,22 +31,30 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-# Holder values from here on name a set of holders (below it: a worker's slot). Worker slots are
-# far below (a fleet of 2^30 workers), ids far above (2^30 distinct sets, a holder being int32).
+import numpy as np
+
+# Holder values from SHARED on name a set of holders; from PAIR to SHARED, two worker slots each
+# below PAIR_SLOTS; below PAIR, one worker's slot (a fleet of 2^28 workers). 2^30 distinct sets
+# fit above, a holder being int32.
 SHARED = 1 << 30
+PAIR = 1 << 28
+PAIR_BITS = 14
+PAIR_SLOTS = 1 << PAIR_BITS  # a pair's slots are below this: PAIR + 2^28 - 1 < SHARED
 _PRIME = 0x1FFFFFFFFFFFFFE1  # the largest prime below 2^61 - 1
 
 
 class HolderSets:
-    """Sets of 2+ holders (bitmasks) by id, counted by the pages that hold them. A table and the
-    old table of its growth share one: ids stay valid as pages move between them."""
+    """Sets of 2+ holders (bitmasks) by id, counted by the pages that hold them, and the pages
+    held by pairs counted. A table and the old table of its growth share one: ids stay valid as
+    pages move between them."""
 
-    __slots__ = ("masks", "refs", "pages", "_ids", "_free")
+    __slots__ = ("masks", "refs", "pages", "pairs", "_ids", "_free")
 
     def __init__(self) -> None:
         self.masks: list[int] = []  # id -> mask (0: the id is free)
         self.refs: list[int] = []  # id -> how many pages hold it
-        self.pages = 0  # pages holding some set: the shared pages of both tables
+        self.pages = 0  # pages holding some set (both tables)
+        self.pairs = 0  # pages two workers hold, written in place (both tables; C counts its own)
         self._ids: dict[int, int] = {}  # mask % _PRIME -> id
         self._free: list[int] = []
 
@@ -51,11 +63,20 @@ class HolderSets:
         return len(self.masks) - len(self._free)
 
     def mask(self, hv: int) -> int:
-        """The bitmask of a shared page's holder value."""
-        return self.masks[hv - SHARED]
+        """The bitmask of the slots of a live page's holder value."""
+        if hv < PAIR:
+            return 1 << hv
+        return self.masks[hv - SHARED] if hv >= SHARED else pair_mask(hv)
 
     def hold(self, mask: int, pages: int = 1) -> int:
-        """The holder value of `pages` pages held by the workers of `mask` (2+ bits), counted."""
+        """The holder value of `pages` pages held by the workers of `mask` (1+ bits), counted: a
+        slot, a pair or a set's id, the most compact that holds them."""
+        if not mask & (mask - 1):
+            return mask.bit_length() - 1
+        if mask.bit_count() == 2 and mask.bit_length() <= PAIR_SLOTS:
+            self.pairs += pages
+            high = mask.bit_length() - 1
+            return PAIR + (high << PAIR_BITS) + (mask ^ 1 << high).bit_length() - 1
         key = mask % _PRIME
         i = self._ids.get(key)
         if i is None or self.masks[i] != mask:
@@ -65,7 +86,11 @@ class HolderSets:
         return SHARED + i
 
     def release(self, hv: int, pages: int = 1) -> None:
-        """`pages` pages hold the set of `hv` no more."""
+        """`pages` pages hold `hv` no more (a slot's, or PENDING's: nothing to count)."""
+        if hv < SHARED:
+            if hv >= PAIR:
+                self.pairs -= pages
+            return
         i = hv - SHARED
         left = self.refs[i] = self.refs[i] - pages
         self.pages -= pages
@@ -96,15 +121,23 @@ class HolderSets:
         ints = self.masks + self.refs + list(self._ids)
         return sum(map(sys.getsizeof, (self.masks, self.refs, self._ids, self._free, *ints)))
 
-    def with_slot(self, slot: int) -> list[int]:
-        """The holder values of the sets that include this worker (a scan of every set)."""
-        return [SHARED + i for i, m in enumerate(self.masks) if m >> slot & 1]
+    def holding(self, values: np.ndarray, slot: int) -> np.ndarray:
+        """Which of these holder values (pairs and sets: PAIR or more) include the worker (a
+        scan of every set)."""
+        ids = [SHARED + i for i, m in enumerate(self.masks) if m >> slot & 1]
+        out = np.isin(values, ids)
+        pairs = values < SHARED
+        high, low = pair_slots(values[pairs])
+        out[pairs] = (high == slot) | (low == slot)
+        return out
 
     @classmethod
-    def restored(cls, masks: Iterable[int], values_held: Iterable[tuple[int, int]]) -> HolderSets:
+    def restored(cls, masks: Iterable[int], values_held: Iterable[tuple[int, int]],
+                 pairs: int = 0) -> HolderSets:
         """Sets as a checkpoint holds them (id -> mask, 0 where free), counted from (holder
-        value, pages) of the tables' shared pages."""
+        value, pages) of the tables' pages that name a set; `pairs`: their pages held by pairs."""
         sets = cls()
+        sets.pairs = pairs
         for mask in masks:
             key = mask % _PRIME
             sets._new(mask, key, register=bool(mask) and key not in sets._ids)
@@ -118,3 +151,15 @@ class HolderSets:
             if not refs:
                 sets.release(SHARED + i, 0)
         return sets
+
+
+def pair_mask(hv: int) -> int:
+    """The bitmask of a pair's two slots."""
+    v = hv - PAIR
+    return 1 << (v >> PAIR_BITS) | 1 << (v & (PAIR_SLOTS - 1))
+
+
+def pair_slots(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(high, low) slots of pair values."""
+    v = values - PAIR
+    return v >> PAIR_BITS, v & (PAIR_SLOTS - 1)

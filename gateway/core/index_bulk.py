@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
-from gateway.core.holder_sets import SHARED
+from gateway.core.holder_sets import PAIR
 from gateway.core.index_table import TOMB, Hashes, PageTable, _fold, _keys
 
 # Fewer events than this go one by one (`add` / `discard`): cheaper than the numpy calls.
@@ -97,11 +97,11 @@ def _remove(table: PageTable, key: np.ndarray, slot: np.ndarray, delta: dict[int
     _count(delta, slot[mine], -1)
     scalar = table._holder
     # Pages several hold, one by one: an earlier removal here may leave a single holder.
-    shared = hv >= SHARED
+    shared = hv >= PAIR
     for p, s in zip(pos[shared].tolist(), slot[shared].tolist()):
         if scalar[p] == s:
             table._kill(p)
-        elif not (scalar[p] >= SHARED and table._leave(p, s)):
+        elif not (scalar[p] >= PAIR and table._leave(p, s)):
             continue
         delta[s] = delta.get(s, 0) - 1
 

@@ -10,11 +10,12 @@ start without it, off never builds it. Without it the numpy code of index_table.
 index_bulk.py serves: the same results (tests/gateway/test_index_native.py compares the two
 and `add` / `discard` one by one), slower.
 
-`apply` is `PageTable.add` / `discard` of every event, in order. The sets of holders of pages
-several workers hold are Python ints (gateway/core/holder_sets.py): the C loop records each
-worker joining a page another holds, marks the page PENDING, and Python gives it the id of its
-new set before the call returns; a removal from a shared page stops the loop (Python clears the
-bit, then the loop goes on at the next event). Its loop runs without the GIL and, given a
+`apply` is `PageTable.add` / `discard` of every event, in order. A page two workers hold names
+their pair, which the C loop makes and undoes itself; the sets of holders of pages three or more
+hold are Python ints (gateway/core/holder_sets.py): the C loop records each worker joining a pair
+or a set, marks the page PENDING, and Python gives it the id of its new set before the call
+returns; a removal from a set stops the loop (Python clears the bit, then the loop goes on at the
+next event). Its loop runs without the GIL and, given a
 `Preemption`, steps aside for a routing decision: the decision's thread runs meanwhile, flags
 that it waits for the router's lock, and the loop returns within `STOP_EVERY` events so that
 `Preemption.pause` lets it in (design.md §6, "Where a decision's time goes").
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from gateway.core.holder_sets import SHARED, HolderSets
+from gateway.core.holder_sets import HolderSets
 from service_shell.native_build import NativeLibrary
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
     fn, i = _without_gil("pt_apply"), 0
     stop, before_stop = (_NEVER if preempt is None else preempt.flag).ctypes.data, STOP_EVERY
     while i < n:
-        state = np.array([table._used, table.live, table._clock], dtype=np.int64)
+        state = np.array([table._used, table.live, table._clock, 0], dtype=np.int64)
         start = time.perf_counter()
         i = fn(*table._mem.addresses, table.cap, state.ctypes.data,
                key.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
@@ -197,7 +198,8 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
                ctypes.byref(stopped))
         if preempt is not None:
             preempt.preemptible_s += time.perf_counter() - start
-        table._used, table.live, table._clock = state.tolist()
+        table._used, table.live, table._clock, pairs = state.tolist()
+        table.holder_sets.pairs += pairs
         _share(table, rec[:3 * nrec.value], shared)
         before_stop = STOP_EVERY
         if stopped.value:  # the table is whole between two events: a decision may read it
@@ -251,7 +253,7 @@ def _joined(sets: HolderSets, hv: int, joining: list[int], pages: int,
             counts: dict[int, int]) -> int:
     """The holder of `pages` pages held by `hv` that these slots joined, in order; each slot new
     to them counted once a page."""
-    before = sets.mask(hv) if hv >= SHARED else 1 << hv
+    before = sets.mask(hv)
     m = before
     for s in joining:
         if not m >> s & 1:
@@ -260,8 +262,7 @@ def _joined(sets: HolderSets, hv: int, joining: list[int], pages: int,
     if m == before:  # stored again by holders: the same set
         return hv
     new = sets.hold(m, pages)
-    if hv >= SHARED:
-        sets.release(hv, pages)
+    sets.release(hv, pages)
     return new
 
 

@@ -2,23 +2,24 @@
 
 Open addressing with linear probing over three parallel arrays, 16 bytes a slot: a key of 64 bits
 (`key_of`: the two 64-bit words of prefixcache_client.hash's 16-byte HASH_BYTES folded into one; a
-hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, or
-SHARED + the id of a set of several in `holder_sets`), and a stamp (when it was last stored, or
-found by a routed request's lookup: `touch_stamps`; the eviction order). Two hashes sharing a key
-count as one page: with n pages indexed, a lookup of a page nobody holds matches one with
-probability ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability
+hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, a pair
+of them, or SHARED + the id of a set of several in `holder_sets`), and a stamp (when it was last
+stored, or found by a routed request's lookup: `touch_stamps`; the eviction order). Two hashes
+sharing a key count as one page: with n pages indexed, a lookup of a page nobody holds matches one
+with probability ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability
 ~n**2 / 2**65 (3e-6 at 10M). Either only makes routing credit a worker with a page it may not hold,
 or miss one it holds: a mis-scored decision, never a wrong answer (the worker's cache service
 matches whole hashes and computes what it lacks). The table grows by ~1.55x when live + deleted
 slots pass 70%, so 16 bytes / 0.45..0.7 = 23..36 bytes a page (from 0.36 when the growth takes
 arrays written ahead a little larger than it needs), against ~160-185 for the dicts, sets and ints
-it replaces (24 bytes a slot while the key was the whole 16-byte hash). Pages several workers hold
-cost the same, and each distinct set of holders its mask once (~300 bytes at 1,000 workers, shared
-by every page with those holders: gateway/core/holder_sets.py). While a growth migrates, the old
-arrays stay allocated beside the new ones (~0.65x their size); so do the next growth's from when
-the table passes 55% (made ready ahead by the ingest thread: gateway/core/table_arrays.py), unless
-the tombstones of removed pages are what fill it: the feed loop's idle steps sweep them away in
-place (gateway/core/index_sweep.py), so that a steady state neither rebuilds nor holds a spare.
+it replaces (24 bytes a slot while the key was the whole 16-byte hash). Pages two workers hold cost
+the same (the pair is the holder), pages several hold too, and each distinct set of those holders
+its mask once (~300 bytes at 1,000 workers, shared by every page with those holders:
+gateway/core/holder_sets.py). While a growth migrates, the old arrays stay allocated beside the new
+ones (~0.65x their size); so do the next growth's from when the table passes 55% (made ready ahead
+by the ingest thread: gateway/core/table_arrays.py), unless the tombstones of removed pages are what
+fill it: the feed loop's idle steps sweep them away in place (gateway/core/index_sweep.py), so that
+a steady state neither rebuilds nor holds a spare.
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a
@@ -49,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
-from gateway.core.holder_sets import SHARED, HolderSets
+from gateway.core.holder_sets import PAIR, SHARED, HolderSets, pair_mask
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
 from gateway.core.table_arrays import EMPTY, SPARE_MIN_SLOTS, TOMB, Spare, TableArrays
@@ -170,7 +171,7 @@ class PageTable:
 
     def shared_pages(self) -> int:
         """Pages two or more workers hold, an old table's included."""
-        return self.holder_sets.pages
+        return self.holder_sets.pages + self.holder_sets.pairs
 
     def growths(self) -> tuple[int, int, int]:
         """(growths that took arrays written ahead, that took them partly written and wrote the
@@ -204,8 +205,7 @@ class PageTable:
         pos = self._probe(key_of(h))[0]
         if pos < 0:
             return 0 if self._old is None else self._old.mask(h)
-        hv = self._holder[pos]
-        return self.holder_sets.mask(hv) if hv >= SHARED else 1 << hv
+        return self.holder_sets.mask(self._holder[pos])
 
     def add(self, h: bytes, slot: int) -> bool:
         """Records the page on a worker as stored now; True when the worker did not hold it."""
@@ -242,23 +242,21 @@ class PageTable:
         if hv == slot:
             self._kill(pos)
             return True
-        return hv >= SHARED and self._leave(pos, slot)
+        return hv >= PAIR and self._leave(pos, slot)
 
     def _leave(self, pos: int, slot: int) -> bool:
-        """Drops a worker from a shared position's holders; True when it was one."""
+        """Drops a worker from a shared position's holders (a pair or a set); True when it was
+        one."""
         sets, hv = self.holder_sets, self._holder[pos]
         m = sets.mask(hv)
         if not m >> slot & 1:
             return False
-        m &= ~(1 << slot)
-        self._holder[pos] = sets.hold(m) if m & (m - 1) else m.bit_length() - 1
+        self._holder[pos] = sets.hold(m & ~(1 << slot))
         sets.release(hv)
         return True
 
     def _kill(self, pos: int) -> None:
-        hv = self._holder[pos]
-        if hv >= SHARED:
-            self.holder_sets.release(hv)
+        self.holder_sets.release(self._holder[pos])
         self._holder[pos] = TOMB
         self.live -= 1
 
@@ -284,10 +282,10 @@ class PageTable:
         return len(mine) + len(shared)
 
     def _shared_with(self, slot: int) -> np.ndarray:
-        """Positions of this table's shared pages that this worker holds."""
+        """Positions of this table's shared pages (pairs and sets) that this worker holds."""
         holder = self._mem.holder
-        pos = np.flatnonzero(holder >= SHARED)
-        return pos[np.isin(holder[pos], self.holder_sets.with_slot(slot))]
+        pos = np.flatnonzero(holder >= PAIR)
+        return pos[self.holder_sets.holding(holder[pos], slot)]
 
     def keys_held(self, slot: int) -> set[int]:
         """The keys of the pages one worker holds (`key_of`; for tests and debugging: a full
@@ -318,7 +316,7 @@ class PageTable:
             pos, hv, st = pos[keep], hv[keep], st[keep]
         order = np.argsort(st, kind="stable")
         pos, hv = pos[order], hv[order]
-        single = hv < SHARED
+        single = hv < PAIR
         chosen = pos[single][:n]
         shared = pos[~single][:max(0, n - len(chosen))]
         lost: dict[int, int] = {}
@@ -433,8 +431,8 @@ class PageTable:
         pos = self._find_many(key, stamps)
         hv = self._mem.holder[pos].tolist()
         masks = self.holder_sets.masks
-        out = [0 if p < 0 else 1 << v if v < SHARED else masks[v - SHARED]
-               for p, v in zip(pos.tolist(), hv)]
+        out = [0 if p < 0 else 1 << v if v < PAIR else masks[v - SHARED] if v >= SHARED
+               else pair_mask(v) for p, v in zip(pos.tolist(), hv)]
         if self._old is not None:  # the pages not in the new table may be in the old one
             # (their keys reused, not packed again: 35 against 39 us a 64-page request at
             # 1,000 workers while a growth migrates, as tombstones make it now and then)
@@ -459,7 +457,7 @@ class PageTable:
         mine = pos[hv == slot]
         holder[mine] = TOMB
         self.live -= len(mine)
-        shared = sum(self._leave(p, slot) for p in pos[hv >= SHARED].tolist())
+        shared = sum(self._leave(p, slot) for p in pos[hv >= PAIR].tolist())
         return len(mine) + shared
 
     def _join(self, pos: int, slot: int) -> bool:
@@ -468,14 +466,11 @@ class PageTable:
         if hv == slot:
             return False
         sets = self.holder_sets
-        if hv >= SHARED:
-            m = sets.mask(hv)
-            if m >> slot & 1:
-                return False
-            self._holder[pos] = sets.hold(m | 1 << slot)
-            sets.release(hv)
-        else:
-            self._holder[pos] = sets.hold(1 << hv | 1 << slot)
+        m = sets.mask(hv)
+        if m >> slot & 1:
+            return False
+        self._holder[pos] = sets.hold(m | 1 << slot)
+        sets.release(hv)
         return True
 
     def _homes(self, key: np.ndarray) -> np.ndarray:

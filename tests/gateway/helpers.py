@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.core.holder_sets import SHARED
+from gateway.core.holder_sets import PAIR, PAIR_SLOTS, SHARED
 from gateway.core.index_table import PageTable
 from prefixcache.v1 import common_pb2, events_pb2
 
@@ -64,21 +64,22 @@ def pages_and_stamps(table: PageTable) -> dict[int, tuple[int, int]]:
     for t in table._tables():
         holder, stamp = t._mem.holder, np.frombuffer(t._stamp, dtype=np.uint32)
         for p in np.flatnonzero(holder >= 0).tolist():
-            hv = int(holder[p])
-            mask = t.holder_sets.mask(hv) if hv >= SHARED else 1 << hv
-            out[t._key[p]] = (mask, int(stamp[p]))
+            out[t._key[p]] = (t.holder_sets.mask(int(holder[p])), int(stamp[p]))
     return out
 
 
 def check_holder_sets(table: PageTable) -> None:
     """The table's sets of holders are what its pages hold: each set's count is the pages (of
-    both tables while a growth migrates) whose holder names it, every set held has 2+ holders,
-    and an id no page holds is free."""
+    both tables while a growth migrates) whose holder names it, every set held is one no pair
+    could be (3+ holders, or 2 of which one is past PAIR_SLOTS), an id no page holds is free,
+    and the pages held by pairs are counted."""
     sets = table.holder_sets
     assert all(t.holder_sets is sets for t in table._tables())
-    held = np.concatenate([t._mem.holder[t._mem.holder >= SHARED] for t in table._tables()])
+    shared = np.concatenate([t._mem.holder[t._mem.holder >= PAIR] for t in table._tables()])
+    held = shared[shared >= SHARED]
     counts = np.bincount(held - SHARED, minlength=len(sets.masks)).tolist()
     assert counts == sets.refs and sets.pages == len(held)
+    assert sets.pairs == len(shared) - len(held)
     for mask, refs in zip(sets.masks, sets.refs):
-        assert (mask & (mask - 1) != 0) if refs else mask == 0
+        assert (mask.bit_count() > 2 or mask.bit_length() > PAIR_SLOTS) if refs else mask == 0
 

@@ -1,7 +1,8 @@
-"""Shared pages' holders as ids of sets stored once (gateway/core/holder_sets.py): pages with the
-same holders name one set, a set no page holds is freed and its id reused, the counts stay those
-of the arrays through joins, leaves, evictions, clears and growths, and the answers are those of
-a dict of sets."""
+"""Shared pages' holders as pairs written in place and ids of sets stored once
+(gateway/core/holder_sets.py): a page two workers hold names their pair, no set; pages with the
+same 3+ holders name one set, a set no page holds is freed and its id reused, the counts stay
+those of the arrays through joins, leaves, evictions, clears and growths, and the answers are
+those of a dict of sets."""
 from __future__ import annotations
 
 import random
@@ -10,7 +11,7 @@ import tracemalloc
 import pytest
 
 from gateway.core import holder_sets
-from gateway.core.holder_sets import SHARED, HolderSets
+from gateway.core.holder_sets import PAIR, PAIR_SLOTS, SHARED, HolderSets
 from gateway.core.index import BYTES_PER_HOLDER_SET
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import PageTable
@@ -23,22 +24,52 @@ HIGH = 900  # worker slots of a fleet of ~1,000: masks of ~900 bits, ~150 bytes 
 def test_pages_with_the_same_holders_name_one_set():
     table = PageTable()
     shared = pages(0, 5000)
-    for slot in (HIGH, HIGH + 7):
+    for slot in (HIGH, HIGH + 7, 3):
         table.add_many(shared, slot)
-    for slot in (HIGH, HIGH + 9):  # another set of holders
+    for slot in (HIGH, HIGH + 9, 3):  # another set of holders
         table.add_many(pages(5000, 6000), slot)
     sets = table.holder_sets
-    assert table.shared_pages() == 6000 and len(sets) == 2
-    assert sorted(m for m in sets.masks if m) == [1 << HIGH | 1 << HIGH + 7,
-                                                  1 << HIGH | 1 << HIGH + 9]
-    table.discard_many(shared[:10], HIGH + 7)  # alone again: a worker's slot, no set
-    assert table.shared_pages() == 5990 and table.masks(shared[:1]) == [1 << HIGH]
+    assert table.shared_pages() == 6000 and len(sets) == 2 and sets.pairs == 0
+    assert sorted(m for m in sets.masks if m) == [1 << HIGH | 1 << HIGH + 7 | 8,
+                                                  1 << HIGH | 1 << HIGH + 9 | 8]
+    table.discard_many(shared[:10], HIGH + 7)  # two holders left: their pair, no set
+    assert table.shared_pages() == 6000 and sets.pairs == 10
+    assert table.masks(shared[:1]) == [1 << HIGH | 8]
     table.add_many(shared[:10], HIGH + 9)  # now held as the second set's pages: its id
-    assert len(sets) == 2 and table.masks(shared[:1]) == [1 << HIGH | 1 << HIGH + 9]
+    assert len(sets) == 2 and table.masks(shared[:1]) == [1 << HIGH | 1 << HIGH + 9 | 8]
     table.discard_many(shared[10:], HIGH + 7)  # the first set held by no page: its id freed
-    assert len(sets) == 1 and sets.masks.count(0) == 1
+    assert len(sets) == 1 and sets.masks.count(0) == 1 and sets.pairs == 4990
     table.add_many(pages(0, 3), 5)  # a new set takes the freed id
     assert len(sets.masks) == 2 and len(sets) == 2
+    check_holder_sets(table)
+
+
+def test_a_page_two_workers_hold_names_their_pair():
+    """Joined by a second worker: the pair, in C's apply as in Python's; a third makes a set, one
+    leaving it the pair again, the other the slot alone; a slot of PAIR_SLOTS or more pairs with
+    no one (a set of two)."""
+    table = PageTable()
+    table.add_many(pages(0, 100), HIGH)
+    table.add_many(pages(0, 100), 7)
+    holder = table._mem.holder
+    assert len(table.holder_sets) == 0 and table.holder_sets.pairs == 100
+    assert sorted(set(holder[holder >= 0].tolist())) == [PAIR + (HIGH << 14) + 7]
+    table.add(page(0), 8)
+    assert table.mask(page(0)) == 1 << HIGH | 1 << 7 | 1 << 8 and len(table.holder_sets) == 1
+    table.discard(page(0), HIGH)
+    assert table.mask(page(0)) == 1 << 7 | 1 << 8 and len(table.holder_sets) == 0
+    table.discard_many(pages(0, 50), 7)
+    assert table.masks(pages(0, 3)) == [1 << 8, 1 << HIGH, 1 << HIGH]
+    assert table.holder_sets.pairs == 50 and table.shared_pages() == 50
+    far = PAIR_SLOTS + 5
+    table.add_many(pages(50, 60), far)
+    assert len(table.holder_sets) == 1 and table.masks(pages(50, 51)) == [1 << far | 1 << 7
+                                                                           | 1 << HIGH]
+    table.discard_many(pages(50, 60), 7)  # {HIGH, far}: no pair holds a slot past PAIR_SLOTS
+    assert len(table.holder_sets) == 1 and table.masks(pages(50, 51)) == [1 << far | 1 << HIGH]
+    check_holder_sets(table)
+    lost = table.evict(len(table))
+    assert lost == {HIGH: 99, 8: 1, far: 10, 7: 40} and table.shared_pages() == 0
     check_holder_sets(table)
 
 
@@ -55,7 +86,7 @@ def test_sets_stay_counted_through_churn_growths_evictions_and_clears():
     of sets', and the sets' counts equal the arrays'."""
     rng = random.Random(5)
     table, model = PageTable(capacity=64, migrate_step=8), {}
-    slots = [0, 3, 60, 61, 64, 130, 500, HIGH, HIGH + 1, 999]
+    slots = [0, 3, 60, 61, 64, 130, 500, HIGH, HIGH + 1, 999, PAIR_SLOTS + 1]
     universe = pages(0, 400)
     for step in range(120):
         n = rng.choice((1, 5, 60))
@@ -79,49 +110,77 @@ def test_sets_stay_counted_through_churn_growths_evictions_and_clears():
     check_holder_sets(table)
     assert sum(lost.values()) >= len(model) // 2
     assert table.shared_pages() == sum(1 for t in table._tables()
-                                       for hv in t._mem.holder.tolist() if hv >= SHARED)
+                                       for hv in t._mem.holder.tolist() if hv >= PAIR)
 
 
 def test_masks_with_one_residue_are_kept_apart(monkeypatch):
     """A prime so small that masks share residues: the second of two is not found by the
     lookup and gets an id of its own; the answers and the counts stay right."""
     monkeypatch.setattr(holder_sets, "_PRIME", 5)
-    table = PageTable()
+    table, two = PageTable(), 1 << HIGH | 1 << HIGH + 1
     for i in range(40):
         table.add(page(i), HIGH)
+        table.add(page(i), HIGH + 1)
         table.add(page(i), i)
     check_holder_sets(table)
-    assert table.masks(pages(0, 40)) == [1 << HIGH | 1 << i for i in range(40)]
+    assert table.masks(pages(0, 40)) == [two | 1 << i for i in range(40)]
     for i in range(0, 40, 2):
         table.discard(page(i), HIGH)
+        table.add(page(i), 100 + i)
     check_holder_sets(table)
-    assert table.masks(pages(0, 40)) == [1 << i if i % 2 == 0 else 1 << HIGH | 1 << i
-                                         for i in range(40)]
+    assert table.masks(pages(0, 40)) == [(two ^ 1 << HIGH | 1 << 100 + i if i % 2 == 0 else two)
+                                         | 1 << i for i in range(40)]
 
 
-def test_a_shared_page_costs_its_slot_where_sets_repeat():
-    """Issue 31's ≤ 64 bytes an indexed page at 1,000 workers, for pages held by pairs of high
-    slots (masks of ~125 bytes): 200 pairs over 50,000 pages. Before the sets (a dict entry and
-    often a mask a page), 117 bytes a page where masks repeated."""
+def _traced_bytes_a_page(fill) -> float:
+    """What filling a table costs a page, as tracemalloc counts it."""
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         table = PageTable()
-        for pair in range(200):
-            held = pages(250 * pair, 250 * (pair + 1))
-            table.add_many(held, 990 - pair)
-            table.add_many(held, 999 - pair % 7)
+        fill(table)
         traced = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert table.shared_pages() == 50_000 and len(table.holder_sets) <= 200
-    assert traced / len(table) < 64
+    assert table.shared_pages() == len(table) == 50_000
+    check_holder_sets(table)
+    return traced / len(table)
+
+
+def test_a_shared_page_costs_its_slot_where_sets_repeat():
+    """Issue 31's ≤ 64 bytes an indexed page at 1,000 workers, for pages held by triples of high
+    slots (masks of ~125 bytes): 200 sets over 50,000 pages. Before the sets (a dict entry and
+    often a mask a page), 117 bytes a page where masks repeated."""
+    def fill(table: PageTable) -> None:
+        for group in range(200):
+            held = pages(250 * group, 250 * (group + 1))
+            for slot in (990 - group, 999 - group % 7, 700 + group % 3):
+                table.add_many(held, slot)
+    assert _traced_bytes_a_page(fill) < 64
+
+
+def test_a_page_with_a_pair_of_its_own_costs_its_slot():
+    """The worst case of the sets (stop 52: 217.7 bytes a page at 1,000 workers): every page its
+    own random pair of holders, stored in slices through the C loop or the numpy path."""
+    rng = random.Random(3)
+    held = pages(0, 50_000)
+    firsts, seconds = ([rng.randrange(1000) for _ in held] for _ in range(2))
+    seconds = [(b + 1) % 1000 if a == b else b for a, b in zip(firsts, seconds)]
+
+    def fill(table: PageTable) -> None:
+        for start in range(0, len(held), 5000):
+            chunk = held[start:start + 5000]
+            for slots in (firsts, seconds):
+                apply_ops(table, chunk, slots[start:start + 5000], [True] * len(chunk))
+    assert _traced_bytes_a_page(fill) < 64
 
 
 def test_a_checkpoints_sets_restored_counted_and_a_set_of_one_holder_refused():
-    restored = HolderSets.restored([0, 3 << 4, 5 << 8], [(SHARED + 1, 2)])
+    restored = HolderSets.restored([0, 7 << 4, 13 << 8], [(SHARED + 1, 2)], pairs=5)
     assert restored.refs == [0, 2, 0] and restored.pages == 2 and len(restored) == 1
-    assert restored.hold(3 << 4) == SHARED + 1 and restored.hold(9) in (SHARED, SHARED + 2)
+    assert restored.pairs == 5
+    assert restored.hold(7 << 4) == SHARED + 1 and restored.hold(11) in (SHARED, SHARED + 2)
+    assert restored.hold(3 << 4) == PAIR + (5 << 14) + 4 and restored.pairs == 6
     with pytest.raises(ValueError, match="fewer than 2"):
         HolderSets.restored([1 << 3], [(SHARED, 4)])
 

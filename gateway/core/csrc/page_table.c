@@ -4,8 +4,9 @@
    code stays as the reference and the fallback). The sets of holders of pages several workers
    hold stay in Python (ints of any width, by id: gateway/core/holder_sets.py): the C loop
    records what Python must do with them. A holder (gateway/core/table_arrays.py): EMPTY, TOMB,
-   PENDING (a page joined in this pt_apply call, its set Python's to make), a worker's slot, or
-   SHARED + the id of a set of several. */
+   PENDING (a page joined in this pt_apply call, its set Python's to make), a worker's slot, a
+   pair of slots (PAIR + (high << PAIR_BITS) + low: made and undone here), or SHARED + the id of
+   a set of several. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -13,6 +14,9 @@
 #define TOMB (-2)
 #define PENDING (-1)
 #define SHARED (1 << 30)
+#define PAIR (1 << 28)
+#define PAIR_BITS 14
+#define PAIR_SLOTS (1 << PAIR_BITS)
 /* Events between two looks at pt_apply's stop flag: ~5-20 us of work. */
 #define STOP_EVERY 64
 /* How many keys ahead a loop asks for its home slot's cache lines (a power of two): a table of
@@ -141,13 +145,21 @@ int64_t pt_place(uint64_t *tkey, int32_t *holder, int64_t cap, const uint64_t *k
     return fresh;
 }
 
+/* The pair of two distinct slots, both below PAIR_SLOTS. */
+static inline int32_t pair_of(int32_t a, int32_t b) {
+    return a > b ? PAIR + (a << PAIR_BITS) + b : PAIR + (b << PAIR_BITS) + a;
+}
+
 /* Events start..n-1 (store[i] ? add : discard of key i by worker slot[i]), in order, on one
    table (every key of the slice is in it, or absent from both tables: the caller pulled them out
-   of an old one and made room for every placement). state = {used, live, clock}, updated.
+   of an old one and made room for every placement). state = {used, live, clock, pairs}, updated
+   (pairs: the change in pages held by pairs).
    delta[slot] += pages the worker gained (stores) or lost (removals) here.
-   What only Python can do is recorded, rec[3k..3k+2] = (position, holder before, slot), *nrec
-   of them: `slot` joins a page another worker, several or PENDING held (the holder is now
-   PENDING; its set is Python's to make, and the count of `slot`'s delta when new to it). A
+   A page one worker holds that another stores becomes their pair, and a pair one of them
+   removes its other's slot, here. What only Python can do is recorded, rec[3k..3k+2] =
+   (position, holder before, slot), *nrec of them: `slot` joins a page a pair without it,
+   several or PENDING held (or a slot of PAIR_SLOTS or more: no pair), the holder is now
+   PENDING; its set is Python's to make, and the count of `slot`'s delta when new to it. A
    removal from a page several hold (or PENDING) stops the loop: the return value is its index
    (n when every event is done); Python applies the
    records so far, then that removal, then calls again from the next event.
@@ -160,7 +172,8 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
                  const uint64_t *key, const int32_t *slot, const uint8_t *store, int64_t start,
                  int64_t n, int64_t *delta, int64_t *rec, int64_t *nrec,
                  const volatile int64_t *stop, int64_t before_stop, int64_t *stopped) {
-    int64_t used = state[0], live = state[1], clock = state[2], k = 0, i = start;
+    int64_t used = state[0], live = state[1], clock = state[2], pairs = state[3], k = 0;
+    int64_t i = start;
     Ahead a = {tkey, key, holder, stamp, cap, n, {0}};
     *stopped = 0;
     ask_from(&a, start);
@@ -186,6 +199,15 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
             int32_t hv = holder[p];
             if (hv == s)
                 continue;
+            if (hv >= 0 && hv < PAIR_SLOTS && s < PAIR_SLOTS) {
+                holder[p] = pair_of(hv, s);
+                pairs++;
+                delta[s]++;
+                continue;
+            }
+            if (hv >= PAIR && hv < SHARED && ((hv - PAIR) >> PAIR_BITS == s
+                                               || ((hv - PAIR) & (PAIR_SLOTS - 1)) == s))
+                continue;
             rec[3 * k] = p;
             rec[3 * k + 1] = hv;
             rec[3 * k + 2] = s;
@@ -197,6 +219,13 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
                 holder[p] = TOMB;
                 live--;
                 delta[s]--;
+            } else if (hv >= PAIR && hv < SHARED) {
+                int32_t high = (hv - PAIR) >> PAIR_BITS, low = (hv - PAIR) & (PAIR_SLOTS - 1);
+                if (high == s || low == s) {
+                    holder[p] = high == s ? low : high;
+                    pairs--;
+                    delta[s]--;
+                }
             } else if (hv == PENDING || hv >= SHARED) {
                 break;
             }
@@ -205,6 +234,7 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
     state[0] = used;
     state[1] = live;
     state[2] = clock;
+    state[3] = pairs;
     *nrec = k;
     return i;
 }
