@@ -227,6 +227,18 @@ class KvIndex:
             max_slots -= table.migrated_slots + table.sweep.scanned + table.shrink_slots - before
         return migrating
 
+    def defer_frees(self) -> None:
+        """From now on a growth's old arrays, once migrated, wait for `give_back_retired` (the
+        router calls it after its lock) instead of being freed under it (`PageTable.retire`)."""
+        for table in self._tables:
+            table.retire = True
+
+    def give_back_retired(self) -> None:
+        """The tables' arrays retired by a migration that ended, freed (`PageTable.retired`):
+        after the router's lock, not under it."""
+        for table in self._tables:
+            table.give_back_retired()
+
     def sweep_due(self) -> bool:
         """Whether a medium's table has tombstones to sweep (index_sweep.py; read without the
         router's lock by the feed loop, the only thread that adds them)."""

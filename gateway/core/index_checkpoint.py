@@ -115,6 +115,7 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     t._used, t.live, t._clock = int(m["used"]), int(m["live"]), int(m["clock"])
     t._cursor, t.rate = int(m["cursor"]), int(m["rate"])
     t.migrate_step, t.migrated_slots, t.shrink_slots, t.shrinks = MIGRATE_STEP, 0, 0, 0
+    t.retire, t.retired = False, None
     t._old = _table_from(arrays, prefix + "old.", meta) if m["old"] else None
     t._spare = Spare(t.live, t._used + (t._old.live if t._old is not None else 0))
     t.sweep = Sweep()
@@ -218,6 +219,8 @@ def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]
             EOFError) as exc:
         log.warning(kv("index_checkpoint_ignored", path=path, reason=f"{type(exc).__name__}: {exc}"))
         return []
+    for old, new in zip(index._tables, tables):
+        new.retire = old.retire
     index._tables, index._free_slots = tables, free_slots
     for w in workers:
         index._workers[w.pool_id] = index._by_slot[w.slot] = w

@@ -80,6 +80,8 @@ class Router:
         # The shared index is written by the indexers (gateway/core/indexer_roles.py): this
         # replica's own feeds bring only the workers' load (their heartbeats).
         self.shared = isinstance(self.index, SharedIndexView)
+        if not self.shared:
+            self.index.defer_frees()  # given back after the lock (apply_stream_items, ...)
         self.policy, self.metrics, self._clock = policy, metrics, clock
         self.load = LoadTracker(clock)
         self._workers: dict[str, Worker] = {}
@@ -191,6 +193,7 @@ class Router:
         # Page events of all items: one run per medium, which routing decisions may interrupt.
         with self.exclusive(), self.index.bulk(self.decisions):
             results = [self._apply_item(name, item) for name, item in items]
+        self.index.give_back_retired()
         for result in results:
             if result is not None and result.status is ApplyStatus.RESYNC:
                 self.metrics.resyncs.labels(result.pool_id).inc()
@@ -249,7 +252,10 @@ class Router:
     def migrate_index(self, max_slots: int) -> bool:
         """Ingest idle: one hold for a step of a growth's migration (feeds.py); True while more."""
         with self.exclusive():
-            return not self.shared and self.index.migrate_some(max_slots)
+            more = not self.shared and self.index.migrate_some(max_slots)
+        if not self.shared:
+            self.index.give_back_retired()
+        return more
 
     def prepare_index_growth(self, chunk: int | None = None) -> bool:
         """Ingest, without the lock: writes on the index's next growth's arrays; True while more."""

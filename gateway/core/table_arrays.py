@@ -36,12 +36,25 @@ does not come), and an idle feed loop drops a planned one (feeds.py).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import threading
 
 import numpy as np
 
 EMPTY, TOMB = -3, -2  # holder values below 0 (the diagram above)
 _SLOT_BYTES = 16
+_PAGE = mmap.PAGESIZE
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    """The C library, for madvise (a ctypes call releases the GIL)."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return _LIBC
 
 
 class TableArrays:
@@ -77,6 +90,20 @@ class TableArrays:
 
     def nbytes(self) -> int:
         return self.cap * _SLOT_BYTES
+
+    def give_back(self) -> None:
+        """Returns the arrays' whole pages to the system (madvise MADV_DONTNEED, without the
+        GIL), so that dropping them later is quick: a table's retired arrays (PageTable.retired),
+        whose munmap otherwise took ~1 ms for 236 MB under the router's lock and the GIL (then
+        0.03 ms). Their contents are gone (read back as zeros): only for arrays about to go."""
+        if self.cap < SPARE_MIN_SLOTS:
+            return
+        for array in (self.key, self.holder, self.stamp):
+            start = -(-array.ctypes.data // _PAGE) * _PAGE  # whole pages within the array only
+            end = (array.ctypes.data + array.nbytes) // _PAGE * _PAGE
+            if end > start:
+                _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                mmap.MADV_DONTNEED)
 
 
 # A growth below this many slots allocates when it comes (a few ms at most): no spare.

@@ -5,8 +5,9 @@ the table and its growths are rebuilds of about the same size) (issue 31, design
 fleet scale"): a growth made ready ahead, incremental growth, and a stop-the-world rehash.
 
 The modes run the same code in the same process, in alternation (`--repeats` each):
-- spare: `PageTable()` as the gateway's feed loop drives it: after every call,
-  `prepare_growth()` writes on the next growth's arrays (outside the router's lock, timed apart:
+- spare: `PageTable()` as the gateway's feed loop drives it: after every call, the arrays a
+  migration retired are given back (`give_back_retired`, outside the router's lock, untimed) and
+  `prepare_growth()` writes on the next growth's arrays (outside the lock too, timed apart:
   `prepare_s`), so the growth takes them ready (gateway/core/table_arrays.py);
 - incremental: the same table with no `prepare_growth` call (as before the spare; a table no
   feed loop serves): each growth writes its new arrays in the call that starts it;
@@ -55,6 +56,7 @@ class _Calls:
         self.times.append(time.perf_counter_ns() - t0)
         self.moved.append(table.migrated_slots - before)
         self.grew.append(table._mem is not mem)
+        table.give_back_retired()  # a migration's old arrays (spare), as the router after its lock
         if self.prepare:
             t0 = time.perf_counter_ns()
             table.prepare_growth()
@@ -97,6 +99,7 @@ def _share_over_goal(bytes_per_page: list[float]) -> float:
 
 def _run(mode: str, pages: np.ndarray, churn: np.ndarray, batch: int) -> dict:
     table = PageTable(**MODES[mode])
+    table.retire = mode == "spare"  # as the router's index (KvIndex.defer_frees)
     out = {"mode": mode}
     calls = _Calls(table, mode == "spare")
     for i, at in enumerate(range(0, len(pages), batch)):

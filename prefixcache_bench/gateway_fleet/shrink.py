@@ -6,13 +6,15 @@ A `KvIndex` is fed `--pages` pages by `--workers` workers (one snapshot batch ea
 migrated; then all but `--keep` workers leave (`remove_worker`, as the gateway does when a pool
 goes). The feed loop's idle steps follow (`migrate_some`, sized as the loop sizes them,
 `IdleMigration`, each one hold of the router's lock): the removed pages' tombstones swept, then
-the table moved into arrays for the pages left, written a step at a time and migrated into.
+the table moved into arrays for the pages left, written a step at a time and migrated into; after
+each step, as the router does after its lock, the arrays a migration retired are given back
+(`KvIndex.give_back_retired`, timed apart: outside the lock).
 The modes alternate in one process: `shrink` (as the gateway runs) and `no_shrink` (the idle
 steps sweep only: the table before the shrink, which never got smaller).
 
 Reported per mode: the bytes a page of the table's arrays (written) before the workers left,
 once they left, at the peak of the idle steps and at the end; the steps, their longest and p99
-hold; and whether the pages left are all found afterwards.
+hold, and the longest give-back; and whether the pages left are all found afterwards.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def _fleet(workers: int, pages: int) -> KvIndex:
                                           events=[events_pb2.KvEvent(stored=stored)]))
     while index.migrate_some(1 << 20):
         pass
+    index.give_back_retired()
     return index
 
 
@@ -60,12 +63,15 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
     for w in range(keep, workers):
         index.remove_worker(f"w{w}")
     left = _bytes_per_page(index)
-    idle, holds, peak = IdleMigration(), [], left
+    idle, holds, give_backs, peak = IdleMigration(), [], [], left
     while True:
         start = time.perf_counter()
         more = idle.step(index.migrate_some)
         holds.append(time.perf_counter() - start)
         peak = max(peak, _bytes_per_page(index))
+        start = time.perf_counter()
+        index.give_back_retired()
+        give_backs.append(time.perf_counter() - start)
         if not more:
             break
     each = pages // workers
@@ -76,6 +82,7 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
             "bytes_per_page_peak": peak, "bytes_per_page_end": _bytes_per_page(index),
             "idle_steps": len(holds), "hold_max_ms": max(holds) * 1e3,
             "hold_p99_ms": percentile(holds, 0.99) * 1e3,
+            "give_back_max_ms": max(give_backs) * 1e3,
             "shrinks": index.stats().shrinks,
             "pages_left_found": all(m == 1 << (j // each) for m, j in zip(found, sample))}
 
@@ -83,9 +90,9 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
 def table_text(result: dict) -> str:
     keys = ("mode", "pages_left", "bytes_per_page_before", "bytes_per_page_after_leave",
             "bytes_per_page_peak", "bytes_per_page_end", "idle_steps", "hold_p99_ms",
-            "hold_max_ms")
+            "hold_max_ms", "give_back_max_ms")
     header = ("mode", "pages left", "before", "left", "peak", "end", "steps", "hold p99 ms",
-              "max ms")
+              "max ms", "give-back max ms")
     return ("bytes a page of the table's arrays, as written\n"
             + columns_table(header, [[r[k] for k in keys] for r in result["runs"]]))
 

@@ -45,6 +45,7 @@ class NoSweep(Sweep):
 
 def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
     table, idle = PageTable(), IdleMigration()
+    table.retire = True  # as the router's index (KvIndex.defer_frees): given back after each step
     if mode == "no_sweep":
         table.sweep = NoSweep()
     for i, at in enumerate(range(0, pages, batch)):
@@ -52,6 +53,7 @@ def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
         table.prepare_growth()
     while table.migrate_some(1 << 20):
         pass
+    table.give_back_retired()
     caps, calls, holds, per_page, written_per_page, prepare_s = 1, [], [], [], [], 0.0
     stored, start = pages, table._mem
     while stored + batch <= len(keys):
@@ -65,6 +67,7 @@ def _run(mode: str, keys: np.ndarray, pages: int, batch: int) -> dict:
         t2 = time.perf_counter()
         idle.step(table.migrate_some)
         t3 = time.perf_counter()
+        table.give_back_retired()  # a migration's old arrays, as the router after its lock
         calls.append(t1 - t0)
         prepare_s += t2 - t1
         holds.append(t3 - t2)

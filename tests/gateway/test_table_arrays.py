@@ -233,6 +233,7 @@ def test_a_growing_table_and_its_spare_hold_at_most_62_bytes_a_live_page():
             _stores(table, START + n, 2000)
             n += 2000
             table.migrate_some(1 << 20)
+            table.give_back_retired()  # as the router does after its lock
         cap, (taken, finished, missed) = table.cap, table.growths()  # so far none written ahead
         while table.cap == cap:
             more = table.prepare_growth(chunk)
@@ -289,3 +290,35 @@ def test_the_feed_loop_writes_the_spare_while_ingest_is_idle():
     assert 0 < allowed < table._spare.planned
     assert table.nbytes() == bytes_before + table._spare.planned * 16
 
+
+
+def test_retired_arrays_are_given_back_after_the_lock_and_their_pages_returned():
+    """A growth's old arrays, once migrated, wait on the table (`retired`, counted in its
+    bytes) until the router gives them back after its lock: madvise returns their whole pages
+    (read back as zeros), and the table holds what it held."""
+    router = Router(make_policy("affinity"), GatewayMetrics())
+    router.add(Worker("w", "a", "s", None, pb.GetModelInfoResponse(worker="w")))
+    table = router.index._tables[0]
+    _stores(table, START, 60_000)  # growths past SPARE_MIN_SLOTS: the last one still migrating
+    _stores(table, START + 60_000, 40_000)
+    while table._old is None:
+        _stores(table, START + 100_000 + table.live, 5000)
+    old = table._old._mem
+    want = pages_and_stamps(table)
+    assert old.cap >= SPARE_MIN_SLOTS
+    table.migrate_some(old.cap)  # under the lock, as an idle step: retired, not yet given back
+    assert table._old is None and table.retired is old
+    assert table.nbytes() == table._mem.nbytes() + old.nbytes() + table._spare.nbytes()
+    assert np.count_nonzero(old.holder != table_arrays.EMPTY) > 0
+    router.migrate_index(1 << 16)  # the feed loop's step: gives them back once out of the lock
+    assert table.retired is None and table.nbytes() == table._mem.nbytes() + table._spare.nbytes()
+    page = table_arrays.mmap.PAGESIZE // old.holder.itemsize
+    inner = old.holder[page:-page]  # whole pages inside the array: returned, zeros now
+    assert len(inner) and not inner.any() and not old.key[page:-page].any()
+    assert pages_and_stamps(table) == want
+
+
+def test_small_arrays_are_not_given_back():
+    arrays = TableArrays.empty(1024)
+    arrays.give_back()
+    assert (arrays.holder == table_arrays.EMPTY).all()
