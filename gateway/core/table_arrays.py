@@ -46,6 +46,11 @@ import numpy as np
 EMPTY, TOMB = -3, -2  # holder values below 0 (the diagram above)
 _SLOT_BYTES = 16
 _PAGE = mmap.PAGESIZE
+# glibc's malloc serves a block this large by mmap always (its dynamic mmap threshold tops out at
+# 32 MiB on 64-bit), and its free unmaps it. A smaller array may be heap memory, which free keeps
+# resident for the next allocations: given back, its pages would only fault again at their next
+# write (the shrink's arrays, written under the router's lock: steps of 5-10 ms, measured).
+_GIVE_BACK_MIN_BYTES = 32 << 20
 _LIBC: ctypes.CDLL | None = None
 
 
@@ -95,10 +100,11 @@ class TableArrays:
         """Returns the arrays' whole pages to the system (madvise MADV_DONTNEED, without the
         GIL), so that dropping them later is quick: a table's retired arrays (PageTable.retired),
         whose munmap otherwise took ~1 ms for 236 MB under the router's lock and the GIL (then
-        0.03 ms). Their contents are gone (read back as zeros): only for arrays about to go."""
-        if self.cap < SPARE_MIN_SLOTS:
-            return
+        0.03 ms). Their contents are gone (read back as zeros): only for arrays about to go.
+        Arrays under `_GIVE_BACK_MIN_BYTES` stay as they are."""
         for array in (self.key, self.holder, self.stamp):
+            if array.nbytes < _GIVE_BACK_MIN_BYTES:
+                continue
             start = -(-array.ctypes.data // _PAGE) * _PAGE  # whole pages within the array only
             end = (array.ctypes.data + array.nbytes) // _PAGE * _PAGE
             if end > start:

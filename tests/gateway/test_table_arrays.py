@@ -292,10 +292,12 @@ def test_the_feed_loop_writes_the_spare_while_ingest_is_idle():
 
 
 
-def test_retired_arrays_are_given_back_after_the_lock_and_their_pages_returned():
-    """A growth's old arrays, once migrated, wait on the table (`retired`, counted in its
-    bytes) until the router gives them back after its lock: madvise returns their whole pages
-    (read back as zeros), and the table holds what it held."""
+def test_retired_arrays_are_given_back_after_the_lock_and_their_pages_returned(monkeypatch):
+    """A growth's old arrays, once migrated, wait on the router's table (`retired`, counted in
+    its bytes) until the router gives them back after its lock: madvise returns their whole
+    pages (read back as zeros; arrays of any size here, 32 MiB or more in the gateway), and the
+    table holds what it held."""
+    monkeypatch.setattr(table_arrays, "_GIVE_BACK_MIN_BYTES", 0)
     router = Router(make_policy("affinity"), GatewayMetrics())
     router.add(Worker("w", "a", "s", None, pb.GetModelInfoResponse(worker="w")))
     table = router.index._tables[0]
@@ -318,7 +320,14 @@ def test_retired_arrays_are_given_back_after_the_lock_and_their_pages_returned()
     assert pages_and_stamps(table) == want
 
 
-def test_small_arrays_are_not_given_back():
-    arrays = TableArrays.empty(1024)
+def test_arrays_under_32_mib_are_not_given_back_nor_a_lone_tables_retired():
+    """Heap memory that free keeps for reuse (table_arrays._GIVE_BACK_MIN_BYTES); and a table
+    with no router to give its arrays back frees them when their migration ends."""
+    arrays = TableArrays.empty(SPARE_MIN_SLOTS)
     arrays.give_back()
     assert (arrays.holder == table_arrays.EMPTY).all()
+    table = PageTable()
+    _stores(table, START, 5000)
+    while table.migrate_some(1 << 20):
+        pass
+    assert table.cap > 64 and table._old is None and table.retired is None
