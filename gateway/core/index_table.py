@@ -540,12 +540,19 @@ class PageTable:
     def prepare_growth(self, chunk: int | None = None) -> bool:
         """The ingest thread, between its slices and without the router's lock: writes the next
         part of the next growth's arrays (`chunk` slots, or paced by the room used:
-        table_arrays.Spare.fill_some, within its bytes a page); True while some remains that
-        it may write now."""
+        table_arrays.Spare.fill_some, within its bytes a page), or of a shrink's (idle calls
+        only: a chunk); True while some remains that it may write now, or a shrink's arrays
+        wait whole for the idle step that starts its growth (`_shrink_some`)."""
         old = self._old  # read once, as in _used_slots
         slots = self.cap + (old.cap if old is not None else 0)
-        return self._spare.fill_some(int(_MAX_LOAD * self.cap) - self._used_slots(), self.live,
-                                     slots, chunk)
+        spare = self._spare
+        filled = spare.arrays.filled if spare.shrinking and spare.arrays is not None else 0
+        more = spare.fill_some(int(_MAX_LOAD * self.cap) - self._used_slots(), self.live, slots,
+                               chunk)
+        if spare.shrinking and spare.arrays is not None:
+            self.shrink_slots += spare.arrays.filled - filled
+            return more or chunk is not None
+        return more
 
     def _used_slots(self) -> int:
         """Slots used (live and deleted), the pages still to come from an old table included."""
@@ -620,17 +627,17 @@ class PageTable:
     def _shrink_some(self, max_slots: int) -> bool:
         """A table whose live pages fill under `_SHRINK_LOAD` of its slots, tombstones swept (a
         fleet scaled down: the table never shrank, and held 16 bytes a slot over few pages):
-        the arrays of one at `_GROWN_LOAD` written `max_slots` at a time (the spare, as for a
-        growth: no page fault under a long hold), then a growth into them, whose migration the
-        next steps do. True while it goes on."""
+        the arrays of one at `_GROWN_LOAD` planned (the spare, as for a growth), written by the
+        feed loop's idle `prepare_growth` calls without the lock (until stop 53 a step at a
+        time under it: page faults on fresh memory, ~5 ms steps now and then at 10M pages),
+        then a growth into them, whose migration the next steps do. True once that growth
+        began (its migration goes on); False while the arrays are not written whole."""
         if self.cap < 2 * SPARE_MIN_SLOTS or self.live >= _SHRINK_LOAD * self.cap \
                 or self._used > _LOOK_LOAD * self.cap:
+            self._spare.drop_shrink()
             return False
-        chunk = max(1, max_slots)
-        left = self._spare.shrink_some(_grown_slots(self.live), self.live, chunk)
-        self.shrink_slots += chunk
-        if left:
-            return True
+        if not self._spare.plan_shrink(_grown_slots(self.live), self.live):
+            return False
         self.shrinks += 1
         self._grow(0)
         return True

@@ -154,6 +154,7 @@ class Spare:
         self._room = 1  # slots the table had left at the plan
         self._grown_live = 1  # the live pages the plan predicts at the growth
         self._waiting = False  # dropped: the next plan waits for a look's worth of room used
+        self.shrinking = False  # planned by plan_shrink: arrays for a table that shrinks
         self._writing = threading.Lock()
         # Growths of SPARE_MIN_SLOTS or more since start: that took the spare complete, that
         # took it partly written (and wrote the rest under the router's lock), and that wrote
@@ -184,25 +185,29 @@ class Spare:
         self._mark = (live, total)
         if look_only or (self.planned and _fits(self.planned, cap / _MARGIN)):
             return
-        self.arrays, self.planned, self._waiting = None, 0, False
+        self.arrays, self.planned, self._waiting, self.shrinking = None, 0, False, False
         if cap >= SPARE_MIN_SLOTS:
             self.planned, self._room = cap, max(1, room)
             self._grown_live = max(1, int(live + added * room))
 
-    def shrink_some(self, slots: int, live: int, chunk: int) -> int:
-        """A table that shrinks to `slots` (index_table.PageTable's `_shrink_some`: its `live`
-        pages fill under a fifth of its slots): its arrays planned (unless a fitting spare is),
-        and their next `chunk` slots written, under the router's lock. No bound of bytes a page:
-        they are a fraction of the table's. How many slots are left to write."""
+    def plan_shrink(self, slots: int, live: int) -> bool:
+        """Under the router's lock: a table that shrinks to `slots` (index_table.PageTable's
+        `_shrink_some`: its `live` pages fill under a fifth of its slots) has its arrays planned
+        (unless a fitting spare is), for the feed loop's idle calls to write without the lock
+        (`fill_some` with a chunk). Whether they are written whole: the growth may take them."""
         with self._writing:
             if not (self.planned and _fits(self.planned, slots)):
-                self.arrays, self.planned, self._waiting = TableArrays(slots), slots, False
+                self.arrays, self.planned, self._waiting = None, slots, False
                 self._room, self._grown_live = 1, max(1, live)
-            elif self.arrays is None:
-                self.arrays = TableArrays(self.planned)
+            self.shrinking = True
             arrays = self.arrays
-            arrays.fill(chunk)
-            return arrays.cap - arrays.filled
+            return arrays is not None and arrays.filled == arrays.cap
+
+    def drop_shrink(self) -> None:
+        """The table no longer shrinks (pages came back): its planned arrays go."""
+        with self._writing:
+            if self.shrinking:
+                self.arrays, self.planned, self.shrinking = None, 0, False
 
     def fill_some(self, room: int, live: int, table_slots: int, chunk: int | None = None
                   ) -> bool:
@@ -219,11 +224,14 @@ class Spare:
         arrays = self.arrays
         if arrays is None:
             planned = self.planned
-            if not planned:
+            if not planned or (self.shrinking and chunk is None):
                 return False
             arrays = self.arrays = TableArrays(planned)
         if arrays.filled == arrays.cap:
             return False
+        if self.shrinking:  # an idle call's chunk (none while ingest is busy); no bound of bytes
+            # a page: the arrays are a fraction of the table's
+            return chunk is not None and not arrays.fill(max(_MIN_CHUNK, chunk))
         slots_per_page = max(WRITTEN_BYTES_PER_PAGE / _SLOT_BYTES,
                              (table_slots + arrays.cap) / self._grown_live)
         allowed = int(slots_per_page * live) - table_slots - arrays.filled
@@ -242,7 +250,7 @@ class Spare:
         some of it written, its rest written now; else None (dropped either way: the next one is
         planned from this growth on)."""
         with self._writing:
-            arrays, self.arrays, self.planned = self.arrays, None, 0
+            arrays, self.arrays, self.planned, self.shrinking = self.arrays, None, 0, False
         fits = arrays is not None and arrays.filled > 0 and _fits(arrays.cap, need)
         if need >= SPARE_MIN_SLOTS:
             complete = fits and arrays.filled == arrays.cap
@@ -259,6 +267,7 @@ class Spare:
         idle (`ingest_slices.IDLE_SPARE_DROP_S`). The next plan reads how the table fills from here,
         once a tenth of the room is used."""
         self.arrays, self.planned, self._mark, self._waiting = None, 0, (live, total), True
+        self.shrinking = False
 
     def grew(self, live: int) -> None:
         """A growth began with `live` pages (all of them still to place in the new table)."""

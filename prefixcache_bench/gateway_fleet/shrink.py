@@ -4,18 +4,19 @@ gateway/core/index_table.py `_shrink_some`).
 
 A `KvIndex` is fed `--pages` pages by `--workers` workers (one snapshot batch each), its growths
 migrated; then all but `--keep` workers leave (`remove_worker`, as the gateway does when a pool
-goes). The feed loop's idle steps follow (`migrate_some`, sized as the loop sizes them,
-`IdleMigration`, each one hold of the router's lock): the removed pages' tombstones swept, then
-the table moved into arrays for the pages left, written a step at a time and migrated into; after
-each step, as the router does after its lock, the arrays a migration retired are given back
-(`KvIndex.give_back_retired`, timed apart: outside the lock).
+goes). The feed loop's idle steps follow as the loop runs them (feeds.BatchApplier): steps
+(`migrate_some`, sized as the loop sizes them, `IdleMigration`, each one hold of the router's
+lock), and once they are done, writes without the lock (`prepare_growth(IDLE_SPARE_SLOTS)`,
+timed apart): the removed pages' tombstones swept, the smaller arrays planned and written, then
+the table migrated into them a step at a time; after each step, as the router does after its
+lock, the arrays a migration retired are given back (`KvIndex.give_back_retired`, timed apart).
 The modes alternate in one process: `shrink` (as the gateway runs) and `no_shrink` (the idle
 steps sweep only: the table before the shrink, which never got smaller).
 
 Reported per mode: the bytes a page of the table's arrays (written) before the workers left,
 once they left, at the peak of the idle steps and at the end; the steps, their longest and p99
-hold, the last one's (it ends the migration) and the longest give-back; and whether the pages
-left are all found afterwards.
+hold, the last one's (it ends the migration), the longest write without the lock and the longest
+give-back; and whether the pages left are all found afterwards.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import os
 import time
 
 from gateway.core.index import IndexConfig, KvIndex
-from gateway.core.ingest_slices import IdleMigration
+from gateway.core.ingest_slices import IDLE_SPARE_SLOTS, IdleMigration
 from prefixcache.v1 import common_pb2, events_pb2
 from prefixcache_bench.harness import columns_table, percentile, print_and_write
 
@@ -65,7 +66,7 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
     for w in range(keep, workers):
         index.remove_worker(f"w{w}")
     left = _bytes_per_page(index)
-    idle, holds, give_backs, peak = IdleMigration(), [], [], left
+    idle, holds, writes, give_backs, peak = IdleMigration(), [], [0.0], [], left
     while True:
         start = time.perf_counter()
         more = idle.step(index.migrate_some)
@@ -75,7 +76,12 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
         index.give_back_retired()
         give_backs.append(time.perf_counter() - start)
         if not more:
-            break
+            start = time.perf_counter()
+            more = index.prepare_growth(IDLE_SPARE_SLOTS)
+            writes.append(time.perf_counter() - start)
+            peak = max(peak, _bytes_per_page(index))
+            if not more:
+                break
     each = pages // workers
     sample = range(0, keep * each, max(1, keep * each // 2000))  # pages of the workers kept
     found = table.masks([_page(j) for j in sample])  # each one's holders, worker w's slot w
@@ -86,6 +92,7 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
             "hold_p99_ms": percentile(holds, 0.99) * 1e3,
             # the step that ends the migration (the old arrays' free was in it until stop 53)
             "hold_last_ms": holds[-1] * 1e3,
+            "write_max_ms": max(writes) * 1e3, "writes": len(writes) - 1,
             "give_back_max_ms": max(give_backs) * 1e3,
             "shrinks": index.stats().shrinks,
             "pages_left_found": all(m == 1 << (j // each) for m, j in zip(found, sample))}
@@ -94,9 +101,9 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
 def table_text(result: dict) -> str:
     keys = ("mode", "pages_left", "bytes_per_page_before", "bytes_per_page_after_leave",
             "bytes_per_page_peak", "bytes_per_page_end", "idle_steps", "hold_p99_ms",
-            "hold_max_ms", "hold_last_ms", "give_back_max_ms")
+            "hold_max_ms", "hold_last_ms", "write_max_ms", "give_back_max_ms")
     header = ("mode", "pages left", "before", "left", "peak", "end", "steps", "hold p99 ms",
-              "max ms", "last ms", "give-back max ms")
+              "max ms", "last ms", "write max ms", "give-back max ms")
     return ("bytes a page of the table's arrays, as written\n"
             + columns_table(header, [[r[k] for k in keys] for r in result["runs"]]))
 
