@@ -222,9 +222,9 @@ class KvIndex:
         remain."""
         migrating = False
         for table in self._tables:
-            before = table.migrated_slots + table.sweep.scanned + table.shrink_slots
+            before = table.migrated_slots + table.sweep.scanned
             migrating |= table.migrate_some(max_slots)
-            max_slots -= table.migrated_slots + table.sweep.scanned + table.shrink_slots - before
+            max_slots -= table.migrated_slots + table.sweep.scanned - before
         return migrating
 
     def defer_frees(self) -> None:

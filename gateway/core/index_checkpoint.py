@@ -114,7 +114,7 @@ def _table_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> PageT
     t._use(expand(arrays, prefix, int(m["cap"])))
     t._used, t.live, t._clock = int(m["used"]), int(m["live"]), int(m["clock"])
     t._cursor, t.rate = int(m["cursor"]), int(m["rate"])
-    t.migrate_step, t.migrated_slots, t.shrink_slots, t.shrinks = MIGRATE_STEP, 0, 0, 0
+    t.migrate_step, t.migrated_slots, t.shrinks = MIGRATE_STEP, 0, 0
     t.retire, t.retired = False, None
     t._old = _table_from(arrays, prefix + "old.", meta) if m["old"] else None
     t._spare = Spare(t.live, t._used + (t._old.live if t._old is not None else 0))

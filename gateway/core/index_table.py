@@ -151,7 +151,6 @@ class PageTable:
         self._cursor = 0  # old slots below it are migrated
         self.migrate_step, self.rate = migrate_step, 0
         self.migrated_slots = 0  # old slots scanned by migration, ever (tests bound it per call)
-        self.shrink_slots = 0  # slots of smaller arrays written by idle steps, ever
         self.shrinks = 0  # migrations into smaller arrays begun
         # With `retire` (the router's index: KvIndex.defer_frees), an old table's arrays once
         # its migration ended, until the router gives them back after its lock
@@ -546,13 +545,9 @@ class PageTable:
         old = self._old  # read once, as in _used_slots
         slots = self.cap + (old.cap if old is not None else 0)
         spare = self._spare
-        filled = spare.arrays.filled if spare.shrinking and spare.arrays is not None else 0
         more = spare.fill_some(int(_MAX_LOAD * self.cap) - self._used_slots(), self.live, slots,
                                chunk)
-        if spare.shrinking and spare.arrays is not None:
-            self.shrink_slots += spare.arrays.filled - filled
-            return more or chunk is not None
-        return more
+        return more or (spare.shrinking and spare.arrays is not None and chunk is not None)
 
     def _used_slots(self) -> int:
         """Slots used (live and deleted), the pages still to come from an old table included."""
@@ -614,9 +609,9 @@ class PageTable:
         """Migrates up to `max_slots` old slots without a mutating call (the feed loop's idle
         steps, gateway/core/feeds.py: a growth's old table otherwise stays until more events
         come), or with no old table, sweeps as many slots' tombstones once they are many
-        (index_sweep.py), or else writes as many slots of a smaller table's arrays when the
-        pages fill under a fifth of this one (`_shrink_some`); True while some migration, sweep
-        or shrink remains."""
+        (index_sweep.py), or else plans a smaller table's arrays when the pages fill under a
+        fifth of this one and, once `prepare_growth` wrote them, starts the growth into them
+        (`_shrink_some`); True while some migration, sweep or shrink's growth remains."""
         if max_slots <= 0:
             return self._old is not None or self.sweep.left > 0
         if self._old is None:
