@@ -51,6 +51,7 @@ import numpy as np
 
 from gateway.core import index_native
 from gateway.core.holder_sets import PAIR, SHARED, HolderSets, pair_mask
+from gateway.core.index_scan import bit_positions
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
 from gateway.core.table_arrays import EMPTY, SPARE_MIN_SLOTS, TOMB, Spare, TableArrays
@@ -344,11 +345,8 @@ class PageTable:
         for hv, pages in zip(*np.unique(holder[shared], return_counts=True)):
             m, pages = sets.mask(int(hv)), int(pages)
             sets.release(int(hv), pages)
-            while m:
-                low = m & -m
-                s = low.bit_length() - 1
+            for s in bit_positions(m):
                 lost[s] = lost.get(s, 0) + pages
-                m ^= low
         holder[single] = TOMB
         holder[shared] = TOMB
         self.live -= len(single) + len(shared)
@@ -615,11 +613,11 @@ class PageTable:
         if max_slots <= 0:
             return self._old is not None or self.sweep.left > 0
         if self._old is None:
-            return sweep_some(self, max_slots) or self._shrink_some(max_slots)
+            return sweep_some(self, max_slots) or self._shrink_some()
         self._step(0, max_slots)
         return self._old is not None
 
-    def _shrink_some(self, max_slots: int) -> bool:
+    def _shrink_some(self) -> bool:
         """A table whose live pages fill under `_SHRINK_LOAD` of its slots, tombstones swept (a
         fleet scaled down: the table never shrank, and held 16 bytes a slot over few pages):
         the arrays of one at `_GROWN_LOAD` planned (the spare, as for a growth), written by the
@@ -631,7 +629,7 @@ class PageTable:
                 or self._used > _LOOK_LOAD * self.cap:
             self._spare.drop_shrink()
             return False
-        if not self._spare.plan_shrink(_grown_slots(self.live), self.live):
+        if not self._spare.plan_shrink(_grown_slots(self.live)):
             return False
         self.shrinks += 1
         self._grow(0)

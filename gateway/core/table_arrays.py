@@ -190,15 +190,15 @@ class Spare:
             self.planned, self._room = cap, max(1, room)
             self._grown_live = max(1, int(live + added * room))
 
-    def plan_shrink(self, slots: int, live: int) -> bool:
+    def plan_shrink(self, slots: int) -> bool:
         """Under the router's lock: a table that shrinks to `slots` (index_table.PageTable's
-        `_shrink_some`: its `live` pages fill under a fifth of its slots) has its arrays planned
+        `_shrink_some`: its live pages fill under a fifth of its slots) has its arrays planned
         (unless a fitting spare is), for the feed loop's idle calls to write without the lock
-        (`fill_some` with a chunk). Whether they are written whole: the growth may take them."""
+        (`fill_some` with a chunk: no pacing, no bound of bytes a page). Whether they are written
+        whole: the growth may take them."""
         with self._writing:
             if not (self.planned and _fits(self.planned, slots)):
                 self.arrays, self.planned, self._waiting = None, slots, False
-                self._room, self._grown_live = 1, max(1, live)
             self.shrinking = True
             arrays = self.arrays
             return arrays is not None and arrays.filled == arrays.cap

@@ -61,7 +61,7 @@ def run_mode(mode: str, workers: int, keep: int, pages: int) -> dict:
     index = _fleet(workers, pages)
     table = index._tables[0]  # noqa: SLF001
     if mode == "no_shrink":
-        table._shrink_some = lambda max_slots: False  # noqa: SLF001 (the baseline)
+        table._shrink_some = lambda: False  # noqa: SLF001 (the baseline)
     before = _bytes_per_page(index)
     for w in range(keep, workers):
         index.remove_worker(f"w{w}")
