@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -90,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     jobs = ([("rollout", s) for s in _seeds(args.rollout_seeds)]
             + [("chat", s) for s in _seeds(args.chat_seeds)])
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
+    # Spawned, not forked, as the fleet benches' processes: a fork of a process whose other
+    # threads run gRPC or an event loop (a test worker's) segfaulted in the child (CI, stop 53).
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, spawn) as pool:
         futures = [pool.submit(run_one, kind, seed, tmp, args.requests) for kind, seed in jobs]
         for i, fut in enumerate(futures, 1):
             rows.append(fut.result())
