@@ -55,14 +55,16 @@ class Seen:
 
 class FakeWorker(pb_grpc.ComputeServiceServicer):
     """A compute worker without a model: streams `tokens` messages of one token each
-    (`delay_s` apart), then stats naming it. `fail` makes Generate fail: "before" the first
-    token (with `fail_code`, UNAVAILABLE by default, and `fail_message`) or "mid" stream (after
-    one message).
+    (`delay_s` apart), then stats naming it. `gate`, an Event, holds every stream after its first
+    token until it is set or the call ends (requests in flight for as long as a test needs).
+    `fail` makes Generate fail: "before" the first token (with `fail_code`, UNAVAILABLE by
+    default, and `fail_message`) or "mid" stream (after one message).
     `adapters`: the LoRA adapters GetModelInfo says are loaded."""
 
     def __init__(self, name: str, model_id: str = MODEL, page_size: int = PAGE):
         self.name, self.model_id, self.page_size = name, model_id, page_size
         self.tokens, self.delay_s, self.fail = 3, 0.0, ""
+        self.gate: threading.Event | None = None
         self.fail_code = grpc.StatusCode.UNAVAILABLE
         self.fail_message = "fake worker is down"
         self.adapters: list[str] = []
@@ -111,6 +113,9 @@ class FakeWorker(pb_grpc.ComputeServiceServicer):
         for i in range(len(request.resume_output.ids), self.tokens):
             if i and self.delay_s:
                 time.sleep(self.delay_s)
+            while i and self.gate is not None and not self.gate.wait(0.05):
+                if not context.is_active():
+                    break
             if not context.is_active():
                 seen.cancelled.set()
                 return

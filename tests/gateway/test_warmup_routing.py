@@ -6,6 +6,7 @@ that holds back the end of some pools' snapshots and can take a pool's stream do
 from __future__ import annotations
 
 import socket
+import threading
 from collections import Counter
 
 import grpc
@@ -93,13 +94,18 @@ def test_a_worker_mid_snapshot_is_routed_to_and_one_whose_stream_is_down_is_not(
                        what="the broken stream leaves the candidates")
 
             # New prompts, held in flight: spread by load over the warm and the warming worker.
+            # The gate holds each after its first token until all 8 are routed, so no request
+            # ends (and frees its load) while the others are being routed, however slow the
+            # machine is.
+            gate = threading.Event()
             for w in workers.values():
-                w.delay_s = 0.3
+                w.gate = gate
             streams = []
             for i in range(8):
                 stream = caller.stream(prompt(20 + i))
                 next(stream)  # routed and started
                 streams.append(stream)
+            gate.set()
             for stream in streams:
                 assert list(stream)[-1].stats.worker in {"warm", "warming"}
             routed = Counter(w.name for w in workers.values() for s in w.seen
