@@ -5,10 +5,11 @@ occupancy, and while it grows its new arrays are mostly empty (at 10M pages mid-
 arrays for 0.25 GB of occupied slots). So a table is written as its occupancy, one bit per slot
 (np.packbits of holder != EMPTY), and its three arrays at the occupied slots only (tombstones
 included: probing walks over them), the holders narrowed to 16 bits when every value fits: 14 bytes
-an occupied slot (16 when some page is held by a pair). A holder is a worker slot, TOMB, a pair of
-slots (PAIR + ..., as it is) or SHARED + a set's id (gateway/core/holder_sets.py), written as -4 -
-the id, so that the ids of a few thousand sets fit too. Loading puts them back at their positions in
-arrays of the table's capacity (empty slots: zero, holder EMPTY), so no key is re-inserted.
+an occupied slot (16 when some page is held by a pair or a triple). A holder is a worker slot, TOMB,
+a pair or a triple of slots (PAIR + ... or TRIPLE + ..., as it is) or SHARED + a set's id
+(gateway/core/holder_sets.py), written as -4 - the id, so that the ids of a few thousand sets fit
+too. Loading puts them back at their positions in arrays of the table's capacity (empty slots:
+zero, holder EMPTY), so no key is re-inserted.
 Compression was measured and left out: zlib at level 1 ran at 40-70 MB/s on these arrays here,
 slower than writing the bytes it saves (~0.3 GB/s).
 """

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.core.checkpoint_arrays import compact, expand, masks_of, sets
-from gateway.core.holder_sets import PAIR, SHARED, HolderSets, pair_slots
+from gateway.core.holder_sets import PAIR, SHARED, TRIPLE, HolderSets, pair_slots, triple_slots
 from gateway.core.index import KvIndex, _Worker
 from gateway.core.index_sweep import Sweep
 from gateway.core.index_table import MIGRATE_STEP, PageTable
@@ -58,8 +58,8 @@ log = logging.getLogger("gateway.checkpoint")
 # Bumped whenever the layout below or PageTable's hashing (its `_home`) changes. 2: only the
 # occupied slots (checkpoint_arrays.py); 3: one 64-bit key a slot (index_table.key_of); 4: shared
 # pages' holders as the ids of sets (holder_sets.py), not masks by position; 5: pages two workers
-# hold name their pair (holder_sets.PAIR), not a set.
-VERSION = 5
+# hold name their pair (holder_sets.PAIR), not a set; 6: pages three hold, their triple.
+VERSION = 6
 _MEDIA = 3
 
 
@@ -131,7 +131,9 @@ def _medium_from(arrays: dict[str, np.ndarray], prefix: str, meta: dict) -> Page
     values, pages = np.unique(held[held >= SHARED], return_counts=True)
     holder_sets = HolderSets.restored(masks_of(arrays[prefix + "sets"]),
                                       zip(values.tolist(), pages.tolist()),
-                                      pairs=int(np.count_nonzero(held < SHARED)))
+                                      pairs=int(np.count_nonzero(held < TRIPLE)),
+                                      triples=int(np.count_nonzero((held >= TRIPLE)
+                                                                   & (held < SHARED))))
     for x in tables:
         x.holder_sets = holder_sets
     return t
@@ -256,8 +258,10 @@ def _check_holders(tables: tuple[PageTable, ...], slots: set[int]) -> None:
     for table in tables:
         for t in (table, table._old) if table._old is not None else (table,):
             holder = t._mem.holder
-            pairs = holder[(holder >= PAIR) & (holder < SHARED)]
-            single = np.concatenate([holder[(holder >= 0) & (holder < PAIR)], *pair_slots(pairs)])
+            pairs = holder[(holder >= PAIR) & (holder < TRIPLE)]
+            triples = holder[(holder >= TRIPLE) & (holder < SHARED)]
+            single = np.concatenate([holder[(holder >= 0) & (holder < PAIR)], *pair_slots(pairs),
+                                     *triple_slots(triples)])
             if len(single) and (single.max() >= len(known) or not known[single].all()):
                 raise ValueError("a page held by a slot no worker has")
         for m in table.holder_sets.masks:

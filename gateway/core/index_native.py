@@ -10,15 +10,15 @@ start without it, off never builds it. Without it the numpy code of index_table.
 index_bulk.py serves: the same results (tests/gateway/test_index_native.py compares the two
 and `add` / `discard` one by one), slower.
 
-`apply` is `PageTable.add` / `discard` of every event, in order. A page two workers hold names
-their pair, which the C loop makes and undoes itself; the sets of holders of pages three or more
-hold are Python ints (gateway/core/holder_sets.py): the C loop records each worker joining a pair
-or a set, marks the page PENDING, and Python gives it the id of its new set before the call
-returns; a removal from a set stops the loop (Python clears the bit, then the loop goes on at the
-next event). Its loop runs without the GIL and, given a
-`Preemption`, steps aside for a routing decision: the decision's thread runs meanwhile, flags
-that it waits for the router's lock, and the loop returns within `STOP_EVERY` events so that
-`Preemption.pause` lets it in (design.md §6, "Where a decision's time goes").
+`apply` is `PageTable.add` / `discard` of every event, in order. A page two or three workers
+hold names their pair or triple, which the C loop makes and undoes itself; the sets of holders of
+pages four or more hold are Python ints (gateway/core/holder_sets.py): the C loop records each
+worker joining a triple or a set, marks the page PENDING, and Python gives it the id of its new
+set before the call returns; a removal from a set stops the loop (Python clears the bit, then the
+loop goes on at the next event). Its loop runs without the GIL and, given a `Preemption`, steps
+aside for a routing decision: the decision's thread runs meanwhile, flags that it waits for the
+router's lock, and the loop returns within `STOP_EVERY` events so that `Preemption.pause` lets it
+in (design.md §6, "Where a decision's time goes").
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
     fn, i = _without_gil("pt_apply"), 0
     stop, before_stop = (_NEVER if preempt is None else preempt.flag).ctypes.data, STOP_EVERY
     while i < n:
-        state = np.array([table._used, table.live, table._clock, 0], dtype=np.int64)
+        state = np.array([table._used, table.live, table._clock, 0, 0], dtype=np.int64)
         start = time.perf_counter()
         i = fn(*table._mem.addresses, table.cap, state.ctypes.data,
                key.ctypes.data, slot.ctypes.data, store.ctypes.data, i, n,
@@ -198,8 +198,9 @@ def apply(table: PageTable, key: np.ndarray, slot: np.ndarray, store: np.ndarray
                ctypes.byref(stopped))
         if preempt is not None:
             preempt.preemptible_s += time.perf_counter() - start
-        table._used, table.live, table._clock, pairs = state.tolist()
+        table._used, table.live, table._clock, pairs, triples = state.tolist()
         table.holder_sets.pairs += pairs
+        table.holder_sets.triples += triples
         _share(table, rec[:3 * nrec.value], shared)
         before_stop = STOP_EVERY
         if stopped.value:  # the table is whole between two events: a decision may read it

@@ -3,8 +3,8 @@
 Open addressing with linear probing over three parallel arrays, 16 bytes a slot: a key of 64 bits
 (`key_of`: the two 64-bit words of prefixcache_client.hash's 16-byte HASH_BYTES folded into one; a
 hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, a pair
-of them, or SHARED + the id of a set of several in `holder_sets`), and a stamp (when it was last
-stored, or found by a routed request's lookup: `touch_stamps`; the eviction order). Two hashes
+or a triple of them, or SHARED + the id of a set of several in `holder_sets`), and a stamp (when
+it was last stored, or found by a routed request's lookup: `touch_stamps`; the eviction order). Two hashes
 sharing a key count as one page: with n pages indexed, a lookup of a page nobody holds matches one
 with probability ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability
 ~n**2 / 2**65 (3e-6 at 10M). Either only makes routing credit a worker with a page it may not hold,
@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gateway.core import index_native
-from gateway.core.holder_sets import PAIR, SHARED, HolderSets, pair_mask
+from gateway.core.holder_sets import PAIR, SHARED, TRIPLE, HolderSets, pair_mask, triple_mask
 from gateway.core.index_scan import bit_positions
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
@@ -178,7 +178,8 @@ class PageTable:
 
     def shared_pages(self) -> int:
         """Pages two or more workers hold, an old table's included."""
-        return self.holder_sets.pages + self.holder_sets.pairs
+        sets = self.holder_sets
+        return sets.pages + sets.pairs + sets.triples
 
     def growths(self) -> tuple[int, int, int]:
         """(growths that took arrays written ahead, that took them partly written and wrote the
@@ -436,7 +437,8 @@ class PageTable:
         hv = self._mem.holder[pos].tolist()
         masks = self.holder_sets.masks
         out = [0 if p < 0 else 1 << v if v < PAIR else masks[v - SHARED] if v >= SHARED
-               else pair_mask(v) for p, v in zip(pos.tolist(), hv)]
+               else pair_mask(v) if v < TRIPLE else triple_mask(v)
+               for p, v in zip(pos.tolist(), hv)]
         if self._old is not None:  # the pages not in the new table may be in the old one
             # (their keys reused, not packed again: 35 against 39 us a 64-page request at
             # 1,000 workers while a growth migrates, as tombstones make it now and then)

@@ -53,10 +53,10 @@ def _index_totals(totals: dict[str, int]) -> Iterator[prometheus_client.Metric]:
                                        "of holders x their measured bytes)."),
                       ("table_bytes", "The routing index's page tables as allocated, a "
                                       "growth's old table and the next one's spare included."),
-                      ("shared_pages", "Keys two or more workers hold: two name their pair, "
-                                       "three or more a set of holders, shared by every key "
-                                       "with the same holders."),
-                      ("holder_sets", "Distinct sets of 3+ holders of shared keys (~300 bytes "
+                      ("shared_pages", "Keys two or more workers hold: two or three name "
+                                       "their pair or triple, four or more a set of holders, "
+                                       "shared by every key with the same holders."),
+                      ("holder_sets", "Distinct sets of 4+ holders of shared keys (~300 bytes "
                                       "each at 1,000 workers), in memory_bytes and the bound, "
                                       "not in table_bytes.")):
         g = GaugeMetricFamily(f"prefixcache_gateway_index_{name}", doc)

@@ -1,14 +1,18 @@
 """A `PageTable`'s three slot arrays (gateway/core/index_table.py), and a growth's made ready ahead.
 
     slot i:  key[i]       the page hash's two words folded into one (index_table.key_of)   8 B
-             holder[i]    a worker's slot, a pair, SHARED + a set's id, TOMB or EMPTY     4 B
+             holder[i]    a worker's slot, a pair, a triple, SHARED + a set's id, TOMB... 4 B
              stamp[i]     when last stored or routed (eviction order)                     4 B
 
-    holder:  EMPTY (-3) | TOMB (-2) | PENDING (-1) | 0 .. PAIR-1 | PAIR .. SHARED-1 | SHARED ..
-             never used | deleted   | C apply only | one worker  | two workers:     | 2+ workers:
-                                                   | its slot    | PAIR + (high <<  | the set of
-                                                   |             | 14) + low slot   | that id
-    (PAIR 2^28, SHARED 2^30: gateway/core/holder_sets.py)
+    holder:  EMPTY (-3) | TOMB (-2) | PENDING (-1) | 0 .. PAIR-1 | PAIR .. TRIPLE-1 |
+             never used | deleted   | C apply only | one worker  | two workers:     |
+                                                   | its slot    | PAIR + (high <<  |
+                                                   |             | 14) + low slot   |
+             TRIPLE .. SHARED-1        | SHARED ..
+             three workers: TRIPLE +   | 2+ workers:
+             C(high, 3) + C(mid, 2) +  | the set of
+             low slot                  | that id
+    (PAIR 2^28, TRIPLE 2^29, SHARED 2^30: gateway/core/holder_sets.py)
     A slot is live when its holder is >= 0 (in C, >= PENDING: a page joined within one apply
     call, whose set Python makes before the call returns: gateway/core/index_native.py).
 

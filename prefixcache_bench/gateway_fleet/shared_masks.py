@@ -4,7 +4,8 @@ at 1,000 workers).
 
 A page one worker holds lives in its page table's flat arrays alone (16 bytes a slot, the
 holder that worker's slot). A page two hold does too, its holder their pair (since stop 53;
-before, a set). A page three or more hold does too, its holder the id of its set of holders
+before, a set), and one three hold, its holder their triple (since stop 54). A page four or more
+hold does too, its holder the id of its set of holders
 (gateway/core/holder_sets.py), where each distinct set is stored once: a Python int mask, whose
 size follows the highest worker slot among the holders, not how many they are, and a dict entry
 to find it. Until stop 51 such a page also took an entry in a dict by slot position (~85 bytes),
@@ -33,8 +34,8 @@ from prefixcache_bench.gateway_fleet.index_memory import traced_apply
 from prefixcache_bench.harness import print_and_write
 
 CASES = ((8, 1, "groups"), (8, 2, "groups"), (8, 8, "groups"), (1000, 1, "groups"),
-         (1000, 2, "groups"), (1000, 8, "groups"), (1000, 1000, "groups"), (1000, 2, "random"),
-         (1000, 3, "random"))
+         (1000, 2, "groups"), (1000, 3, "groups"), (1000, 8, "groups"), (1000, 1000, "groups"),
+         (1000, 2, "random"), (1000, 3, "random"), (1000, 4, "random"))
 _MAX_ADDITIONS = 2_000_000
 _GOAL_BYTES_PER_PAGE = 64
 

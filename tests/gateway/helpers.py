@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.core.holder_sets import PAIR, PAIR_SLOTS, SHARED
+from gateway.core.holder_sets import PAIR, PAIR_SLOTS, SHARED, TRIPLE, TRIPLE_SLOTS
 from gateway.core.index_table import PageTable
 from prefixcache.v1 import common_pb2, events_pb2
 
@@ -71,15 +71,19 @@ def pages_and_stamps(table: PageTable) -> dict[int, tuple[int, int]]:
 def check_holder_sets(table: PageTable) -> None:
     """The table's sets of holders are what its pages hold: each set's count is the pages (of
     both tables while a growth migrates) whose holder names it, every set held is one no pair
-    could be (3+ holders, or 2 of which one is past PAIR_SLOTS), an id no page holds is free,
-    and the pages held by pairs are counted."""
+    or triple could be (4+ holders, 3 of which one is past TRIPLE_SLOTS, or 2 of which one is
+    past PAIR_SLOTS), an id no page holds is free, and the pages held by pairs and by triples
+    are counted."""
     sets = table.holder_sets
     assert all(t.holder_sets is sets for t in table._tables())
     shared = np.concatenate([t._mem.holder[t._mem.holder >= PAIR] for t in table._tables()])
     held = shared[shared >= SHARED]
     counts = np.bincount(held - SHARED, minlength=len(sets.masks)).tolist()
     assert counts == sets.refs and sets.pages == len(held)
-    assert sets.pairs == len(shared) - len(held)
+    assert sets.pairs == np.count_nonzero(shared < TRIPLE)
+    assert sets.triples == len(shared) - len(held) - sets.pairs
     for mask, refs in zip(sets.masks, sets.refs):
-        assert (mask.bit_count() > 2 or mask.bit_length() > PAIR_SLOTS) if refs else mask == 0
+        bits, width = mask.bit_count(), mask.bit_length()
+        compact = bits == 2 and width <= PAIR_SLOTS or bits == 3 and width <= TRIPLE_SLOTS
+        assert bits > 1 and not compact if refs else mask == 0
 

@@ -28,10 +28,10 @@ def test_the_sets_of_holders_take_their_share_of_the_budget():
     index = KvIndex(IndexConfig(memory_budget_mb=1.0))
     for w in range(40):
         index.apply(batch(f"w{w}", 0, stored(pages(0, 40))))  # one set: all 40
-    for w in ("w0", "w1"):
-        index.apply(batch(w, 1, stored(pages(100, 120))))  # pairs: no set
-    for i in range(10):  # ten sets: w0, w1 and one other
-        index.apply(batch(f"w{i + 2}", 1, stored(pages(100 + i, 101 + i))))
+    for w in ("w0", "w1", "w2"):
+        index.apply(batch(w, 1, stored(pages(100, 120))))  # triples: no set
+    for i in range(10):  # ten sets: w0, w1, w2 and one other
+        index.apply(batch(f"w{i + 3}", 1, stored(pages(100 + i, 101 + i))))
     st = index.stats()
     assert st.shared_pages == 60 and st.holder_sets == 11
     assert st.memory_bytes == st.entries * BYTES_PER_ENTRY + 11 * BYTES_PER_HOLDER_SET
@@ -83,7 +83,8 @@ def test_index_metrics_report_entries_capacity_memory_and_evictions():
     assert "prefixcache_gateway_index_tombstones_swept_total 0.0" in text
     assert "prefixcache_gateway_index_shared_pages 0.0" in text
     router.index.apply(batch("v", 0, stored(pages(55, 60))))  # 5 of w's also held by v
-    router.index.apply(batch("u", 0, stored(pages(57, 60))))  # and 3 by u too: a set
+    router.index.apply(batch("u", 0, stored(pages(57, 60))))  # and 3 by u too: a triple
+    router.index.apply(batch("t", 0, stored(pages(58, 60))))  # and 2 by t too: a set
     text = prometheus_client.generate_latest(metrics.registry).decode()
     assert "prefixcache_gateway_index_shared_pages 5.0" in text
     assert "prefixcache_gateway_index_holder_sets 1.0" in text

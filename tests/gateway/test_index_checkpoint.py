@@ -151,8 +151,8 @@ def test_a_corrupt_or_foreign_checkpoint_is_ignored_with_a_warning(tmp_path, cap
 
 
 def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
-    """Arrays, an old table still migrating, pairs, sets and masks of slots past 64 come back
-    equal, the sets and pairs counted."""
+    """Arrays, an old table still migrating, pairs, triples, sets and masks of slots past 64 come
+    back equal, the sets, pairs and triples counted."""
     index = KvIndex()
     rng = np.random.default_rng(1)
     keys = rng.integers(0, 2**63, size=(3000, 2), dtype=np.uint64).view("V16").ravel()
@@ -162,7 +162,8 @@ def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
     for slot in (0, 69):
         table.add_many(keys[:2000], slot)
     table.add_many(keys[2000:2500], 3)
-    table.add_many(keys[:300], 3)  # a set of three; the rest of the 2,000 stay pairs
+    table.add_many(keys[:300], 3)  # triples; the rest of the 2,000 stay pairs
+    table.add_many(keys[:100], 4)  # a set of four
     table._grow(0)  # a growth just begun: every page still in the old table
     table.migrate_step = table.rate = 0  # and migrating only the pages calls touch
     table.add_many(keys[2500:], 3)  # some migrated, most not
@@ -178,9 +179,10 @@ def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
     assert again._tables[0].masks(hashes) == table.masks(hashes)
     assert isinstance(again._tables[0], PageTable) and again._tables[0]._old is not None
     check_holder_sets(again._tables[0])
-    assert again._tables[0].holder_sets.pairs == 1700 and len(again._tables[0].holder_sets) == 1
+    restored = again._tables[0].holder_sets
+    assert restored.pairs == 1700 and restored.triples == 200 and len(restored) == 1
     again._tables[0].add_many(keys[:10], 5)  # still a working table
-    assert again._tables[0].mask(hashes[0]) == (1 << 0) | (1 << 69) | (1 << 3) | (1 << 5)
+    assert again._tables[0].mask(hashes[0]) == 1 << 0 | 1 << 69 | 1 << 3 | 1 << 4 | 1 << 5
     # the loaded tables take the feed loop's idle steps and report their stats, as fresh ones
     while again.migrate_some(4096):
         pass
@@ -188,7 +190,8 @@ def test_the_tables_round_trip_mid_growth_with_wide_masks(tmp_path):
     assert again._tables[0].masks(hashes[10:]) == table.masks(hashes[10:])
 
 
-@pytest.mark.parametrize("slots", [(5,), (0, 5)], ids=["alone", "in_a_pair"])
+@pytest.mark.parametrize("slots", [(5,), (0, 5), (0, 6, 5)],
+                         ids=["alone", "in_a_pair", "in_a_triple"])
 def test_a_checkpoint_naming_unknown_holders_is_ignored(tmp_path, slots):
     index = KvIndex()
     index.add_worker("w")

@@ -5,8 +5,9 @@
    hold stay in Python (ints of any width, by id: gateway/core/holder_sets.py): the C loop
    records what Python must do with them. A holder (gateway/core/table_arrays.py): EMPTY, TOMB,
    PENDING (a page joined in this pt_apply call, its set Python's to make), a worker's slot, a
-   pair of slots (PAIR + (high << PAIR_BITS) + low: made and undone here), or SHARED + the id of
-   a set of several. */
+   pair of slots (PAIR + (high << PAIR_BITS) + low), a triple (TRIPLE + C(high, 3) + C(mid, 2) +
+   low): both made and undone here, or SHARED + the id of a set of several. The constants are
+   holder_sets.py's (tests/gateway/test_holder_sets.py compares them). */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -14,9 +15,11 @@
 #define TOMB (-2)
 #define PENDING (-1)
 #define SHARED (1 << 30)
+#define TRIPLE (1 << 29)
 #define PAIR (1 << 28)
 #define PAIR_BITS 14
 #define PAIR_SLOTS (1 << PAIR_BITS)
+#define TRIPLE_SLOTS 1477
 /* Events between two looks at pt_apply's stop flag: ~5-20 us of work. */
 #define STOP_EVERY 64
 /* How many keys ahead a loop asks for its home slot's cache lines (a power of two): a table of
@@ -150,17 +153,49 @@ static inline int32_t pair_of(int32_t a, int32_t b) {
     return a > b ? PAIR + (a << PAIR_BITS) + b : PAIR + (b << PAIR_BITS) + a;
 }
 
+static inline int64_t c3(int64_t k) { return k * (k - 1) * (k - 2) / 6; }
+static inline int64_t c2(int64_t k) { return k * (k - 1) / 2; }
+
+/* The triple of three distinct slots, all below TRIPLE_SLOTS, in any order. */
+static inline int32_t triple_of(int32_t a, int32_t b, int32_t c) {
+    int32_t t;
+    if (a < b) { t = a; a = b; b = t; }
+    if (b < c) { t = b; b = c; c = t; }
+    if (a < b) { t = a; a = b; b = t; }
+    return (int32_t)(TRIPLE + c3(a) + c2(b) + c);
+}
+
+/* A triple's slots, high first: the largest k with C(k, 3) <= its rank, and so on down. */
+static inline void triple_slots(int32_t hv, int32_t out[3]) {
+    int64_t rank = hv - TRIPLE, lo = 2, hi = TRIPLE_SLOTS - 1;
+    while (lo < hi) {  /* the largest k in [lo, hi] with c3(k) <= rank */
+        int64_t mid = (lo + hi + 1) / 2;
+        if (c3(mid) <= rank) lo = mid; else hi = mid - 1;
+    }
+    out[0] = (int32_t)lo;
+    rank -= c3(lo);
+    hi = lo - 1;
+    lo = 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (c2(mid) <= rank) lo = mid; else hi = mid - 1;
+    }
+    out[1] = (int32_t)lo;
+    out[2] = (int32_t)(rank - c2(lo));
+}
+
 /* Events start..n-1 (store[i] ? add : discard of key i by worker slot[i]), in order, on one
    table (every key of the slice is in it, or absent from both tables: the caller pulled them out
-   of an old one and made room for every placement). state = {used, live, clock, pairs}, updated
-   (pairs: the change in pages held by pairs).
+   of an old one and made room for every placement). state = {used, live, clock, pairs, triples},
+   updated (pairs, triples: the change in pages held by pairs and by triples).
    delta[slot] += pages the worker gained (stores) or lost (removals) here.
-   A page one worker holds that another stores becomes their pair, and a pair one of them
-   removes its other's slot, here. What only Python can do is recorded, rec[3k..3k+2] =
-   (position, holder before, slot), *nrec of them: `slot` joins a page a pair without it,
-   several or PENDING held (or a slot of PAIR_SLOTS or more: no pair), the holder is now
-   PENDING; its set is Python's to make, and the count of `slot`'s delta when new to it. A
-   removal from a page several hold (or PENDING) stops the loop: the return value is its index
+   A page one worker holds that another stores becomes their pair, a pair a third stores their
+   triple, and a triple or a pair one of them removes the others' pair or slot, here. What only
+   Python can do is recorded, rec[3k..3k+2] = (position, holder before, slot), *nrec of them:
+   `slot` joins a page a triple without it, a set or PENDING held (or a pair or slot it cannot
+   join in place, a slot being past PAIR_SLOTS or TRIPLE_SLOTS), the holder is now PENDING; its
+   set is Python's to make, and the count of `slot`'s delta when new to it. A removal from a
+   page a set holds (or PENDING) stops the loop: the return value is its index
    (n when every event is done); Python applies the
    records so far, then that removal, then calls again from the next event.
    Called without the GIL (index_native.apply): a routing decision that wants the router's lock
@@ -172,7 +207,9 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
                  const uint64_t *key, const int32_t *slot, const uint8_t *store, int64_t start,
                  int64_t n, int64_t *delta, int64_t *rec, int64_t *nrec,
                  const volatile int64_t *stop, int64_t before_stop, int64_t *stopped) {
-    int64_t used = state[0], live = state[1], clock = state[2], pairs = state[3], k = 0;
+    int64_t used = state[0], live = state[1], clock = state[2], pairs = state[3];
+    int64_t triples = state[4], k = 0;
+    int32_t three[3];
     int64_t i = start;
     Ahead a = {tkey, key, holder, stamp, cap, n, {0}};
     *stopped = 0;
@@ -205,9 +242,22 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
                 delta[s]++;
                 continue;
             }
-            if (hv >= PAIR && hv < SHARED && ((hv - PAIR) >> PAIR_BITS == s
-                                               || ((hv - PAIR) & (PAIR_SLOTS - 1)) == s))
-                continue;
+            if (hv >= PAIR && hv < TRIPLE) {
+                int32_t high = (hv - PAIR) >> PAIR_BITS, low = (hv - PAIR) & (PAIR_SLOTS - 1);
+                if (high == s || low == s)
+                    continue;
+                if (high < TRIPLE_SLOTS && s < TRIPLE_SLOTS) {
+                    holder[p] = triple_of(high, low, s);
+                    pairs--;
+                    triples++;
+                    delta[s]++;
+                    continue;
+                }
+            } else if (hv >= TRIPLE && hv < SHARED) {
+                triple_slots(hv, three);
+                if (three[0] == s || three[1] == s || three[2] == s)
+                    continue;
+            }
             rec[3 * k] = p;
             rec[3 * k + 1] = hv;
             rec[3 * k + 2] = s;
@@ -219,11 +269,22 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
                 holder[p] = TOMB;
                 live--;
                 delta[s]--;
-            } else if (hv >= PAIR && hv < SHARED) {
+            } else if (hv >= PAIR && hv < TRIPLE) {
                 int32_t high = (hv - PAIR) >> PAIR_BITS, low = (hv - PAIR) & (PAIR_SLOTS - 1);
                 if (high == s || low == s) {
                     holder[p] = high == s ? low : high;
                     pairs--;
+                    delta[s]--;
+                }
+            } else if (hv >= TRIPLE && hv < SHARED) {
+                triple_slots(hv, three);
+                if (three[0] == s || three[1] == s || three[2] == s) {
+                    /* the other two, high first: both below TRIPLE_SLOTS < PAIR_SLOTS */
+                    int32_t a = three[0] == s ? three[1] : three[0];
+                    int32_t b = three[2] == s ? three[1] : three[2];
+                    holder[p] = PAIR + (a << PAIR_BITS) + b;
+                    triples--;
+                    pairs++;
                     delta[s]--;
                 }
             } else if (hv == PENDING || hv >= SHARED) {
@@ -235,6 +296,7 @@ int64_t pt_apply(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap, 
     state[1] = live;
     state[2] = clock;
     state[3] = pairs;
+    state[4] = triples;
     *nrec = k;
     return i;
 }
