@@ -5,6 +5,7 @@ request goes to the named endpoint with the mutated headers."""
 from __future__ import annotations
 
 import queue
+import threading
 
 import grpc
 import pytest
@@ -240,8 +241,9 @@ def test_abort_goes_only_to_the_worker_running_the_tenants_request(fleet):
     missing = refusal(abort("r-x"))
     assert missing.status.code == 404 and missing.grpc_status.status == 5
     # A request running through the gateway itself is found there.
+    gate = threading.Event()  # the request runs until the test ends it
     for w in workers.values():
-        w.delay_s = 0.5
+        w.gate = gate
     stream = fleet[4].stream(prompt(8), request_id="r-gw")
     try:
         first = next(stream)
@@ -252,7 +254,8 @@ def test_abort_goes_only_to_the_worker_running_the_tenants_request(fleet):
         assert refusal(abort("r-gw", token="tok-b")).status.code == 404  # not tenant b's
     finally:
         for w in workers.values():
-            w.delay_s = 0.0
+            w.gate = None
+        gate.set()
         stream.cancel()
 
 

@@ -4,6 +4,8 @@ as the EPP protocol asks, and BUFFERED) and sends the call to the worker it name
 headers it set."""
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -70,16 +72,19 @@ def test_envoy_answers_the_epp_refusals_with_grpc_statuses(through_envoy):
 
 def test_a_generate_loads_its_worker_until_envoy_ends_the_exchange(through_envoy):
     (gw, _, workers, _, _), stub = through_envoy
-    for w in workers.values():  # the stream is still running when the first token arrives
-        w.delay_s = 0.5
+    gate = threading.Event()  # the stream is still running when the first token arrives
+    for w in workers.values():
+        w.gate = gate
     try:
         stream = stub.Generate(request(prompt(41), max_tokens=3), timeout=20,
                                metadata=[("authorization", "Bearer tok-a")])
         assert next(stream).token_ids
         assert sum(gw.router.load.get(n).inflight_requests for n in gw.router.names()) == 1
+        gate.set()
         assert list(stream)[-1].HasField("stats")
     finally:
         for w in workers.values():
-            w.delay_s = 0.0
+            w.gate = None
+        gate.set()
     wait_until(lambda: sum(gw.router.load.get(n).inflight_requests
                            for n in gw.router.names()) == 0, what="load released")

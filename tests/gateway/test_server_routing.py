@@ -1,6 +1,8 @@
 """Gateway routing over gRPC: by prefix, spreading, tenant and adapter isolation, RoutePreview."""
 from __future__ import annotations
 
+import threading
+
 from service_shell import SALT_METADATA_KEY
 from tests.gateway.server_helpers import cached_on, preview, prompt, sample
 
@@ -46,14 +48,15 @@ def test_route_preview_explains(fleet):
     tokens, busy = prompt(3), prompt(4)
     cached_on(fleet, "w2", tokens[:33])
     cached_on(fleet, "w1", busy)
-    workers["w1"].delay_s = 0.3  # keeps one request in flight on w1 while the preview is taken
+    gate = workers["w1"].gate = threading.Event()  # one request in flight on w1 meanwhile
     try:
         running = caller.stream(busy, request_id="preview-load")
         next(running)
         resp = preview(caller, tokens)
         running.cancel()
     finally:
-        workers["w1"].delay_s = 0.0
+        workers["w1"].gate = None
+        gate.set()
     assert resp.policy == "affinity" and resp.prompt_tokens == 64 and resp.worker == "w2"
     assert resp.reason.startswith("holds 32 of 64 prompt tokens (device 32, host 0, remote 0)")
     rows = {c.worker: c for c in resp.candidates}
