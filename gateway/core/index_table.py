@@ -3,23 +3,23 @@
 Open addressing with linear probing over three parallel arrays, 16 bytes a slot: a key of 64 bits
 (`key_of`: the two 64-bit words of prefixcache_client.hash's 16-byte HASH_BYTES folded into one; a
 hash of another length is cut or zero-padded to 16 bytes first), the holder (a worker slot, a pair
-or a triple of them, or SHARED + the id of a set of several in `holder_sets`), and a stamp (when
-it was last stored, or found by a routed request's lookup: `touch_stamps`; the eviction order). Two hashes
-sharing a key count as one page: with n pages indexed, a lookup of a page nobody holds matches one
-with probability ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with probability
-~n**2 / 2**65 (3e-6 at 10M). Either only makes routing credit a worker with a page it may not hold,
-or miss one it holds: a mis-scored decision, never a wrong answer (the worker's cache service
-matches whole hashes and computes what it lacks). The table grows by ~1.55x when live + deleted
-slots pass 70%, so 16 bytes / 0.45..0.7 = 23..36 bytes a page (from 0.36 when the growth takes
-arrays written ahead a little larger than it needs), against ~160-185 for the dicts, sets and ints
-it replaces (24 bytes a slot while the key was the whole 16-byte hash). Pages two workers hold cost
-the same (the pair is the holder), pages several hold too, and each distinct set of those holders
-its mask once (~300 bytes at 1,000 workers, shared by every page with those holders:
-gateway/core/holder_sets.py). While a growth migrates, the old arrays stay allocated beside the new
-ones (~0.65x their size); so do the next growth's from when the table passes 55% (made ready ahead
-by the ingest thread: gateway/core/table_arrays.py), unless the tombstones of removed pages are what
-fill it: the feed loop's idle steps sweep them away in place (gateway/core/index_sweep.py), so that
-a steady state neither rebuilds nor holds a spare.
+or a triple of them, or SHARED + the id of a set of several in `holder_sets`), and a stamp (when it
+was last stored, or found by a routed request's lookup: `touch_stamps`; the eviction order). Two
+hashes sharing a key count as one page: with n pages indexed, a lookup of a page nobody holds
+matches one with probability ~n / 2**64 (5e-13 at 10M pages) and two indexed pages share a key with
+probability ~n**2 / 2**65 (3e-6 at 10M). Either only makes routing credit a worker with a page it
+may not hold, or miss one it holds: a mis-scored decision, never a wrong answer (the worker's cache
+service matches whole hashes and computes what it lacks). The table grows by ~1.55x when live +
+deleted slots pass 70%, so 16 bytes / 0.45..0.7 = 23..36 bytes a page (from 0.36 when the growth
+takes arrays written ahead a little larger than it needs), against ~160-185 for the dicts, sets and
+ints it replaces (24 bytes a slot while the key was the whole 16-byte hash). Pages two or three
+workers hold cost the same (the pair or triple is the holder), pages several hold too, and each
+distinct set of those holders its mask once (~300 bytes at 1,000 workers, shared by every page with
+those holders: gateway/core/holder_sets.py). While a growth migrates, the old arrays stay allocated
+beside the new ones (~0.65x their size); so do the next growth's from when the table passes 55%
+(made ready ahead by the ingest thread: gateway/core/table_arrays.py), unless the tombstones of
+removed pages are what fill it: the feed loop's idle steps sweep them away in place
+(gateway/core/index_sweep.py), so that a steady state neither rebuilds nor holds a spare.
 
 Growth is incremental (issue 31): a whole-table rehash of 1M pages held the router's lock ~1 s.
 When the table passes 70% it allocates the bigger one and keeps the old one beside it (`_old`, a

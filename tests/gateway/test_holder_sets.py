@@ -1,8 +1,8 @@
 """Shared pages' holders as pairs and triples written in place and ids of sets stored once
-(gateway/core/holder_sets.py): a page two or three workers hold names their pair or triple, no
-set; pages with the same 4+ holders name one set, a set no page holds is freed and its id reused, the counts stay
-those of the arrays through joins, leaves, evictions, clears and growths, and the answers are
-those of a dict of sets."""
+(gateway/core/holder_sets.py): a page two or three workers hold names their pair or triple, no set;
+pages with the same 4+ holders name one set, a set no page holds is freed and its id reused, the
+counts stay those of the arrays through joins, leaves, evictions, clears and growths, and the
+answers are those of a dict of sets."""
 from __future__ import annotations
 
 import random
