@@ -147,10 +147,11 @@ class IndexStats:
     # Tables moved into smaller arrays once their pages filled under a fifth of them (a fleet
     # scaled down: PageTable._shrink_some).
     shrinks: int = 0
-    # Keys two or more workers hold: two name their pair, three or more a set of holders, which
-    # every key with the same holders shares (holder_sets.py, gateway_fleet/shared_masks.py).
+    # Keys two or more workers hold: two or three name their pair or triple, four or more a set
+    # of holders, which every key with the same holders shares (holder_sets.py,
+    # gateway_fleet/shared_masks.py).
     shared_pages: int = 0
-    # Distinct sets of 3+ holders those keys name (~300 bytes each at 1,000 workers: its mask),
+    # Distinct sets of 4+ holders those keys name (~300 bytes each at 1,000 workers: its mask),
     # counted in memory_bytes and in the bound, not in table_bytes.
     holder_sets: int = 0
 
