@@ -253,8 +253,8 @@ class PageTable:
         return hv >= PAIR and self._leave(pos, slot)
 
     def _leave(self, pos: int, slot: int) -> bool:
-        """Drops a worker from a shared position's holders (a pair, a triple or a set); True when it was
-        one."""
+        """Drops a worker from a shared position's holders (a pair, a triple or a set); True
+        when it was one."""
         sets, hv = self.holder_sets, self._holder[pos]
         m = sets.mask(hv)
         if not m >> slot & 1:
@@ -290,7 +290,8 @@ class PageTable:
         return len(mine) + len(shared)
 
     def _shared_with(self, slot: int) -> np.ndarray:
-        """Positions of this table's shared pages (pairs, triples and sets) that this worker holds."""
+        """Positions of this table's shared pages (pairs, triples and sets) that this worker
+        holds."""
         holder = self._mem.holder
         pos = np.flatnonzero(holder >= PAIR)
         return pos[self.holder_sets.holding(holder[pos], slot)]
