@@ -72,10 +72,26 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+# Iterations of the empty loop that `python_loop_s` times.
+_LOOP = 10_000_000
+
+
+def python_loop_s() -> float:
+    """Seconds this process takes for an empty Python loop of 10M iterations: the machine's speed
+    when a bench ran (0.17-0.21 s on the 2-core development machine when it is quiet, 0.3-0.6 s
+    on its noisy days, when neighbours share its host), so that a tail latency judged against an
+    absolute goal can be read against how fast the machine was. The load average does not show
+    it: a busy host slows every instruction without queueing runnable tasks here."""
+    start = time.perf_counter()
+    for _ in range(_LOOP):
+        pass
+    return round(time.perf_counter() - start, 3)
+
+
 def machine_info(extra: Mapping[str, object] | None = None,
                  watched: Sequence[str] = ()) -> dict:
-    """What the figures were measured on: interpreter, CPU, load, git commit, and the
-    uncommitted changes under `watched` paths (numbers depend on them too)."""
+    """What the figures were measured on: interpreter, CPU, load, speed (`python_loop_s`), git
+    commit, and the uncommitted changes under `watched` paths (numbers depend on them too)."""
     info: dict = {
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
@@ -84,6 +100,7 @@ def machine_info(extra: Mapping[str, object] | None = None,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": usable_cpus(),
         "load_avg_start": load_average(),
+        "python_loop_s": python_loop_s(),
     }
     with contextlib.suppress(Exception):
         import grpc

@@ -325,6 +325,8 @@ def machine_line(m: Mapping | None) -> str:
         if m.get("load_avg_end"):
             load += f" -> {m['load_avg_end'][0]}"
         parts.append(load)
+    if m.get("python_loop_s"):
+        parts.append(f"a 10M-iteration Python loop {m['python_loop_s']} s")
     if m.get("git_commit"):
         parts.append(f"commit {str(m['git_commit'])[:10]}"
                      + (f" + uncommitted changes in {len(m['git_modified'])} files"

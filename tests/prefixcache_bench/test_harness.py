@@ -123,6 +123,7 @@ def test_machine_info_names_the_commit_and_takes_extra_facts():
     assert info["torch"] == "x.y" and info["python"] == "overridden"  # extra wins
     assert info["cpu_count"] >= 1 and info["cpu_affinity"] >= 1
     assert len(info["load_avg_start"]) == 3
+    assert 0 < info["python_loop_s"] < 60  # the machine's speed: seconds of a fixed loop
     assert "git_modified" not in machine_info()  # nothing watched, nothing listed
 
 

@@ -48,7 +48,7 @@ def make_repo(tmp_path, readme: str) -> None:
     (results / "bench.json").write_text(json.dumps({
         "command": "python -m prefixcache_bench.cache --json docs/results/cache/bench.json",
         "match_us_p50": 12.5, "goals": {"match_us_p50": {"goal": "<= 200", "pass": True}},
-        "machine": {"cpu_count": 2, "python": "3.11.7"}}))
+        "machine": {"cpu_count": 2, "python": "3.11.7", "python_loop_s": 0.18}}))
     (tmp_path / "README.md").write_text(readme)
 
 
@@ -66,6 +66,7 @@ def test_check_then_write_then_check(tmp_path, capsys):
     assert "do not edit" in page
     assert "python -m prefixcache_bench.cache --json docs/results/cache/bench.json" in page
     assert "| match_us_p50 | 12.5 | <= 200 | PASS |" in page
+    assert "a 10M-iteration Python loop 0.18 s" in page  # how fast the machine ran
     # A figure typed into the page afterwards is caught.
     (tmp_path / "docs" / "results" / "README.md").write_text(page.replace("12.5", "10"))
     assert pages.main(["--check"], root=tmp_path) == 1
