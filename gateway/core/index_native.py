@@ -58,6 +58,8 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "rp_remove": (None, [_P, _S]),
     "rp_pages": (_N, [_P]),
     "rp_bytes": (_N, [_P]),
+    # the affinity policy's pick (csrc/affinity_pick.c, gateway/core/policies/affinity_arrays.py)
+    "af_pick": (None, [_N, _N, _N, _P, _P, _N, _P, _N, _N, _P]),
 }
 
 
@@ -65,10 +67,11 @@ def table_library(defines: tuple[str, ...] = ()) -> NativeLibrary:
     """The kernel's library; `defines` (-D flags) build a variant of it (the table bench's
     baseline without prefetch, -DPREFETCH_AHEAD=0)."""
     return NativeLibrary(
-        "gateway's C tables (page table, routed pages)",
+        "gateway's C tables (page table, routed pages) and affinity pick",
         ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table and Python dicts",
         lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
-                 "flags": ("-O2", "-shared", "-fPIC", *defines)},
+                 # no fused multiply-add: the affinity pick's floats are numpy's to the last bit
+                 "flags": ("-O2", "-ffp-contract=off", "-shared", "-fPIC", *defines)},
         # Calls of µs, under the router's lock: releasing the GIL for each would let another
         # thread take it, and the ingest thread wait up to a switch interval to get it back.
         # `pt_apply`, a whole slice of events, releases it (`_without_gil`): a decision then

@@ -48,9 +48,9 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "routing_cpu_private_p50_us", "routing_cpu_private_p99_us", "routed_to_holder",
                    "index_bytes_per_page",
                    "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s",
-                   "policy_fast_p50_us", "policy_exhaustive_p50_us", "gc_pauses_during_decisions",
-                   "gc_max_pause_us", "gc_max_pause_cpu_us", "gc_total_cpu_ms",
-                   "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
+                   "policy_fast_p50_us", "policy_fast_numpy_p50_us", "policy_exhaustive_p50_us",
+                   "gc_pauses_during_decisions", "gc_max_pause_us", "gc_max_pause_cpu_us",
+                   "gc_total_cpu_ms", "gc_pauses_in_routing", "gc_max_pause_in_routing_us")
 # The ingest slices' runs (ingest_w*.json): before/after pairs of the same minutes.
 INGEST_COLUMNS = ("pools", "indexed_pages", "feeds_grpc", "ingest_slice_events_fixed",
                   "ingest_slice_ms", "switch_interval_ms", "ingest_priority",

@@ -6,8 +6,9 @@ conversation or a shared system prompt, then new pages) are timed through Router
 Router.finish, the affinity policy, one after another (`--recent-full`: its memory of recently
 routed pages filled first, as a gateway's is after a while, `routed.fill_routed`). Applying is
 timed too: the snapshots, then every pool's live batches (64 stored + 64 removed pages each), through Router.on_stream_item on
-parsed messages. The policy's decision alone is timed apart, both ways, interleaved, on each request
-(a same-minute ratio on a loaded machine): the router's array path (`_decide_fast`) and the
+parsed messages. The policy's decision alone is timed apart, three ways, interleaved, on each
+request (a same-minute ratio on a loaded machine): the router's array path (`_decide_fast`), the
+same with its pick in numpy rather than C (`pick_in_c` off: affinity_arrays.py), and the
 exhaustive one (`preview`: a WorkerScore per candidate, what RoutePreview shows); and the garbage
 collector's pauses during the decisions are counted (gc.callbacks): all of them, and those inside
 Router.route. Each decision's wall time is timed and its thread's CPU time (time.thread_time: on a
@@ -121,14 +122,16 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     frozen_objects = freeze_warm_heap() if gc_freeze else 0
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
     cpu_of: dict[str, list[float]] = {"shared": [], "private": []}  # by the request's kind
-    fast, exhaustive, collector = [], [], _GcPauses()
+    fast, fast_numpy, exhaustive, collector = [], [], [], _GcPauses()
     recorded = _timed_records(router.policy.recent)  # inside route(): its share of a decision
     gc.callbacks.append(collector.on_gc)
     for n in range(decisions):
         req, holder = requests._request(rng, n)
         candidates, policy = router._candidates(())[0], router.policy
-        for way, times in ((policy._decide_fast, fast), (policy.preview, exhaustive)):
-            start = time.perf_counter()
+        for way, in_c, times in ((policy._decide_fast, True, fast),
+                                 (policy._decide_fast, False, fast_numpy),
+                                 (policy.preview, True, exhaustive)):
+            policy.pick_in_c, start = in_c, time.perf_counter()
             way(req, candidates, router.index, router.load)
             times.append((time.perf_counter() - start) * 1e6)
         collector.routing, cpu_start, start = True, time.thread_time(), time.perf_counter()
@@ -161,6 +164,9 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             "recent_record_p99_us": percentile(recorded, 0.99),
             "routed_to_holder": to_holder / max(private, 1), "build_s": built["build_s"],
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
+            # the same decisions with the array path's pick in numpy (affinity_arrays.py)
+            "policy_fast_numpy_p50_us": percentile(fast_numpy, 0.5),
+            "policy_fast_numpy_p99_us": percentile(fast_numpy, 0.99),
             "policy_exhaustive_p50_us": percentile(exhaustive, 0.5),
             "policy_exhaustive_p99_us": percentile(exhaustive, 0.99),
             **collector.summary(), "gc_frozen_objects": frozen_objects,

@@ -2,7 +2,8 @@
 arrays) equals the exhaustive one (`all_scores=True`, a WorkerScore per candidate, what
 RoutePreview shows) on random fleets, indexes, loads and request sequences: near-ties and the
 rotation that breaks them, holders kept against load, overloaded workers, stale load reports,
-candidate subsets."""
+candidate subsets. Each test runs with the gateway's C library (the pick in C) and without it
+(in numpy): affinity_arrays.py."""
 from __future__ import annotations
 
 import random
@@ -14,6 +15,7 @@ from gateway.core.index import KvIndex
 from gateway.core.policies import AffinityConfig, AffinityPolicy, LoadTracker, RouteRequest
 from prefixcache.v1 import common_pb2
 from tests.gateway.helpers import DEVICE, HOST, FakeClock, batch, page, stored
+from tests.gateway.index_impls import table_impl  # noqa: F401  (C pick, then numpy's)
 
 PAGE = 16
 

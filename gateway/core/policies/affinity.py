@@ -25,7 +25,10 @@ from itertools import repeat
 
 import numpy as np
 
+from gateway.core import index_native
 from gateway.core.index import Holders, KvIndex, PrefixMatch
+from gateway.core.policies.affinity_arrays import (Buffers, Weights, pick_in_c, pick_on_arrays,
+                                                   prefill_of, sum_in_order)
 from gateway.core.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
 from gateway.core.policies.load import LoadTracker
 from gateway.core.routed_prefixes import RoutedPrefixes
@@ -71,12 +74,16 @@ class AffinityPolicy:
     # From this many candidates on, the router's decisions are scored on arrays (`_decide_fast`):
     # below it the fixed cost of a few dozen numpy calls is more than a loop over the workers.
     array_min_candidates = 64
+    # Those arrays scored in C when the gateway's library is there (affinity_arrays.py); off,
+    # in numpy (the benchmark times both on the same decisions).
+    pick_in_c = True
 
     def __init__(self, config: AffinityConfig | None = None) -> None:
         self.config = config or AffinityConfig()
         self._rr = 0
         self.recent = RoutedPrefixes(self.config.recent_pages_per_worker)
         self._positions_of: tuple[tuple[str, ...], dict[str, int]] | None = None
+        self._buffers = Buffers()  # the C pick's (affinity_arrays.py)
 
     def remove_worker(self, worker: str) -> None:
         self.recent.remove_worker(worker)
@@ -188,73 +195,53 @@ class AffinityPolicy:
 
     def _decide_fast(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                      load: LoadTracker) -> tuple[RouteDecision, PrefixMatch | None, bool]:
-        """`_decide`'s decision, the same float operations in the same order, over arrays: a
-        WorkerScore is built for the chosen worker alone. The property test in
-        tests/gateway/test_policy_fast.py holds the two equal."""
+        """`_decide`'s decision, the same float operations in the same order, over arrays (in C
+        when the gateway's library is there: affinity_arrays.py): a WorkerScore is built for
+        the chosen worker alone. The property test in tests/gateway/test_policy_fast.py holds
+        the two equal."""
         require_candidates(candidates)
         cfg, total, page = self.config, request.prompt_tokens, request.page_size
         held = self._holders(request, candidates, index)
-        queued, running, recent = load.columns(candidates)
-        n = len(candidates)
-        prefill = np.full(n, max(total - 0.0, 0.0))
+        weights = Weights(total, cfg.prefill_weight, cfg.overload_weight, cfg.balance_weight,
+                          cfg.queue_weight, cfg.inflight_weight_tokens,
+                          max(cfg.tie_abs_tokens, cfg.tie_rel * total), cfg.move_queue_tokens,
+                          self._rr)
         if held.workers:  # only the holders' prefill differs from the whole prompt's
             position = self._positions(candidates)
             at = np.fromiter(map(position.get, held.workers, repeat(-1)), np.intp,
                              len(held.workers))
             saved = self._saved_many(held, page)
-            if at.min() < 0:  # holders that are not candidates
-                saved, at = saved[at >= 0], at[at >= 0]
-            prefill[at] = np.maximum(total - saved, 0.0)
-        new = float(prefill.min())
-        overload_weight = cfg.overload_weight if total - new < new else 0.0
-        mean_recent = _sum_in_order(recent) / n
-        # Passes that would multiply by exactly 1 are skipped: x * 1.0 is x, and so is
-        # x * (1.0 + 0.0 * overload) (overload is finite: at most n). The overload of the chosen
-        # worker alone is needed then.
-        weighted = prefill if cfg.prefill_weight == 1.0 else cfg.prefill_weight * prefill
-        overload = None
-        if overload_weight:
-            overload = (np.maximum(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0
-                        else np.zeros(n))
-            weighted = weighted * (1.0 + overload_weight * overload)
-        balance = weighted + cfg.balance_weight * (recent - recent.min())
-        score = balance + cfg.queue_weight * queued + cfg.inflight_weight_tokens * running
-        tie = max(cfg.tie_abs_tokens, cfg.tie_rel * total)
-        best = score.min()
-        tied = np.flatnonzero(score <= best + tie)
-        rotated = len(tied) > 1
-        if not rotated:
-            pick = int(tied[0])
+        else:
+            at, saved = np.zeros(0, np.intp), np.zeros(0)
+        if self.pick_in_c and index_native.kernel() is not None:
+            now = load.now()
+            columns, address, decay = load.rows(candidates, now)
+            p = pick_in_c(weights, columns, address, decay, now, load.report_ttl_s, at, saved,
+                          self._buffers)
+        else:
+            p = pick_on_arrays(weights, *load.columns(candidates),
+                               prefill_of(total, len(candidates), at, saved))
+        if p.kept:
+            reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
+                      f"{total - p.new:.0f} tokens")
+        elif p.tied > 1:
+            reason = (f"near-tie of {p.tied} workers within {p.best + weights.tie - p.best:.0f} "
+                      f"tokens: least work, then load")
+        else:
             reason = ("lowest score (uncached prefill weighted by overload, new prompt + load)"
-                      if overload_weight > 0.0 else "lowest score (uncached prefill + load)")
-        else:  # _pick's order: least work, queued, recent, then rotation (lexsort: last key first)
-            rotation = (tied - self._rr) % n
-            pick = int(tied[np.lexsort((rotation, recent[tied], queued[tied], prefill[tied]))[0]])
-            reason = (f"near-tie of {len(tied)} workers within {best + tie - best:.0f} tokens: "
-                      f"least work, then load")
-        if prefill[pick] > new:
-            holders = np.flatnonzero(prefill == new)
-            holder = int(holders[np.argmin(score[holders])])
-            if (queued[holder] <= cfg.move_queue_tokens
-                    and balance[holders].min() <= balance.min() + tie):
-                pick = holder
-                reason = (f"kept on a holder of its prefix: load alone does not pay for recomputing "
-                          f"{total - new:.0f} tokens")
-        worker = candidates[pick]
+                      if total - p.new < p.new and cfg.overload_weight > 0.0
+                      else "lowest score (uncached prefill + load)")
+        worker = candidates[p.index]
         # `_score`'s WorkerScore, from the arrays (`get_many`'s conversions of the same columns)
-        chosen = WorkerScore(worker, queued_prefill_tokens=int(queued[pick]),
-                             inflight_requests=int(running[pick]),
-                             recent_prefill_tokens=float(recent[pick]),
-                             prefill_tokens=float(prefill[pick]),
-                             overload=float(overload[pick] if overload is not None
-                                            else _overload(recent[pick], mean_recent)),
-                             score=float(score[pick]))
+        chosen = WorkerScore(worker, queued_prefill_tokens=int(p.queued),
+                             inflight_requests=int(p.running), recent_prefill_tokens=p.recent,
+                             prefill_tokens=p.prefill, overload=p.overload, score=p.score)
         m = held.match(held.workers.index(worker)) if worker in held.workers else None
         if m is not None:
             chosen.device_tokens, chosen.host_tokens = m.device_pages * page, m.host_pages * page
             chosen.remote_tokens, chosen.confidence = m.remote_pages * page, m.confidence
         decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
-        return decision, m, rotated
+        return decision, m, p.tied > 1
 
     def _positions(self, candidates: Sequence[str]) -> dict[str, int]:
         """worker -> its index in `candidates`; kept for a tuple (the router's candidate set,
@@ -287,7 +274,8 @@ class AffinityPolicy:
         by `_weigh`)."""
         page = request.page_size
         loads = load.get_many(candidates)
-        mean_recent = _sum_in_order(np.array([wl.recent_prefill_tokens for wl in loads])) / len(loads)
+        recent = np.array([wl.recent_prefill_tokens for wl in loads])
+        mean_recent = sum_in_order(recent) / len(loads)
         scores = []
         for worker, wl in zip(candidates, loads, strict=True):
             s = WorkerScore(worker, queued_prefill_tokens=wl.queued_prefill_tokens,
@@ -352,17 +340,6 @@ class AffinityPolicy:
         if self.config.recent_pages_per_worker:
             held = match.device_pages if match is not None else 0
             self.recent.record(worker, request.page_hashes[held:])
-
-
-def _overload(recent: float, mean_recent: float) -> float:
-    """One worker's overload, as the array path computes it for all."""
-    return max(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0 else 0.0
-
-
-def _sum_in_order(values: np.ndarray) -> float:
-    """The sum of the values added first to last (what `sum` of a list of floats does before
-    Python 3.12), in numpy: both scoring paths use it, so they agree to the last bit."""
-    return float(np.cumsum(values)[-1]) if len(values) else 0.0
 
 
 class ApproxPolicy(AffinityPolicy):

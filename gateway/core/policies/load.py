@@ -119,6 +119,10 @@ class LoadTracker:
             self._table[row] = _EMPTY_ROW
             self._free.append(row)
 
+    def now(self) -> float:
+        """The tracker's clock (a decision reads every load at one instant)."""
+        return self._clock()
+
     def columns(self, workers: Sequence[str], now: float | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(queued prefill tokens, requests in flight, recent prefill tokens) of each worker, as
@@ -129,9 +133,23 @@ class LoadTracker:
         queued = np.where(fresh, np.maximum(cols[_PENDING], cols[_REPORT_QUEUED]), cols[_PENDING])
         running = np.where(fresh, np.maximum(cols[_INFLIGHT], cols[_REPORT_REQUESTS]), cols[_INFLIGHT])
         value = cols[_RECENT]
-        decay = np.power(0.5, (now - cols[_RECENT_WHEN]) / self.recent_halflife_s)
-        recent = np.where(value == 0.0, 0.0, value * decay)
+        recent = np.where(value == 0.0, 0.0, value * self._decay(cols, now))
         return queued, running, recent
+
+    def rows(self, workers: Sequence[str], now: float) -> tuple[np.ndarray, int, np.ndarray]:
+        """What `columns` is computed from, for the affinity policy's C pick (its numpy twin):
+        the workers' rows (column x worker, contiguous), their address, and the decay of each
+        one's recent work (numpy's power: the C loop's pow may differ in the last bit)."""
+        kept = self._kept
+        if kept is not None and kept.workers is workers:
+            cols, at = kept.columns, kept.address
+        else:
+            cols = np.ascontiguousarray(self._columns_of(workers))
+            at = cols.ctypes.data
+        return cols, at, self._decay(cols, now)
+
+    def _decay(self, cols: np.ndarray, now: float) -> np.ndarray:
+        return np.power(0.5, (now - cols[_RECENT_WHEN]) / self.recent_halflife_s)
 
     def _columns_of(self, workers: Sequence[str]) -> np.ndarray:
         """The workers' rows as columns (column x worker): for the kept tuple its copy, with no
@@ -161,6 +179,7 @@ class _KeptRows:
     def __init__(self, workers: tuple[str, ...], numbers: np.ndarray, table: np.ndarray) -> None:
         self.workers = workers
         self.columns = np.ascontiguousarray(table[numbers].T)
+        self.address = self.columns.ctypes.data  # written in place only: it stays
         # row -> position in the tuple; the workers on row 0 (none yet) wait for theirs
         self._position = {row: i for i, row in enumerate(numbers.tolist()) if row}
         self._rowless = {w: i for i, (w, row) in enumerate(zip(workers, numbers.tolist())) if not row}
