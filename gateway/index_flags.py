@@ -56,10 +56,11 @@ def add_index_flags(flag: Callable[..., None], cfg: GatewayConfig) -> None:
          "from at start, so that a restart resumes each worker's event stream instead of "
          "rebuilding the index from snapshots; one of another namespace, version or hash spec, "
          "or a corrupt one, is ignored with a warning")
-    flag("--index-native", "INDEX_NATIVE", "auto", "the routing index's page table and the "
-         "policy's recently routed pages in C (gateway/core/index_native.py, built with the "
-         "system compiler or taken from --kernel-cache): auto = when it builds, on = refuse to "
-         "start without it, off = the numpy table and Python dicts (same answers, slower)",
+    flag("--index-native", "INDEX_NATIVE", "auto", "the routing index's page table, the "
+         "policy's recently routed pages and its pick over many candidates in C "
+         "(gateway/core/index_native.py, built with the system compiler or taken from "
+         "--kernel-cache): auto = when it builds, on = refuse to start without it, off = numpy "
+         "and Python dicts (same answers, slower)",
          choices=NATIVE_MODES)
     flag("--kernel-cache", "KERNEL_CACHE", None, "directory of the compiled C page table; "
          "default $XDG_CACHE_HOME/prefixcache/kernels (~/.cache/prefixcache/kernels)")

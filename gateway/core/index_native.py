@@ -3,12 +3,13 @@ page events run as one C loop over the table's own arrays (issue 31: each numpy 
 reference path costs ~10-40 us whatever its size, a C step ~50-100 ns an event).
 
 Built on first use with the system compiler into the kernel cache (service_shell/native_build.py:
-the gateway's --kernel-cache, plain -O2, no OpenMP), or taken prebuilt from the image
+the gateway's --kernel-cache, -O2 with no fused multiply-add, no OpenMP), or taken prebuilt from the image
 (deploy/docker/Dockerfile.gateway builds it at image build time). `configure(mode)` (the
 gateway's --index-native / PREFIXCACHE_INDEX_NATIVE): auto uses it when it builds, on refuses to
 start without it, off never builds it. Without it the numpy code of index_table.py and
 index_bulk.py serves: the same results (tests/gateway/test_index_native.py compares the two
-and `add` / `discard` one by one), slower.
+and `add` / `discard` one by one), slower. The same library holds RoutedPrefixes' pages
+(routed_native.py) and the affinity policy's pick (policies/affinity_arrays.py).
 
 `apply` is `PageTable.add` / `discard` of every event, in order. A page two or three workers
 hold names their pair or triple, which the C loop makes and undoes itself; the sets of holders of
@@ -68,7 +69,7 @@ def table_library(defines: tuple[str, ...] = ()) -> NativeLibrary:
     baseline without prefetch, -DPREFETCH_AHEAD=0)."""
     return NativeLibrary(
         "gateway's C tables (page table, routed pages) and affinity pick",
-        ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "the numpy table and Python dicts",
+        ("--index-native", "PREFIXCACHE_INDEX_NATIVE"), "numpy and Python dicts",
         lambda: {"name": "prefixcache_page_table", "sources": sorted(CSRC.glob("*.c")),
                  # no fused multiply-add: the affinity pick's floats are numpy's to the last bit
                  "flags": ("-O2", "-ffp-contract=off", "-shared", "-fPIC", *defines)},

@@ -66,6 +66,17 @@ COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_
            "routing_p99_from_due_during_ingest_us", "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
 
 
+def decisions_share_note(results: dict) -> str | None:
+    """A line for a run whose routing decisions took over half the gateway's core during ingest
+    (a fixed rate of them on a slow machine): its ingest figures then measure what the decisions
+    left to the feed loop, not the feed loop."""
+    share = results.get("routing_cpu_share_during_ingest")
+    if share is None or share <= 0.5:
+        return None
+    return (f"note: the routing decisions took {share:.0%} of the gateway's core during ingest; "
+            f"ingest had the rest (the machine's speed: python_loop_s in the JSON)")
+
+
 def _flatten(results: dict) -> dict:
     out = {}
     for key, value in results.items():
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     report(results, goals, f"gateway index, {args.pools} pools", command,
            machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
            args.json)
+    note = decisions_share_note(results)
+    if note:
+        print(note)
     return 0
 
 

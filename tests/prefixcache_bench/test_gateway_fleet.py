@@ -11,7 +11,7 @@ from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.index_table import key_of
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache_bench.gateway_fleet import fleet as F
-from prefixcache_bench.gateway_fleet.__main__ import main
+from prefixcache_bench.gateway_fleet.__main__ import decisions_share_note, main
 from prefixcache_bench.gateway_fleet.restart import run_checkpoint
 from prefixcache_bench.gateway_fleet.routing import routing_only
 from prefixcache_bench.gateway_fleet.index_memory import (idle_gateway_bytes_per_page,
@@ -169,6 +169,15 @@ def test_routing_only_times_decisions_by_request_kind():
     assert r["decisions"] == 80 and r["routed_to_holder"] > 0.5
     for kind in ("shared", "private"):  # a shared system prompt's requests and conversations'
         assert 0 < r[f"routing_cpu_{kind}_p50_us"] <= r[f"routing_cpu_{kind}_p99_us"]
+    for pick in ("fast", "fast_numpy"):  # the array path's pick in C and in numpy, interleaved
+        assert 0 < r[f"policy_{pick}_p50_us"] <= r[f"policy_{pick}_p99_us"]
+
+
+def test_a_run_whose_decisions_took_the_core_says_so():
+    assert decisions_share_note({"routing_cpu_share_during_ingest": 0.3}) is None
+    assert decisions_share_note({}) is None  # --routing-only: no ingest
+    note = decisions_share_note({"routing_cpu_share_during_ingest": 0.91})
+    assert note is not None and "91%" in note
 
 
 def test_routing_only_with_the_recent_memory_full_starts_from_its_bound():
