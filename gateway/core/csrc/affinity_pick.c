@@ -9,7 +9,6 @@
    work (numpy's power may differ from libm's pow in the last bit), is computed by numpy and
    passed in. */
 #include <stdint.h>
-#include <stdlib.h>
 
 /* The columns of LoadTracker's table (gateway/core/policies/load.py; a test checks them). */
 #define PENDING 0
@@ -20,13 +19,13 @@
 #define RECENT 5
 #define COLUMNS 7
 
-/* The answer's fields: out[...] (affinity_arrays.Pick). */
+/* The answer's O_FIELDS fields: out[...] (affinity_arrays.Pick, in this order). */
 enum { O_PICK, O_TIED, O_KEPT, O_BEST, O_NEW, O_QUEUED, O_RUNNING, O_RECENT, O_PREFILL,
        O_OVERLOAD, O_SCORE, O_FIELDS };
 
 static inline double max2(double a, double b) { return a > b ? a : b; }  /* np.maximum */
 
-/* cols: LoadTracker's columns of the candidates (COLUMNS x n, column-major by worker);
+/* cols: the candidates' rows of LoadTracker's table as columns (COLUMNS x n: cols[c * n + i]);
    decay[i]: 0.5 ** ((now - recent_when) / half-life); at[j] / saved[j]: holder j's candidate
    position (-1: not a candidate) and prompt tokens it saves; p: total, prefill, overload,
    balance, queue and in-flight weights, tie band, move_queue_tokens, now, report ttl;
