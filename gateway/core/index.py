@@ -47,6 +47,8 @@ from operator import attrgetter
 import numpy as np
 
 from gateway.core.index_bulk import apply_ops
+from gateway.core import index_native
+from gateway.core.held_native import HeldProbe
 from gateway.core.index_native import Preemption
 from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
@@ -106,6 +108,9 @@ class KvIndex:
     # stops at the first page no medium holds (`index_scan.held_masks`): one numpy round for a
     # typical prompt, a few for a long one whatever its uncached tail.
     lookup_chunk_pages = 64
+    # Those probes and the runs by segments in one C call when the kernel is loaded
+    # (held_native.py); off, in numpy rounds and per page (the benchmark times both).
+    lookup_in_c = True
 
     def __init__(self, config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -132,6 +137,7 @@ class KvIndex:
         # fleet's stores), and a prefix goes from its end, not from its first page. Stamps
         # only: not a change of what the index holds (`changes` stays).
         self.touch_lookups = False
+        self._probe = HeldProbe()  # the lookup's C call's buffers (held_native.py)
         if (self.config.max_entries or self._budget_keys(holder_sets=0)) < 1:
             raise ValueError(f"index bound: max_entries={self.config.max_entries}, "
                              f"memory_budget_mb={self.config.memory_budget_mb} hold no entry")
@@ -477,10 +483,16 @@ class KvIndex:
         media = (dev, host if len(host) else None, rem if len(rem) else None)
         touch = [t.touch_stamps(len(hashes), self.capacity()) if t is not None and
                  self.touch_lookups else None for t in media]
-        devm, hostm, remm = held_masks(*media, hashes, self.lookup_chunk_pages, touch)
+        held = None if not self.lookup_in_c or index_native.kernel() is None else \
+            self._probe.probe(media, hashes, self.lookup_chunk_pages, touch)
+        if held is not None:  # in one C call, by segments of pages held alike (held_native.py)
+            devm, hostm, remm, at, end, _ = held
+        else:
+            devm, hostm, remm = held_masks(*media, hashes, self.lookup_chunk_pages, touch)
+            at, end = None, len(devm)
         if not devm:  # the first page is held nowhere
             return Holders.empty()
-        slots, d_end, h_end, r_end = holder_runs(devm, hostm, remm, everyone)
+        slots, d_end, h_end, r_end = holder_runs(devm, hostm, remm, everyone, at, end)
         workers = list(map(self._by_slot.__getitem__, slots.tolist()))
         now = self._clock() if now is None else now
         return Holders(list(map(_POOL_ID, workers)), d_end, h_end - d_end, r_end - h_end,
@@ -488,11 +500,11 @@ class KvIndex:
 
     def _confidences(self, workers: list[_Worker], now: float) -> np.ndarray:
         """`_confidence` of each worker: all 1 when every one is fresh and complete (the usual
-        case, checked in numpy), else worker by worker."""
+        case, checked in one pass over them), else worker by worker."""
         k = len(workers)
-        seen = np.fromiter(map(_LAST_SEEN, workers), np.float64, k)
+        # now - min(seen) is max(now - seen): a float subtraction is monotone
         if (not any(map(_NEEDS_RESYNC, workers)) and not any(map(_IN_SNAPSHOT, workers))
-                and (now - seen).max(initial=0.0) <= self.config.stale_after_s):
+                and now - min(map(_LAST_SEEN, workers), default=now) <= self.config.stale_after_s):
             return np.ones(k)
         return np.fromiter((self._confidence(w, now) for w in workers), np.float64, k)
 

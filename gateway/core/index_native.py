@@ -47,6 +47,7 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "pt_apply": (_N, [_P, _P, _P, _N, _P, _P, _P, _P, _N, _N, _P, _P, _P, _P, _N, _P]),
     "pt_migrate": (_N, [_P, _P, _P, _N, _N, _P, _P, _P, _N, _P]),
     "pt_sweep": (_N, [_P, _P, _P, _N, _N, _N, _P, _P]),
+    "pt_held": (_N, [_P, _K, _N, _N, _P, _P, _P, _N, _P, _P]),  # held_native.py
     # RoutedPrefixes' pages (csrc/routed_table.c, gateway/core/routed_native.py)
     "rp_new": (_P, [_N]),
     "rp_free": (None, [_P]),

@@ -2,6 +2,7 @@
 per worker."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -30,25 +31,33 @@ def runs(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[i
             for slot in bit_positions(mask)}
 
 
-def run_ends(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> dict[int, int]:
+def run_ends(masks: Sequence[int], starts: dict[int, int], first: int = 0,
+             at: Sequence[int] | None = None, end: int | None = None) -> dict[int, int]:
     """`runs` by groups of slots: `starts` maps a start page to the mask of the slots whose run
     starts there (and `first`'s slots start at 0); the answer maps each end page past 0 to the
     mask of the slots whose run ends there, in page order. O(pages) mask operations whatever the
-    number of slots: a shared prefix's hundred holders end together, in one entry."""
+    number of slots: a shared prefix's hundred holders end together, in one entry.
+
+    With `at` (held_native.py's segments), masks[j] is the mask of the pages from at[j] (at[0]
+    is 0) up to the next segment's first page, or `end`: O(segments) then. Every start page is
+    a segment's first page or `end` (a run ends where its mask changes)."""
     joining = dict(starts)
     if first:
         joining[0] = joining.get(0, 0) | first
     ends: dict[int, int] = {}
     if not joining:
         return ends
-    alive, n = 0, len(masks)
-    for i in range(min(joining), n):
+    if at is None:
+        at, end = range(len(masks)), len(masks)
+    alive = 0
+    for j in range(bisect_left(at, min(joining)), len(masks)):
+        i = at[j]
         alive |= joining.pop(i, 0)
         if not alive:
             if not joining:
                 return ends
             continue
-        m = masks[i]
+        m = masks[j]
         if alive & m != alive:
             if i:
                 ends[i] = alive & ~m
@@ -56,22 +65,25 @@ def run_ends(masks: Sequence[int], starts: dict[int, int], first: int = 0) -> di
     for mask in joining.values():  # runs that started at the very end
         alive |= mask
     if alive:
-        ends[n] = alive
+        ends[end] = alive
     return ends
 
 
-def holder_runs(devm: list[int], hostm: list[int] | None, remm: list[int] | None, everyone: int
+def holder_runs(devm: list[int], hostm: list[int] | None, remm: list[int] | None, everyone: int,
+                at: Sequence[int] | None = None, end: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(slots, device run end, host extension end, remote extension end) of each slot whose run
     on any medium goes past page 0, from the masks of a request's pages (`held_masks`; None for
-    an empty medium): REMOTE is shared, so a page any worker holds there extends every run.
-    Slots in `run_ends`' order: by end page, then slot."""
-    dev_end = run_ends(devm, {}, first=everyone)
+    an empty medium), or of its segments (`at`, `end`: `run_ends`): REMOTE is shared, so a page
+    any worker holds there extends every run. Slots in `run_ends`' order: by end page, then
+    slot."""
+    dev_end = run_ends(devm, {}, everyone, at, end)
     anym = devm if hostm is None else [d | h for d, h in zip(devm, hostm)]
-    host_end = dev_end if hostm is None else run_ends(anym, dev_end, first=_others(everyone, dev_end))
+    host_end = dev_end if hostm is None else run_ends(anym, dev_end, _others(everyone, dev_end),
+                                                      at, end)
     rem_end = host_end if remm is None else run_ends(
         [everyone if r else a for r, a in zip(remm, anym)], host_end,
-        first=_others(everyone, host_end))
+        _others(everyone, host_end), at, end)
     slots, r_end = slots_and_ends(rem_end)
     h_end = r_end if host_end is rem_end else ends_of(host_end, slots)
     d_end = h_end if dev_end is host_end else ends_of(dev_end, slots)

@@ -48,6 +48,7 @@ ROUTING_COLUMNS = ("pools", "indexed_pages", "prompt_pages", "routing_p50_idle_u
                    "routing_cpu_private_p50_us", "routing_cpu_private_p99_us", "routed_to_holder",
                    "index_bytes_per_page",
                    "snapshot_apply_page_events_per_s", "live_apply_page_events_per_s",
+                   "lookup_c_p50_us", "lookup_rounds_p50_us",
                    "policy_fast_p50_us", "policy_fast_numpy_p50_us", "policy_exhaustive_p50_us",
                    "gc_pauses_during_decisions", "gc_max_pause_us", "gc_max_pause_cpu_us",
                    "gc_total_cpu_ms", "gc_pauses_in_routing", "gc_max_pause_in_routing_us")

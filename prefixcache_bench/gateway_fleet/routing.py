@@ -9,7 +9,8 @@ timed too: the snapshots, then every pool's live batches (64 stored + 64 removed
 parsed messages. The policy's decision alone is timed apart, three ways, interleaved, on each
 request (a same-minute ratio on a loaded machine): the router's array path (`_decide_fast`), the
 same with its pick in numpy rather than C (`pick_in_c` off: affinity_arrays.py), and the
-exhaustive one (`preview`: a WorkerScore per candidate, what RoutePreview shows); and the garbage
+exhaustive one (`preview`: a WorkerScore per candidate, what RoutePreview shows); the index's
+lookup alone both ways (`lookup_in_c`: held_native.py's one call or numpy rounds); and the garbage
 collector's pauses during the decisions are counted (gc.callbacks): all of them, and those inside
 Router.route. Each decision's wall time is timed and its thread's CPU time (time.thread_time: on a
 machine shared with other jobs, the wall time's tail is their scheduling), the CPU time also by the
@@ -123,11 +124,17 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
     rng, lat, cpu, to_holder, private = random.Random(1), [], [], 0, 0
     cpu_of: dict[str, list[float]] = {"shared": [], "private": []}  # by the request's kind
     fast, fast_numpy, exhaustive, collector = [], [], [], _GcPauses()
+    lookup: dict[bool, list[float]] = {True: [], False: []}  # the index's lookup, in C or not
     recorded = _timed_records(router.policy.recent)  # inside route(): its share of a decision
     gc.callbacks.append(collector.on_gc)
     for n in range(decisions):
         req, holder = requests._request(rng, n)
         candidates, policy = router._candidates(())[0], router.policy
+        for in_c in (n % 2 == 0, n % 2 == 1):  # which goes first alternates (warm caches)
+            router.index.lookup_in_c, start = in_c, time.perf_counter()
+            router.index.holders(req.page_hashes)
+            lookup[in_c].append((time.perf_counter() - start) * 1e6)
+        router.index.lookup_in_c = True
         for way, in_c, times in ((policy._decide_fast, True, fast),
                                  (policy._decide_fast, False, fast_numpy),
                                  (policy.preview, True, exhaustive)):
@@ -164,6 +171,11 @@ def routing_only(pools: int, pages_per_pool: int, decisions: int = 5000, live_ba
             "recent_record_p99_us": percentile(recorded, 0.99),
             "routed_to_holder": to_holder / max(private, 1), "build_s": built["build_s"],
             "policy_fast_p50_us": percentile(fast, 0.5), "policy_fast_p99_us": percentile(fast, 0.99),
+            # the index's lookup of each request, in one C call and in numpy rounds
+            "lookup_c_p50_us": percentile(lookup[True], 0.5),
+            "lookup_c_p99_us": percentile(lookup[True], 0.99),
+            "lookup_rounds_p50_us": percentile(lookup[False], 0.5),
+            "lookup_rounds_p99_us": percentile(lookup[False], 0.99),
             # the same decisions with the array path's pick in numpy (affinity_arrays.py)
             "policy_fast_numpy_p50_us": percentile(fast_numpy, 0.5),
             "policy_fast_numpy_p99_us": percentile(fast_numpy, 0.99),

@@ -209,6 +209,22 @@ def test_routed_prefixes_is_an_lru_of_prefixes():
     assert routed.match(pages(0, 8)) == {"b": 3} and routed.size("a") == 0
 
 
+def test_a_lookup_while_a_growth_migrates_finds_the_pages_of_both_tables():
+    """While a growth's migration leaves pages in the old table, a lookup finds them there too
+    (the C lookup in one call reads one table: it leaves such lookups to the per-round path)."""
+    index = KvIndex()
+    table = index._tables[0]
+    table.migrate_step = 1
+    seen_old = 0
+    for i in range(40):
+        index.apply(batch("a", i, stored(pages(20 * i, 20 * i + 20))))
+        index.apply(batch("b", i, stored(pages(20 * i, 20 * i + 10))))
+        seen_old += table._old is not None
+        result = index.lookup(pages(0, 20 * i + 25))
+        assert (result["a"].device_pages, result["b"].device_pages) == (20 * i + 20, 10)
+    assert seen_old >= 3
+
+
 def test_a_lookup_stops_probing_at_the_first_page_held_nowhere():
     """A long prompt whose cached prefix is short costs a probe of its first round of pages
     (64), not of every page: no run goes past a page that no medium holds."""
@@ -220,6 +236,14 @@ def test_a_lookup_stops_probing_at_the_first_page_held_nowhere():
     masks = table.masks
     table.masks = lambda hashes, touch_from=None: (  # type: ignore[method-assign]
         probed.append(len(hashes)) or masks(hashes, touch_from))
+    probe = index._probe.probe  # the C kernel's lookup in one call (held_native.py)
+
+    def counted(*args):
+        held = probe(*args)
+        if held is not None:
+            probed.append(held[-1])  # the pages it probed
+        return held
+    index._probe.probe = counted  # type: ignore[method-assign]
     result = index.lookup(pages(0, 2048))
     assert sum(probed) == 64
     assert (result["a"].device_pages, result["b"].device_pages, result["b"].host_pages) == (40, 20, 10)

@@ -15,6 +15,7 @@ from gateway.core.index import KvIndex, PrefixMatch
 from gateway.core.index_scan import bit_positions, held_masks, run_ends
 from gateway.core.policies import AffinityPolicy, LoadTracker, RouteRequest
 from tests.gateway.helpers import DEVICE, HOST, REMOTE, FakeClock, batch, cleared, page, stored
+from tests.gateway.index_impls import table_impl  # noqa: F401  (C lookups by segments, then numpy)
 
 
 def _old_runs(masks: list[int], starts: dict[int, int], first: int = 0) -> dict[int, int]:

@@ -171,6 +171,8 @@ def test_routing_only_times_decisions_by_request_kind():
         assert 0 < r[f"routing_cpu_{kind}_p50_us"] <= r[f"routing_cpu_{kind}_p99_us"]
     for pick in ("fast", "fast_numpy"):  # the array path's pick in C and in numpy, interleaved
         assert 0 < r[f"policy_{pick}_p50_us"] <= r[f"policy_{pick}_p99_us"]
+    for way in ("c", "rounds"):  # the index's lookup in one C call and in numpy rounds
+        assert 0 < r[f"lookup_{way}_p50_us"] <= r[f"lookup_{way}_p99_us"]
 
 
 def test_a_run_whose_decisions_took_the_core_says_so():

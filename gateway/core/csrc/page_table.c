@@ -10,6 +10,7 @@
    holder_sets.py's (tests/gateway/test_holder_sets.py compares them). */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define EMPTY (-3)
 #define TOMB (-2)
@@ -34,6 +35,8 @@
 #endif
 
 static const uint64_t MIX = 0x9E3779B97F4A7C15ULL;
+/* index_table._MIX_HI: a page hash's second word, multiplied in as it is folded into its key. */
+static const uint64_t MIX_HI = 0xC2B2AE3D27D4EB4FULL;
 
 /* index_table._home: the key multiplied, the product's high bits folded into its low. A key is
    the page hash's two words folded into one (index_table.key_of). */
@@ -400,4 +403,65 @@ int64_t pt_sweep(uint64_t *tkey, int32_t *holder, uint32_t *stamp, int64_t cap,
     *end = q;
     *scanned = seen;
     return cleared;
+}
+
+/* KvIndex.holders' probes in one call (index_scan.held_masks' rounds, in C). The request's n
+   pages (16-byte hashes, packed) are folded into keys as index_table.key_of does, then looked
+   up in each table m given (tables[4 m .. 4 m + 3]: its keys', holders' and stamps' addresses
+   and its capacity; keys 0: left out) round by round: first_chunk pages, then twice as many each
+   round, until the round holding the first page no table holds. Each page found on table m is
+   stamped touch[m] - i where touch[m] >= 0 (a routed request's pages used again).
+   Out: the pages held anywhere from page 0 (*end), cut into segments of pages whose holder
+   values are the same on every table: seg[k] is segment k's first page, val[m * stride + k] its
+   value on table m (-1: absent there); returns the number of segments. Pages probed: *probed. */
+int64_t pt_held(const int64_t *tables, const unsigned char *packed, int64_t n,
+                int64_t first_chunk, const int64_t *touch, int64_t *seg, int32_t *val,
+                int64_t stride, int64_t *end, int64_t *probed) {
+    int64_t start = 0, size = first_chunk, k = 0, held = 0;
+    int32_t last[3] = {0, 0, 0};
+    while (start < n) {
+        int64_t stop = start + size < n ? start + size : n, nowhere = -1;
+        for (int64_t i = start; i < stop; i++) {
+            uint64_t lo, hi, key;
+            int32_t v[3];
+            int any = 0;
+            memcpy(&lo, packed + 16 * i, 8);
+            memcpy(&hi, packed + 16 * i + 8, 8);
+            key = lo ^ (hi * MIX_HI);
+            for (int m = 0; m < 3; m++) {
+                const int64_t *t = tables + 4 * m;
+                int64_t free, p;
+                v[m] = -1;
+                if (!t[0])
+                    continue;
+                p = probe((const uint64_t *)t[0], (const int32_t *)t[1], t[3], key,
+                          home(key, t[3]), &free);
+                if (p < 0)
+                    continue;
+                v[m] = ((const int32_t *)t[1])[p];
+                any = 1;
+                if (touch[m] >= 0)
+                    ((uint32_t *)t[2])[p] = (uint32_t)(touch[m] - i);
+            }
+            if (nowhere >= 0 || !any) {  /* past the run held anywhere: probed and stamped */
+                if (nowhere < 0)
+                    nowhere = i;
+                continue;
+            }
+            if (!i || v[0] != last[0] || v[1] != last[1] || v[2] != last[2]) {
+                seg[k] = i;
+                for (int m = 0; m < 3; m++)
+                    val[m * stride + k] = last[m] = v[m];
+                k++;
+            }
+            held = i + 1;
+        }
+        *probed = stop;
+        if (nowhere >= 0)
+            break;
+        start = stop;
+        size *= 2;
+    }
+    *end = held;
+    return k;
 }
