@@ -46,9 +46,9 @@ from operator import attrgetter
 
 import numpy as np
 
-from gateway.core.index_bulk import apply_ops
 from gateway.core import index_native
 from gateway.core.held_native import HeldProbe
+from gateway.core.index_bulk import apply_ops
 from gateway.core.index_native import Preemption
 from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
