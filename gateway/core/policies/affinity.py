@@ -71,11 +71,13 @@ class AffinityConfig:
 
 class AffinityPolicy:
     name = "affinity"
-    # From this many candidates on, the router's decisions are scored on arrays (`_decide_fast`):
-    # below it the fixed cost of a few dozen numpy calls is more than a loop over the workers.
+    # From this many candidates on, the router's decisions are scored on arrays in numpy
+    # (`_decide_fast`): below it the fixed cost of a few dozen numpy calls is more than a loop
+    # over the workers. In C (the next flag, when the gateway's library is there:
+    # affinity_arrays.py) the arrays cost less than the loop from 2 candidates on (stop 55,
+    # in-process at 2-64 workers), so they serve every routed decision.
     array_min_candidates = 64
-    # Those arrays scored in C when the gateway's library is there (affinity_arrays.py); off,
-    # in numpy (the benchmark times both on the same decisions).
+    # The arrays scored in C; off, in numpy (the benchmark times both on the same decisions).
     pick_in_c = True
 
     def __init__(self, config: AffinityConfig | None = None) -> None:
@@ -152,9 +154,10 @@ class AffinityPolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[str], index: KvIndex,
                load: LoadTracker, all_scores: bool = True) -> RouteDecision:
         """`all_scores`: the decision lists every candidate's score (as `preview` does); off
-        (the router's request path), many candidates are scored on arrays (`_decide_fast`) and
-        the decision lists the chosen worker's score alone."""
-        fast = not all_scores and len(candidates) >= self.array_min_candidates
+        (the router's request path), the candidates are scored on arrays (`_decide_fast`: in C
+        however many, in numpy from `array_min_candidates` on) and the decision lists the chosen
+        worker's score alone."""
+        fast = not all_scores and (self._in_c() or len(candidates) >= self.array_min_candidates)
         decide = self._decide_fast if fast else self._decide
         decision, match, tied = decide(request, candidates, index, load)
         if tied:
@@ -213,7 +216,7 @@ class AffinityPolicy:
             saved = self._saved_many(held, page)
         else:
             at, saved = np.zeros(0, np.intp), np.zeros(0)
-        if self.pick_in_c and index_native.kernel() is not None:
+        if self._in_c():
             now = load.now()
             columns, address, decay = load.rows(candidates, now)
             p = pick_in_c(weights, columns, address, decay, now, load.report_ttl_s, at, saved,
@@ -242,6 +245,9 @@ class AffinityPolicy:
             chosen.remote_tokens, chosen.confidence = m.remote_pages * page, m.confidence
         decision = RouteDecision(worker, self.name, reason, round(chosen.prefill_tokens), [chosen])
         return decision, m, p.tied > 1
+
+    def _in_c(self) -> bool:
+        return self.pick_in_c and index_native.kernel() is not None
 
     def _positions(self, candidates: Sequence[str]) -> dict[str, int]:
         """worker -> its index in `candidates`; kept for a tuple (the router's candidate set,
