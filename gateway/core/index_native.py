@@ -3,13 +3,14 @@ page events run as one C loop over the table's own arrays (issue 31: each numpy 
 reference path costs ~10-40 us whatever its size, a C step ~50-100 ns an event).
 
 Built on first use with the system compiler into the kernel cache (service_shell/native_build.py:
-the gateway's --kernel-cache, -O2 with no fused multiply-add, no OpenMP), or taken prebuilt from the image
-(deploy/docker/Dockerfile.gateway builds it at image build time). `configure(mode)` (the
+the gateway's --kernel-cache, -O2 with no fused multiply-add, no OpenMP), or taken prebuilt from
+the image (deploy/docker/Dockerfile.gateway builds it at image build time). `configure(mode)` (the
 gateway's --index-native / PREFIXCACHE_INDEX_NATIVE): auto uses it when it builds, on refuses to
 start without it, off never builds it. Without it the numpy code of index_table.py and
 index_bulk.py serves: the same results (tests/gateway/test_index_native.py compares the two
 and `add` / `discard` one by one), slower. The same library holds RoutedPrefixes' pages
-(routed_native.py) and the affinity policy's pick (policies/affinity_arrays.py).
+(routed_native.py), the index's lookup in one call (held_native.py) and the affinity policy's
+pick (policies/affinity_arrays.py).
 
 `apply` is `PageTable.add` / `discard` of every event, in order. A page two or three workers
 hold names their pair or triple, which the C loop makes and undoes itself; the sets of holders of
