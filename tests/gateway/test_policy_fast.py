@@ -30,7 +30,8 @@ def _fleet(seed: int):
                             prefill_weight=rng.choice([1.0, 1.0, 0.7]))
     workers = [f"w{i:02d}" for i in range(rng.randrange(1, 25))]
     index, load, policy = KvIndex(clock=clock), LoadTracker(clock), AffinityPolicy(config)
-    policy.array_min_candidates = 1  # the array path for any fleet (the router's is 64 on)
+    # the array path for any fleet (the router's: any in C, from 64 on in numpy)
+    policy.array_min_candidates = 1
     busy = rng.random() < 0.7
     for w in workers:
         index.add_worker(w)

@@ -27,8 +27,8 @@ import numpy as np
 
 from gateway.core import index_native
 from gateway.core.index import Holders, KvIndex, PrefixMatch
-from gateway.core.policies.affinity_arrays import (Buffers, Weights, pick_in_c, pick_on_arrays,
-                                                   prefill_of, sum_in_order)
+from gateway.core.policies.affinity_arrays import (Buffers, Weights, overload_of, pick_in_c,
+                                                   pick_on_arrays, prefill_of, sum_in_order)
 from gateway.core.policies.base import RouteDecision, RouteRequest, WorkerScore, require_candidates
 from gateway.core.policies.load import LoadTracker
 from gateway.core.routed_prefixes import RoutedPrefixes
@@ -286,9 +286,8 @@ class AffinityPolicy:
         for worker, wl in zip(candidates, loads, strict=True):
             s = WorkerScore(worker, queued_prefill_tokens=wl.queued_prefill_tokens,
                             inflight_requests=wl.inflight_requests,
-                            recent_prefill_tokens=wl.recent_prefill_tokens)
-            if mean_recent > 0.0:
-                s.overload = max(wl.recent_prefill_tokens / mean_recent - 1.0, 0.0)
+                            recent_prefill_tokens=wl.recent_prefill_tokens,
+                            overload=overload_of(wl.recent_prefill_tokens, mean_recent))
             m = matches.get(worker)
             saved = 0.0
             if m is not None:

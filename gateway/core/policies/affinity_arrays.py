@@ -94,7 +94,8 @@ def pick_on_arrays(w: Weights, queued: np.ndarray, running: np.ndarray, recent: 
 
 
 def overload_of(recent: float, mean_recent: float) -> float:
-    """One worker's overload, as the array paths compute it for all."""
+    """One worker's overload: how far its recent work is above the candidates' mean, as a
+    fraction of it (0 at or below it, or when the mean is 0); every scoring path's."""
     return max(recent / mean_recent - 1.0, 0.0) if mean_recent > 0.0 else 0.0
 
 
