@@ -10,20 +10,22 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import redis
 from redis.crc import key_slot
 
 
-def free_ports(n: int) -> list[int]:
-    """n free loopback ports whose port + 10000 (the cluster bus port) is free too."""
+def free_ports(n: int, taken: Collection[int] = ()) -> list[int]:
+    """n free loopback ports, none in `taken`, whose port + 10000 (the cluster bus port) is free
+    too. Free now, not reserved: `launch` retries when one is taken before its server binds."""
     ports: list[int] = []
     while len(ports) < n:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + 10000 > 65535 or port in ports:
+        if port + 10000 > 65535 or port in ports or port in taken:
             continue
         with socket.socket() as bus:
             try:
@@ -34,6 +36,57 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def serving(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Wait until `ready()` (a `redis.RedisError` is a not yet): True; False when `proc` exited
+    first. A redis-server exits when another process took its port (or its bus port) after
+    `free_ports` saw it free: an outgoing connection's ephemeral port can be any of them. After
+    `timeout_s` it is killed and the wait raises."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        try:
+            if ready():
+                return True
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"redis-server (pid {proc.pid}) did not answer in {timeout_s} s")
+        time.sleep(0.02)
+    return False
+
+
+def is_process(client: redis.Redis, proc: subprocess.Popen) -> Callable[[], bool]:
+    """`serving`'s test that the server answering through `client` is `proc`, not another one
+    that holds the port."""
+    return lambda: client.info("server")["process_id"] == proc.pid
+
+
+def launch(start: Callable[[int], bool], taken: Collection[int] = (), tries: int = 5) -> int:
+    """The port on which `start(port)` (True once its server answers, as `serving`) succeeded,
+    trying a new free port each time its server exited before answering."""
+    for _ in range(tries):
+        port, = free_ports(1, taken)
+        if start(port):
+            return port
+    raise RuntimeError(f"redis-server exited before answering on {tries} free ports")
+
+
+def start_redis(args_on: Callable[[int], list[str]],
+                ready_on: Callable[[int], bool]) -> tuple[subprocess.Popen, int]:
+    """redis-server with `args_on(port)` on a free port, once `ready_on(port)`: the process and
+    its port (`launch`: another port when the server exits before it is ready)."""
+    procs: dict[int, subprocess.Popen] = {}
+
+    def on(port: int) -> bool:
+        procs[port] = subprocess.Popen(["redis-server", *args_on(port)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return serving(procs[port], lambda: ready_on(port))
+
+    port = launch(on)
+    return procs[port], port
+
+
 class RedisClusterServers:
     """`masters` redis-server processes joined into one cluster (`redis-cli --cluster create`)."""
 
@@ -42,19 +95,24 @@ class RedisClusterServers:
         """`extra_args` go to every redis-server (e.g. ACL users); `admin` (user, password)
         is who runs the cluster's creation and administration when `default` is off."""
         self.maxmemory, self.extra_args, self.admin = maxmemory, tuple(extra_args), admin
-        self.ports = free_ports(masters)
         self.dir = tmp_path
         self.procs: dict[int, subprocess.Popen] = {}
-        for port in self.ports:
-            self.start(port)
-        hosts = [f"127.0.0.1:{p}" for p in self.ports]
-        subprocess.run(["redis-cli", *self._auth_args(), "--cluster", "create", *hosts,
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
-        self.wait_ok()
+        self.ports: list[int] = []
+        try:
+            for _ in range(masters):
+                self.ports.append(launch(self.start, taken=self.ports))
+            hosts = [f"127.0.0.1:{p}" for p in self.ports]
+            subprocess.run(["redis-cli", *self._auth_args(), "--cluster", "create", *hosts,
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            self.wait_ok()
+        except BaseException:
+            self.stop()  # no fixture yields this cluster: nobody else would stop its nodes
+            raise
         self.url = f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
-    def start(self, port: int) -> None:
+    def start(self, port: int) -> bool:
+        """One node on `port`: True once it answers, False when it exited first (`serving`)."""
         node_dir = self.dir / str(port)
         node_dir.mkdir(exist_ok=True)
         self.procs[port] = subprocess.Popen(
@@ -64,15 +122,11 @@ class RedisClusterServers:
              "--cluster-require-full-coverage", "no", "--maxmemory", self.maxmemory,
              "--maxmemory-policy", "allkeys-lru", *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if self.node(port, socket_timeout=0.2).ping():
-                    return
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {port} did not start") from None
-                time.sleep(0.02)
+        if serving(self.procs[port], is_process(self.node(port, socket_timeout=0.2),
+                                                self.procs[port])):
+            return True
+        del self.procs[port]
+        return False
 
     def _auth_args(self) -> list[str]:
         if self.admin is None:

@@ -8,11 +8,12 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-import socket  # noqa: E402
 import subprocess  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from prefixcache_bench.local_redis import is_process, launch, serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,30 +33,25 @@ class RedisServer:
     """A throwaway redis-server on a free port, which tests may stop, pause or flush."""
 
     def __init__(self, tmp_path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.dir = tmp_path
         self.proc: subprocess.Popen | None = None
-        self.start()
+        self.port = launch(self._start_on)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    def _start_on(self, port: int) -> bool:
+        self.port = port
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.dir), "--maxmemory", "256mb",
              "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
+        return serving(self.proc, is_process(redis.Redis(port=port, socket_timeout=0.2),
+                                             self.proc))
+
+    def start(self) -> None:
+        """Again on the same port (after `stop`): a test's restart of the store."""
+        if not self._start_on(self.port):
+            raise RuntimeError(f"redis-server exited on restart: port {self.port} taken")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -41,7 +40,7 @@ from pagestore.client import L3Client, L3Config
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
 from prefixcache_bench.harness import log
-from prefixcache_bench.local_redis import free_ports
+from prefixcache_bench.local_redis import start_redis
 from prefixcache_client.cache import CacheClient
 
 Sample = dict[tuple[str, tuple], float]
@@ -88,16 +87,13 @@ def quantile(q: float, old: Sample, new: Sample, name: str) -> float | None:
 
 class Stack:
     def __init__(self, workdir: str):
-        self.redis_port, = free_ports(1)
-        self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{self.redis_port}/0"
-        l3 = lambda: L3Client(L3Config(url, prefix="render", timeout_s=0.2,  # noqa: E731
-                                       mac_key=b"r" * 16))
-        deadline = time.monotonic() + 10
-        while not l3().check(0.5):
-            assert time.monotonic() < deadline, "redis-server did not start"
+        l3_at = lambda port: L3Client(L3Config(  # noqa: E731
+            f"redis://127.0.0.1:{port}/0", prefix="render", timeout_s=0.2, mac_key=b"r" * 16))
+        self.redis, self.redis_port = start_redis(
+            lambda port: ["--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", workdir],
+            lambda port: l3_at(port).check(0.5))
+        l3 = lambda: l3_at(self.redis_port)  # noqa: E731
         self.cache = CacheServer(CacheCore(remote=l3()), CacheConfig(
             host="127.0.0.1", port=0, grace_s=0, metrics_port=0)).start()
         address = f"127.0.0.1:{self.cache.port}"

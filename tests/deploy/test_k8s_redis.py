@@ -5,27 +5,18 @@ That user can do what L3 needs and nothing else; the `default` user is off; TLS 
 redis-cluster component's nodes serve a cluster the client uses."""
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-
 import pytest
 import redis
 
 from pagestore.client import L3Client, L3Config
 from pagestore.settings import RedisSettings
-from prefixcache_bench.local_redis import RedisClusterServers
+from prefixcache_bench.local_redis import RedisClusterServers, start_redis
 from tests.deploy.manifests import by_kind, container
 from tests.service_shell.certs import make_pki
 
 PASSWORD, ADMIN_PASSWORD = "test-password-0123", "test-admin-password-0123"
 PAGES = [bytes([i]) * 16 for i in range(12)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOOPBACK = ["--bind", "127.0.0.1"]
 
 
 def local_args(args: list[str], port: int, tmp, files: dict[str, str] | None = None) -> list[str]:
@@ -39,17 +30,6 @@ def local_args(args: list[str], port: int, tmp, files: dict[str, str] | None = N
         a = {"6379": str(port), "/data": str(tmp)}.get(a, a)
         out.append((files or {}).get(a, a))
     return out
-
-
-def start(args: list[str], ready) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", *args, "--bind", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not ready():
-        assert proc.poll() is None, f"redis-server exited: {args}"
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    return proc
 
 
 def worker_settings(docs, tmp, port: int, **files: str) -> RedisSettings:
@@ -76,9 +56,9 @@ def exercise(settings: RedisSettings) -> None:
 
 def test_the_acl_lets_the_services_do_l3_and_nothing_else(renders, tmp_path):
     docs = renders["dev-cpu"]
-    port = free_port()
-    args = local_args(container(docs, "redis", "redis").spec["args"], port, tmp_path)
-    proc = start(args, lambda: _answers(port, "prefixcache", PASSWORD))
+    args = container(docs, "redis", "redis").spec["args"]
+    proc, port = start_redis(lambda p: [*local_args(args, p, tmp_path), *LOOPBACK],
+                             lambda p: _answers(p, "prefixcache", PASSWORD))
     try:
         exercise(worker_settings(docs, tmp_path, port))
         with pytest.raises(redis.AuthenticationError):
@@ -105,10 +85,10 @@ def test_redis_tls_is_mutual_and_the_workers_verify_it(renders, tmp_path):
     pki = make_pki(tmp_path)
     files = {f"{mount}/tls.crt": pki.server.cert, f"{mount}/tls.key": pki.server.key,
              f"{mount}/ca.crt": pki.ca}
-    port = free_port()
-    args = local_args(c.spec["args"], port, tmp_path, files)
-    assert args[args.index("--port") + 1] == "0"  # no plaintext port
-    proc = start(args, lambda: _tls_answers(port, pki))
+    assert c.spec["args"][c.spec["args"].index("--port") + 1] == "0"  # no plaintext port
+    proc, port = start_redis(lambda p: [*local_args(c.spec["args"], p, tmp_path, files),
+                                        *LOOPBACK],
+                             lambda p: _tls_answers(p, pki))
     try:
         w = container(docs, "compute", "compute")
         assert w.env_value("PREFIXCACHE_REDIS_URL").startswith("rediss://")

@@ -15,9 +15,10 @@ from gateway.core.feeds import token_metadata
 from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView
 from gateway.core.shared_indexer import StreamWriter
 from prefixcache.v1 import common_pb2, events_pb2
+from prefixcache_bench.local_redis import start_redis
 from service_shell.auth import GATEWAY
 from tests.deploy.manifests import container, one
-from tests.deploy.test_k8s_redis import PASSWORD, _answers, free_port, local_args, start
+from tests.deploy.test_k8s_redis import LOOPBACK, PASSWORD, _answers, local_args
 from tests.deploy.test_k8s_service_auth import TOKEN_ENV, identities, mounted_secret
 
 PAGES = [bytes([i]) * 16 for i in range(8)]
@@ -53,9 +54,9 @@ def test_the_gateway_replicas_share_the_index_as_a_restricted_acl_user(renders, 
     password_ref = redis_container.env()["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert password_ref["name"].startswith("index-redis-auth")
     assert one(docs, "Service", "index-redis")
-    port = free_port()
-    args = local_args(redis_container.spec["args"], port, tmp_path)
-    proc = start(args, lambda: _answers(port, "gateway-index", PASSWORD))
+    args = redis_container.spec["args"]
+    proc, port = start_redis(lambda p: [*local_args(args, p, tmp_path), *LOOPBACK],
+                             lambda p: _answers(p, "gateway-index", PASSWORD))
     try:
         store = _gateway_store(docs, tmp_path, port)
         assert store.try_lease("w0", "replica-a") and not store.try_lease("w0", "replica-b")

@@ -5,16 +5,13 @@ and whose router reads them; without the password, without the CA or without a c
 certificate nothing connects; inconsistent flags are usage errors."""
 from __future__ import annotations
 
-import subprocess
-import time
-
 import pytest
 import redis
 
 from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
 from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore
-from prefixcache_bench.local_redis import free_ports
+from prefixcache_bench.local_redis import start_redis
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (Caller, FakeWorker, cache_prompt, register_pool,
                                            running_gateway, wait_until)
@@ -29,28 +26,27 @@ def tls_acl_redis(tmp_path):
     """redis-server on a TLS port only (client certificates required), user `gateway` with a
     password, `default` off; yields (url, pki, password file)."""
     pki = make_pki(tmp_path)
-    port = free_ports(1)[0]
-    proc = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", pki.server.cert, "--tls-key-file", pki.server.key,
-         "--tls-ca-cert-file", pki.ca, "--tls-auth-clients", "yes", "--save", "",
-         "--appendonly", "no", "--dir", str(tmp_path), "--user", "default", "off",
-         "--user", "gateway", "on", f">{PASSWORD}", "~pcx:*", "+@all"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     password_file = tmp_path / "index-redis-password"
     password_file.write_text(PASSWORD + "\n")
-    url = f"rediss://gateway@127.0.0.1:{port}/0"
     ok = dict(password_file=str(password_file), tls_ca=pki.ca, tls_cert=pki.client.cert,
               tls_key=pki.client.key)
+    proc, port = start_redis(
+        lambda port: ["--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                      "--tls-cert-file", pki.server.cert, "--tls-key-file", pki.server.key,
+                      "--tls-ca-cert-file", pki.ca, "--tls-auth-clients", "yes", "--save", "",
+                      "--appendonly", "no", "--dir", str(tmp_path), "--user", "default", "off",
+                      "--user", "gateway", "on", f">{PASSWORD}", "~pcx:*", "+@all"],
+        lambda port: _answers(_url(port), **ok))
+    url = _url(port)
     try:
-        deadline = time.monotonic() + 10
-        while not _answers(url, **ok):
-            assert proc.poll() is None and time.monotonic() < deadline, "redis-server (TLS) did not start"
-            time.sleep(0.05)
         yield url, ok
     finally:
         proc.kill()
         proc.wait()
+
+
+def _url(port: int) -> str:
+    return f"rediss://gateway@127.0.0.1:{port}/0"
 
 
 def _answers(url: str, **conn) -> bool:
