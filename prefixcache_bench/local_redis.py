@@ -4,6 +4,10 @@ cluster tests (fixtures `redis_cluster` and `own_redis_cluster` in tests/conftes
 
 Three masters, no replicas, `cluster-require-full-coverage no` (as deploy/k8s/components/
 redis-cluster runs it): a master that dies leaves the other slots served.
+
+Also how the suite starts every throwaway redis-server (`start_redis`, `launch`): a port is
+free when chosen, not reserved, so a server whose port was taken before it bound it is started
+again on another one.
 """
 from __future__ import annotations
 
