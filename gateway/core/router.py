@@ -105,7 +105,7 @@ class Router:
         with self.exclusive():
             self.index.add_worker(worker.name)
             self._workers[worker.name] = worker
-            self._candidate_sets.clear()
+            self._candidate_sets.joined_or_left()
 
     def remove(self, name: str) -> None:
         """Forgets a worker: its index entries, its policy state, its load. Its client is
@@ -116,7 +116,7 @@ class Router:
             self.policy.remove_worker(name)
             self.cache_keys.remove_worker(name)
             self.load.remove_worker(name)
-            self._candidate_sets.clear()
+            self._candidate_sets.joined_or_left()
             if worker is not None:
                 worker.removed = True
             idle = worker is not None and worker.calls == 0
