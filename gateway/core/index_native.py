@@ -54,6 +54,7 @@ SIGNATURES = {  # C function -> (restype, argtypes)
     "rp_free": (None, [_P]),
     "rp_record": (ctypes.c_int, [_P, _S, _K, _N]),
     "rp_extend": (_N, [_P, _S, _K, _N, _N]),
+    "rp_extend_many": (None, [_P, _P, _P, _N, _K, _N, _P]),
     "rp_holders": (_N, [_P, _W, _W, _P, _N]),
     "rp_match": (_N, [_P, _K, _N, _P, _P]),
     "rp_slots": (_N, [_P, _S]),

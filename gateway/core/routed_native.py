@@ -51,6 +51,15 @@ class NativePages:
         rest = hashes[start:]  # only these are probed
         return start + self._lib.rp_extend(self._handle, slot, pack(rest), len(rest), 0)
 
+    def extend_many(self, slots: Sequence[int], hashes: Sequence[bytes],
+                    starts: Sequence[int]) -> list[int]:
+        k = len(slots)
+        ends = (ctypes.c_int64 * k)()
+        self._lib.rp_extend_many(self._handle, (ctypes.c_int32 * k)(*slots),
+                                 (ctypes.c_int64 * k)(*starts), k, pack(hashes), len(hashes),
+                                 ends)
+        return ends[:]
+
     def holders(self, h: bytes) -> list[int]:
         k = self._lib.rp_holders(self._handle, *split(h), self._slots_out, self._cap)
         return self._slots_out[:k]

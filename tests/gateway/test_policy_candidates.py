@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gateway.core.index import KvIndex, PrefixMatch
 from gateway.core.policies import AffinityPolicy, LoadTracker, RouteRequest
 from prefixcache.v1 import common_pb2
-from tests.gateway.helpers import DEVICE, HOST, FakeClock, batch, page, stored
+from tests.gateway.helpers import DEVICE, HOST, REMOTE, FakeClock, batch, page, stored
 
 PAGE = 16
 
@@ -43,7 +43,7 @@ def _random_state(rng: random.Random):
     for w in workers:
         index.add_worker(w)
         events = [stored([page(i) for i in range(rng.randrange(10)) if rng.random() < 0.9], m)
-                  for m in (DEVICE, HOST) if rng.random() < 0.4]
+                  for m in (DEVICE, HOST, REMOTE) if rng.random() < 0.4]
         if events:
             index.apply(batch(w, 0, *events))
         if rng.random() < 0.3:

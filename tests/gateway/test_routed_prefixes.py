@@ -40,6 +40,12 @@ def same(native: RoutedPrefixes, ref: RoutedPrefixes, workers, probes) -> None:
         for hashes in probes:
             for start in (0, 1, len(hashes) // 2):
                 assert native.extend(w, hashes, start) == ref.extend(w, hashes, start)
+    for hashes in probes:  # every worker at once (and one never seen), each from its own start
+        asked = [*workers, "stranger"]
+        starts = [i % 3 for i in range(len(asked))]
+        ends = native.extend_many(asked, hashes, starts)
+        assert ends == ref.extend_many(asked, hashes, starts)
+        assert ends == [ref.extend(w, hashes, s) for w, s in zip(asked, starts)]
 
 
 OPS = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4), st.integers(0, 40),

@@ -426,6 +426,16 @@ int64_t rp_extend(void *handle, int32_t slot, const uint64_t *keys, int64_t n, i
     return start;
 }
 
+/* rp_extend for k slots over the same keys: ends[i] for (slots[i], starts[i]). A shared
+   prompt's first page is remembered by as many workers as it was routed to lately (~100 at
+   1,000 workers); one call each, with the prompt packed each time, was most of such a
+   decision's tail (RoutedPrefixes.extend_many). */
+void rp_extend_many(void *handle, const int32_t *slots, const int64_t *starts, int64_t k,
+                    const uint64_t *keys, int64_t n, int64_t *ends) {
+    for (int64_t i = 0; i < k; i++)
+        ends[i] = rp_extend(handle, slots[i], keys, n, starts[i]);
+}
+
 /* Page (lo, hi)'s holders as a mask of `words` words: its own, or r->one set to its single
    holder's bit; NULL when nobody holds it. */
 static const uint64_t *holder_bits(Routed *r, uint64_t lo, uint64_t hi) {

@@ -109,17 +109,16 @@ class AffinityPolicy:
         if not found:
             return holders
         at = dict(zip(holders.workers, range(len(holders.workers))))
-        added: list[tuple[str, int]] = []
+        ends = self.recent.extend_many([w for w, _ in found], hashes, [s for _, s in found])
+        added = [(w, end) for (w, _), end in zip(found, ends) if w not in at]
+        extended = [(at[w], end) for (w, _), end in zip(found, ends) if w in at]
         dev, host, rem = holders.device_pages, holders.host_pages, holders.remote_pages
-        for worker, start in found:
-            end, i = self.recent.extend(worker, hashes, start), at.get(worker)
-            if i is None:
-                added.append((worker, end))
-            else:  # recent pages extend the device run; host/remote cover what is left
-                d, h, r = int(dev[i]), int(host[i]), int(rem[i])
-                host_end = max(d + h, end)
-                rem_end = max(d + h + r, host_end)
-                dev[i], host[i], rem[i] = end, host_end - end, rem_end - host_end
+        if extended:  # recent pages extend the device run; host/remote cover what is left
+            i, end = (np.array(column, np.int64) for column in zip(*extended))
+            d, h, r = dev[i], host[i], rem[i]
+            host_end = np.maximum(d + h, end)
+            rem_end = np.maximum(d + h + r, host_end)
+            dev[i], host[i], rem[i] = end, host_end - end, rem_end - host_end
         if not added:
             return holders
         k = len(added)
