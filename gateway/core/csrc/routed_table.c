@@ -426,16 +426,6 @@ int64_t rp_extend(void *handle, int32_t slot, const uint64_t *keys, int64_t n, i
     return start;
 }
 
-/* rp_extend for k slots over the same keys: ends[i] for (slots[i], starts[i]). A shared
-   prompt's first page is remembered by as many workers as it was routed to lately (~100 at
-   1,000 workers); one call each, with the prompt packed each time, was most of such a
-   decision's tail (RoutedPrefixes.extend_many). */
-void rp_extend_many(void *handle, const int32_t *slots, const int64_t *starts, int64_t k,
-                    const uint64_t *keys, int64_t n, int64_t *ends) {
-    for (int64_t i = 0; i < k; i++)
-        ends[i] = rp_extend(handle, slots[i], keys, n, starts[i]);
-}
-
 /* Page (lo, hi)'s holders as a mask of `words` words: its own, or r->one set to its single
    holder's bit; NULL when nobody holds it. */
 static const uint64_t *holder_bits(Routed *r, uint64_t lo, uint64_t hi) {
@@ -497,6 +487,51 @@ int64_t rp_match(void *handle, const uint64_t *keys, int64_t n, int32_t *out_slo
             out_end[k++] = n;
         }
     return k;
+}
+
+/* rp_extend for k slots over the same keys: ends[i] for (slots[i], starts[i]). Each page is
+   probed once, when a slot's run first reaches it, and its holders' mask kept for the other
+   slots: a shared prompt's first page is remembered by as many workers as it was routed to
+   lately (~100 at 1,000 workers), whose runs cover the same pages, and a probe each, page after
+   page, was most of such a routing decision's tail (RoutedPrefixes.extend_many). */
+void rp_extend_many(void *handle, const int32_t *slots, const int64_t *starts, int64_t k,
+                    const uint64_t *keys, int64_t n, int64_t *ends) {
+    Routed *r = handle;
+    int64_t from = n, words = r->words;
+    for (int64_t i = 0; i < k; i++)
+        if (starts[i] < from)
+            from = starts[i];
+    int64_t pages = n - from;
+    uint64_t *bits = pages > 0 ? malloc((size_t)(pages * words) * sizeof(uint64_t)) : NULL;
+    unsigned char *known = pages > 0 ? calloc((size_t)pages, 1) : NULL;
+    if (pages > 0 && (!bits || !known)) { /* no memory for the masks: a probe each */
+        free(bits);
+        free(known);
+        for (int64_t i = 0; i < k; i++)
+            ends[i] = rp_extend(handle, slots[i], keys, n, starts[i]);
+        return;
+    }
+    for (int64_t i = 0; i < k; i++) {
+        int32_t s = slots[i];
+        int64_t e = starts[i];
+        if (s < r->slots_cap && r->count[s] > 0) /* as rp_extend: s >> 6 < words then */
+            for (; e < n; e++) {
+                uint64_t *m = &bits[(e - from) * words];
+                if (!known[e - from]) {
+                    const uint64_t *held = holder_bits(r, keys[2 * e], keys[2 * e + 1]);
+                    if (held)
+                        memcpy(m, held, (size_t)words * sizeof(uint64_t));
+                    else
+                        memset(m, 0, (size_t)words * sizeof(uint64_t));
+                    known[e - from] = 1;
+                }
+                if (!((m[s >> 6] >> (s & 63)) & 1))
+                    break;
+            }
+        ends[i] = e;
+    }
+    free(bits);
+    free(known);
 }
 
 /* Slot capacity (the size match's outputs need); makes room for `slot` first. -1: no memory. */
