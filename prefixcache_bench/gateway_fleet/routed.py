@@ -8,7 +8,9 @@ store (csrc/routed_table.c) against the Python dicts (`DictPages`). Each run is 
   one (perf_counter; p50 / p99 / max);
 - holders + extend: what a decision's `_extenders` asks, timed the same way;
 - match: a prompt whose first 64 pages every worker was routed (a system prompt), what the
-  approx and sglang policies ask each decision.
+  approx and sglang policies ask each decision;
+- extend, every worker: the same prompt's run for each worker, as the affinity policy extends a
+  shared prompt's holders: a call each (`extend`) and one call (`extend_many`).
 The ratios are c / dicts of the medians over the repeats; the load average is recorded."""
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from prefixcache_bench.harness import percentile, print_and_write
 IMPLS = ("c", "dicts")
 NEW_PAGES = 32
 MATCHES = 300  # timed matches of a prefix every worker holds (what approx and sglang ask)
+EXTENDS = 30  # timed extensions of every worker's run of that prefix, each way
 
 
 def _rss() -> int:
@@ -88,8 +91,18 @@ def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
         t = time.perf_counter_ns()
         routed.match(probe)
         match.append(time.perf_counter_ns() - t)
+    each, many, starts = [], [], [0] * len(names)
+    for _ in range(EXTENDS):
+        t = time.perf_counter_ns()
+        ends = [routed.extend(name, probe, 0) for name in names]
+        each.append(time.perf_counter_ns() - t)
+        t = time.perf_counter_ns()
+        assert routed.extend_many(names, probe, starts) == ends
+        many.append(time.perf_counter_ns() - t)
     return {"impl": impl, "remembered_pages": remembered, "fill_s": fill_s,
             "match_shared_p50_us": _pct(match, 0.5),
+            "extend_each_shared_p50_us": _pct(each, 0.5),
+            "extend_many_shared_p50_us": _pct(many, 0.5),
             "bytes_per_page": grown / remembered, "record_p50_us": _pct(record, 0.5),
             "record_p99_us": _pct(record, 0.99), "record_max_us": max(record) / 1e3,
             "holders_extend_p50_us": _pct(ask, 0.5), "holders_extend_p99_us": _pct(ask, 0.99)}
@@ -99,7 +112,9 @@ ROWS = (("bytes a remembered page (RSS)", "bytes_per_page"), ("fill s", "fill_s"
         ("record p50 us", "record_p50_us"), ("record p99 us", "record_p99_us"),
         ("record max us", "record_max_us"), ("holders + extend p50 us", "holders_extend_p50_us"),
         ("holders + extend p99 us", "holders_extend_p99_us"),
-        ("match, 64 pages all hold, p50 us", "match_shared_p50_us"))
+        ("match, 64 pages all hold, p50 us", "match_shared_p50_us"),
+        ("extend all, a call each, p50 us", "extend_each_shared_p50_us"),
+        ("extend all, one call, p50 us", "extend_many_shared_p50_us"))
 
 
 def main(argv: list[str] | None = None) -> int:
