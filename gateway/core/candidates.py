@@ -9,9 +9,10 @@ every worker for that on each decision was the largest part of a decision at 1,0
 key their per-candidate arrays on that object) and answers from it while it is known to be
 right:
 
-- the `Router` clears it on any change of membership or state: a worker joins or leaves, is
-  marked up or down, gains or loses `synced` or `streaming`, and on any event of a worker outside
-  the kept sets (a stale worker whose stream came back is eligible again);
+- the `Router` clears it on any change of membership or state that may change them: a worker
+  joins or leaves, is marked up or down, loses `synced`, gains or loses `streaming` while not
+  synced, and on any event of a worker outside the kept sets (a stale worker whose stream came
+  back is eligible again);
 - events of workers in the sets only make them fresher, so a set stays right until its least
   recently seen worker turns stale; it is recomputed then.
 
@@ -131,9 +132,18 @@ class CandidateSets:
             self._members = (candidates, members)
         return members
 
-    def on_item(self, name: str, synced_changed: bool) -> None:
-        """A worker's stream delivered an item (its last event is now)."""
-        if synced_changed or name not in self._names:
+    def on_item(self, name: str, was_synced: bool, synced: bool) -> None:
+        """A worker's stream delivered an item (its last event is now). A worker of the kept
+        sets that gains `synced` stays eligible, and the sets stay what they are (kept sets
+        are not blind: they hold a synced worker already); at 1,000 workers that was half a
+        warm-up's rescans (each worker clears the sets when its stream goes live and when its
+        snapshot completes). Losing it may end its eligibility, or a set's only synced one."""
+        if name not in self._names or (was_synced and not synced):
+            self.clear()
+
+    def on_streaming(self, worker: Worker) -> None:
+        """A worker's stream went live or ended: a synced worker is eligible either way."""
+        if not worker.synced:
             self.clear()
 
     def joined_or_left(self) -> None:

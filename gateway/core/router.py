@@ -142,7 +142,7 @@ class Router:
         with self.lock:
             if (w := self._workers.get(name)) is not None and w.streaming != streaming:
                 w.streaming = streaming
-                self._candidate_sets.clear()
+                self._candidate_sets.on_streaming(w)
 
     def ready(self, address: str | None = None) -> bool:
         """At least one worker may be routed to; with `address`, the worker there may (a model
@@ -217,7 +217,7 @@ class Router:
         elif result.status is ApplyStatus.APPLIED:
             info = self.index.info(name)
             worker.synced = info is not None and not info.in_snapshot
-        self._candidate_sets.on_item(name, synced_changed=worker.synced != was)
+        self._candidate_sets.on_item(name, was, worker.synced)
         return result
 
     def _apply_load_only(self, items: Sequence[tuple[str, StreamItem]]
