@@ -116,7 +116,8 @@ class CandidateSets:
         return tuple(w.name for w in usable if w.up), True, float("inf")
 
     def _by_name(self) -> list[Worker]:
-        """The router's workers sorted by name, kept until one joins or leaves (`joined_or_left`)."""
+        """The router's workers sorted by name, kept until one joins or leaves
+        (`joined_or_left`)."""
         if self._sorted is None:
             self._sorted = [w for _, w in sorted(self._workers.items())]
         return self._sorted
