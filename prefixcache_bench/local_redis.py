@@ -11,7 +11,6 @@ again on another one.
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Collection
@@ -20,23 +19,16 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
+from stack.launcher import free_port
+
 
 def free_ports(n: int, taken: Collection[int] = ()) -> list[int]:
     """n free loopback ports, none in `taken`, whose port + 10000 (the cluster bus port) is free
-    too. Free now, not reserved: `launch` retries when one is taken before its server binds."""
+    too (stack.launcher.free_port: below the ephemeral range, both). Free now, not reserved:
+    `launch` starts again elsewhere when one is taken before its server binds it."""
     ports: list[int] = []
     while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535 or port in ports or port in taken:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        ports.append(port)
+        ports.append(free_port([*taken, *ports], bus_offset=10000))
     return ports
 
 

@@ -3,22 +3,60 @@ and stop them cleanly (SIGTERM, then SIGKILL after a grace period), also on Ctrl
 from __future__ import annotations
 
 import pathlib
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def free_port() -> int:
+# Ports handed to services started later are drawn from LOWEST_PORT up to the kernel's ephemeral
+# range (net.ipv4.ip_local_port_range, 32768-60999 by default). bind(0) and every outgoing
+# connection's local port come from that range, so a port chosen there and released before its
+# service binds it can be taken in between (a CI run lost a redis-server's port so). Below it,
+# only another such choice can take it.
+LOWEST_PORT = 10000
+_EPHEMERAL_RANGE = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
+_pick = random.Random()  # its own seed: tests that seed `random` must not pick alike
+
+
+def free_port(taken: Collection[int] = (), bus_offset: int = 0) -> int:
+    """A loopback port free now, below the ephemeral range and not in `taken`; with
+    `bus_offset`, port + bus_offset is free and below that range too (a Redis Cluster node's
+    bus port is its port + 10000). Free now is not reserved: a service that cannot bind it
+    exits, and `prefixcache_bench.local_redis.launch` shows how to start again elsewhere. Where
+    the range below holds no free port, one of bind(0)'s."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    high = min(ephemeral_low, 65536) - bus_offset
+    for _ in range(200 if high > LOWEST_PORT else 0):
+        port = _pick.randrange(LOWEST_PORT, high)
+        if port not in taken and all(_bindable(p) for p in {port, port + bus_offset}):
+            return port
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken and port + bus_offset < 65536 and _bindable(port + bus_offset):
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(slots=True)

@@ -31,13 +31,14 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from stack.launcher import free_port
 
 GROUP = 4
 
@@ -136,9 +137,7 @@ def run(args: dict) -> dict:
     import redis
 
     from prefixcache_bench.local_redis import RedisClusterServers
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,13 +26,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from prefixcache_bench.gateway_fleet.shared import GROUP, _page, _redis, batches_of
+from stack.launcher import free_port
 
 REPLICAS = 4
 PROBE_PAGES = 4  # of the shared half and of the pool's own half, each
@@ -109,9 +109,7 @@ def memory_rebuild(args: dict, out) -> None:
 
 def run(args: dict) -> dict:
     import redis
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ from compute_service.model import preset_config
 from compute_service.tiers import PageLayout, decode, encode
 from prefixcache_bench.harness import log
 from prefixcache_bench.local_redis import RedisClusterServers
+from stack.launcher import free_port
 
 
 BENCH_MAC_KEY = b"prefixcache-bench-l3-mac-key-0123"  # any 16+ bytes: the cost is the same
@@ -41,9 +41,7 @@ def redis_at(url: str | None, cluster: bool = False) -> Iterator[str]:
                 RedisClusterServers(Path(tmp), masters=3, maxmemory="1gb") as servers:
             yield servers.url
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",

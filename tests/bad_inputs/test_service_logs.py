@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,17 +17,12 @@ import httpx
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import compute_service_pb2_grpc as pb_grpc
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import REPO
 from tests.gateway.gateway_harness import wait_until
 from tests.service_shell.logfmt import parse
 
 NOT_UTF8 = b"\xc3\x28\xa0\xa1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Service:
@@ -105,7 +99,7 @@ def test_every_service_log_line_is_logfmt(one_torch_thread):
                 "w", "--page-size", "4", "--device-pages", "64", "--threads", "1",
                 "--grace-s", "0"], log_dir)
             services.append(compute)
-            http_port = _free_port()
+            http_port = free_port()
             gateway = _Service("gateway", [
                 "--workers", f"{compute.address}@{cache.address}", "--allow-anonymous",
                 "--http-port", str(http_port), "--grace-s", "0", "--heartbeat-interval-s",

@@ -4,13 +4,13 @@ NOT_SERVING and `prefixcache_cache_l3_up 0` while readiness stays SERVING (looku
 recovers by itself when Redis comes up, without traffic."""
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import server_process
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -26,12 +26,6 @@ def health(target: str, service: str) -> int:
 def metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def started(redis_url: str):

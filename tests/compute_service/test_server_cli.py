@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import urllib.request
 
 import pytest
 
 from compute_service.__main__ import parse_args
 from prefixcache_client.compute import ComputeClient
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import running_server
 from tests.compute_service.server_harness import (PAGE, SERVING, ABORT, greedy, wait_until, health,
                                                   compute_process)
@@ -120,12 +120,6 @@ def test_bad_environment_values_are_usage_errors_naming_flag_and_variable(monkey
     assert message in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_two_workers_share_pages_through_redis(redis_server, adapter_dirs, tmp_path):
     """Two `python -m compute_service` workers, embedded cache services, one Redis: what the
     first computed under adapter "a" the second loads from L3 (and not under the base model);
@@ -139,7 +133,7 @@ def test_cli_two_workers_share_pages_through_redis(redis_server, adapter_dirs, t
              "--l3-batch-pages", "4", "--max-lora-rank", "8", "--max-loaded-adapters", "2",
              "--adapter", f"a={adapter_dirs['a']}"]
     text = "a shared prompt, long enough for several pages"
-    metrics_one = _free_port()  # --metrics-port 0 means none
+    metrics_one = free_port()  # --metrics-port 0 means none
     with compute_process(*flags, "--metrics-port", str(metrics_one)) as (one, target_one,
                                                                          log_one), \
             compute_process(*flags) as (two, target_two, log_two):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.core import CacheCore
 from cache_service.server import CacheServer, ServerConfig
 from prefixcache.v1 import gateway_pb2 as gpb
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import REPO
 from tests.gateway.gateway_harness import TOKENS, Caller, wait_until
 
@@ -28,13 +28,6 @@ DEVICE_PAGES = 256  # context 1024 tokens
 WORKERS = ("w1", "w2")
 # Worker readiness waits on torch's import and the model build (~5 s each on a busy CPU).
 _START_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    """A free port now (--metrics-port 0 means "off", not "any")."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -75,9 +68,9 @@ class LiveStack:
             # A long probe interval: a killed worker is found out by the request that hits it.
             self.gateway, self.address = _spawn(
                 ["gateway", "--host", "127.0.0.1", "--port", "0", "--workers", spec,
-                 "--tenants-file", str(tenants), "--metrics-port", str(_free_port()), "--probe-interval-s",
+                 "--tenants-file", str(tenants), "--metrics-port", str(free_port()), "--probe-interval-s",
                  "60", "--heartbeat-interval-s", "0.2", "--grace-s", "0",
-                 "--http-port", str(_free_port()), *gateway_args],
+                 "--http-port", str(free_port()), *gateway_args],
                 workdir / "gateway.log")
             self.metrics_port = int(self.gateway.stdout.readline().rsplit(":", 1)[1])
             http_port = int(self.gateway.stdout.readline().rsplit(":", 1)[1])

@@ -26,8 +26,9 @@ from cache_service.core import CacheCore
 from cache_service.server import CacheServer, ServerConfig
 from prefixcache.v1 import compute_service_pb2 as pb
 from prefixcache.v1 import gateway_pb2 as gpb
+from stack.launcher import free_port
 from tests.gateway.gateway_harness import TOKENS, Caller, wait_until
-from tests.gateway.live_stack import _free_port, _spawn
+from tests.gateway.live_stack import _spawn
 
 CLIENTS = 8  # 4 per worker, 1 running and 3 queued on each (--max-running 1)
 MAX_TOKENS = 24
@@ -63,7 +64,7 @@ def fleet(tmp_path: Path):
         spec = ",".join(f"{addr}@{cache_addr}" for _, addr in procs.values())
         gateway, address = _spawn(
             ["gateway", "--host", "127.0.0.1", "--port", "0", "--workers", spec,
-             "--tenants-file", str(tenants), "--metrics-port", str(_free_port()),
+             "--tenants-file", str(tenants), "--metrics-port", str(free_port()),
              "--probe-interval-s", "60", "--heartbeat-interval-s", "0.2", "--grace-s", "0"],
             tmp_path / "gateway.log")
         procs["gateway"] = (gateway, address)

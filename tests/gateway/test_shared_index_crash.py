@@ -15,10 +15,11 @@ import grpc
 from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import gateway_pb2 as gpb
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import running_server, stub_for
 from tests.gateway.gateway_harness import (TOKENS, Caller, FakeWorker, cache_prompt,
                                            register_pool, wait_until)
-from tests.gateway.live_stack import _free_port, _spawn
+from tests.gateway.live_stack import _spawn
 from tests.gateway.server_helpers import preview, prompt
 
 LEASE_S = 5.0  # SharedIndexConfig.lease_ms, what `python -m gateway` runs with
@@ -52,7 +53,7 @@ def test_a_sigkilled_indexing_replica_is_taken_over_from_the_recorded_seq(redis_
         def gateway(name: str) -> tuple[object, Caller]:
             proc, address = _spawn(
                 ["gateway", "--host", "127.0.0.1", "--port", "0", "--workers", spec,
-                 "--tenants-file", str(tenants), "--metrics-port", str(_free_port()),
+                 "--tenants-file", str(tenants), "--metrics-port", str(free_port()),
                  "--probe-interval-s", "0.5", "--heartbeat-interval-s", "0.2", "--grace-s", "0",
                  "--index-backend", "redis", "--index-redis-url", redis_server.url,
                  "--index-namespace", "crash"], tmp_path / f"{name}.log")

@@ -7,6 +7,7 @@ import pytest
 
 from prefixcache_bench import local_redis
 from prefixcache_bench.local_redis import RedisClusterServers
+from stack import launcher
 from tests.conftest import RedisServer
 
 
@@ -58,3 +59,22 @@ def test_a_cluster_node_moves_on_from_a_taken_port(tmp_path, offer_first):
             assert held.getsockname()[1] not in cluster.ports and len(cluster.ports) == 3
             assert all(cluster.node(p).cluster("info")["cluster_state"] == "ok"
                        for p in cluster.ports)
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_skip_held_ones(monkeypatch):
+    """stack.launcher.free_port: outgoing connections' local ports (and bind(0)'s) come from
+    the ephemeral range, so the ports handed to services are drawn below it; a port a socket
+    holds, or one in `taken`, is never handed out, nor one whose bus port is held."""
+    low = int(launcher._EPHEMERAL_RANGE.read_text().split()[0])
+    good, other = launcher.free_port(bus_offset=10000), launcher.free_port(bus_offset=10000)
+    with socket.socket() as held, socket.socket() as bus:
+        held.bind(("127.0.0.1", 0))
+        bus.bind(("127.0.0.1", 0))
+        # offered in turn: a held port, one taken, one whose bus port is held, then a free one
+        tries = iter([held.getsockname()[1], other, bus.getsockname()[1] - 10000, good])
+        monkeypatch.setattr(launcher._pick, "randrange", lambda a, b: next(tries))
+        assert launcher.free_port(taken=[other], bus_offset=10000) == good
+    monkeypatch.undo()
+    ports = [launcher.free_port() for _ in range(50)]
+    assert all(launcher.LOWEST_PORT <= p < low for p in ports)
+    assert all(p + 10000 < low for p in local_redis.free_ports(5))

@@ -3,7 +3,6 @@ resume across broken streams, drained servers and a killed server process."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from concurrent import futures
@@ -19,6 +18,7 @@ from prefixcache.v1 import common_pb2, events_pb2
 from prefixcache_client.cache import CacheClient, CacheRejectedError, CacheUnavailableError
 from service_shell.retry import RetryPolicy
 from prefixcache_client.errors import CacheError, ErrorCode
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import (PAGE, PROMPT, cache_prompt, expected_hashes,
                                               match_op, register, running_server, server_process)
 
@@ -124,14 +124,8 @@ def test_every_call_has_a_deadline():
         assert time.monotonic() - start < 1.5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_server_is_unavailable():
-    with CacheClient(f"127.0.0.1:{_free_port()}", timeout_s=1) as client:
+    with CacheClient(f"127.0.0.1:{free_port()}", timeout_s=1) as client:
         with pytest.raises(CacheUnavailableError) as err:
             client.list_pools()
         assert err.value.status == grpc.StatusCode.UNAVAILABLE

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import socket
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixcache_client.cache import CacheClient, CacheUnavailableError
 from service_shell import TlsConfig, tls_mode
+from stack.launcher import free_port
 from tests.cache_service.grpc_harness import register, running_server, server_process
 from tests.service_shell.certs import Pki, server_of_another_ca
 
@@ -138,14 +138,8 @@ def test_from_env_treats_empty_as_unset(pki):
         TlsConfig(ca=pki.ca))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_serves_mtls_and_a_plaintext_health_port_from_the_environment(pki):
-    health_port = _free_port()
+    health_port = free_port()
     env = {"PREFIXCACHE_TLS_CERT": pki.server.cert, "PREFIXCACHE_TLS_KEY": pki.server.key,
            "PREFIXCACHE_TLS_CA": pki.ca, "PREFIXCACHE_HEALTH_PORT": str(health_port)}
     with server_process(0, "--grace-s", "0", env=env) as proc:
