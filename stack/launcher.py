@@ -51,6 +51,8 @@ def free_port(taken: Collection[int] = (), bus_offset: int = 0) -> int:
 
 
 def _bindable(port: int) -> bool:
+    if not 0 < port < 65536:  # (a port + bus_offset past the last one)
+        return False
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
