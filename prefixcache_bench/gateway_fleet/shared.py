@@ -38,8 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from stack.launcher import free_port
-
 GROUP = 4
 
 
@@ -120,28 +118,24 @@ def replica(backend: str, index: int, replicas: int, args: dict, url: str, barri
              "requests_with_holders": holders / len(requests), "rss_growth_bytes": _rss() - rss0})
 
 
-def _redis(port: int, tmp: str) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", tmp], stdout=subprocess.DEVNULL)
+def _redis(tmp: str) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server (local_redis.start_redis) and its URL."""
     import redis
-    for _ in range(100):
-        try:
-            redis.Redis(port=port).ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
+
+    from prefixcache_bench.local_redis import start_redis
+    proc, port = start_redis(
+        lambda port: ["--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
+        lambda port: redis.Redis(port=port).ping())
+    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def run(args: dict) -> dict:
     import redis
 
     from prefixcache_bench.local_redis import RedisClusterServers
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc, cluster = _redis(port, tmp), None
+        (proc, url), cluster = _redis(tmp), None
         try:
             if args.get("cluster"):
                 (Path(tmp) / "cluster").mkdir()

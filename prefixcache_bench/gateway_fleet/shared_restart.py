@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 from prefixcache_bench.gateway_fleet.shared import GROUP, _page, _redis, batches_of
-from stack.launcher import free_port
 
 REPLICAS = 4
 PROBE_PAGES = 4  # of the shared half and of the pool's own half, each
@@ -109,11 +108,9 @@ def memory_rebuild(args: dict, out) -> None:
 
 def run(args: dict) -> dict:
     import redis
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        server = _redis(port, tmp)
+        server, url = _redis(tmp)
         try:
             # A flag without a lock: replica 3 is killed while it reads it.
             out, stop = ctx.Queue(), ctx.RawValue("b", 0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,8 +21,7 @@ from prefixcache_bench.tiers.params import Params
 from compute_service.model import preset_config
 from compute_service.tiers import PageLayout, decode, encode
 from prefixcache_bench.harness import log
-from prefixcache_bench.local_redis import RedisClusterServers
-from stack.launcher import free_port
+from prefixcache_bench.local_redis import RedisClusterServers, start_redis
 
 
 BENCH_MAC_KEY = b"prefixcache-bench-l3-mac-key-0123"  # any 16+ bytes: the cost is the same
@@ -41,23 +39,14 @@ def redis_at(url: str | None, cluster: bool = False) -> Iterator[str]:
                 RedisClusterServers(Path(tmp), masters=3, maxmemory="1gb") as servers:
             yield servers.url
         return
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", tmp, "--maxmemory", "2gb",
-             "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
+        proc, port = start_redis(
+            lambda port: ["--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", tmp, "--maxmemory", "2gb",
+                          "--maxmemory-policy", "allkeys-lru"],
+            lambda port: redis.Redis(port=port).ping())
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                with contextlib.suppress(redis.ConnectionError):
-                    if redis.Redis.from_url(url).ping():
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-            yield url
+            yield f"redis://127.0.0.1:{port}/0"
         finally:
             proc.kill()
             proc.wait()
