@@ -37,6 +37,7 @@ the fleet has outgrown the budget.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,6 +48,7 @@ from operator import attrgetter
 import numpy as np
 
 from gateway.core import index_native
+from gateway.core.expected_pages import expected_pages
 from gateway.core.held_native import HeldProbe
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_native import Preemption
@@ -117,6 +119,8 @@ class KvIndex:
         self.config = config or IndexConfig()
         self._clock = clock
         self._tables = (PageTable(), PageTable(), PageTable())
+        for tier, table in enumerate(self._tables):  # a warm-up's growths sized for the fleet
+            table.expect = functools.partial(self._expected_pages, tier)
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
         self._free_slots: list[int] = []
@@ -154,6 +158,12 @@ class KvIndex:
         """Keys the memory budget has room for beside this many sets of holders."""
         room = self.config.memory_budget_mb * 2**20 - holder_sets * BYTES_PER_HOLDER_SET
         return int(room // BYTES_PER_ENTRY)
+
+    def _expected_pages(self, tier: int) -> int:
+        """The pages the medium's table holds once every worker's snapshot is in (estimated
+        from the synced workers: expected_pages.py), within the index's bound."""
+        live = len(self._tables[tier])
+        return min(expected_pages(self._workers.values(), tier, live), max(live, self.capacity()))
 
     def _holder_sets(self) -> int:
         return sum(len(t.holder_sets) for t in self._tables)

@@ -222,7 +222,7 @@ def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]
         log.warning(kv("index_checkpoint_ignored", path=path, reason=f"{type(exc).__name__}: {exc}"))
         return []
     for old, new in zip(index._tables, tables):
-        new.retire = old.retire
+        new.retire, new.expect = old.retire, old.expect
     index._tables, index._free_slots = tables, free_slots
     for w in workers:
         index._workers[w.pool_id] = index._by_slot[w.slot] = w

@@ -45,7 +45,7 @@ reference and the fallback (--index-native off, or no compiler), with the same r
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -66,6 +66,10 @@ _SPARE_LOAD = 0.55  # past it, the next growth's arrays are made ready ahead (ta
 # Live pages under this share of the slots (16 bytes a slot: 80 bytes a page, over issue 31's 64):
 # a fleet scaled down, whose pages were cleared and swept. The table shrinks to _GROWN_LOAD.
 _SHRINK_LOAD = 0.2
+# A table whose last growth was sized for the pages expected (a warm-up's fleet, estimated:
+# expected_pages.py) shrinks from under this share once they are in: an estimate that was too
+# high (pages shared more than the first workers showed) costs memory only until ingest idles.
+_OVERSIZED_LOAD = 0.3
 _LOOK_LOAD = 0.5  # past it, the spare's looks read how the table fills (Spare.plan's look_only)
 _STAMP_LIMIT = 2**32 - 1
 # A touch stamps pages up to this many stores ahead of the clock (`touch_stamps`); stores renumber
@@ -129,6 +133,11 @@ def _grown_slots(pages: int) -> int:
     return max(64, int(pages / _GROWN_LOAD) + 1)
 
 
+def _nothing_expected() -> int:
+    """A table alone expects no pages beyond its own (`PageTable.expect`)."""
+    return 0
+
+
 def _home(key: int, cap: int) -> int:
     """A key's first position: the key multiplied, then the product's high bits folded into its
     low ones (a bare product modulo cap left half the positions unused for the benchmark's
@@ -139,6 +148,12 @@ def _home(key: int, cap: int) -> int:
 
 class PageTable:
     """Page hash -> holder mask for one medium. Not thread-safe (the router's lock)."""
+
+    # The pages the table is about to hold (set by KvIndex for its tables: a warm-up's fleet,
+    # expected_pages.py): its growths and spares are sized for them when more than it holds, and
+    # it does not shrink below them. Asked at the spare's looks and the shrink's checks only.
+    expect: Callable[[], int] = staticmethod(_nothing_expected)
+    sized_for_expected = False  # the last growth was (`_OVERSIZED_LOAD`)
 
     def __init__(self, capacity: int = 64, migrate_step: int = MIGRATE_STEP) -> None:
         self._use(TableArrays.empty(capacity))
@@ -528,7 +543,7 @@ class PageTable:
             self._spare.drop(self.live, total)
         elif total >= _LOOK_LOAD * self.cap:
             self._spare.plan(self.live, total, int(_MAX_LOAD * self.cap) - total, _GROWN_LOAD,
-                             look_only=total < _SPARE_LOAD * self.cap)
+                             look_only=total < _SPARE_LOAD * self.cap, expect=self.expect)
         return total + k <= _MAX_LOAD * self.cap
 
     def sweep_due(self) -> bool:
@@ -567,7 +582,11 @@ class PageTable:
         old._used, old.live, old._old = self._used, self.live, None
         old.holder_sets = self.holder_sets
         old._use(self._mem)
-        need = _grown_slots(self.live + extra)
+        # The pages a spare written whole was planned for when more (a warm-up's fleet), not
+        # asked anew: it fits; fresh arrays that large would be written under the lock.
+        expected = self._spare.ready_for()
+        need = _grown_slots(max(self.live + extra, expected))
+        self.sized_for_expected = expected > self.live + extra
         self._use(self._spare.take(need) or TableArrays.empty(need))
         self._used = 0
         self._spare.grew(self.live)
@@ -630,8 +649,9 @@ class PageTable:
         time under it: page faults on fresh memory, ~5 ms steps now and then at 10M pages),
         then a growth into them, whose migration the next steps do. True once that growth
         began (its migration goes on); False while the arrays are not written whole."""
-        if self.cap < 2 * SPARE_MIN_SLOTS or self.live >= _SHRINK_LOAD * self.cap \
-                or self._used > _LOOK_LOAD * self.cap:
+        below = (_OVERSIZED_LOAD if self.sized_for_expected else _SHRINK_LOAD) * self.cap
+        if self.cap < 2 * SPARE_MIN_SLOTS or self.live >= below \
+                or self._used > _LOOK_LOAD * self.cap or self.expect() >= below:
             self._spare.drop_shrink()
             return False
         if not self._spare.plan_shrink(_grown_slots(self.live)):
