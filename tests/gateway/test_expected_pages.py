@@ -219,3 +219,26 @@ def test_a_growth_before_the_fleets_arrays_are_written_grows_as_usual_and_keeps_
         w += 1
     assert table.cap == planned and table.growths()[:2] == (1, 0) and max(fresh) < planned
     assert len(table) == WORKERS * PAGES
+
+
+def test_the_estimate_is_made_once_between_two_changes_of_the_index(monkeypatch):
+    """A table under its shrink's load asks at every idle step: the index keeps its answer until
+    a batch, a worker's removal or another change comes."""
+    from gateway.core import index as index_module
+    calls = []
+    real = index_module.expected_pages
+    monkeypatch.setattr(index_module, "expected_pages", lambda *a: calls.append(1) or real(*a))
+    index = KvIndex(IndexConfig(max_entries=1 << 30))
+    for w in range(WORKERS):
+        index.add_worker(f"w{w}")
+    for w in range(MIN_SYNCED):
+        _snapshot(index, w, prepare=False)
+    table = index._tables[0]
+    calls.clear()
+    first = table.expect()
+    assert [table.expect() for _ in range(5)] == [first] * 5 and len(calls) == 1
+    _snapshot(index, MIN_SYNCED, prepare=False)  # its batches' looks may have asked
+    assert table.expect() == first == WORKERS * PAGES
+    n = len(calls)
+    index.remove_worker(f"w{WORKERS - 1}")  # one worker fewer to come
+    assert table.expect() == table.expect() == first - PAGES and len(calls) == n + 1
