@@ -44,6 +44,7 @@ reference and the fallback (--index-native off, or no compiler), with the same r
 """
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Callable, Sequence
 
@@ -55,6 +56,9 @@ from gateway.core.index_scan import bit_positions
 from gateway.core.index_sweep import Sweep, sweep_some
 from gateway.core.packed import pack
 from gateway.core.table_arrays import EMPTY, SPARE_MIN_SLOTS, TOMB, Spare, TableArrays
+from service_shell import kv
+
+log = logging.getLogger("gateway.index")
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential or structured hashes
 _MIX_HI = 0xC2B2AE3D27D4EB4F  # a hash's second word, multiplied in as it is folded into its key
@@ -587,6 +591,9 @@ class PageTable:
         expected = self._spare.ready_for()
         need = _grown_slots(max(self.live + extra, expected))
         self.sized_for_expected = expected > self.live + extra
+        if self.sized_for_expected:  # once a warm-up: what the operator sees it reserve
+            log.info(kv("index_sized_for_fleet", pages=self.live, expected_pages=expected,
+                        slots=need, bytes=need * 16))
         self._use(self._spare.take(need) or TableArrays.empty(need))
         self._used = 0
         self._spare.grew(self.live)

@@ -3,6 +3,7 @@ synced workers, one growth to the fleet's size once enough of them are (its arra
 by the feed loop's calls, as it applies), and no shrink below the pages still expected."""
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -93,8 +94,11 @@ def _warm_up(expect: bool) -> tuple[KvIndex, list[int]]:
     return index, caps
 
 
-def test_a_warm_up_grows_once_to_the_fleet_once_enough_workers_are_synced():
-    index, caps = _warm_up(expect=True)
+def test_a_warm_up_grows_once_to_the_fleet_once_enough_workers_are_synced(caplog):
+    with caplog.at_level(logging.INFO, logger="gateway.index"):
+        index, caps = _warm_up(expect=True)
+    sized = [r.getMessage() for r in caplog.records if "index_sized_for_fleet" in r.getMessage()]
+    assert len(sized) == 1 and f"expected_pages={WORKERS * PAGES}" in sized[0]
     table = index._tables[0]
     grew_after = [w for w in range(MIN_SYNCED, WORKERS) if caps[w] != caps[w - 1]]
     assert len(grew_after) == 1  # one growth, straight to the fleet's size
