@@ -210,7 +210,9 @@ class Spare:
         if cap >= SPARE_MIN_SLOTS:
             self.planned, self._room = cap, max(1, room)
             self._grown_live = max(1, int(max(grown, expected)))
-            self.expected = expected if expected > grown else 0
+            # Only when past what a growth would take anyway (a warm-up's fleet, not a worker
+            # or two still syncing beside a steady state's churn): paced and bound as usual else.
+            self.expected = expected if expected > grown * _TAKE_UP_TO else 0
 
     def plan_shrink(self, slots: int) -> bool:
         """Under the router's lock: a table that shrinks to `slots` (index_table.PageTable's

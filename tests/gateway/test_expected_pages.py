@@ -246,3 +246,15 @@ def test_the_estimate_is_made_once_between_two_changes_of_the_index(monkeypatch)
     n = len(calls)
     index.remove_worker(f"w{WORKERS - 1}")  # one worker fewer to come
     assert table.expect() == table.expect() == first - PAGES and len(calls) == n + 1
+
+
+def test_a_spare_is_for_pages_expected_only_past_what_a_growth_would_take_anyway():
+    """A worker or two still syncing beside a steady state's churn: the spare is planned for
+    them, but paced and bound as usual (taken partly written if need be); a warm-up's fleet,
+    several times the pages: the spare is for it."""
+    from gateway.core.table_arrays import Spare
+    live, total, room = 300_000, 330_000, 60_000  # pages replaced as fast as stored: added 0
+    for expected, for_it in ((int(live * 1.2), False), (live * 3, True)):
+        spare = Spare(live, total - 40_000)
+        spare.plan(live, total, room, 0.45, expect=lambda e=expected: e)
+        assert spare.planned >= expected / 0.45 and bool(spare.expected) == for_it
