@@ -328,10 +328,6 @@ async def _serve(path: str, frame_items: int) -> None:
                 feed = Feed(name, point=point)
                 following[name] = _Following(feed, asyncio.create_task(
                     follow(feed, target, channel)))
-                # Its Subscribe call goes out now: a restart's follows come all at once (1,000),
-                # and read back to back every channel opened before any stream ran (the first
-                # frame 0.6 s after connecting, the gateway's core idle meanwhile).
-                await asyncio.sleep(0)
             elif message[0] == "resync" and (f := following.get(message[1])) is not None:
                 f.feed.resync = message[2]
                 f.feed.interrupt()

@@ -5,10 +5,8 @@ resumes where the index is. RESYNCs and broken streams through it: test_server_m
 test_stream_resume.py run with it too."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import pickle
 import signal
 
 import grpc
@@ -18,13 +16,12 @@ from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
 from gateway.core import feed_process
 from gateway.core.feed_process import MAX_QUEUED_ITEMS, FeedProcess
-from gateway.core.feeds import FeedLoop, StreamSettings
+from gateway.core.feeds import FeedLoop
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router
 from gateway.core.workers import Fleet, WorkerSet
 from prefixcache.v1 import common_pb2
-from service_shell.retry import WORKER_RETRY
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool,
                                            running_gateway, settings, wait_until)
@@ -167,51 +164,3 @@ def test_a_feed_process_that_cannot_start_is_retried_after_the_backoff_not_the_t
         assert "exited (3) before it connected" in caplog.text
     finally:
         loop.close()
-
-
-def test_each_stream_starts_before_the_feed_process_reads_the_next_follow(monkeypatch, tmp_path):
-    """The gateway sends every worker's follow at once (1,000 at a restart). Read back to back,
-    the child opened every channel before any stream ran: the first frame came 0.6 s after it
-    connected, the gateway's core idle meanwhile. Each stream's task now runs its first step
-    (its Subscribe call) before the next follow is read."""
-    order: list[tuple[str, str]] = []
-
-    class Channel:
-        async def close(self) -> None:
-            pass
-
-    def channel(address, options, tls):
-        order.append(("channel", address))
-        return Channel()
-
-    async def follow_events(sender, stub, feed, settings, watchdog):
-        order.append(("stream", feed.name))
-        await asyncio.Event().wait()
-
-    monkeypatch.setattr(feed_process, "aio_channel", channel)
-    monkeypatch.setattr(feed_process, "follow_events", follow_events)
-    monkeypatch.setattr(feed_process.cpb_grpc, "CacheServiceStub", lambda ch: None)
-    names = [f"w{i}" for i in range(4)]
-
-    async def gateway_side() -> None:
-        path = str(tmp_path / "feeds.sock")
-        connected: asyncio.Queue = asyncio.Queue()
-        server = await asyncio.start_unix_server(lambda r, w: connected.put_nowait((r, w)), path)
-        child = asyncio.create_task(feed_process._serve(path, 64))
-        _, writer = await connected.get()
-        settings = StreamSettings(1.0, WORKER_RETRY)
-        for name in names:  # one write: all buffered when the child reads the first
-            target = feed_process.StreamTarget(name, settings)
-            feed_process.write_message(writer, feed_process.CONTROL,
-                                       pickle.dumps(("follow", name, target, (0, -1))))
-        await writer.drain()
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if len(order) == 2 * len(names) or child.done():
-                break
-        writer.close()
-        child.cancel()
-        server.close()
-
-    asyncio.run(gateway_side())
-    assert order == [(kind, name) for name in names for kind in ("channel", "stream")]
