@@ -65,6 +65,12 @@ SNAPSHOT_PART_EVENTS = 4096
 # (scratch pairs, stop 44): decisions' p99 from the due time ~1.0 ms at 128-512 against 1.6-1.7
 # ms at 4,096, ingest alike.
 MAX_QUEUED_ITEMS = 256
+# Follows read before the loop lets the streams they opened start. A restart's follows come all
+# at once (1,000), and read back to back every channel opened before any stream ran: the first
+# frame 0.6 s after connecting, the gateway's core idle meanwhile. A turn after each one brought
+# the first page ~0.45 s sooner but not the warm-up's end (opening channels then interleaved
+# with framing the first streams); after every 32, both (fleet_sized/follow_yield/).
+FOLLOWS_A_TURN = 32
 # How long the gateway's process waits for a new feed process to connect, and how often it
 # looks meanwhile whether the process exited.
 CONNECT_TIMEOUT_S, CONNECT_POLL_S = 60.0, 0.1
@@ -328,6 +334,8 @@ async def _serve(path: str, frame_items: int) -> None:
                 feed = Feed(name, point=point)
                 following[name] = _Following(feed, asyncio.create_task(
                     follow(feed, target, channel)))
+                if len(following) % FOLLOWS_A_TURN == 0:
+                    await asyncio.sleep(0)  # the streams opened so far send their Subscribe
             elif message[0] == "resync" and (f := following.get(message[1])) is not None:
                 f.feed.resync = message[2]
                 f.feed.interrupt()

@@ -5,8 +5,10 @@ resumes where the index is. RESYNCs and broken streams through it: test_server_m
 test_stream_resume.py run with it too."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import pickle
 import signal
 
 import grpc
@@ -16,12 +18,13 @@ from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
 from gateway.core import feed_process
 from gateway.core.feed_process import MAX_QUEUED_ITEMS, FeedProcess
-from gateway.core.feeds import FeedLoop
+from gateway.core.feeds import FeedLoop, StreamSettings
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router
 from gateway.core.workers import Fleet, WorkerSet
 from prefixcache.v1 import common_pb2
+from service_shell.retry import WORKER_RETRY
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (FakeWorker, cache_prompt, register_pool,
                                            running_gateway, settings, wait_until)
@@ -164,3 +167,59 @@ def test_a_feed_process_that_cannot_start_is_retried_after_the_backoff_not_the_t
         assert "exited (3) before it connected" in caplog.text
     finally:
         loop.close()
+
+
+def test_the_streams_start_a_batch_of_follows_at_a_time(monkeypatch, tmp_path):
+    """A restart's follows come all at once (1,000). Read back to back, every channel opened
+    before any stream ran (the first frame 0.6 s after the feed process connected); after each
+    one, the opening of channels interleaved with framing the first streams. The streams opened
+    so far start every FOLLOWS_A_TURN follows."""
+    order: list[tuple[str, int]] = []
+
+    class Channel:
+        async def close(self) -> None:
+            pass
+
+    def channel(address, options, tls):
+        order.append(("channel", int(address)))
+        return Channel()
+
+    async def follow_events(sender, stub, feed, settings, watchdog):
+        order.append(("stream", int(feed.name)))
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(feed_process, "aio_channel", channel)
+    monkeypatch.setattr(feed_process, "follow_events", follow_events)
+    monkeypatch.setattr(feed_process.cpb_grpc, "CacheServiceStub", lambda ch: None)
+    batch, n = feed_process.FOLLOWS_A_TURN, 2 * feed_process.FOLLOWS_A_TURN + 5
+
+    async def gateway_side() -> None:
+        path = str(tmp_path / "feeds.sock")
+        connected: asyncio.Queue = asyncio.Queue()
+        server = await asyncio.start_unix_server(lambda r, w: connected.put_nowait((r, w)), path)
+        child = asyncio.create_task(feed_process._serve(path, 64))
+        _, writer = await connected.get()
+        settings = StreamSettings(1.0, WORKER_RETRY)
+        for i in range(n):  # one write: all buffered when the child reads the first
+            target = feed_process.StreamTarget(str(i), settings)
+            feed_process.write_message(writer, feed_process.CONTROL,
+                                       pickle.dumps(("follow", str(i), target, (0, -1))))
+        await writer.drain()
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if len(order) == 2 * n or child.done():
+                break
+        writer.close()
+        child.cancel()
+        server.close()
+
+    asyncio.run(gateway_side())
+    assert sorted(order) == sorted([("channel", i) for i in range(n)] +
+                                   [("stream", i) for i in range(n)])
+    first_stream = order.index(("stream", 0))
+    # a batch of channels, then their streams, before the next batch's channels
+    assert order[:batch] == [("channel", i) for i in range(batch)]
+    assert first_stream == batch
+    assert order.index(("channel", batch)) < order.index(("stream", batch))
+    assert all(order.index(("stream", i)) < order.index(("channel", 2 * batch))
+               for i in range(batch))
