@@ -590,11 +590,11 @@ class PageTable:
         # asked anew: it fits; fresh arrays that large would be written under the lock.
         expected = self._spare.ready_for()
         need = _grown_slots(max(self.live + extra, expected))
+        self._use(self._spare.take(need) or TableArrays.empty(need))
         self.sized_for_expected = expected > self.live + extra
         if self.sized_for_expected:  # once a warm-up: what the operator sees it reserve
             log.info(kv("index_sized_for_fleet", pages=self.live, expected_pages=expected,
-                        slots=need, bytes=need * 16))
-        self._use(self._spare.take(need) or TableArrays.empty(need))
+                        slots=self.cap, bytes=self._mem.nbytes()))
         self._used = 0
         self._spare.grew(self.live)
         self.sweep.at = self.sweep.left = 0  # a round over the old arrays ends with them

@@ -205,8 +205,8 @@ class Spare:
         self._mark = (live, total)
         if look_only or (self.planned and _fits(self.planned, cap / _MARGIN)):
             return
-        self.arrays, self.planned, self._waiting, self.shrinking = None, 0, False, False
-        self.expected = 0
+        self._forget()
+        self._waiting = False
         if cap >= SPARE_MIN_SLOTS:
             self.planned, self._room = cap, max(1, room)
             self._grown_live = max(1, int(max(grown, expected)))
@@ -231,8 +231,7 @@ class Spare:
         """The table no longer shrinks (pages came back): its planned arrays go."""
         with self._writing:
             if self.shrinking:
-                self.arrays, self.planned, self.shrinking = None, 0, False
-                self.expected = 0
+                self._forget()
 
     def fill_some(self, room: int, live: int, table_slots: int, chunk: int | None = None
                   ) -> bool:
@@ -289,8 +288,8 @@ class Spare:
             if self.expected and not self.ready_for():
                 self.missed += need >= SPARE_MIN_SLOTS
                 return None
-            arrays, self.arrays, self.planned, self.shrinking = self.arrays, None, 0, False
-            self.expected = 0
+            arrays = self.arrays
+            self._forget()
         fits = arrays is not None and arrays.filled > 0 and _fits(arrays.cap, need)
         if need >= SPARE_MIN_SLOTS:
             complete = fits and arrays.filled == arrays.cap
@@ -306,8 +305,12 @@ class Spare:
         """No spare: the table's sweep keeps it from growing (index_sweep.py), or ingest has been
         idle (`ingest_slices.IDLE_SPARE_DROP_S`). The next plan reads how the table fills from here,
         once a tenth of the room is used."""
-        self.arrays, self.planned, self._mark, self._waiting = None, 0, (live, total), True
-        self.shrinking, self.expected = False, 0
+        self._forget()
+        self._mark, self._waiting = (live, total), True
+
+    def _forget(self) -> None:
+        """No spare planned: none written, none for a shrink or for pages expected."""
+        self.arrays, self.planned, self.shrinking, self.expected = None, 0, False, 0
 
     def grew(self, live: int) -> None:
         """A growth began with `live` pages (all of them still to place in the new table)."""
