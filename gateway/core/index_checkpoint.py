@@ -224,6 +224,7 @@ def load(index: KvIndex, path: str, namespace: str, hash_spec: str) -> list[str]
     for old, new in zip(index._tables, tables):
         new.retire, new.expect = old.retire, old.expect
     index._tables, index._free_slots = tables, free_slots
+    index.changes += 1  # what it holds is the file's now (and what it estimated is stale)
     for w in workers:
         index._workers[w.pool_id] = index._by_slot[w.slot] = w
         index._all |= w.bit
