@@ -192,6 +192,7 @@ class Router:
             return self._apply_load_only(items)
         # Page events of all items: one run per medium, which routing decisions may interrupt.
         with self.exclusive(), self.index.bulk(self.decisions):
+            self.policy.settle()  # the last decisions' records, here rather than in the next one
             results = [self._apply_item(name, item) for name, item in items]
         self.index.give_back_retired()
         for result in results:
@@ -226,6 +227,7 @@ class Router:
         (ignored here, never a RESYNC: the feed keeps its own resume point)."""
         results: list[ApplyResult | None] = []
         with self.lock:
+            self.policy.settle()
             for name, item in items:
                 if name not in self._workers:
                     results.append(None)

@@ -76,6 +76,7 @@ def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
     for name, hashes in work:
         t = time.perf_counter_ns()
         routed.record(name, hashes)
+        routed.settle()  # applied now: a record is queued until then (routed_prefixes.py)
         record.append(time.perf_counter_ns() - t)
     for name, hashes in work:  # a prompt recorded a while ago: its root's holders, its run
         t = time.perf_counter_ns()
@@ -86,6 +87,7 @@ def one_run(impl: str, workers: int, pages: int, calls: int, seed: int) -> dict:
     shared = [(1 << 126 | i).to_bytes(16, "little") for i in range(64)]
     for name in names:
         routed.record(name, shared)
+    routed.settle()
     probe, match = shared + prompt(), []
     for _ in range(MATCHES):
         t = time.perf_counter_ns()

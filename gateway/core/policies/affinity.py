@@ -90,6 +90,9 @@ class AffinityPolicy:
     def remove_worker(self, worker: str) -> None:
         self.recent.remove_worker(worker)
 
+    def settle(self) -> None:
+        self.recent.settle()
+
     def remembered(self) -> tuple[int, int]:
         return self.recent.remembered()
 
@@ -361,6 +364,10 @@ class ApproxPolicy(AffinityPolicy):
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
+
+    def settle(self) -> None:
+        super().settle()
+        self.routed.settle()
 
     def remembered(self) -> tuple[int, int]:
         recent, routed = super().remembered(), self.routed.remembered()

@@ -79,6 +79,12 @@ class Policy(Protocol):
 
     def remove_worker(self, worker: str) -> None: ...
 
+    def settle(self) -> None:
+        """Applies what decisions queued for later (their records of the pages routed:
+        gateway/core/routed_prefixes.py), which the next one reads first anyway: the router's
+        ingest calls it under the lock, between decisions, so that they need not."""
+        ...
+
     def remembered(self) -> tuple[int, int]:
         """(pages the policy remembers of what it routed, their memory): the gauges
         prefixcache_gateway_routed_pages and _routed_memory_bytes."""

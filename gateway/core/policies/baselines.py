@@ -20,6 +20,9 @@ class RoundRobinPolicy:
     def remove_worker(self, worker: str) -> None:
         return None
 
+    def settle(self) -> None:
+        return None
+
     def remembered(self) -> tuple[int, int]:
         return 0, 0
 
@@ -43,6 +46,9 @@ class LeastLoadedPolicy:
         self._rr = 0
 
     def remove_worker(self, worker: str) -> None:
+        return None
+
+    def settle(self) -> None:
         return None
 
     def remembered(self) -> tuple[int, int]:
@@ -98,6 +104,9 @@ class SglangPolicy:
 
     def remove_worker(self, worker: str) -> None:
         self.routed.remove_worker(worker)
+
+    def settle(self) -> None:
+        self.routed.settle()
 
     def remembered(self) -> tuple[int, int]:
         return self.routed.remembered()
