@@ -174,6 +174,7 @@ class ProxiedStream(Iterator[pb.GenerateResponse]):
                                          "prefixcache.route_reason": self.route_reason})
         self._stream, self._fresh = stream, True
         call.attach(chosen.worker, stream)
+        proxy._router.settle()  # the decision's bookkeeping, now that the call is on its way
 
     def _unroute(self) -> None:
         with self._lock:

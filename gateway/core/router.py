@@ -352,6 +352,14 @@ class Router:
         mine = matches.get(pinned)
         return pinned if (mine.device_pages if mine else 0) >= best else None
 
+    def settle(self) -> None:
+        """Applies what the last decisions queued: their records of the pages they routed
+        (gateway/core/routed_prefixes.py). A request's path calls it once its decision is on its
+        way (the worker's call started, the picker's answer sent), so that the next decision
+        need not; ingest slices do too."""
+        with self.lock:
+            self.policy.settle()
+
     def first_token(self, request_id: str) -> None:
         with self.decisions.decision():
             self.load.on_first_token(request_id)

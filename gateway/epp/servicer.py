@@ -323,6 +323,7 @@ class _Exchange:
         else:
             yield wire.body_response(common, meta)
         self.body = bytearray()
+        self.picker.router.settle()  # the decision's bookkeeping, once its answer is sent
 
     def _response_body(self, body: ep.HttpBody) -> Iterator[ep.ProcessingResponse]:
         if not self.first_token and body.body and self.routed is not None:

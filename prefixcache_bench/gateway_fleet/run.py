@@ -125,6 +125,9 @@ class _Router:
             end = time.perf_counter()
             self.route_cpu.append((start, time.thread_time() - cpu))
             self.samples.append((start, end - start, end - wake, end - due))
+            # What the gateway's request path does once the decision is on its way (proxy.py,
+            # epp/servicer.py): its record of the pages routed applied, in this thread's time.
+            self.router.settle()
             if route is not None:
                 self.router.finish(req.request_id)
                 if holder is not None and self.router.index.info(holder) is not None:

@@ -154,6 +154,27 @@ def test_a_shared_prefix_follows_the_first_request(fleet):
     assert a in {w.address for w in workers.values()}
 
 
+def test_a_pick_applies_its_decisions_record_once_its_answer_is_sent(fleet):
+    """The decision queues its record of the pages it routed (routed_prefixes.py); the picker
+    applies it after answering, not the next decision."""
+    gw, _, workers, _, _, stub, _ = fleet
+    router, queued_after = gw.router, []
+    settle = router.settle
+
+    def counted() -> None:
+        settle()
+        queued_after.append(router.policy.recent.queued())
+    router.settle = counted  # type: ignore[method-assign]
+    try:
+        endpoint, _, _ = picked(process(stub, messages(headers(),
+                                                       grpc_body(generate_request(prompt(33))))))
+    finally:
+        del router.settle
+    assert queued_after == [0]
+    name = next(n for n, w in workers.items() if w.address == endpoint)
+    assert router.policy.recent.size(name) > 0
+
+
 def test_buffered_mode_answers_the_headers_at_once_and_names_the_worker_with_the_body(fleet):
     _, _, workers, _, _, stub, _ = fleet
     tokens = prompt(3)

@@ -71,3 +71,23 @@ def test_route_preview_explains(fleet):
     for _ in range(3):
         assert preview(caller, prompt(18)).worker
     assert {w: gw.router.policy.recent.size(w) for w in workers} == sizes
+
+
+def test_a_request_applies_its_decisions_record_once_its_call_is_on_its_way(fleet):
+    """The decision queues its record of the pages it routed (routed_prefixes.py); the proxy
+    applies it after starting the worker's call, not the next decision."""
+    gw, _, workers, caller = fleet
+    router, queued_after = gw.router, []
+    settle = router.settle
+
+    def counted() -> None:
+        settle()
+        queued_after.append(router.policy.recent.queued())
+    router.settle = counted  # type: ignore[method-assign]
+    try:
+        before = {w: router.policy.recent.size(w) for w in workers}
+        worker = caller.generate(prompt(31))[-1].stats.worker
+    finally:
+        del router.settle
+    assert queued_after == [0]
+    assert router.policy.recent.size(worker) > before[worker]
