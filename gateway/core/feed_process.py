@@ -40,9 +40,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.core.feeds import BatchApplier, Feed, StreamSettings, aio_channel, follow_events
+from gateway.core.feed_streams import Feed, StreamSettings, aio_channel, follow_events
 from gateway.core.stall_watchdog import StallWatchdog
 from gateway.core.stream_frames import FrameError, decode, encode
 from gateway.core.stream_items import item_parts
@@ -50,6 +50,9 @@ from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from service_shell import TlsConfig, channel_options, kv
 from service_shell.retry import WORKER_RETRY
+
+if TYPE_CHECKING:  # the feed process imports this module, not the router's (feed_streams.py)
+    from gateway.core.feeds import BatchApplier
 
 log = logging.getLogger("gateway.feed_process")
 

@@ -56,8 +56,8 @@ from gateway.core.index_scan import bit_positions, held_masks, holder_runs
 from gateway.core.index_table import PageTable
 from gateway.core.index_types import (ApplyResult, ApplyStatus, BatchHead, Holders, IndexConfig,
                                       IndexStats, Packed, PrefixMatch, Run, WorkerInfo)
-from gateway.core.packed import packed_hashes
-from prefixcache.v1 import common_pb2, events_pb2
+from gateway.core.stream_items import MEDIUM_TIER, batch_head, message_runs
+from prefixcache.v1 import events_pb2
 from service_shell import kv
 
 __all__ = ["BYTES_PER_ENTRY", "BYTES_PER_HOLDER_SET", "ApplyResult", "ApplyStatus", "Holders",
@@ -65,8 +65,6 @@ __all__ = ["BYTES_PER_ENTRY", "BYTES_PER_HOLDER_SET", "ApplyResult", "ApplyStatu
 
 log = logging.getLogger("gateway.index")
 
-# Medium enum value -> position in the per-medium tuples below.
-MEDIUM_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 # Eviction order under the memory bound: remote keys first, device keys last.
 _EVICT_ORDER = (2, 1, 0)
 # Bytes one (page hash, medium) key is counted as: a PageTable slot is 16 bytes at 45-70% load
@@ -529,26 +527,3 @@ class KvIndex:
 
 _POOL_ID, _LAST_SEEN = attrgetter("pool_id"), attrgetter("last_seen")
 _NEEDS_RESYNC, _IN_SNAPSHOT = attrgetter("needs_resync"), attrgetter("in_snapshot")
-
-
-def batch_head(batch: events_pb2.EventBatch) -> BatchHead:
-    """What the stream rules read of a message batch (a stream frame's item record holds the
-    same)."""
-    events = batch.events
-    clears = len(events) > 0 and events[0].WhichOneof("event") == "cleared"
-    return BatchHead(batch.pool_id, batch.epoch, batch.seq, batch.snapshot, batch.snapshot_end,
-                     clears)
-
-
-def message_runs(events: Sequence[events_pb2.KvEvent]) -> Iterator[Run]:
-    """A batch's events as runs: (kind, tier, packed hashes) each; events of a medium the index
-    does not keep, or of a kind it does not know, left out."""
-    for ev in events:
-        kind = ev.WhichOneof("event")
-        if kind == "cleared":
-            yield kind, 0, b""
-            continue
-        body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
-        tier = None if body is None else MEDIUM_TIER.get(body.medium)
-        if tier is not None:
-            yield kind, tier, packed_hashes(body)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import grpc
 import redis
 
-from gateway.core.index import MEDIUM_TIER
 from gateway.core.shared_index import TIERS, SharedIndexStore, TableRow, page_suffix
+from gateway.core.stream_items import MEDIUM_TIER
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import cache_service_pb2_grpc as cpb_grpc
 from prefixcache.v1 import events_pb2

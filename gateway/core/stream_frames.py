@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.core.index import batch_head, message_runs
 from gateway.core.index_types import BatchHead, Run
 from gateway.core.packed import HASH_BYTES
+from gateway.core.stream_items import batch_head, message_runs
 from prefixcache.v1 import cache_service_pb2 as cpb
 from prefixcache.v1 import events_pb2
 

@@ -3,9 +3,15 @@ events an item counts for the applier's slices, a snapshot batch cut into slices
 broken stream resumes from."""
 from __future__ import annotations
 
-from gateway.core.packed import HASH_BYTES, Body, page_count
+from collections.abc import Iterator, Sequence
+
+from gateway.core.index_types import BatchHead, Run
+from gateway.core.packed import HASH_BYTES, Body, packed_hashes, page_count
 from prefixcache.v1 import cache_service_pb2 as cpb
-from prefixcache.v1 import events_pb2
+from prefixcache.v1 import common_pb2, events_pb2
+
+# Medium enum value -> the index's position in its per-medium tables (KvIndex).
+MEDIUM_TIER = {common_pb2.MEDIUM_DEVICE: 0, common_pb2.MEDIUM_HOST: 1, common_pb2.MEDIUM_REMOTE: 2}
 
 
 def page_events(item: cpb.SubscribeResponse) -> int:
@@ -91,3 +97,26 @@ def resume_after(item: cpb.SubscribeResponse, point: tuple[int, int]) -> tuple[i
         return point
     batch = item.batch
     return (batch.epoch, -1) if batch.snapshot and not batch.snapshot_end else (batch.epoch, batch.seq)
+
+
+def batch_head(batch: events_pb2.EventBatch) -> BatchHead:
+    """What the stream rules read of a message batch (a stream frame's item record holds the
+    same)."""
+    events = batch.events
+    clears = len(events) > 0 and events[0].WhichOneof("event") == "cleared"
+    return BatchHead(batch.pool_id, batch.epoch, batch.seq, batch.snapshot, batch.snapshot_end,
+                     clears)
+
+
+def message_runs(events: Sequence[events_pb2.KvEvent]) -> Iterator[Run]:
+    """A batch's events as runs: (kind, tier, packed hashes) each; events of a medium the index
+    does not keep, or of a kind it does not know, left out."""
+    for ev in events:
+        kind = ev.WhichOneof("event")
+        if kind == "cleared":
+            yield kind, 0, b""
+            continue
+        body = ev.stored if kind == "stored" else ev.removed if kind == "removed" else None
+        tier = None if body is None else MEDIUM_TIER.get(body.medium)
+        if tier is not None:
+            yield kind, tier, packed_hashes(body)

@@ -41,7 +41,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.discovery import WorkerAddress
 from gateway.core.feed_process import FeedProcess, RemoteFeed, StreamTarget
-from gateway.core.feeds import Feed, FeedLoop, StreamSettings, aio_channel, token_metadata
+from gateway.core.feed_streams import Feed, StreamSettings, aio_channel, token_metadata
+from gateway.core.feeds import FeedLoop
 from gateway.core.indexer_roles import IndexerRoles
 from gateway.core.ingest_slices import SLICE_S
 from gateway.core.router import Router, Worker

@@ -7,7 +7,8 @@ import time
 import tracemalloc
 
 from gateway.core import index_native
-from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.feed_streams import Feed
+from gateway.core.feeds import FeedLoop
 from gateway.core.index import IndexConfig, KvIndex
 from gateway.core.ingest_slices import IDLE_SPARE_DROP_S, IDLE_SPARE_SLOTS
 from prefixcache.v1 import cache_service_pb2 as cpb

@@ -24,7 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.core.feed_process import FeedProcess, RemoteFeed, StreamTarget
-from gateway.core.feeds import Feed, FeedLoop, aio_channel
+from gateway.core.feed_streams import Feed, aio_channel
+from gateway.core.feeds import FeedLoop
 from gateway.core.stream_frames import decode, encode
 from gateway.core.workers import WorkerSettings
 from prefixcache.v1 import cache_service_pb2 as cpb

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from gateway.__main__ import config_from_args, parse_args
-from gateway.core.feeds import token_metadata
+from gateway.core.feed_streams import token_metadata
 from gateway.core.shared_index import SharedIndexConfig, SharedIndexStore, SharedIndexView
 from gateway.core.shared_indexer import StreamWriter
 from prefixcache.v1 import common_pb2, events_pb2

@@ -18,7 +18,8 @@ from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
 from gateway.core import feed_process
 from gateway.core.feed_process import MAX_QUEUED_ITEMS, FeedProcess
-from gateway.core.feeds import FeedLoop, StreamSettings
+from gateway.core.feed_streams import StreamSettings
+from gateway.core.feeds import FeedLoop
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from gateway.core.discovery import WorkerAddress
-from gateway.core.feeds import Feed, FeedLoop, aio_channel
+from gateway.core.feed_streams import Feed, aio_channel
+from gateway.core.feeds import FeedLoop
 from gateway.core.stream_items import split_snapshot
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy

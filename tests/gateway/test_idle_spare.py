@@ -4,8 +4,9 @@ not come. Through a real FeedLoop, its applier and a router; a store after it pl
 only once a tenth of the room is used."""
 from __future__ import annotations
 
-from gateway.core.feeds import Feed, FeedLoop
-from gateway.core.index import MEDIUM_TIER
+from gateway.core.feed_streams import Feed
+from gateway.core.feeds import FeedLoop
+from gateway.core.stream_items import MEDIUM_TIER
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker

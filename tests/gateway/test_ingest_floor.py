@@ -14,7 +14,8 @@ import pytest
 
 from gateway.core import decisions_first, thread_priority
 from gateway.core.decisions_first import FLOOR_SLEEP_S, PULSE_S, STARVED_S, DecisionsFirst
-from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.feed_streams import Feed
+from gateway.core.feeds import FeedLoop
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import RouteRequest, make_policy
 from gateway.core.router import Router, Worker

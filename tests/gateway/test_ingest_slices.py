@@ -9,7 +9,8 @@ import time
 import pytest
 
 from gateway.__main__ import config_from_args, parse_args
-from gateway.core.feeds import BatchApplier, Feed, FeedLoop
+from gateway.core.feed_streams import Feed
+from gateway.core.feeds import BatchApplier, FeedLoop
 from gateway.core.index import ApplyResult, ApplyStatus, IndexConfig, KvIndex
 from gateway.core.ingest_slices import (FIRST_SLICE_EVENTS, MAX_SLICE_EVENTS, MIN_SLICE_EVENTS,
                                         SLICE_S, IdleMigration, SliceSize)

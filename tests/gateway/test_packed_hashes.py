@@ -8,7 +8,8 @@ from __future__ import annotations
 import grpc
 
 from cache_service.core import CacheCore
-from gateway.core.feeds import Feed, FeedLoop, aio_channel
+from gateway.core.feed_streams import Feed, aio_channel
+from gateway.core.feeds import FeedLoop
 from gateway.core.stream_items import split_snapshot
 from gateway.core.index import KvIndex
 from gateway.core.metrics import GatewayMetrics

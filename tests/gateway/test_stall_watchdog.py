@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 
 from cache_service.core import CacheCore
-from gateway.core.feeds import Feed, FeedLoop, StreamSettings, aio_channel
+from gateway.core.feed_streams import Feed, StreamSettings, aio_channel
+from gateway.core.feeds import FeedLoop
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router, Worker

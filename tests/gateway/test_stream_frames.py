@@ -11,7 +11,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.feed_streams import Feed
+from gateway.core.feeds import FeedLoop
 from gateway.core.index import KvIndex
 from gateway.core.index_table import key_of
 from gateway.core.metrics import GatewayMetrics

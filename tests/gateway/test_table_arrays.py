@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from gateway.core import table_arrays
-from gateway.core.feeds import Feed, FeedLoop
+from gateway.core.feed_streams import Feed
+from gateway.core.feeds import FeedLoop
 from gateway.core.index_bulk import apply_ops
 from gateway.core.index_table import PageTable, page_keys
 from gateway.core.metrics import GatewayMetrics
