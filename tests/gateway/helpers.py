@@ -1,6 +1,9 @@
 """Builders of prefixcache.v1 event messages for the gateway tests; a page table's contents; a
-worker client for router tests."""
+worker client for router tests; a watch on the router's settle calls."""
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -87,3 +90,18 @@ def check_holder_sets(table: PageTable) -> None:
         compact = bits == 2 and width <= PAIR_SLOTS or bits == 3 and width <= TRIPLE_SLOTS
         assert bits > 1 and not compact if refs else mask == 0
 
+
+@contextmanager
+def settles(router) -> Iterator[list[int]]:
+    """Watches `router.settle` (what a request's path calls once its decision is on its way):
+    the list gets, at each call, the records of routed pages still queued just after it."""
+    queued_after, settle = [], router.settle
+
+    def counted() -> None:
+        settle()
+        queued_after.append(router.policy.recent.queued())
+    router.settle = counted
+    try:
+        yield queued_after
+    finally:
+        del router.settle

@@ -22,6 +22,7 @@ from service_shell import request_scope
 from service_shell.service_token import with_service_token
 from tests.gateway.gateway_harness import DATAPLANE_TOKEN, wait_until
 from tests.gateway.gateway_harness import request as generate_request
+from tests.gateway.helpers import settles
 from tests.gateway.server_helpers import SERVING, cached_on, fake_fleet, preview, prompt, sample
 
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -158,21 +159,12 @@ def test_a_pick_applies_its_decisions_record_once_its_answer_is_sent(fleet):
     """The decision queues its record of the pages it routed (routed_prefixes.py); the picker
     applies it after answering, not the next decision."""
     gw, _, workers, _, _, stub, _ = fleet
-    router, queued_after = gw.router, []
-    settle = router.settle
-
-    def counted() -> None:
-        settle()
-        queued_after.append(router.policy.recent.queued())
-    router.settle = counted  # type: ignore[method-assign]
-    try:
+    with settles(gw.router) as queued_after:
         endpoint, _, _ = picked(process(stub, messages(headers(),
                                                        grpc_body(generate_request(prompt(33))))))
-    finally:
-        del router.settle
     assert queued_after == [0]
     name = next(n for n, w in workers.items() if w.address == endpoint)
-    assert router.policy.recent.size(name) > 0
+    assert gw.router.policy.recent.size(name) > 0
 
 
 def test_buffered_mode_answers_the_headers_at_once_and_names_the_worker_with_the_body(fleet):

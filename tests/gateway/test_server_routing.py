@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 from service_shell import SALT_METADATA_KEY
+from tests.gateway.helpers import settles
 from tests.gateway.server_helpers import cached_on, preview, prompt, sample
 
 
@@ -77,17 +78,9 @@ def test_a_request_applies_its_decisions_record_once_its_call_is_on_its_way(flee
     """The decision queues its record of the pages it routed (routed_prefixes.py); the proxy
     applies it after starting the worker's call, not the next decision."""
     gw, _, workers, caller = fleet
-    router, queued_after = gw.router, []
-    settle = router.settle
-
-    def counted() -> None:
-        settle()
-        queued_after.append(router.policy.recent.queued())
-    router.settle = counted  # type: ignore[method-assign]
-    try:
-        before = {w: router.policy.recent.size(w) for w in workers}
+    recent = gw.router.policy.recent
+    before = {w: recent.size(w) for w in workers}
+    with settles(gw.router) as queued_after:
         worker = caller.generate(prompt(31))[-1].stats.worker
-    finally:
-        del router.settle
     assert queued_after == [0]
-    assert router.policy.recent.size(worker) > before[worker]
+    assert recent.size(worker) > before[worker]
