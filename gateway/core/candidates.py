@@ -10,9 +10,11 @@ key their per-candidate arrays on that object) and answers from it while it is k
 right:
 
 - the `Router` clears it on any change of membership or state that may change them: a worker
-  joins or leaves, is marked up or down, loses `synced`, gains or loses `streaming` while not
-  synced, and on any event of a worker outside the kept sets (a stale worker whose stream came
-  back is eligible again);
+  joins or leaves, is marked up or down, loses `synced`, loses `streaming` while not synced;
+- a worker outside the kept sets whose event or live stream makes it eligible (a stale worker
+  whose stream came back, a warm-up's worker whose stream went live) joins each kept set of its
+  tokenizer in name order (`_join`), which is what a rescan would find: at 1,000 workers a
+  warm-up had ~1,000 rescans of ~0.3-0.6 ms each, one a worker joining;
 - events of workers in the sets only make them fresher, so a set stays right until its least
   recently seen worker turns stale; it is recomputed then.
 
@@ -21,7 +23,8 @@ periodically: there nothing is kept, each decision scans.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from bisect import insort
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -49,9 +52,11 @@ def eligible_since(w: Worker, index: _Index, now: float) -> float | None:
 
 
 class CandidateSets:
-    def __init__(self, workers: dict[str, Worker], index: _Index, keep: bool = True) -> None:
+    def __init__(self, workers: dict[str, Worker], index: _Index, clock: Callable[[], float],
+                 keep: bool = True) -> None:
         self._workers = workers  # the router's own dict: read, never changed here
         self._index = index
+        self._clock = clock
         self._keep = keep
         self._sets: dict[str, _Set] = {}  # tokenizer fingerprint -> its set
         # Every worker in a kept set: an event from any other may make it eligible.
@@ -138,14 +143,40 @@ class CandidateSets:
         sets that gains `synced` stays eligible, and the sets stay what they are (kept sets
         are not blind: they hold a synced worker already); at 1,000 workers that was half a
         warm-up's rescans (each worker clears the sets when its stream goes live and when its
-        snapshot completes). Losing it may end its eligibility, or a set's only synced one."""
-        if name not in self._names or (was_synced and not synced):
+        snapshot completes). Losing it may end its eligibility, or a set's only synced one.
+        A worker outside the sets joins them if it is eligible now."""
+        if was_synced and not synced:
             self.clear()
+        elif name not in self._names:
+            self._join(name)
 
     def on_streaming(self, worker: Worker) -> None:
-        """A worker's stream went live or ended: a synced worker is eligible either way."""
-        if not worker.synced:
+        """A worker's stream went live or ended: a synced worker is eligible either way; one
+        whose stream went live joins the sets if its last event is fresh."""
+        if worker.synced:
+            return
+        if worker.streaming:
+            if worker.name not in self._names:
+                self._join(worker.name)
+        else:
             self.clear()
+
+    def _join(self, name: str) -> None:
+        """Adds an eligible worker outside the kept sets to those of its tokenizer (each stays
+        sorted; its least recently seen worker is not this one, whose event is the latest)."""
+        if not self._sets:
+            return
+        w = self._workers.get(name)
+        seen = None if w is None else eligible_since(w, self._index, self._clock())
+        if seen is None:
+            return
+        for fingerprint, (names, blind, oldest) in list(self._sets.items()):
+            if fingerprint and w.info.tokenizer_fingerprint != fingerprint:
+                continue
+            joined = list(names)
+            insort(joined, name)
+            self._sets[fingerprint] = (tuple(joined), blind, min(oldest, seen))
+        self._names.add(name)
 
     def joined_or_left(self) -> None:
         """A worker joined the router's workers or left them."""

@@ -88,7 +88,8 @@ class Router:
         self._calls: dict[str, Worker] = {}  # routed request id -> its worker
         self.decisions = DecisionsFirst(self.lock, metrics.ingest_floor_sleeps.inc)
         # The candidate sets of recent decisions, kept between them (`_candidates`).
-        self._candidate_sets = CandidateSets(self._workers, self.index, keep=not self.shared)
+        self._candidate_sets = CandidateSets(self._workers, self.index, self._clock,
+                                             keep=not self.shared)
         metrics.watch(self._gauges)
         # Each medium's matched-tokens counter (a `labels` call per decision: a lock, a lookup).
         self._matched_tokens = [metrics.matched_tokens.labels(medium) for medium in MEDIA]
