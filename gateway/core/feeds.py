@@ -5,13 +5,13 @@ health checks, plus a small fixed pool for the calls that only exist blocking (G
 sync `ComputeClient` the proxy also uses, the tokenizer fetch): the gateway's thread count does
 not grow with its workers (at 1,000 workers the former model ran 3-4 threads per worker).
 
-Ingest off the routing path: a feed (`follow_events`, feed_streams.py) decodes its stream's items on the loop and
-queues them; `BatchApplier` takes everything queued (the items of every feed) and applies it to the
-router in slices, each one hold of `Router.lock` that a waiting routing decision may enter
-(decisions_first.py), sized from a target hold time and the cost measured on the last slices
-(ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into
-snapshot batches (same seq, `snapshot_end` on the last only; the index applies them as one); a
-live batch is applied whole (its seq is its identity). Idle, it finishes a growth's migration.
+Ingest off the routing path: a feed (`follow_events`, feed_streams.py) decodes its stream's items on
+the loop and queues them; `BatchApplier` takes everything queued (the items of every feed) and
+applies it to the router in slices, each one hold of `Router.lock` that a waiting routing decision
+may enter (decisions_first.py), sized from a target hold time and the cost measured on the last
+slices (ingest_slices.py: `--ingest-slice-ms`). A snapshot batch bigger than a slice is cut into
+snapshot batches (same seq, `snapshot_end` on the last only; the index applies them as one); a live
+batch is applied whole (its seq is its identity). Idle, it finishes a growth's migration.
 Items may also come as stream frames (`put_frame`; stream_frames.py), which the gateway's feed
 process sends when the streams are read there (`--feed-process`, feed_process.py); a frame's
 snapshot batches are applied whole.
