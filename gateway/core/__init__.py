@@ -23,6 +23,8 @@ Modules:
   the worker's event stream into the router (`WorkerSet`, `WorkerSettings`).
 - feeds.py: `FeedLoop`, the one asyncio thread every worker's gRPC streams run on, and
   `BatchApplier`, which applies their events to the router in bulk, in bounded slices.
+- feed_streams.py: one worker's event stream followed (subscribe, resume, hand items to a
+  sink), without the router: the feed process (feed_process.py) imports it alone.
 - discovery.py: where the workers are (a static list, or DNS of a headless Service).
 - running_calls.py: the calls in progress (Abort and the drain look them up here).
 - tenants.py: bearer tokens -> tenants and their cache salts.
