@@ -170,7 +170,7 @@ class CandidateSets:
         seen = None if w is None else eligible_since(w, self._index, self._clock())
         if seen is None:
             return
-        for fingerprint, (names, blind, oldest) in list(self._sets.items()):
+        for fingerprint, (names, blind, oldest) in self._sets.items():  # values replaced only
             if fingerprint and w.info.tokenizer_fingerprint != fingerprint:
                 continue
             joined = list(names)

@@ -357,8 +357,9 @@ class Router:
         """Applies what the last decisions queued: their records of the pages they routed
         (gateway/core/routed_prefixes.py). A request's path calls it once its decision is on its
         way (the worker's call started, the picker's answer sent), so that the next decision
-        need not; ingest slices do too."""
-        with self.lock:
+        need not; ingest slices do too. The lock as `finish` takes it: a call on a request's
+        path, which a slice in progress lets in."""
+        with self.decisions.decision():
             self.policy.settle()
 
     def first_token(self, request_id: str) -> None:

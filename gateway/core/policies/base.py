@@ -81,8 +81,9 @@ class Policy(Protocol):
 
     def settle(self) -> None:
         """Applies what decisions queued for later (their records of the pages routed:
-        gateway/core/routed_prefixes.py), which the next one reads first anyway: the router's
-        ingest calls it under the lock, between decisions, so that they need not."""
+        gateway/core/routed_prefixes.py), which the next one reads first anyway. The router calls
+        it under its lock, off the decisions: a request's path once its decision is on its way
+        (`Router.settle`), and its ingest slices."""
         ...
 
     def remembered(self) -> tuple[int, int]:
