@@ -20,6 +20,7 @@ from gateway.core.thread_priority import PRIORITIES, SWITCH_INTERVAL_S
 from prefixcache_bench.gateway_fleet.index_memory import (idle_gateway_bytes_per_page,
                                                           index_bytes_per_page)
 from prefixcache_bench.gateway_fleet.run import DECISION_PERIOD_S, IngestTuning, run_config
+from prefixcache_bench.gateway_fleet.stalls import stalls_note
 from prefixcache_bench.harness import Goal, columns_table, machine_info, report
 
 # The issue's goals (issue 31): judged on every configuration, so a FAIL is a gap, not a bug.
@@ -254,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     report(results, goals, f"gateway index, {args.pools} pools", command,
            machine_info({"cores": _cores(args)}, watched=["gateway", "prefixcache_client"]),
            args.json)
-    note = decisions_share_note(results)
-    if note:
-        print(note)
+    for note in (decisions_share_note(results), stalls_note(results)):
+        if note:
+            print(note)
     return 0
 
 

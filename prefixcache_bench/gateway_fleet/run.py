@@ -37,6 +37,8 @@ from prefixcache_bench.gateway_fleet import fleet as F
 from prefixcache_bench.gateway_fleet.live_clock import LiveClock
 from prefixcache_bench.gateway_fleet.sources import (SETTINGS, DirectSource, FeedProcessSource,
                                                      FrameSource, GrpcSource, follow)
+from prefixcache_bench.gateway_fleet.stalls import (STALL_S, Kdamond, other_tasks, outside_stalls,
+                                                    runqueue_wait_s, stalled_windows, task_cpu)
 from prefixcache_bench.gateway_fleet.warmup import compare_run
 from prefixcache_bench.harness import percentile
 
@@ -87,6 +89,11 @@ class _Router:
         # (start, routed to the holder) of each request for a pool's conversation: counted by
         # phase, since during the warm-up the holder's pages are not all indexed yet
         self.held: list[tuple[float, bool]] = []
+        # (start, planned wake-up, end, seconds on the core's run queue from before the sleep to
+        # the end, the DAMON threads' CPU seconds meanwhile): what other tasks held the core
+        # (stalls.py)
+        self.waits: list[tuple[float, float, float, float, float]] = []
+        self.kdamond = Kdamond()
         self.new_phase = threading.Event()  # set: the schedule starts again now (no backlog)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-router", daemon=True)
@@ -116,6 +123,7 @@ class _Router:
                 self.new_phase.clear()
                 due = time.perf_counter()
             wake = max(due, end)
+            queued, damon = runqueue_wait_s(), self.kdamond.ran_s()
             if (ahead := wake - time.perf_counter()) > 0:
                 time.sleep(ahead)
             req, holder = self._request(rng, n)
@@ -125,6 +133,9 @@ class _Router:
             end = time.perf_counter()
             self.route_cpu.append((start, time.thread_time() - cpu))
             self.samples.append((start, end - start, end - wake, end - due))
+            if queued is not None and (now_queued := runqueue_wait_s()) is not None:
+                self.waits.append((start, wake, end, now_queued - queued,
+                                   self.kdamond.ran_s() - damon))
             # What the gateway's request path does once the decision is on its way (proxy.py,
             # epp/servicer.py): its record of the pages routed applied, in this thread's time.
             self.router.settle()
@@ -154,7 +165,21 @@ class _Router:
         cpu = [(t, c) for t, c in self.cpu if t0 <= t < t1]
         if len(cpu) > 1:  # the routing thread's share of its core over the phase
             out["cpu_share"] = (cpu[-1][1] - cpu[0][1]) / max(cpu[-1][0] - cpu[0][0], 1e-9)
+        if waits := [w for w in self.waits if t0 <= w[0] < t1]:
+            out.update(self._stalls(phase, waits))
         return out
+
+    def _stalls(self, phase: list, waits: list) -> dict:
+        """The phase's decisions that waited behind another task on the core, the longest
+        wait, and the p99 from the due time of the decisions no such wait caught (stalls.py)."""
+        windows = stalled_windows([w[1:4] for w in self.waits])  # a stall may start a phase early
+        spans = [(start + lat - late, start + lat) for start, lat, _, late in phase]
+        kept = [phase[i][3] * 1e6 for i in outside_stalls(spans, windows)]
+        stalled = [w for w in waits if w[3] >= STALL_S]
+        return {"stalled_decisions": len(stalled),
+                "stalled_decisions_kdamond_ran": sum(w[4] >= w[3] / 2 for w in stalled),
+                "runqueue_wait_max_us": max(w[3] for w in waits) * 1e6,
+                "p99_from_due_outside_stalls_us": percentile(kept, 0.99) if kept else None}
 
 
 class _StartMarks:
@@ -330,7 +355,7 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
     router, names = _fleet_router(source.address, pools)
     if not tuning.spare:  # what the feed loop calls to write a growth's arrays ahead: nothing
         router.prepare_index_growth = lambda chunk=None: False  # type: ignore[method-assign]
-    rss0 = _rss_bytes()
+    rss0, tasks0 = _rss_bytes(), task_cpu()
     timed = _Router(router, pools, pages_per_pool, live_batches,
                     period_s=tuning.decision_period_s)
     timed.thread.start()
@@ -359,6 +384,7 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
     time.sleep(idle_s)
     timed.stop.set()
     timed.thread.join(10)
+    tasks = task_cpu()
     feeds.close()
     gc.unfreeze()
     snap, live = map(sum, zip(*(F.page_events(i, pages_per_pool, live_batches) for i in range(pools))))
@@ -384,4 +410,5 @@ def _measure(source: GrpcSource | DirectSource | FeedProcessSource, pools: int, 
         "feed_process": isinstance(source, FeedProcessSource),
         "live_rate_limit": getattr(source, "live_rate", None),
         "gc_frozen_objects": frozen, "load_avg_end": os.getloadavg(),
+        "other_tasks": other_tasks(tasks0, tasks),
     }

@@ -92,6 +92,13 @@ def test_a_tiny_fleet_run_indexes_every_page_and_routes_to_holders():
     # each phase's decisions: their own thread's CPU time in route(), at most their wall time
     idle = r["routing_idle"]
     assert 0 < idle["cpu_p50_us"] <= idle["p50_us"] * 1.05 + 50
+    # what other tasks held the core (stalls.py): the decisions they caught left out, no more
+    assert 0 <= idle["stalled_decisions_kdamond_ran"] <= idle["stalled_decisions"]
+    assert idle["stalled_decisions"] <= idle["decisions"]
+    assert idle["runqueue_wait_max_us"] >= 0
+    outside = idle["p99_from_due_outside_stalls_us"]
+    assert outside is None or outside > 0
+    assert all(t["cpu_ms"] > 0 and t["runs"] >= 0 for t in r["other_tasks"])
     assert 50 < index_bytes_per_page(4, 400) < 1000
 
 
