@@ -63,9 +63,15 @@ INGEST_COLUMNS = ("pools", "indexed_pages", "feeds_grpc", "ingest_slice_events_f
                   "routing_p99_idle_us", "feed_loop_cpu_share_live",
                   "routing_cpu_share_during_ingest", "generator_cpu_share_live",
                   "generator_send_page_events_per_s")
-COLUMNS = ("pools", "indexed_pages", "restart_to_warm_s", "snapshot_page_events_per_s",
-           "live_page_events_per_s", "routing_p50_during_ingest_us", "routing_p99_during_ingest_us",
-           "routing_p99_from_due_during_ingest_us", "routing_p99_idle_us", "routed_to_holder", "index_bytes_per_page", "gateway_threads")
+COLUMNS = ("pools", "indexed_pages", "feed_process", "restart_to_warm_s",
+           "snapshot_page_events_per_s", "live_page_events_per_s", "routing_p50_during_ingest_us",
+           "routing_p99_during_ingest_us", "routing_p99_from_wake_during_ingest_us",
+           "routing_p99_from_due_during_ingest_us",
+           # stalls.py: the decisions that waited behind another task, and the p99 without them
+           "routing_stalled_decisions_during_ingest",
+           "routing_p99_from_due_outside_stalls_during_ingest_us", "routing_p99_idle_us",
+           "routed_to_holder", "index_bytes_per_page", "index_bytes_per_page_idle_written",
+           "gateway_threads")
 
 
 def decisions_share_note(results: dict) -> str | None:

@@ -5,14 +5,14 @@ run queue (Linux's /proc/thread-self/schedstat). The gateway's own ingest cannot
 the feed loop and the feed process run SCHED_IDLE in the bench, and a waking request preempts
 them (waits of 0-17 us measured). A wait past `STALL_S` is another task holding the core.
 
-On this VM that task is the platform's DAMON thread, kdamond.0, in nearly every stall of the
-ingest and idle phases (the routing thread also reads the DAMON threads' CPU time around each
-decision: `Kdamond`; docs/results/gateway/fleet/stalls/): bursts of 1.5-3.5 ms, about two a
-second, on either core. The guest kernel is built PREEMPT_NONE, so a kernel thread keeps the
-core until it yields, from a waking thread of any priority. A burst on the gateway's core
-delays the decision due in it and the ones due after it until it ends: one burst of ~3 ms moves
-a phase's p99 from the due time past 1 ms on its own. (During the warm-up, some stalls came
-with no kdamond run: other tasks.)
+On this VM that task is mostly the platform's DAMON thread, kdamond.0: it ran in 7 of the 10
+stalls of the ingest phases and 36 of the 64 idle ones in docs/results/gateway/fleet/stalls/
+(the routing thread reads the DAMON threads' CPU time around each decision too: `Kdamond`).
+Its bursts are 1-3.5 ms, about one a second, on either core. The guest kernel is built
+PREEMPT_NONE, so a kernel thread keeps the core until it yields, from a waking thread of any
+priority. A burst on the gateway's core delays the decision due in it and the ones due after
+it until it ends: one burst of ~3 ms moves a phase's p99 from the due time past 1 ms on its
+own. The other stalls' tasks are not identified.
 
 So each phase also reports its decisions that waited behind such a task (and of those, the ones
 in which a DAMON thread ran for at least half the wait), and its p99 from the due time over the
