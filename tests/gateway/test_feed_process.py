@@ -23,6 +23,7 @@ from gateway.core.feeds import FeedLoop
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.policies import make_policy
 from gateway.core.router import Router
+from gateway.core import workers as workers_module
 from gateway.core.workers import Fleet, WorkerSet
 from prefixcache.v1 import common_pb2
 from service_shell.retry import WORKER_RETRY
@@ -143,6 +144,36 @@ def test_the_gateway_flag_runs_the_streams_in_a_feed_process():
     finally:
         workers.close()
     assert not _alive(workers.remote.pid), "the feed process outlived the gateway's feeds"
+
+
+def test_a_large_fleet_read_in_the_gateways_own_process_is_advised_the_feed_process_once(
+        monkeypatch, caplog):
+    """Past FEED_PROCESS_ADVISED_WORKERS workers (2 here) without --feed-process, one warning
+    names the flag; a fleet that grows further is not told again."""
+    monkeypatch.setattr(workers_module, "FEED_PROCESS_ADVISED_WORKERS", 2)
+    args = parse_args(["--workers", "localhost:1", "--allow-anonymous"])
+    settings = config_from_args(args).worker
+    addresses = [WorkerAddress(f"127.0.0.1:{port}", f"127.0.0.1:{port}") for port in (1, 2, 3)]
+    shown = addresses[:1]
+    workers = WorkerSet(lambda: shown, Router(make_policy("affinity"), GatewayMetrics()),
+                        Fleet(None, None), settings)
+
+    def advised() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "feed_process_advised" in r.getMessage()]
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.workers"):
+            workers.refresh()
+            assert advised() == []  # one worker: nothing to advise
+            shown = addresses[:2]
+            workers.refresh()
+            assert len(advised()) == 1 and "workers=2" in advised()[0]
+            assert "--feed-process" in advised()[0]
+            shown = addresses
+            workers.refresh()
+            assert len(advised()) == 1
+    finally:
+        workers.close()
 
 
 def _alive(pid: int) -> bool:
