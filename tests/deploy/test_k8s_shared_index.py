@@ -112,5 +112,8 @@ def test_the_gateway_takes_the_shared_index_with_the_bases_service_token(renders
     cfg = config_from_args(parse_args([]))
     token = mounted_secret(docs, c, TOKEN_ENV).decode().strip()
     assert (cfg.index_backend, cfg.worker.service_token) == ("redis", token)
+    # The base's feed process beside the shared index (as test_shared_index_gateways.py runs
+    # them together).
+    assert cfg.worker.feed_process
     cache = identities(docs, container(docs, "compute", "cache"), tmp_path)
     assert cache.authenticate(token_metadata(cfg.worker.service_token)).role == GATEWAY

@@ -15,7 +15,7 @@ from gateway.__main__ import config_from_args, parse_args
 from gateway.core.discovery import WorkerAddress
 from tests.cache_service.grpc_harness import running_server
 from tests.gateway.gateway_harness import (Caller, FakeWorker, cache_prompt, register_pool,
-                                           running_gateway, wait_until)
+                                           running_gateway, settings, wait_until)
 from tests.gateway.server_helpers import list_workers, preview, prompt, sample
 
 METRIC = "prefixcache_gateway_shared_index"
@@ -88,6 +88,37 @@ def test_two_replicas_route_from_one_shared_index_and_survive_one_leaving(redis_
                            what="index rebuilt after Redis came back")
                 wait_until(lambda: gw_b.indexers.held() == 2, what="b holds both leases again")
                 callers[1].close()
+        finally:
+            for w in workers.values():
+                w.stop()
+
+
+def test_a_replica_whose_feed_process_reads_the_streams_routes_from_the_shared_index(
+        redis_server):
+    """`--feed-process` beside `--index-backend redis`: the indexers write the pages to Redis,
+    the feed process's frames keep the workers streaming (their load), and the replica routes
+    to the holder of a prompt's pages with none of them in its own index."""
+    with running_server() as cache:
+        workers = {name: FakeWorker(name) for name in ("w1", "w2")}
+        for name in workers:
+            register_pool(cache.core, name)
+        addresses = [WorkerAddress(w.address, f"127.0.0.1:{cache.port}")
+                     for w in workers.values()]
+        try:
+            with running_gateway(lambda: addresses, index_backend="redis",
+                                 index_redis_url=redis_server.url, index_namespace="fp",
+                                 worker=settings(feed_process=True)) as gw:
+                caller = Caller(gw.address)
+                wait_until(lambda: gw.indexers.held() == 2 and gw.router.ready()
+                           and all(gw.router.get(n).streaming for n in workers),
+                           timeout_s=20, what="leases held, streams read by the feed process")
+                assert gw.workers.remote is not None and gw.workers.remote.pid is not None
+                tokens = prompt(1)
+                cache_prompt(cache.core, "w2", tokens, salt="salt-a")
+                wait_until(lambda: routed_to(caller, tokens)[0] == "w2", what="w2's pages seen")
+                assert caller.generate(tokens)[-1].stats.worker == "w2"
+                assert gw.router.index.stats().entries == 0  # in Redis only
+                caller.close()
         finally:
             for w in workers.values():
                 w.stop()
