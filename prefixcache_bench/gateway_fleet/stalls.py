@@ -39,9 +39,9 @@ class Kdamond:
     """The DAMON threads (kdamond.N) running when made, and their CPU time so far."""
 
     def __init__(self) -> None:
-        self.paths = [f"/proc/{pid}/task/{pid}/schedstat" for pid in filter(str.isdigit,
-                                                                         _listdir("/proc"))
-                      if _name(pid).startswith("kdamond")]
+        pids = [pid for pid in filter(str.isdigit, _listdir("/proc"))
+                if _name(pid).startswith("kdamond")]
+        self.paths = [f"/proc/{pid}/task/{pid}/schedstat" for pid in pids]
 
     def ran_s(self) -> float:
         total = 0

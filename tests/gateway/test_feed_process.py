@@ -151,12 +151,10 @@ def test_a_large_fleet_read_in_the_gateways_own_process_is_advised_the_feed_proc
     """Past FEED_PROCESS_ADVISED_WORKERS workers (2 here) without --feed-process, one warning
     names the flag; a fleet that grows further is not told again."""
     monkeypatch.setattr(workers_module, "FEED_PROCESS_ADVISED_WORKERS", 2)
-    args = parse_args(["--workers", "localhost:1", "--allow-anonymous"])
-    settings = config_from_args(args).worker
     addresses = [WorkerAddress(f"127.0.0.1:{port}", f"127.0.0.1:{port}") for port in (1, 2, 3)]
     shown = addresses[:1]
     workers = WorkerSet(lambda: shown, Router(make_policy("affinity"), GatewayMetrics()),
-                        Fleet(None, None), settings)
+                        Fleet(None, None), settings())  # the gateway's own feeds
 
     def advised() -> list[str]:
         return [r.getMessage() for r in caplog.records if "feed_process_advised" in r.getMessage()]
